@@ -1,0 +1,247 @@
+"""The admin HTTP API (`/api/v1/...`) and the Prometheus endpoint (`/metrics`).
+
+Queues: list, create (idempotent, property equivalence checked), show, change run-time
+settings, delete, and change topic subscriptions. Messages: publish to a topic or a queue
+(answered only after the message is spooled) and get-with-ack from a queue, as RabbitMQ's
+management API offers for testing and operations; not a consumer API for applications.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+from typing import Any
+
+from gateway.admin.http import HttpError, Request, Response
+from gateway.admin.metrics import render_metrics
+from gateway.broker import BindError, Broker
+from gateway.engine.queues import QueueConfig, QueueError
+from gateway.model import Delivery, Message, Outcome, Publisher
+from gateway.topics import TopicError, validate_topic
+
+OUTCOME_STATUS = {
+    Outcome.NOT_FOUND: 404,
+    Outcome.INGRESS_DISABLED: 503,
+    Outcome.TOO_LARGE: 413,
+    Outcome.QUOTA_EXCEEDED: 507,
+    Outcome.QUEUE_FULL: 507,
+}
+MAX_GET = 1000
+
+
+class AdminApi:
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+
+    async def __call__(self, req: Request) -> Response:
+        try:
+            return await self._route(req)
+        except QueueError as exc:
+            raise HttpError(exc.http_status, str(exc)) from None
+        except BindError as exc:
+            raise HttpError(404 if exc.code == "not_found" else 409, str(exc)) from None
+
+    async def _route(self, req: Request) -> Response:
+        p, m = req.path, req.method
+        if p == ["metrics"] and m == "GET":
+            text = await render_metrics(self.broker)
+            return Response(200, text.encode(), [("Content-Type", "text/plain; version=0.0.4")])
+        if p[:2] != ["api", "v1"]:
+            raise HttpError(404, f"no such resource: /{'/'.join(p)}")
+        rest = p[2:]
+        if rest == ["health"] and m == "GET":
+            await self.broker.redis.ping()
+            return Response.json({"status": "ok", "node": self.broker.node_id})
+        if rest == ["queues"]:
+            if m == "GET":
+                return Response.json(await self._list_queues())
+            if m == "POST":
+                return await self._create_queue(_object(req))
+        if len(rest) == 2 and rest[0] == "queues":
+            name = rest[1]
+            if m == "GET":
+                return Response.json((await self.broker.queues.info(name)).to_json())
+            if m == "PATCH":
+                updated = await self.broker.queues.update(name, _object(req))
+                return Response.json(updated.to_json())
+            if m == "DELETE":
+                await self.broker.delete_queue(name)
+                return Response(204)
+        if len(rest) == 3 and rest[0] == "queues" and rest[2] == "subscriptions":
+            return await self._subscriptions(rest[1], req)
+        if len(rest) == 3 and rest[0] == "queues" and rest[2] == "messages" and m == "POST":
+            return await self._publish({**_object(req), "queue": rest[1]})
+        if len(rest) == 3 and rest[0] == "queues" and rest[2] == "get" and m == "POST":
+            return await self._get(rest[1], _object(req))
+        if rest == ["messages"] and m == "POST":
+            return await self._publish(_object(req))
+        raise HttpError(
+            405 if rest and rest[0] == "queues" else 404, f"no route for {m} /{'/'.join(p)}"
+        )
+
+    async def _list_queues(self) -> list[dict[str, Any]]:
+        out = []
+        for name in await self.broker.queues.names():
+            try:
+                info = await self.broker.queues.info(name)
+            except QueueError:
+                continue  # deleted meanwhile
+            out.append(
+                {
+                    "name": name,
+                    "access_type": info.config.access_type,
+                    "durable": info.config.durable,
+                    "messages": info.messages,
+                    "spooled_bytes": info.spooled_bytes,
+                    "flows": len(info.flows),
+                }
+            )
+        return out
+
+    async def _create_queue(self, body: dict[str, Any]) -> Response:
+        subs = _subscriptions(body.get("subscriptions", []))
+        config = QueueConfig.from_json(body)
+        created = await self.broker.queues.create(config, subs)
+        if subs:
+            await self.broker.router.reload()
+        info = await self.broker.queues.info(config.name)
+        return Response.json(info.to_json(), 201 if created else 200)
+
+    async def _subscriptions(self, name: str, req: Request) -> Response:
+        if req.method == "POST":
+            subs = _subscriptions([_object(req)])
+            op = "add"
+        elif req.method == "DELETE":
+            pattern = req.query.get("pattern")
+            if not pattern:
+                raise HttpError(400, "DELETE needs ?pattern=...&syntax=smf|mqtt")
+            subs = [(pattern, req.query.get("syntax", "smf"))]
+            op = "remove"
+        else:
+            raise HttpError(405, "use POST or DELETE on subscriptions")
+        changed = await self.broker.queues.change_subscriptions(name, op, subs)
+        await self.broker.router.reload()
+        return Response.json({"changed": changed})
+
+    async def _publish(self, body: dict[str, Any]) -> Response:
+        msg = _message(body)
+        outcome = await self.broker.publish(msg)
+        status = OUTCOME_STATUS.get(outcome, 200)
+        result = {"outcome": outcome.name.lower(), "id": msg.id}
+        if status >= 400:
+            raise HttpError(status, f"message refused: {outcome.name.lower()}")
+        return Response.json(result)
+
+    async def _get(self, name: str, body: dict[str, Any]) -> Response:
+        count = _int(body, "count", 1, 1, MAX_GET)
+        timeout = _int(body, "timeout_ms", 0, 0, 30_000) / 1000
+        mode = body.get("ackmode", "ack")
+        if mode not in ("ack", "requeue", "reject"):
+            raise HttpError(400, "ackmode must be ack, requeue or reject")
+        got: list[Delivery] = []
+        enough = asyncio.Event()
+
+        def on_deliver(delivery: Delivery) -> None:
+            got.append(delivery)
+            if len(got) >= count:
+                enough.set()
+
+        flow = await self.broker.bind(name, on_deliver, window=count)
+        try:
+            if timeout:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(enough.wait(), timeout)
+            else:
+                await asyncio.sleep(0.05)  # one dispatch round
+            settle = {"ack": flow.ack, "requeue": flow.requeue, "reject": flow.reject}[mode]
+            for d in got:
+                settle(d.entry_id)
+        finally:
+            await flow.close()
+        return Response.json([_delivery_json(d) for d in got])
+
+
+def _object(req: Request) -> dict[str, Any]:
+    body = req.json()
+    if not isinstance(body, dict):
+        raise HttpError(400, "request body must be a JSON object")
+    return body
+
+
+def _int(body: dict[str, Any], key: str, default: int, lo: int, hi: int) -> int:
+    value = body.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+        raise HttpError(400, f"{key} must be an integer from {lo} to {hi}")
+    return value
+
+
+def _subscriptions(items: Any) -> list[tuple[str, str]]:
+    if not isinstance(items, list):
+        raise HttpError(400, "subscriptions must be a list")
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            out.append((item, "smf"))
+        elif isinstance(item, dict) and isinstance(item.get("pattern"), str):
+            out.append((item["pattern"], str(item.get("syntax", "smf"))))
+        else:
+            raise HttpError(400, "a subscription is a pattern string or {pattern, syntax}")
+    return out
+
+
+def _message(body: dict[str, Any]) -> Message:
+    queue, topic = body.get("queue"), body.get("topic")
+    if (queue is None) == (topic is None):
+        raise HttpError(400, "give exactly one of queue or topic")
+    if topic is not None:
+        try:
+            validate_topic(topic)
+        except TopicError as exc:
+            raise HttpError(400, f"invalid topic: {exc}") from None
+    if "payload_base64" in body:
+        try:
+            payload = base64.b64decode(body["payload_base64"], validate=True)
+        except (ValueError, TypeError):
+            raise HttpError(400, "payload_base64 is not valid base64") from None
+    else:
+        payload = str(body.get("payload", "")).encode()
+    props = body.get("user_properties", {})
+    if not isinstance(props, dict):
+        raise HttpError(400, "user_properties must be an object")
+    priority = body.get("priority", 4)
+    if not isinstance(priority, int) or not 0 <= priority <= 9:
+        raise HttpError(400, "priority must be an integer from 0 to 9")
+    return Message(
+        destination=queue if queue is not None else topic,
+        to_queue=queue is not None,
+        payload=payload,
+        partition_key=body.get("partition_key"),
+        priority=priority,
+        persistent=bool(body.get("persistent", True)),
+        content_type=body.get("content_type"),
+        correlation_id=body.get("correlation_id"),
+        reply_to=body.get("reply_to"),
+        user_properties=list(props.items()),
+        publisher=Publisher("http"),
+    )
+
+
+def _delivery_json(d: Delivery) -> dict[str, Any]:
+    m = d.message
+    try:
+        text: str | None = m.payload.decode()
+    except UnicodeDecodeError:
+        text = None
+    return {
+        "entry_id": d.entry_id,
+        "id": m.id,
+        "destination": m.destination,
+        "delivery_count": d.delivery_count,
+        "redelivered": d.redelivered,
+        "payload": text,
+        "payload_base64": base64.b64encode(m.payload).decode(),
+        "partition_key": m.partition_key,
+        "priority": m.priority,
+        "user_properties": dict(m.user_properties),
+    }

@@ -1,0 +1,169 @@
+"""A small HTTP/1.1 server on asyncio streams with h11 doing the protocol work.
+
+Enough for a JSON admin API and a metrics endpoint: keep-alive, request bodies up to a
+limit, a clear 4xx for malformed requests, and no framework to install.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from urllib.parse import parse_qs, unquote, urlsplit
+
+import h11
+
+log = logging.getLogger(__name__)
+
+MAX_BODY = 16 * 1024 * 1024
+
+
+@dataclass(slots=True)
+class Request:
+    method: str
+    path: list[str]  # decoded segments: /api/v1/queues/a%2Fb -> ["api", "v1", "queues", "a/b"]
+    query: dict[str, str]
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> object:
+        if not self.body:
+            return {}
+        try:
+            return json.loads(self.body)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise HttpError(400, f"request body is not valid JSON: {exc}") from None
+
+
+@dataclass(slots=True)
+class Response:
+    status: int = 200
+    body: bytes = b""
+    headers: list[tuple[str, str]] = field(default_factory=list)
+
+    @classmethod
+    def json(cls, data: object, status: int = 200) -> Response:
+        body = json.dumps(data, indent=1, default=str).encode() + b"\n"
+        return cls(status, body, [("Content-Type", "application/json")])
+
+
+class HttpError(Exception):
+    """Raised by handlers; becomes a JSON error response."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def error_response(status: int, message: str) -> Response:
+    return Response.json({"error": message, "status": status}, status)
+
+
+class HttpServer:
+    def __init__(self, handler: Handler) -> None:
+        self._handler = handler
+        self._server: asyncio.base_events.Server | None = None
+        self._clients: set[asyncio.Task] = set()
+
+    async def start(self, host: str, port: int) -> int:
+        self._server = await asyncio.start_server(self._serve, host, port)
+        return self._server.sockets[0].getsockname()[1]
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._clients):
+            task.cancel()
+        if self._clients:
+            await asyncio.gather(*self._clients, return_exceptions=True)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._clients.add(task)
+        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=64 * 1024)
+        try:
+            while True:
+                request = await self._read_request(conn, reader, writer)
+                if request is None:
+                    break
+                try:
+                    response = await self._handler(request)
+                except HttpError as exc:
+                    response = error_response(exc.status, str(exc))
+                except Exception:
+                    log.exception("admin request %s %s failed", request.method, request.path)
+                    response = error_response(500, "internal error")
+                await self._send(conn, writer, response)
+                if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
+                    break
+                try:
+                    conn.start_next_cycle()
+                except h11.LocalProtocolError:
+                    break
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+            if task is not None:
+                self._clients.discard(task)
+
+    async def _read_request(
+        self, conn: h11.Connection, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> Request | None:
+        head: h11.Request | None = None
+        body = bytearray()
+        while True:
+            try:
+                event = conn.next_event()
+            except h11.RemoteProtocolError as exc:
+                await self._send_error(conn, writer, exc.error_status_hint, str(exc))
+                return None
+            if event is h11.NEED_DATA:
+                data = await reader.read(65536)
+                conn.receive_data(data)
+                if not data and conn.their_state is h11.IDLE:
+                    return None
+                continue
+            if isinstance(event, h11.Request):
+                head = event
+            elif isinstance(event, h11.Data):
+                body += event.data
+                if len(body) > MAX_BODY:
+                    await self._send_error(conn, writer, 413, "request body too large")
+                    return None
+            elif isinstance(event, h11.EndOfMessage):
+                assert head is not None
+                return _to_request(head, bytes(body))
+            elif isinstance(event, h11.ConnectionClosed):
+                return None
+
+    async def _send_error(
+        self, conn: h11.Connection, writer: asyncio.StreamWriter, status: int, message: str
+    ) -> None:
+        if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+            with contextlib.suppress(h11.LocalProtocolError):
+                await self._send(conn, writer, error_response(status, message))
+
+    @staticmethod
+    async def _send(conn: h11.Connection, writer: asyncio.StreamWriter, resp: Response) -> None:
+        headers = [*resp.headers, ("Content-Length", str(len(resp.body)))]
+        out = conn.send(h11.Response(status_code=resp.status, headers=headers))
+        out += conn.send(h11.Data(data=resp.body)) if resp.body else b""
+        out += conn.send(h11.EndOfMessage())
+        writer.write(out)
+        await writer.drain()
+
+
+def _to_request(head: h11.Request, body: bytes) -> Request:
+    target = urlsplit(head.target.decode("latin-1"))
+    segments = [unquote(s) for s in target.path.split("/") if s]
+    query = {k: v[-1] for k, v in parse_qs(target.query).items()}
+    headers = {k.decode().lower(): v.decode("latin-1") for k, v in head.headers}
+    return Request(head.method.decode(), segments, query, headers, body)

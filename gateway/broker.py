@@ -1,0 +1,263 @@
+"""The one API protocol adapters call. Adapters import this module and `gateway.model` only.
+
+Publishing
+    ``outcome = await broker.publish(msg)`` routes `msg` (to the queues whose topic
+    subscriptions match ``msg.destination``, or to the queue it names when
+    ``msg.to_queue``), spools it in Redis and returns an `Outcome`. Ack the publisher only
+    when ``outcome.accepted``; otherwise map the outcome to the protocol's NACK (AMQP
+    ``rejected`` with ``amqp:resource-limit-exceeded`` / ``amqp:not-found``, MQTT 5 reason
+    0x97 / 0x95 ...). ``broker.publish_nowait(msg)`` returns the future instead, so an
+    adapter can keep reading while the batch commits. Publishes of one event-loop turn share
+    one Redis round trip (group commit). A Redis failure raises: do not ack.
+
+Consuming
+    ``flow = await broker.bind(queue, on_deliver, window=N, credit=None, on_closed=cb)``
+    binds a consumer flow; raises `BindError` ('not_found', 'egress_disabled').
+    ``on_deliver(delivery)`` is called on the event loop for each message, at most `window`
+    unsettled at a time (and at most `credit` more, when credit is used, as AMQP does).
+    Settle with ``flow.ack(entry_id)``, ``flow.requeue(entry_id)`` (redelivered later with
+    its delivery count raised) or ``flow.reject(entry_id)``; settlements are batched per
+    turn. ``await flow.close()`` unbinds; whatever is unsettled is redelivered to another
+    flow with ``delivery.redelivered`` set. Exclusive queues deliver to one flow at a time;
+    the others are standbys in bind order. ``on_closed(reason)`` is called if the queue goes
+    away underneath the flow.
+
+Direct topic subscribers (not spooled, e.g. MQTT QoS 0)
+    ``token = broker.subscribe_direct(pattern, syntax, callback)`` / ``unsubscribe_direct``:
+    ``callback(message)`` runs for every message published on this node whose topic matches.
+
+Provisioning
+    ``broker.queues`` (`QueueStore`) creates, deletes, shows and lists queues;
+    ``await broker.create_temporary_queue(...)`` makes an anonymous queue that dies with this
+    node (delete it when the owning session ends); ``await broker.subscribe_queue(queue,
+    patterns)`` / ``unsubscribe_queue`` change a queue's topic subscriptions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Callable, Iterable
+
+import redis.asyncio as aioredis
+
+from gateway.engine.events import EventListener
+from gateway.engine.flows import (
+    DEFAULT_WINDOW,
+    BindError,
+    ClosedCallback,
+    DeliverCallback,
+    Dispatcher,
+    Flow,
+)
+from gateway.engine.leases import NodeLiveness, new_node_id
+from gateway.engine.queues import QueueConfig, QueueError, QueueStore, temporary_queue_name
+from gateway.engine.spool import Spooler
+from gateway.model import Message, Outcome, encode, new_message_id
+from gateway.router import Router
+from gateway.topics import SubscriptionTrie
+
+__all__ = ["BindError", "Broker", "Flow", "Outcome", "QueueConfig", "QueueError"]
+
+log = logging.getLogger(__name__)
+
+DirectCallback = Callable[[Message], None]
+
+
+class Broker:
+    """Router + queue engine of one gateway node."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        *,
+        node_id: str | None = None,
+        heartbeat: float = 1.0,
+        node_ttl: float = 5.0,
+    ) -> None:
+        self.redis = redis
+        self.node_id = node_id or new_node_id()
+        self.queues = QueueStore(redis)
+        self.router = Router(redis)
+        self.dispatcher = Dispatcher(redis, self.node_id)
+        self.spooler = Spooler(redis, self.node_id, self._spooled)
+        self.liveness = NodeLiveness(
+            redis, self.dispatcher, self.node_id, interval=heartbeat, ttl=node_ttl
+        )
+        self.events = EventListener(
+            redis, self.node_id, self._on_event, self.dispatcher.wake_queue, self._resync
+        )
+        self.dispatcher.on_last_flow = self._last_flow_gone
+        self._direct: SubscriptionTrie[int] = SubscriptionTrie()
+        self._direct_callbacks: dict[int, DirectCallback] = {}
+        self._tokens = itertools.count(1)
+        self._tasks: set[asyncio.Task] = set()
+        self.published = 0
+        self.refused: dict[str, int] = {}
+
+    async def start(self) -> None:
+        await self.events.start()
+        await self.router.reload()
+        await self.liveness.start()
+
+    async def stop(self) -> None:
+        await self.liveness.stop()
+        await self.events.stop()
+
+    # -- publishing ------------------------------------------------------------------------
+
+    def publish_nowait(self, msg: Message) -> asyncio.Future[Outcome]:
+        """Route and spool `msg`; the future resolves once it is stored (or refused)."""
+        if not msg.id:
+            msg.id = new_message_id()
+        self.published += 1
+        if msg.to_queue:
+            queues: Iterable[str] = (msg.destination,)
+        else:
+            if self._direct_callbacks:
+                self._deliver_direct(msg)
+            queues = self.router.match(msg.destination)
+            if not queues:
+                fut = asyncio.get_running_loop().create_future()
+                fut.set_result(Outcome.NO_SUBSCRIBERS)
+                return fut
+        fut = self.spooler.submit(queues, msg.to_queue, len(msg.payload), encode(msg))
+        fut.add_done_callback(self._count_refusal)
+        return fut
+
+    async def publish(self, msg: Message) -> Outcome:
+        return await self.publish_nowait(msg)
+
+    def _count_refusal(self, fut: asyncio.Future[Outcome]) -> None:
+        if fut.cancelled():
+            return
+        exc = fut.exception()
+        name = "redis_error" if exc is not None else fut.result().name.lower()
+        if exc is not None or not fut.result().accepted:
+            self.refused[name] = self.refused.get(name, 0) + 1
+
+    def _spooled(self, queues: set[str]) -> None:
+        for queue in queues:
+            self.dispatcher.wake_queue(queue)
+
+    # -- direct subscribers ----------------------------------------------------------------
+
+    def subscribe_direct(self, pattern: str, syntax: str, callback: DirectCallback) -> int:
+        token = next(self._tokens)
+        self._direct.add(pattern, token, syntax)
+        self._direct_callbacks[token] = callback
+        return token
+
+    def unsubscribe_direct(self, token: int) -> None:
+        callback = self._direct_callbacks.pop(token, None)
+        if callback is None:
+            return
+        for pattern, syntax, value in list(self._direct.entries()):
+            if value == token:
+                self._direct.remove(pattern, value, syntax)
+
+    def _deliver_direct(self, msg: Message) -> None:
+        for token in self._direct.match(msg.destination):
+            callback = self._direct_callbacks.get(token)
+            if callback is None:
+                continue
+            try:
+                callback(msg)
+            except Exception:
+                log.exception("direct subscriber failed")
+
+    # -- consuming -------------------------------------------------------------------------
+
+    async def bind(
+        self,
+        queue: str,
+        on_deliver: DeliverCallback,
+        *,
+        window: int = DEFAULT_WINDOW,
+        credit: int | None = None,
+        on_closed: ClosedCallback | None = None,
+    ) -> Flow:
+        if queue not in self.dispatcher.flows:
+            await self.events.watch_queue(queue)  # before the first fetch: no missed wake-up
+        try:
+            return await self.dispatcher.bind(
+                queue, on_deliver, window=window, credit=credit, on_closed=on_closed
+            )
+        except BindError:
+            if queue not in self.dispatcher.flows:
+                await self.events.unwatch_queue(queue)
+            raise
+
+    def _last_flow_gone(self, queue: str) -> None:
+        self._spawn(self.events.unwatch_queue(queue))
+
+    # -- provisioning ----------------------------------------------------------------------
+
+    async def create_temporary_queue(
+        self, owner: str | None = None, subscriptions: Iterable[tuple[str, str]] = ()
+    ) -> str:
+        name = temporary_queue_name(self.node_id)
+        config = QueueConfig(name=name, durable=False, owner=owner, owner_node=self.node_id)
+        await self.queues.create(config, list(subscriptions), reserved_ok=True)
+        if subscriptions:
+            await self.router.reload()
+        return name
+
+    async def subscribe_queue(
+        self, queue: str, patterns: Iterable[str], syntax: str = "smf"
+    ) -> int:
+        changed = await self.queues.change_subscriptions(
+            queue, "add", [(p, syntax) for p in patterns]
+        )
+        await self.router.reload()
+        return changed
+
+    async def unsubscribe_queue(
+        self, queue: str, patterns: Iterable[str], syntax: str = "smf"
+    ) -> int:
+        changed = await self.queues.change_subscriptions(
+            queue, "remove", [(p, syntax) for p in patterns]
+        )
+        await self.router.reload()
+        return changed
+
+    async def delete_queue(self, queue: str) -> None:
+        await self.queues.delete(queue)
+        await self.router.reload()
+
+    # -- events ----------------------------------------------------------------------------
+
+    def _on_event(self, kind: str, arg: str) -> None:
+        if kind == "sub":
+            self._spawn(self.router.reload(at_least=int(arg)))
+        elif kind == "qdel":
+            self.dispatcher.close_queue_flows(arg, "queue deleted")
+        elif kind == "qcfg":
+            self.dispatcher.wake_queue(arg)
+        elif kind == "lease":
+            self.dispatcher.request_lease_check(arg)
+
+    def _resync(self) -> None:
+        self._spawn(self.router.reload())
+        self.dispatcher.wake_all()
+        for queue in self.dispatcher.exclusive_standby_queues():
+            self.dispatcher.request_lease_check(queue)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def stats(self) -> dict[str, int]:
+        """Node-local counters for the metrics endpoint."""
+        return {
+            "published": self.published,
+            "spool_batches": self.spooler.batches,
+            "spooled": self.spooler.messages,
+            "delivered": self.dispatcher.delivered,
+            "dispatch_rounds": self.dispatcher.rounds,
+            "flows": sum(len(f) for f in self.dispatcher.flows.values()),
+            "reaped_flows": self.liveness.reaped,
+            **{f"refused_{k}": v for k, v in self.refused.items()},
+        }

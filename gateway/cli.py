@@ -1,0 +1,172 @@
+"""The `gateway` command: `serve` runs a node; `queue ...` talks to a node's admin API."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Any
+
+from gateway.config import APPENDFSYNC, ConfigError, load_settings
+from gateway.engine.library import RedisTooOld
+from gateway.logs import setup_logging
+from gateway.redis_server import EmbeddedRedis, RedisStartError
+
+DEFAULT_ADMIN_URL = "http://127.0.0.1:8080"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gateway", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run a gateway node")
+    serve.add_argument("--config", help="TOML file with [server], [[users]], [[queues]] ...")
+    serve.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--mqtt-port", type=int, help="MQTT listener port (default 1883)")
+    serve.add_argument("--amqp-port", type=int, help="AMQP 1.0 listener port (default 5672)")
+    serve.add_argument("--admin-port", type=int, help="admin HTTP port (default 8080)")
+    serve.add_argument("--data-dir", help="embedded Redis data directory (.gateway-data)")
+    serve.add_argument("--redis-url", help="use this Redis (7.0+) instead of an embedded one")
+    serve.add_argument("--appendfsync", choices=APPENDFSYNC, help="embedded Redis AOF fsync")
+    serve.add_argument("--log-level", help="DEBUG, INFO, WARNING ...")
+
+    queue = sub.add_parser("queue", help="manage queues through the admin API")
+    queue.add_argument("--admin-url", default=DEFAULT_ADMIN_URL, help="admin API base URL")
+    qsub = queue.add_subparsers(dest="queue_command", required=True)
+    qsub.add_parser("list", help="list queues")
+    show = qsub.add_parser("show", help="show one queue")
+    show.add_argument("name")
+    delete = qsub.add_parser("delete", help="delete a queue and its messages")
+    delete.add_argument("name")
+    create = qsub.add_parser("create", help="create a queue")
+    create.add_argument("name")
+    create.add_argument("--access-type", choices=("exclusive", "non-exclusive"))
+    create.add_argument(
+        "--subscription",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="topic subscription (Solace syntax); repeatable",
+    )
+    create.add_argument("--max-message-size", type=int)
+    create.add_argument("--max-spool-bytes", type=int)
+    create.add_argument("--max-messages", type=int)
+    create.add_argument("--non-durable", action="store_true", help="a non-durable queue")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return serve(args)
+    return queue_command(args)
+
+
+def serve(args: argparse.Namespace) -> int:
+    overrides = {
+        "host": args.host,
+        "mqtt_port": args.mqtt_port,
+        "amqp_port": args.amqp_port,
+        "admin_port": args.admin_port,
+        "data_dir": args.data_dir,
+        "redis_url": args.redis_url,
+        "appendfsync": args.appendfsync,
+        "log_level": args.log_level,
+    }
+    try:
+        settings = load_settings(overrides, config_path=args.config)
+    except ConfigError as exc:
+        print(f"gateway: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(settings.log_level)
+    from gateway.server import run  # after logging, so import-time logs are formatted
+
+    embedded = None
+    try:
+        if settings.redis_url is None:
+            embedded = EmbeddedRedis(settings.data_dir, settings.appendfsync)
+            embedded.start()
+            logging.getLogger("gateway").info(
+                "embedded redis-server on %s (appendfsync %s)",
+                embedded.socket,
+                settings.appendfsync,
+            )
+        run(settings, settings.redis_url or embedded.url)  # type: ignore[union-attr]
+    except (RedisStartError, RedisTooOld) as exc:
+        print(f"gateway: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"gateway: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if embedded is not None:
+            embedded.stop()
+    return 0
+
+
+def queue_command(args: argparse.Namespace) -> int:
+    base = args.admin_url.rstrip("/") + "/api/v1/queues"
+    cmd = args.queue_command
+    if cmd == "list":
+        status, body = _call("GET", base)
+    elif cmd == "show":
+        status, body = _call("GET", f"{base}/{_q(args.name)}")
+    elif cmd == "delete":
+        status, body = _call("DELETE", f"{base}/{_q(args.name)}")
+    else:
+        spec: dict[str, Any] = {"name": args.name, "subscriptions": args.subscription}
+        for field in ("access_type", "max_message_size", "max_spool_bytes", "max_messages"):
+            if getattr(args, field) is not None:
+                spec[field] = getattr(args, field)
+        if args.non_durable:
+            spec["durable"] = False
+        status, body = _call("POST", base, spec)
+    if status >= 400:
+        message = body.get("error", body) if isinstance(body, dict) else body
+        print(f"gateway: {message}", file=sys.stderr)
+        return 1
+    if cmd == "list" and isinstance(body, list):
+        print(f"{'NAME':40} {'ACCESS':14} {'MESSAGES':>9} {'BYTES':>12} {'FLOWS':>5}")
+        for q in body:
+            print(
+                f"{q['name']:40} {q['access_type']:14} {q['messages']:>9} "
+                f"{q['spooled_bytes']:>12} {q['flows']:>5}"
+            )
+    elif body is not None:
+        print(json.dumps(body, indent=2))
+    return 0
+
+
+def _q(name: str) -> str:
+    return urllib.parse.quote(name, safe="")
+
+
+def _call(method: str, url: str, body: Any = None) -> tuple[int, Any]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method)
+    if data is not None:
+        req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            raw, status = resp.read(), resp.status
+    except urllib.error.HTTPError as exc:
+        raw, status = exc.read(), exc.code
+    except urllib.error.URLError as exc:
+        print(f"gateway: cannot reach the admin API at {url}: {exc.reason}", file=sys.stderr)
+        raise SystemExit(1) from None
+    if not raw:
+        return status, None
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw.decode(errors="replace")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""Cross-node notifications over Redis pub/sub.
+
+Two kinds of channel: the shared event channel (subscription changes, queue deletions and
+config changes, exclusive lease moves) and one wake-up channel per queue that this node
+has flows on (published by the spool function when it stores messages). Pub/sub is
+at-most-once, so after a reconnect every local flow is woken and the routes reloaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+import redis.asyncio as aioredis
+
+from gateway.engine import keys
+
+log = logging.getLogger(__name__)
+
+EventHandler = Callable[[str, str], None]  # (kind, argument)
+WakeHandler = Callable[[str], None]  # queue name
+
+
+class EventListener:
+    """One pub/sub connection per node; handlers run on the event loop."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        node_id: str,
+        on_event: EventHandler,
+        on_wake: WakeHandler,
+        on_reconnect: Callable[[], None],
+    ) -> None:
+        self._redis = redis
+        self._node = node_id.encode()
+        self._on_event = on_event
+        self._on_wake = on_wake
+        self._on_reconnect = on_reconnect
+        self._wake_channels: dict[bytes, str] = {}
+        self._pubsub: aioredis.client.PubSub | None = None
+        self._task: asyncio.Task | None = None
+        self._ready = asyncio.Event()
+
+    async def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+        await self._ready.wait()
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._pubsub is not None:
+            await self._pubsub.aclose()
+
+    async def watch_queue(self, queue: str) -> None:
+        channel = keys.queue_wake(queue)
+        self._wake_channels[channel.encode()] = queue
+        if self._pubsub is not None:
+            await self._pubsub.subscribe(channel)
+
+    async def unwatch_queue(self, queue: str) -> None:
+        channel = keys.queue_wake(queue)
+        self._wake_channels.pop(channel.encode(), None)
+        if self._pubsub is not None:
+            await self._pubsub.unsubscribe(channel)
+
+    async def _run(self) -> None:
+        first = True
+        while True:
+            try:
+                self._pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+                await self._pubsub.subscribe(keys.events, *self._wake_channels)
+                self._ready.set()
+                if not first:
+                    self._on_reconnect()
+                first = False
+                while True:
+                    msg = await self._pubsub.get_message(timeout=5.0)
+                    if msg is not None:
+                        self._dispatch(msg["channel"], msg["data"])
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("event channel lost (%s); reconnecting", exc)
+                with contextlib.suppress(Exception):
+                    await self._pubsub.aclose()
+                await asyncio.sleep(0.5)
+
+    def _dispatch(self, channel: bytes, data: bytes) -> None:
+        queue = self._wake_channels.get(channel)
+        if queue is not None:
+            if data != self._node:  # our own spools already woke our flows
+                self._on_wake(queue)
+            return
+        kind, _, arg = data.decode().partition(" ")
+        try:
+            self._on_event(kind, arg)
+        except Exception:
+            log.exception("handling event %r failed", data)

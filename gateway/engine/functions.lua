@@ -1,0 +1,388 @@
+#!lua name=gw
+-- The gateway's Redis function library: every multi-step change of queue state is one
+-- call here, so it is atomic and one round trip. Key names come from the generated
+-- prelude (gateway/engine/keys.py), inserted below at load time.
+-- {{PRELUDE}}
+
+local OK, NO_SUBSCRIBERS, NOT_FOUND, INGRESS_DISABLED = 0, 1, 2, 3
+local TOO_LARGE, QUOTA_EXCEEDED, QUEUE_FULL = 4, 5, 6
+
+local function node_of(flow)
+  return string.match(flow, '^([^.]+)%.')
+end
+
+-- Stream ids compare as integer (ms, seq) pairs, never as strings.
+local function id_parts(id)
+  local ms, sq = string.match(id, '^(%d+)-(%d+)$')
+  return tonumber(ms), tonumber(sq)
+end
+
+local function id_less(x, y)
+  local xm, xs = id_parts(x)
+  local ym, ys = id_parts(y)
+  return xm < ym or (xm == ym and xs < ys)
+end
+
+-- XCLAIM ... JUSTID: moves entries between consumers without bumping the delivery count.
+local function claim_justid(s, consumer, ids)
+  local args = { 'XCLAIM', s, GROUP, consumer, 0 }
+  for _, id in ipairs(ids) do args[#args + 1] = id end
+  args[#args + 1] = 'JUSTID'
+  return redis.call(unpack(args))
+end
+
+local function entry_blob(fields)
+  if not fields then return false end
+  for i = 1, #fields, 2 do
+    if fields[i] == 'm' then return fields[i + 1] end
+  end
+  return false
+end
+
+-- Move every pending entry of `flow` to the returned consumer (no delivery-count bump:
+-- the count grows when a flow claims it again), forget the consumer, free its lease.
+local function release_flow(q, flow)
+  local s = k_queue_stream(q)
+  local moved = 0
+  if redis.call('EXISTS', s) == 1 then
+    while true do
+      local p = redis.call('XPENDING', s, GROUP, '-', '+', 500, flow)
+      if #p == 0 then break end
+      local ids = {}
+      for i, e in ipairs(p) do ids[i] = e[1] end
+      claim_justid(s, RETURNED, ids)
+      moved = moved + #ids
+      if #p < 500 then break end
+    end
+    pcall(redis.call, 'XGROUP', 'DELCONSUMER', s, GROUP, flow)
+  end
+  redis.call('ZREM', k_queue_flows(q), flow)
+  local lease = k_queue_lease(q)
+  if redis.call('HGET', lease, 'flow') == flow then
+    redis.call('DEL', lease)
+    redis.call('PUBLISH', K_EVENTS, 'lease ' .. q)
+  end
+  if moved > 0 then redis.call('PUBLISH', k_queue_wake(q), '') end
+  return moved
+end
+
+local function delete_queue(q)
+  if redis.call('EXISTS', k_queue_config(q)) == 0 then return 0 end
+  redis.call('DEL', k_queue_config(q), k_queue_stream(q), k_queue_stats(q), k_queue_subs(q),
+    k_queue_flows(q), k_queue_lease(q))
+  redis.call('SREM', K_QUEUES, q)
+  local v = redis.call('INCR', K_SUB_VERSION)
+  redis.call('PUBLISH', K_EVENTS, 'qdel ' .. q)
+  redis.call('PUBLISH', K_EVENTS, 'sub ' .. v)
+  return 1
+end
+
+-- Forget a node: return its flows' messages, delete the temporary queues it owned.
+local function reap_node(n)
+  local released = 0
+  for _, q in ipairs(redis.call('SMEMBERS', k_node_queues(n))) do
+    for _, flow in ipairs(redis.call('ZRANGE', k_queue_flows(q), 0, -1)) do
+      if node_of(flow) == n then
+        release_flow(q, flow)
+        released = released + 1
+      end
+    end
+    if redis.call('HGET', k_queue_config(q), 'owner_node') == n then delete_queue(q) end
+  end
+  redis.call('DEL', k_node_queues(n), k_node_alive(n))
+  redis.call('SREM', K_NODES, n)
+  return released
+end
+
+-- ARGV: node, nq, queue names..., then per message: k, queue indexes (k)..., direct,
+-- payload size (checked against max_message_size), blob. Spooled bytes count the stored
+-- blob. Returns one outcome code per message; a message is stored in all its queues or none.
+redis.register_function('gw_spool', function(_, a)
+  local nq = tonumber(a[2])
+  local qs = {}
+  for i = 1, nq do
+    local name = a[2 + i]
+    local c = redis.call('HMGET', k_queue_config(name), 'ingress', 'max_message_size',
+      'max_spool_bytes', 'max_messages')
+    local info = { name = name, added = 0, added_bytes = 0 }
+    if not c[1] then
+      info.missing = true
+    else
+      info.stream = k_queue_stream(name)
+      info.ingress = c[1] == '1'
+      info.maxsize = tonumber(c[2]) or 0
+      info.maxbytes = tonumber(c[3]) or 0
+      info.maxmsgs = tonumber(c[4]) or 0
+      info.bytes = tonumber(redis.call('HGET', k_queue_stats(name), 'bytes') or '0') or 0
+      info.count = redis.call('XLEN', info.stream)
+    end
+    qs[i] = info
+  end
+  local out = {}
+  local pos = 3 + nq
+  local n = #a
+  while pos <= n do
+    local k = tonumber(a[pos])
+    local direct = a[pos + k + 1] == '1'
+    local size = tonumber(a[pos + k + 2])
+    local blob = a[pos + k + 3]
+    local code, targets = OK, {}
+    for j = 1, k do
+      local q = qs[tonumber(a[pos + j])]
+      if q.missing then
+        if direct then code = NOT_FOUND end
+      elseif not q.ingress then code = INGRESS_DISABLED
+      elseif q.maxsize > 0 and size > q.maxsize then code = TOO_LARGE
+      elseif q.maxbytes > 0 and q.bytes + #blob > q.maxbytes then code = QUOTA_EXCEEDED
+      elseif q.maxmsgs > 0 and q.count + 1 > q.maxmsgs then code = QUEUE_FULL
+      else targets[#targets + 1] = q end
+      if code ~= OK then break end
+    end
+    if code == OK then
+      if #targets == 0 then
+        code = direct and NOT_FOUND or NO_SUBSCRIBERS
+      else
+        for _, q in ipairs(targets) do
+          redis.call('XADD', q.stream, '*', 'm', blob)
+          q.count = q.count + 1
+          q.bytes = q.bytes + #blob
+          q.added = q.added + 1
+          q.added_bytes = q.added_bytes + #blob
+        end
+      end
+    end
+    out[#out + 1] = code
+    pos = pos + k + 4
+  end
+  for _, q in ipairs(qs) do
+    if q.added > 0 then
+      local st = k_queue_stats(q.name)
+      redis.call('HINCRBY', st, 'bytes', q.added_bytes)
+      redis.call('HINCRBY', st, 'spooled', q.added)
+      redis.call('PUBLISH', k_queue_wake(q.name), a[1])
+    end
+  end
+  return out
+end)
+
+-- ARGV: queue, flow, count, fence. Returns {status, id, delivery_count, blob, ...}
+-- status: 'ok', or 'noflow' / 'notowner' / 'egress' / 'noqueue' with no entries.
+-- Requeued entries (oldest first) are served before new ones, so order survives failover.
+redis.register_function('gw_fetch', function(_, a)
+  local q, flow, count, fence = a[1], a[2], tonumber(a[3]), a[4]
+  local c = redis.call('HMGET', k_queue_config(q), 'egress', 'access')
+  if not c[1] then return { 'noqueue' } end
+  if c[1] ~= '1' then return { 'egress' } end
+  if not redis.call('ZSCORE', k_queue_flows(q), flow) then return { 'noflow' } end
+  if c[2] == 'exclusive' then
+    local l = redis.call('HMGET', k_queue_lease(q), 'flow', 'fence')
+    if l[1] ~= flow or l[2] ~= fence then return { 'notowner' } end
+  end
+  local s = k_queue_stream(q)
+  local out = { 'ok' }
+  local p = redis.call('XPENDING', s, GROUP, '-', '+', count, RETURNED)
+  if #p > 0 then
+    local ids, counts = {}, {}
+    for i, e in ipairs(p) do
+      ids[i] = e[1]
+      counts[e[1]] = e[4]
+    end
+    for _, e in ipairs(redis.call('XCLAIM', s, GROUP, flow, 0, unpack(ids))) do
+      local blob = e and entry_blob(e[2])
+      if blob then
+        out[#out + 1] = e[1]
+        out[#out + 1] = counts[e[1]] + 1
+        out[#out + 1] = blob
+      end
+    end
+  end
+  local want = count - (#out - 1) / 3
+  if want > 0 then
+    local r = redis.call('XREADGROUP', 'GROUP', GROUP, flow, 'COUNT', want, 'STREAMS', s, '>')
+    if r then
+      for _, e in ipairs(r[1][2]) do
+        out[#out + 1] = e[1]
+        out[#out + 1] = 1
+        out[#out + 1] = entry_blob(e[2])
+      end
+    end
+  end
+  return out
+end)
+
+-- Settle entries a flow holds. ARGV: mode ('ack' | 'reject' | 'requeue'), then groups of
+-- queue, flow, n, then n pairs of entry id, size. Entries the flow does not hold (already
+-- settled, or returned after the flow was presumed dead) are skipped. Returns the count settled.
+redis.register_function('gw_settle', function(_, a)
+  local mode = a[1]
+  local pos, total = 2, 0
+  while pos <= #a do
+    local q, flow, n = a[pos], a[pos + 1], tonumber(a[pos + 2])
+    local s = k_queue_stream(q)
+    local ids, sizes = {}, {}
+    local lo, hi
+    for i = 1, n do
+      local id = a[pos + 1 + 2 * i]
+      ids[i] = id
+      sizes[id] = tonumber(a[pos + 2 + 2 * i])
+      if not lo or id_less(id, lo) then lo = id end
+      if not hi or id_less(hi, id) then hi = id end
+    end
+    pos = pos + 3 + 2 * n
+    if n > 0 and redis.call('EXISTS', s) == 1 then
+      -- only entries this flow holds: its pending entries in the range the ids span
+      local held = {}
+      for _, e in ipairs(redis.call('XPENDING', s, GROUP, lo, hi, 1000000, flow)) do
+        held[e[1]] = true
+      end
+      local mine, bytes = {}, 0
+      for _, id in ipairs(ids) do
+        if held[id] then
+          mine[#mine + 1] = id
+          bytes = bytes + sizes[id]
+          held[id] = nil
+        end
+      end
+      if #mine > 0 then
+        if mode == 'requeue' then
+          claim_justid(s, RETURNED, mine)
+          redis.call('HINCRBY', k_queue_stats(q), 'requeued', #mine)
+          redis.call('PUBLISH', k_queue_wake(q), '')
+        else
+          redis.call('XACK', s, GROUP, unpack(mine))
+          redis.call('XDEL', s, unpack(mine))
+          local st = k_queue_stats(q)
+          redis.call('HINCRBY', st, 'bytes', -bytes)
+          redis.call('HINCRBY', st, mode == 'ack' and 'acked' or 'rejected', #mine)
+        end
+        total = total + #mine
+      end
+    end
+  end
+  return total
+end)
+
+-- ARGV: queue, flow, node. Registers a flow; bind order decides exclusive standby order.
+-- Returns {'ok', bind sequence, access type} or {'noqueue'} / {'egress'}.
+redis.register_function('gw_bind', function(_, a)
+  local q, flow, node = a[1], a[2], a[3]
+  local c = redis.call('HMGET', k_queue_config(q), 'egress', 'access')
+  if not c[1] then return { 'noqueue' } end
+  if c[1] ~= '1' then return { 'egress' } end
+  local seq = redis.call('INCR', K_SEQ)
+  redis.call('ZADD', k_queue_flows(q), seq, flow)
+  redis.call('SADD', k_node_queues(node), q)
+  return { 'ok', seq, c[2] }
+end)
+
+-- ARGV: queue, flow. Unbinds a flow; its unacked messages go back for redelivery.
+redis.register_function('gw_unbind', function(_, a)
+  return release_flow(a[1], a[2])
+end)
+
+-- ARGV: queue. Exclusive access: the earliest-bound flow on a live node is active. Dead
+-- nodes' flows met on the way are released first, so their messages are redelivered in order.
+-- Returns {fence, active flow} or {0, ''} with no live flow.
+redis.register_function('gw_lease', function(_, a)
+  local q = a[1]
+  local active = false
+  for _, flow in ipairs(redis.call('ZRANGE', k_queue_flows(q), 0, -1)) do
+    if redis.call('EXISTS', k_node_alive(node_of(flow))) == 1 then
+      active = flow
+      break
+    end
+    release_flow(q, flow)
+  end
+  local lease = k_queue_lease(q)
+  if not active then
+    redis.call('DEL', lease)
+    return { 0, '' }
+  end
+  local cur = redis.call('HMGET', lease, 'flow', 'fence')
+  if cur[1] == active then return { tonumber(cur[2]), active } end
+  local fence = redis.call('INCR', K_SEQ)
+  redis.call('HSET', lease, 'flow', active, 'fence', fence)
+  redis.call('PUBLISH', K_EVENTS, 'lease ' .. q)
+  return { fence, active }
+end)
+
+-- ARGV: node, ttl_ms. Registers a node and its liveness key.
+redis.register_function('gw_node_up', function(_, a)
+  redis.call('SADD', K_NODES, a[1])
+  redis.call('SET', k_node_alive(a[1]), '1', 'PX', a[2])
+  return 1
+end)
+
+-- ARGV: node. A clean shutdown: same clean-up as for a dead node.
+redis.register_function('gw_node_down', function(_, a)
+  return reap_node(a[1])
+end)
+
+-- Reap every node whose liveness key expired. Returns the number of flows released.
+redis.register_function('gw_reap', function(_, _)
+  local released = 0
+  for _, n in ipairs(redis.call('SMEMBERS', K_NODES)) do
+    if redis.call('EXISTS', k_node_alive(n)) == 0 then released = released + reap_node(n) end
+  end
+  return released
+end)
+
+-- ARGV: queue, then field/value pairs. Creates the queue unless it exists.
+-- Returns {1} when created, else {0, field, value, ...} of the existing config.
+redis.register_function('gw_queue_create', function(_, a)
+  local q = a[1]
+  local cfg = k_queue_config(q)
+  if redis.call('EXISTS', cfg) == 1 then
+    local out = { 0 }
+    for _, v in ipairs(redis.call('HGETALL', cfg)) do out[#out + 1] = v end
+    return out
+  end
+  redis.call('HSET', cfg, unpack(a, 2))
+  redis.call('DEL', k_queue_stream(q), k_queue_stats(q), k_queue_flows(q), k_queue_lease(q))
+  redis.call('XGROUP', 'CREATE', k_queue_stream(q), GROUP, '0', 'MKSTREAM')
+  redis.call('HSET', k_queue_stats(q), 'bytes', 0, 'spooled', 0, 'acked', 0)
+  redis.call('SADD', K_QUEUES, q)
+  return { 1 }
+end)
+
+-- ARGV: queue, then field/value pairs to change. Returns 0 if the queue does not exist.
+redis.register_function('gw_queue_update', function(_, a)
+  local cfg = k_queue_config(a[1])
+  if redis.call('EXISTS', cfg) == 0 then return 0 end
+  redis.call('HSET', cfg, unpack(a, 2))
+  redis.call('PUBLISH', K_EVENTS, 'qcfg ' .. a[1])
+  redis.call('PUBLISH', k_queue_wake(a[1]), '')
+  return 1
+end)
+
+-- ARGV: queue. Deletes the queue, its messages and its topic subscriptions.
+redis.register_function('gw_queue_delete', function(_, a)
+  return delete_queue(a[1])
+end)
+
+-- ARGV: queue, 'add' | 'remove', subscription entries... Returns the number changed,
+-- or -1 if the queue does not exist.
+redis.register_function('gw_subscription', function(_, a)
+  local q = a[1]
+  if redis.call('EXISTS', k_queue_config(q)) == 0 then return -1 end
+  local cmd = a[2] == 'add' and 'SADD' or 'SREM'
+  local changed = redis.call(cmd, k_queue_subs(q), unpack(a, 3))
+  if changed > 0 then
+    local v = redis.call('INCR', K_SUB_VERSION)
+    redis.call('PUBLISH', K_EVENTS, 'sub ' .. v)
+  end
+  return changed
+end)
+
+-- Every queue's topic subscriptions, for a node's routing trie.
+-- Returns {version, queue, n, entry..., queue, n, entry..., ...}.
+redis.register_function('gw_routes', function(_, _)
+  local out = { tonumber(redis.call('GET', K_SUB_VERSION) or '0') }
+  for _, q in ipairs(redis.call('SMEMBERS', K_QUEUES)) do
+    local subs = redis.call('SMEMBERS', k_queue_subs(q))
+    out[#out + 1] = q
+    out[#out + 1] = #subs
+    for _, e in ipairs(subs) do out[#out + 1] = e end
+  end
+  return out
+end)

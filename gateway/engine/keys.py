@@ -1,0 +1,97 @@
+"""Every Redis key and channel name the gateway uses, in one place.
+
+Python builds names with the functions below; the Redis function library gets the same
+templates as a generated Lua prelude (`lua_prelude`), so no other file spells a key.
+Per-queue keys carry the queue name in a hash tag (`{name}`) so that one queue's keys share
+a Redis Cluster slot; queue names may therefore not contain braces (see `queues.py`).
+"""
+
+from __future__ import annotations
+
+PREFIX = "gw"
+GROUP = "g"  # the one consumer group of every queue stream
+RETURNED_CONSUMER = "~r"  # parks requeued entries until a flow claims them
+
+# name -> template; "{q}" is a queue name, "{n}" a node id.
+TEMPLATES: dict[str, str] = {
+    "queues": f"{PREFIX}:queues",
+    "seq": f"{PREFIX}:seq",
+    "nodes": f"{PREFIX}:nodes",
+    "events": f"{PREFIX}:ev",
+    "sub_version": f"{PREFIX}:subver",
+    "queue_config": f"{PREFIX}:q:{{{{q}}}}:cfg",
+    "queue_stream": f"{PREFIX}:q:{{{{q}}}}:s",
+    "queue_stats": f"{PREFIX}:q:{{{{q}}}}:st",
+    "queue_subs": f"{PREFIX}:q:{{{{q}}}}:subs",
+    "queue_flows": f"{PREFIX}:q:{{{{q}}}}:flows",
+    "queue_lease": f"{PREFIX}:q:{{{{q}}}}:lease",
+    "queue_wake": f"{PREFIX}:wake:{{{{q}}}}",
+    "node_alive": f"{PREFIX}:node:{{n}}",
+    "node_queues": f"{PREFIX}:node:{{n}}:queues",
+}
+
+
+def _queue_key(name: str, q: str) -> str:
+    return TEMPLATES[name].replace("{{q}}", "{" + q + "}")
+
+
+def _node_key(name: str, n: str) -> str:
+    return TEMPLATES[name].replace("{n}", n)
+
+
+queues = TEMPLATES["queues"]
+seq = TEMPLATES["seq"]
+nodes = TEMPLATES["nodes"]
+events = TEMPLATES["events"]
+sub_version = TEMPLATES["sub_version"]
+
+
+def queue_config(q: str) -> str:
+    return _queue_key("queue_config", q)
+
+
+def queue_stream(q: str) -> str:
+    return _queue_key("queue_stream", q)
+
+
+def queue_stats(q: str) -> str:
+    return _queue_key("queue_stats", q)
+
+
+def queue_subs(q: str) -> str:
+    return _queue_key("queue_subs", q)
+
+
+def queue_flows(q: str) -> str:
+    return _queue_key("queue_flows", q)
+
+
+def queue_lease(q: str) -> str:
+    return _queue_key("queue_lease", q)
+
+
+def queue_wake(q: str) -> str:
+    return _queue_key("queue_wake", q)
+
+
+def node_alive(n: str) -> str:
+    return _node_key("node_alive", n)
+
+
+def node_queues(n: str) -> str:
+    return _node_key("node_queues", n)
+
+
+def lua_prelude() -> str:
+    """Lua definitions of the same names, prepended to functions.lua at load time."""
+    lines = [f"local GROUP = '{GROUP}'", f"local RETURNED = '{RETURNED_CONSUMER}'"]
+    for name, template in TEMPLATES.items():
+        if "{{q}}" in template:
+            head, tail = template.split("{{q}}")
+            lines.append(f"local function k_{name}(q) return '{head}{{' .. q .. '}}{tail}' end")
+        elif "{n}" in template:
+            head, tail = template.split("{n}")
+            lines.append(f"local function k_{name}(n) return '{head}' .. n .. '{tail}' end")
+        else:
+            lines.append(f"local K_{name.upper()} = '{template}'")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,87 @@
+"""Node liveness and ownership across nodes.
+
+Each node keeps a liveness key with a short TTL. Every node periodically reaps nodes whose
+key expired: their flows' unacked messages return to their queues and their temporary
+queues are deleted, all in one function call. Exclusive-queue leases are checked at the same
+pace, so a standby on another node takes over within about one TTL of the holder dying.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+
+import redis.asyncio as aioredis
+
+from gateway.engine import keys
+from gateway.engine.flows import Dispatcher
+
+log = logging.getLogger(__name__)
+
+
+def new_node_id() -> str:
+    """Node ids never contain '.', which separates them from the flow number in flow ids."""
+    return "n" + os.urandom(5).hex()
+
+
+class NodeLiveness:
+    """Heartbeat, reaper and lease checks for one node."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        dispatcher: Dispatcher,
+        node_id: str,
+        *,
+        interval: float = 1.0,
+        ttl: float = 5.0,
+    ) -> None:
+        self._redis = redis
+        self._dispatcher = dispatcher
+        self.node_id = node_id
+        self.interval = interval
+        self.ttl_ms = int(ttl * 1000)
+        self._task: asyncio.Task | None = None
+        self.reaped = 0
+
+    async def start(self) -> None:
+        await self._redis.fcall("gw_node_up", 0, self.node_id, self.ttl_ms)
+        await self.beat()
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        """Clean shutdown: other nodes need not wait for the TTL to take over."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self._redis.fcall("gw_node_down", 0, self.node_id)
+
+    async def beat(self) -> None:
+        """Refresh our liveness, release dead nodes' flows, re-check standby leases."""
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.sadd(keys.nodes, self.node_id)
+        pipe.set(keys.node_alive(self.node_id), "1", px=self.ttl_ms)
+        pipe.fcall("gw_reap", 0)
+        _, _, released = await pipe.execute()
+        if released:
+            self.reaped += int(released)
+            log.info("released %s flows of dead nodes", released)
+        for queue in self._dispatcher.exclusive_standby_queues():
+            await self._dispatcher.check_lease(queue)
+
+    async def _run(self) -> None:
+        ticks = 0
+        while True:
+            await asyncio.sleep(self.interval)
+            ticks += 1
+            try:
+                await self.beat()
+                if ticks % 10 == 0:  # pub/sub is at-most-once: poll idle flows now and then
+                    self._dispatcher.wake_all()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("heartbeat failed: %s", exc)

@@ -1,0 +1,340 @@
+"""Queue configuration, name rules and provisioning (create / delete / show / list).
+
+A queue is a config hash plus one stream with one consumer group (see keys.py); every
+change here is one call into the Redis function library, so two nodes provisioning the
+same queue at once cannot leave half a queue behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from gateway.engine import keys
+from gateway.topics import TopicError, parse_pattern
+
+MAX_NAME_BYTES = 255
+DEAD_MESSAGE_QUEUE = "#DEAD_MSG_QUEUE"
+TEMPORARY_PREFIX = "#tmp/"
+RESERVED_PREFIXES = ("#", "amq.")
+ACCESS_TYPES = ("exclusive", "non-exclusive")
+SYNTAXES = ("smf", "mqtt")
+_FORBIDDEN = set("{}'\"<>*?&;") | {chr(c) for c in range(0x20)} | {"\x7f"}
+
+
+class QueueError(Exception):
+    """A refused queue operation; `code` maps to an HTTP status and protocol errors."""
+
+    STATUS = {
+        "invalid": 400,
+        "not_found": 404,
+        "exists": 409,
+        "precondition_failed": 409,
+        "unsupported": 400,
+    }
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+    @property
+    def http_status(self) -> int:
+        return self.STATUS.get(self.code, 400)
+
+
+def validate_queue_name(name: str, *, reserved_ok: bool = False) -> None:
+    """Raise QueueError unless `name` may name a queue (created by a client unless reserved_ok)."""
+    if not isinstance(name, str) or not name:
+        raise QueueError("invalid", "queue name must be a non-empty string")
+    if len(name.encode("utf-8")) > MAX_NAME_BYTES:
+        raise QueueError("invalid", f"queue name is longer than {MAX_NAME_BYTES} bytes")
+    bad = sorted({c for c in name if c in _FORBIDDEN or c.isspace()})
+    if bad:
+        shown = ", ".join(repr(c) for c in bad)
+        raise QueueError("invalid", f"queue name {name!r} contains forbidden characters: {shown}")
+    if (
+        not reserved_ok
+        and name != DEAD_MESSAGE_QUEUE
+        and any(name.startswith(p) for p in RESERVED_PREFIXES)
+    ):
+        raise QueueError(
+            "invalid",
+            f"queue name {name!r} uses a reserved prefix ({', '.join(RESERVED_PREFIXES)})",
+        )
+
+
+def temporary_queue_name(node_id: str) -> str:
+    """A server-generated (anonymous) queue name, unique across nodes."""
+    return f"{TEMPORARY_PREFIX}{node_id}/{os.urandom(8).hex()}"
+
+
+@dataclass(slots=True)
+class QueueConfig:
+    """What a queue is; stored as its config hash. Defaults follow Solace's queue defaults."""
+
+    name: str
+    access_type: str = "non-exclusive"
+    durable: bool = True
+    owner: str | None = None
+    owner_node: str | None = None  # set for temporary queues: they die with that node
+    ingress_enabled: bool = True
+    egress_enabled: bool = True
+    max_message_size: int = 10_000_000
+    max_spool_bytes: int = 5_000_000_000
+    max_messages: int = 0  # 0: unlimited
+    max_redelivery: int = 0  # 0: unlimited
+    dead_message_queue: str = DEAD_MESSAGE_QUEUE
+    max_ttl_ms: int = 0
+    respect_ttl: bool = False
+    partition_count: int = 0
+    created_ms: int = field(default=0, compare=False)
+
+    def validate(self, *, reserved_ok: bool = False) -> None:
+        """Raise QueueError for a config this version cannot honour."""
+        validate_queue_name(self.name, reserved_ok=reserved_ok)
+        if self.access_type not in ACCESS_TYPES:
+            raise QueueError("invalid", f"access_type must be one of {', '.join(ACCESS_TYPES)}")
+        for name in (
+            "max_message_size",
+            "max_spool_bytes",
+            "max_messages",
+            "max_redelivery",
+            "max_ttl_ms",
+            "partition_count",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise QueueError("invalid", f"{name} must be a non-negative integer")
+        validate_queue_name(self.dead_message_queue, reserved_ok=True)
+        unsupported = {
+            "max_spool_bytes": self.max_spool_bytes == 0,  # last value queue
+            "max_redelivery": self.max_redelivery != 0,
+            "max_ttl_ms": self.max_ttl_ms != 0,
+            "respect_ttl": self.respect_ttl,
+            "partition_count": self.partition_count != 0,
+        }
+        for name, refused in unsupported.items():
+            if refused:
+                raise QueueError(
+                    "unsupported",
+                    f"{name}={getattr(self, name)!r} is not supported by this version",
+                )
+
+    def to_redis(self) -> list[str]:
+        """Field/value pairs for the config hash (the Lua side reads a few of them)."""
+        values = {
+            "access": self.access_type,
+            "durable": self.durable,
+            "owner": self.owner or "",
+            "owner_node": self.owner_node or "",
+            "ingress": self.ingress_enabled,
+            "egress": self.egress_enabled,
+            "max_message_size": self.max_message_size,
+            "max_spool_bytes": self.max_spool_bytes,
+            "max_messages": self.max_messages,
+            "max_redelivery": self.max_redelivery,
+            "dead_message_queue": self.dead_message_queue,
+            "max_ttl_ms": self.max_ttl_ms,
+            "respect_ttl": self.respect_ttl,
+            "partition_count": self.partition_count,
+            "created_ms": self.created_ms,
+        }
+        out: list[str] = []
+        for k, v in values.items():
+            out += [k, str(int(v)) if isinstance(v, bool) else str(v)]
+        return out
+
+    @classmethod
+    def from_redis(cls, name: str, raw: dict[bytes, bytes]) -> QueueConfig:
+        h = {k.decode(): v.decode() for k, v in raw.items()}
+        return cls(
+            name=name,
+            access_type=h.get("access", "non-exclusive"),
+            durable=h.get("durable", "1") == "1",
+            owner=h.get("owner") or None,
+            owner_node=h.get("owner_node") or None,
+            ingress_enabled=h.get("ingress", "1") == "1",
+            egress_enabled=h.get("egress", "1") == "1",
+            max_message_size=int(h.get("max_message_size", 0)),
+            max_spool_bytes=int(h.get("max_spool_bytes", 0)),
+            max_messages=int(h.get("max_messages", 0)),
+            max_redelivery=int(h.get("max_redelivery", 0)),
+            dead_message_queue=h.get("dead_message_queue", DEAD_MESSAGE_QUEUE),
+            max_ttl_ms=int(h.get("max_ttl_ms", 0)),
+            respect_ttl=h.get("respect_ttl", "0") == "1",
+            partition_count=int(h.get("partition_count", 0)),
+            created_ms=int(h.get("created_ms", 0)),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> QueueConfig:
+        """Build from user input (TOML table, JSON body); unknown fields are an error."""
+        known = {f.name for f in dataclasses.fields(cls)} - {"owner_node", "created_ms"}
+        unknown = sorted(set(data) - known - {"subscriptions"})
+        if unknown:
+            raise QueueError("invalid", f"unknown queue properties: {', '.join(unknown)}")
+        if "name" not in data:
+            raise QueueError("invalid", "queue needs a name")
+        fields_ = {k: v for k, v in data.items() if k in known}
+        for f in dataclasses.fields(cls):
+            if f.name in fields_ and f.type == "bool" and not isinstance(fields_[f.name], bool):
+                raise QueueError("invalid", f"{f.name} must be true or false")
+        return cls(**fields_)
+
+
+# Fields whose change would alter how existing messages or flows behave: a re-declaration
+# with other values is refused (RabbitMQ's property equivalence).
+EQUIVALENCE_FIELDS = ("access_type", "durable", "partition_count")
+
+
+def subscription_entry(pattern: str, syntax: str) -> str:
+    """Validated stored form of a topic subscription (syntax and pattern in one string)."""
+    if syntax not in SYNTAXES:
+        raise QueueError("invalid", f"subscription syntax must be one of {', '.join(SYNTAXES)}")
+    try:
+        parse_pattern(pattern, syntax)
+    except TopicError as exc:
+        raise QueueError("invalid", f"invalid subscription {pattern!r}: {exc}") from exc
+    return f"{syntax}:{pattern}"
+
+
+def parse_subscription_entry(entry: str) -> tuple[str, str]:
+    """(pattern, syntax) from a stored entry."""
+    syntax, _, pattern = entry.partition(":")
+    return pattern, syntax
+
+
+@dataclass(slots=True)
+class QueueInfo:
+    """A queue as shown by the admin API and the CLI."""
+
+    config: QueueConfig
+    subscriptions: list[tuple[str, str]]
+    messages: int
+    spooled_bytes: int
+    counters: dict[str, int]
+    flows: list[str]
+    active_flow: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            **self.config.to_json(),
+            "subscriptions": [{"pattern": p, "syntax": s} for p, s in sorted(self.subscriptions)],
+            "messages": self.messages,
+            "spooled_bytes": self.spooled_bytes,
+            "counters": self.counters,
+            "flows": self.flows,
+            "active_flow": self.active_flow,
+        }
+
+
+class QueueStore:
+    """Provisioning over the function library; shared by the broker, admin API and config."""
+
+    def __init__(self, redis: aioredis.Redis) -> None:
+        self._redis = redis
+
+    async def create(
+        self,
+        config: QueueConfig,
+        subscriptions: list[tuple[str, str]] = (),  # type: ignore[assignment]
+        *,
+        reserved_ok: bool = False,
+    ) -> bool:
+        """Create a queue; returns False when an equivalent one exists (idempotent declare)."""
+        config.validate(reserved_ok=reserved_ok)
+        entries = [subscription_entry(p, s) for p, s in subscriptions]
+        config.created_ms = int(time.time() * 1000)
+        reply = await self._redis.fcall("gw_queue_create", 0, config.name, *config.to_redis())
+        created = reply[0] == 1
+        if not created:
+            existing = QueueConfig.from_redis(
+                config.name, dict(zip(reply[1::2], reply[2::2], strict=False))
+            )
+            for name in EQUIVALENCE_FIELDS:
+                if getattr(existing, name) != getattr(config, name):
+                    raise QueueError(
+                        "precondition_failed",
+                        f"queue {config.name!r} exists with {name}={getattr(existing, name)!r}",
+                    )
+        if entries:
+            await self._redis.fcall("gw_subscription", 0, config.name, "add", *entries)
+        return created
+
+    async def delete(self, name: str) -> None:
+        if not await self._redis.fcall("gw_queue_delete", 0, name):
+            raise QueueError("not_found", f"queue {name!r} does not exist")
+
+    async def exists(self, name: str) -> bool:
+        return bool(await self._redis.exists(keys.queue_config(name)))
+
+    async def config(self, name: str) -> QueueConfig:
+        raw = await self._redis.hgetall(keys.queue_config(name))
+        if not raw:
+            raise QueueError("not_found", f"queue {name!r} does not exist")
+        return QueueConfig.from_redis(name, raw)
+
+    async def update(self, name: str, changes: dict[str, Any]) -> QueueConfig:
+        """Change run-time settings (ingress / egress switches, limits)."""
+        allowed = {
+            "ingress_enabled",
+            "egress_enabled",
+            "max_message_size",
+            "max_spool_bytes",
+            "max_messages",
+            "owner",
+        }
+        bad = sorted(set(changes) - allowed)
+        if bad:
+            raise QueueError("invalid", f"cannot change {', '.join(bad)} on an existing queue")
+        current = await self.config(name)
+        updated = dataclasses.replace(current, **changes)
+        updated.validate(reserved_ok=True)
+        pairs = updated.to_redis()
+        if not await self._redis.fcall("gw_queue_update", 0, name, *pairs):
+            raise QueueError("not_found", f"queue {name!r} does not exist")
+        return updated
+
+    async def change_subscriptions(
+        self, name: str, op: str, subscriptions: list[tuple[str, str]]
+    ) -> int:
+        entries = [subscription_entry(p, s) for p, s in subscriptions]
+        if not entries:
+            return 0
+        changed = await self._redis.fcall("gw_subscription", 0, name, op, *entries)
+        if changed < 0:
+            raise QueueError("not_found", f"queue {name!r} does not exist")
+        return int(changed)
+
+    async def names(self) -> list[str]:
+        return sorted(n.decode() for n in await self._redis.smembers(keys.queues))
+
+    async def info(self, name: str) -> QueueInfo:
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.hgetall(keys.queue_config(name))
+        pipe.smembers(keys.queue_subs(name))
+        pipe.xlen(keys.queue_stream(name))
+        pipe.hgetall(keys.queue_stats(name))
+        pipe.zrange(keys.queue_flows(name), 0, -1)
+        pipe.hget(keys.queue_lease(name), "flow")
+        raw, subs, length, stats, flows, active = await pipe.execute()
+        if not raw:
+            raise QueueError("not_found", f"queue {name!r} does not exist")
+        counters = {k.decode(): int(v) for k, v in stats.items()}
+        return QueueInfo(
+            config=QueueConfig.from_redis(name, raw),
+            subscriptions=[parse_subscription_entry(e.decode()) for e in subs],
+            messages=int(length),
+            spooled_bytes=counters.pop("bytes", 0),
+            counters=counters,
+            flows=[f.decode() for f in flows],
+            active_flow=active.decode() if active else None,
+        )

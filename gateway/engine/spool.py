@@ -1,0 +1,117 @@
+"""The publish path: group commit of spools into one Redis function call per batch.
+
+Publishes from every connection that arrive while the previous batch is in flight (or in
+the same event-loop turn) go to Redis together, in one `gw_spool` call that checks quotas,
+fans each message out to its queues and returns an outcome per message. The caller acks
+its publisher only when its future resolves, so nothing is acked before it is stored.
+One batch is in flight at a time, which keeps each publisher's messages in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable
+
+import redis.asyncio as aioredis
+
+from gateway.model import Outcome
+
+MAX_BATCH_MESSAGES = 512
+MAX_BATCH_BYTES = 4 * 1024 * 1024
+
+
+class _Pending:
+    __slots__ = ("blob", "direct", "future", "queues", "size")
+
+    def __init__(
+        self, queues: Iterable[str], direct: bool, size: int, blob: bytes, future: asyncio.Future
+    ) -> None:
+        self.queues = queues
+        self.direct = direct
+        self.size = size
+        self.blob = blob
+        self.future = future
+
+
+class Spooler:
+    """Batches spool requests; `on_spooled(queues)` tells local flows there is work."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        node_id: str,
+        on_spooled: Callable[[set[str]], None] | None = None,
+    ) -> None:
+        self._redis = redis
+        self._node = node_id
+        self._on_spooled = on_spooled
+        self._pending: list[_Pending] = []
+        self._task: asyncio.Task | None = None
+        self.batches = 0
+        self.messages = 0
+
+    def submit(
+        self, queues: Iterable[str], direct: bool, size: int, blob: bytes
+    ) -> asyncio.Future[Outcome]:
+        """Queue one message for the next batch; the future carries its Outcome."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Outcome] = loop.create_future()
+        self._pending.append(_Pending(queues, direct, size, blob, fut))
+        if self._task is None:
+            self._task = loop.create_task(self._run())
+        return fut
+
+    async def _run(self) -> None:
+        try:
+            await asyncio.sleep(0)  # let the rest of this turn's publishes join the batch
+            while self._pending:
+                batch = self._take_batch()
+                try:
+                    await self._flush(batch)
+                except Exception as exc:  # Redis unreachable: refuse, never ack
+                    for p in batch:
+                        if not p.future.done():
+                            p.future.set_exception(exc)
+        finally:
+            self._task = None
+            if self._pending:  # raced with a submit during the finally
+                self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def _take_batch(self) -> list[_Pending]:
+        pending = self._pending
+        total = 0
+        for i, p in enumerate(pending):
+            total += len(p.blob)
+            if i + 1 >= MAX_BATCH_MESSAGES or total >= MAX_BATCH_BYTES:
+                batch, self._pending = pending[: i + 1], pending[i + 1 :]
+                return batch
+        self._pending = []
+        return pending
+
+    async def _flush(self, batch: list[_Pending]) -> None:
+        index: dict[str, int] = {}
+        body: list[object] = []
+        for p in batch:
+            idx = []
+            for q in p.queues:
+                i = index.get(q)
+                if i is None:
+                    i = index[q] = len(index) + 1
+                idx.append(i)
+            body.append(len(idx))
+            body.extend(idx)
+            body.append(1 if p.direct else 0)
+            body.append(p.size)
+            body.append(p.blob)
+        codes = await self._redis.fcall("gw_spool", 0, self._node, len(index), *index.keys(), *body)
+        self.batches += 1
+        self.messages += len(batch)
+        stored: set[str] = set()
+        for p, code in zip(batch, codes, strict=False):
+            outcome = Outcome(code)
+            if outcome is Outcome.OK:
+                stored.update(p.queues)
+            if not p.future.done():
+                p.future.set_result(outcome)
+        if stored and self._on_spooled is not None:
+            self._on_spooled(stored)

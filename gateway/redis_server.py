@@ -1,0 +1,158 @@
+"""The embedded redis-server: a child process under the data directory, AOF on.
+
+It listens on a unix socket only (no port to collide with), dies with the gateway (the
+kernel sends it SIGTERM if the gateway dies, even by SIGKILL), and a restart replays its
+append-only file, so spooled messages survive a gateway crash.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+INSTALL_HINT = (
+    "redis-server not found: install it (Debian/Ubuntu: apt-get install redis-server) "
+    "or pass --redis-url"
+)
+_PR_SET_PDEATHSIG = 1
+
+
+class RedisStartError(RuntimeError):
+    """The embedded redis-server could not be started; the message says why."""
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the gateway goes away."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class EmbeddedRedis:
+    def __init__(self, data_dir: str | Path, appendfsync: str = "everysec") -> None:
+        self.data_dir = Path(data_dir).resolve()
+        self.appendfsync = appendfsync
+        self.socket = self.data_dir / "redis.sock"
+        self.pidfile = self.data_dir / "redis.pid"
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"unix://{self.socket}?db=0"
+
+    def start(self, timeout: float = 15.0) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RedisStartError(INSTALL_HINT)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._wait_previous_exit(timeout)
+        with contextlib.suppress(FileNotFoundError):
+            self.socket.unlink()
+        args = [
+            binary,
+            "--port",
+            "0",
+            "--unixsocket",
+            str(self.socket),
+            "--unixsocketperm",
+            "700",
+            "--dir",
+            str(self.data_dir),
+            "--pidfile",
+            str(self.pidfile),
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            self.appendfsync,
+            "--save",
+            "",
+            "--logfile",
+            str(self.data_dir / "redis.log"),
+            "--daemonize",
+            "no",
+        ]
+        self.proc = subprocess.Popen(
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent,
+        )
+        self._wait_ready(timeout)
+
+    def _wait_previous_exit(self, timeout: float) -> None:
+        """A redis-server of a crashed gateway may still be flushing its AOF: let it finish."""
+        try:
+            pid = int(self.pidfile.read_text().strip())
+        except (FileNotFoundError, ValueError):
+            return
+        deadline = time.monotonic() + timeout
+        while _alive(pid) and _is_redis(pid):
+            if time.monotonic() > deadline:
+                raise RedisStartError(
+                    f"redis-server pid {pid} still runs on {self.data_dir}: another gateway "
+                    "uses this data directory"
+                )
+            time.sleep(0.05)
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        client = redis.Redis(unix_socket_path=str(self.socket))
+        try:
+            while True:
+                if self.proc is not None and self.proc.poll() is not None:
+                    log = self.data_dir / "redis.log"
+                    tail = log.read_text().strip().splitlines()[-3:] if log.exists() else []
+                    raise RedisStartError(
+                        f"redis-server exited with code {self.proc.returncode}: " + " | ".join(tail)
+                    )
+                try:
+                    # PING answers while the AOF is still loading; wait until it is loaded
+                    if client.info("persistence").get("loading", 0) == 0:
+                        return
+                except redis.BusyLoadingError:
+                    pass
+                except redis.ConnectionError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RedisStartError("redis-server did not answer in time")
+                time.sleep(0.02)
+        finally:
+            client.close()
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM: redis-server fsyncs its AOF and exits."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _is_redis(pid: int) -> bool:
+    try:
+        return b"redis" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False

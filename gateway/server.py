@@ -1,0 +1,110 @@
+"""Start-up and shut-down of one gateway node.
+
+Protocol adapters are found through the ``gateway.protocols`` entry-point group (each entry
+is ``async def start(broker, settings) -> listener`` with ``name``, ``port`` and
+``async close()``), so this package never imports ``protocols/``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from importlib.metadata import entry_points
+from typing import Any, Protocol
+
+from gateway.admin.api import AdminApi
+from gateway.admin.http import HttpServer
+from gateway.broker import Broker
+from gateway.config import Settings
+from gateway.engine import library
+from gateway.engine.queues import QueueConfig
+
+log = logging.getLogger("gateway")
+
+PROTOCOL_GROUP = "gateway.protocols"
+
+
+class Listener(Protocol):
+    name: str
+    port: int
+
+    async def close(self) -> None: ...
+
+
+async def provision(broker: Broker, settings: Settings) -> None:
+    """Create the queues of the config file (idempotent; differing ones are an error)."""
+    for spec in settings.queues:
+        config = QueueConfig.from_json(spec)
+        subs = [
+            (s, "smf") if isinstance(s, str) else (s["pattern"], s.get("syntax", "smf"))
+            for s in spec.get("subscriptions", [])
+        ]
+        await broker.queues.create(config, subs, reserved_ok=config.name.startswith("#DEAD"))
+        log.info("provisioned queue %s", config.name)
+    await broker.router.reload()
+
+
+async def run_node(
+    settings: Settings,
+    redis_url: str,
+    stop: asyncio.Event | None = None,
+    on_ready: Callable[[Broker], Awaitable[None]] | None = None,
+) -> None:
+    """Run until `stop` is set (or SIGINT / SIGTERM), then shut down in order.
+
+    `on_ready(broker)` runs once everything listens (embedding programs and tests use it).
+    """
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    client = await library.connect(redis_url)
+    broker = Broker(client, heartbeat=settings.heartbeat_s, node_ttl=settings.node_ttl_s)
+    listeners: list[Listener] = []
+    admin = HttpServer(AdminApi(broker))
+    try:
+        await broker.start()
+        await provision(broker, settings)
+        admin_port = await admin.start(settings.host, settings.admin_port)
+        for ep in sorted(entry_points(group=PROTOCOL_GROUP), key=lambda e: e.name):
+            listener = await ep.load()(broker, settings)
+            if listener is not None:
+                listeners.append(listener)
+        ready: dict[str, Any] = {
+            "event": "ready",
+            "node": broker.node_id,
+            "admin_port": admin_port,
+            "redis_url": redis_url,
+            **{f"{lst.name}_port": lst.port for lst in listeners},
+        }
+        print(json.dumps(ready), flush=True)
+        log.info("gateway node %s ready", broker.node_id)
+        if on_ready is not None:
+            await on_ready(broker)
+        await stop.wait()
+        log.info("shutting down")
+    finally:
+        for listener in listeners:
+            await listener.close()
+        await admin.close()
+        try:
+            await broker.stop()
+        finally:
+            await client.aclose()
+
+
+def run(settings: Settings, redis_url: str) -> None:
+    """Run a node on uvloop when available."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency; keep asyncio usable
+        asyncio.run(run_node(settings, redis_url))
+        return
+    if sys.version_info >= (3, 12):
+        asyncio.run(run_node(settings, redis_url), loop_factory=uvloop.new_event_loop)
+    else:
+        uvloop.run(run_node(settings, redis_url))
