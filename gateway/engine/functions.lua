@@ -342,6 +342,11 @@ redis.register_function('gw_queue_create', function(_, a)
   redis.call('XGROUP', 'CREATE', k_queue_stream(q), GROUP, '0', 'MKSTREAM')
   redis.call('HSET', k_queue_stats(q), 'bytes', 0, 'spooled', 0, 'acked', 0)
   redis.call('SADD', K_QUEUES, q)
+  for i = 2, #a - 1, 2 do
+    if a[i] == 'owner_node' and a[i + 1] ~= '' then
+      redis.call('SADD', k_node_queues(a[i + 1]), q)  -- so the reaper finds it
+    end
+  end
   return { 1 }
 end)
 

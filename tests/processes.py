@@ -1,0 +1,67 @@
+"""Gateway processes for multi-process tests: start, read their JSON lines, kill."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+GATEWAY = [sys.executable, "-m", "gateway.cli"]
+NODE_DRIVER = [sys.executable, str(Path(__file__).with_name("node_driver.py"))]
+
+
+class Proc:
+    """A child whose stdout carries one JSON object per line."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+        self.lines: list[dict[str, Any]] = []
+
+    @classmethod
+    async def start(cls, argv: list[str], env: dict[str, str] | None = None) -> Proc:
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env={**os.environ, **(env or {})},
+            cwd=ROOT,
+        )
+        return cls(proc)
+
+    async def next_line(self, timeout: float = 20.0) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        raw = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
+        if not raw:
+            err = await self.proc.stderr.read() if self.proc.stderr else b""
+            raise AssertionError(f"process ended: {err.decode(errors='replace')[-2000:]}")
+        line = json.loads(raw)
+        self.lines.append(line)
+        return line
+
+    async def wait_event(self, event: str, timeout: float = 20.0) -> dict[str, Any]:
+        while True:
+            line = await self.next_line(timeout)
+            if line.get("event") == event:
+                return line
+
+    def kill(self) -> None:
+        if self.proc.returncode is None:
+            self.proc.kill()
+
+    async def stop(self, timeout: float = 15.0) -> int:
+        if self.proc.returncode is None:
+            self.proc.terminate()
+        try:
+            return await asyncio.wait_for(self.proc.wait(), timeout)
+        except TimeoutError:
+            self.proc.kill()
+            return await self.proc.wait()
+
+
+def node_env(ttl: float = 1.0) -> dict[str, str]:
+    """Fast failure detection for tests."""
+    return {"GATEWAY_HEARTBEAT_S": str(ttl / 5), "GATEWAY_NODE_TTL_S": str(ttl)}

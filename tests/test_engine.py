@@ -1,0 +1,341 @@
+"""Queue engine through the broker API, against a real redis-server."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from gateway.broker import Broker
+from gateway.engine import keys, library
+from gateway.engine.flows import BindError
+from gateway.engine.queues import QueueConfig, QueueError
+from gateway.model import Delivery, Message, Outcome
+
+
+async def wait_for(predicate, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.01)
+
+
+def to_queue(name: str, payload: bytes, **kw) -> Message:
+    return Message(destination=name, payload=payload, to_queue=True, **kw)
+
+
+@pytest.fixture
+async def second_node(redis_url: str) -> AsyncIterator[Broker]:
+    client = await library.connect(redis_url)
+    node = Broker(client, heartbeat=0.2, node_ttl=1.0)
+    await node.start()
+    yield node
+    await node.stop()
+    await client.aclose()
+
+
+async def test_topic_fanout_reaches_every_matching_queue(broker: Broker) -> None:
+    await broker.queues.create(QueueConfig(name="all"), [("shop/>", "smf")])
+    await broker.queues.create(QueueConfig(name="created"), [("shop/*/created", "smf")])
+    await broker.queues.create(QueueConfig(name="mqtt"), [("shop/+/created", "mqtt")])
+    await broker.router.reload()
+    assert await broker.publish(Message(destination="shop/eu/created", payload=b"a")) is Outcome.OK
+    assert await broker.publish(Message(destination="shop/eu/paid", payload=b"b")) is Outcome.OK
+    assert await broker.publish(Message(destination="other", payload=b"c")) is (
+        Outcome.NO_SUBSCRIBERS
+    )
+    depth = {q: (await broker.queues.info(q)).messages for q in ("all", "created", "mqtt")}
+    assert depth == {"all": 2, "created": 1, "mqtt": 1}
+
+
+async def test_message_fields_survive_the_round_trip(broker: Broker) -> None:
+    await broker.queues.create(QueueConfig(name="q"))
+    sent = to_queue(
+        "q",
+        b"\x00\xffdata",
+        partition_key="dev-7",
+        priority=9,
+        correlation_id=b"\x01",
+        reply_to="replies",
+        content_type="application/octet-stream",
+        user_properties=[("b", 1), ("a", "x"), ("b", 2.5)],
+        expiration=1_900_000_000_000,
+    )
+    assert await broker.publish(sent) is Outcome.OK
+    got: list[Delivery] = []
+    await broker.bind("q", got.append)
+    await wait_for(lambda: got)
+    m = got[0].message
+    assert (m.payload, m.partition_key, m.priority, m.correlation_id) == (
+        b"\x00\xffdata",
+        "dev-7",
+        9,
+        b"\x01",
+    )
+    assert m.user_properties == [("b", 1), ("a", "x"), ("b", 2.5)]
+    assert (m.reply_to, m.content_type, m.expiration, m.id) == (
+        "replies",
+        "application/octet-stream",
+        1_900_000_000_000,
+        sent.id,
+    )
+    assert got[0].delivery_count == 1 and not got[0].redelivered
+
+
+async def test_refusals_are_outcomes_and_lose_nothing(broker: Broker) -> None:
+    await broker.queues.create(
+        QueueConfig(name="small", max_message_size=10, max_messages=2), [("t/>", "smf")]
+    )
+    await broker.queues.create(QueueConfig(name="other"), [("t/>", "smf")])
+    await broker.router.reload()
+    assert await broker.publish(to_queue("nope", b"x")) is Outcome.NOT_FOUND
+    assert await broker.publish(to_queue("small", b"x" * 11)) is Outcome.TOO_LARGE
+    assert await broker.publish(Message(destination="t/1", payload=b"1")) is Outcome.OK
+    assert await broker.publish(Message(destination="t/2", payload=b"2")) is Outcome.OK
+    # the third is refused by "small" and therefore stored nowhere (all or nothing)
+    assert await broker.publish(Message(destination="t/3", payload=b"3")) is Outcome.QUEUE_FULL
+    assert (await broker.queues.info("small")).messages == 2
+    assert (await broker.queues.info("other")).messages == 2
+    await broker.queues.update("small", {"ingress_enabled": False})
+    assert await broker.publish(to_queue("small", b"x")) is Outcome.INGRESS_DISABLED
+    got: list[Delivery] = []
+    flow = await broker.bind("small", got.append)
+    await wait_for(lambda: len(got) == 2)
+    assert [d.message.payload for d in got] == [b"1", b"2"]
+    for d in got:
+        flow.ack(d.entry_id)
+    await flow.close()
+    assert (await broker.queues.info("small")).messages == 0
+
+
+async def test_byte_quota(broker: Broker) -> None:
+    await broker.queues.create(QueueConfig(name="q", max_spool_bytes=400))
+    outcomes = [await broker.publish(to_queue("q", b"x" * 100)) for _ in range(5)]
+    assert outcomes[:2] == [Outcome.OK, Outcome.OK]
+    assert outcomes[-1] is Outcome.QUOTA_EXCEEDED
+    info = await broker.queues.info("q")
+    assert 0 < info.spooled_bytes <= 400
+    assert info.messages == outcomes.count(Outcome.OK)
+
+
+async def test_group_commit_batches_one_turn(broker: Broker) -> None:
+    await broker.queues.create(QueueConfig(name="q"))
+    before = broker.spooler.batches
+    outcomes = await asyncio.gather(
+        *[broker.publish_nowait(to_queue("q", b"%d" % i)) for i in range(300)]
+    )
+    assert set(outcomes) == {Outcome.OK}
+    assert broker.spooler.batches - before == 1
+    got: list[Delivery] = []
+    await broker.bind("q", got.append, window=1000)
+    await wait_for(lambda: len(got) == 300)
+    assert [d.message.payload for d in got] == [b"%d" % i for i in range(300)]
+
+
+async def test_window_limits_unacked(broker: Broker) -> None:
+    await broker.queues.create(QueueConfig(name="q"))
+    for i in range(10):
+        await broker.publish(to_queue("q", b"%d" % i))
+    got: list[Delivery] = []
+    flow = await broker.bind("q", got.append, window=3)
+    await wait_for(lambda: len(got) == 3)
+    await asyncio.sleep(0.1)
+    assert len(got) == 3
+    flow.ack(got[0].entry_id)
+    await wait_for(lambda: len(got) == 4)
+    flow.set_credit(0)
+    flow.ack(got[1].entry_id)
+    await asyncio.sleep(0.1)
+    assert len(got) == 4
+    flow.set_credit(2)
+    await wait_for(lambda: len(got) == 5)
+
+
+async def test_requeue_redelivers_with_count(broker: Broker) -> None:
+    await broker.queues.create(QueueConfig(name="q"))
+    await broker.publish(to_queue("q", b"m"))
+    got: list[Delivery] = []
+    flow = await broker.bind("q", got.append)
+    await wait_for(lambda: got)
+    flow.requeue(got[0].entry_id)
+    await wait_for(lambda: len(got) == 2)
+    assert got[1].entry_id == got[0].entry_id
+    assert (got[1].delivery_count, got[1].redelivered) == (2, True)
+    flow.reject(got[1].entry_id)
+    await flow.close()
+    info = await broker.queues.info("q")
+    assert info.messages == 0 and info.counters["rejected"] == 1
+
+
+async def test_closed_flow_redelivers_to_another(broker: Broker) -> None:
+    await broker.queues.create(QueueConfig(name="q"))
+    for i in range(5):
+        await broker.publish(to_queue("q", b"%d" % i))
+    first: list[Delivery] = []
+    a = await broker.bind("q", first.append, window=5)
+    await wait_for(lambda: len(first) == 5)
+    a.ack(first[0].entry_id)
+    await a.close()
+    second: list[Delivery] = []
+    await broker.bind("q", second.append)
+    await wait_for(lambda: len(second) == 4)
+    assert [d.message.payload for d in second] == [b"1", b"2", b"3", b"4"]
+    assert all(d.redelivered and d.delivery_count == 2 for d in second)
+
+
+async def test_non_exclusive_round_robin_across_nodes(broker: Broker, second_node: Broker) -> None:
+    await broker.queues.create(QueueConfig(name="q"))
+    seen: dict[str, list[bytes]] = {"a": [], "b": []}
+    flows = {}
+
+    def consumer(name: str, node: Broker):
+        def on(d: Delivery) -> None:
+            seen[name].append(d.message.payload)
+            flows[name].ack(d.entry_id)
+
+        return on
+
+    flows["a"] = await broker.bind("q", consumer("a", broker), window=10)
+    flows["b"] = await second_node.bind("q", consumer("b", second_node), window=10)
+    n = 2000
+    await asyncio.gather(*[broker.publish_nowait(to_queue("q", b"%d" % i)) for i in range(n)])
+    await wait_for(lambda: len(seen["a"]) + len(seen["b"]) == n, 15)
+    await asyncio.sleep(0.2)
+    everything = seen["a"] + seen["b"]
+    assert len(everything) == len(set(everything)) == n
+    assert seen["a"] and seen["b"]
+
+
+async def test_exclusive_standby_takes_over_in_order(broker: Broker, second_node: Broker) -> None:
+    await broker.queues.create(QueueConfig(name="x", access_type="exclusive"))
+    for i in range(20):
+        await broker.publish(to_queue("x", b"%02d" % i))
+    got_a: list[Delivery] = []
+    got_b: list[Delivery] = []
+    a = await broker.bind("x", got_a.append, window=5)
+    b = None
+
+    def on_b(d: Delivery) -> None:
+        got_b.append(d)
+        b.ack(d.entry_id)
+
+    b = await second_node.bind("x", on_b, window=5)
+    await wait_for(lambda: len(got_a) == 5)
+    await asyncio.sleep(0.2)
+    assert got_b == []  # standby
+    for d in got_a[:3]:
+        a.ack(d.entry_id)
+    await wait_for(lambda: len(got_a) == 8)
+    for d in got_a[3:6]:
+        a.ack(d.entry_id)
+    await a.close()  # 2 unacked go back and must come first on the standby
+    await wait_for(lambda: len(got_b) >= 14, 10)
+    payloads = [d.message.payload for d in got_b]
+    assert payloads[:14] == [b"%02d" % i for i in range(6, 20)]
+    assert [d.redelivered for d in got_b[:2]] == [True, True]
+
+
+async def test_dead_node_flows_are_released(redis_url: str, broker: Broker) -> None:
+    """A node that stops heartbeating loses its flows; their messages go to live flows."""
+    client = await library.connect(redis_url)
+    doomed = Broker(client, heartbeat=0.2, node_ttl=1.0)
+    await doomed.start()
+    await broker.queues.create(QueueConfig(name="x", access_type="exclusive"))
+    for i in range(5):
+        await broker.publish(to_queue("x", b"%d" % i))
+    held: list[Delivery] = []
+    await doomed.bind("x", held.append, window=3)
+    await wait_for(lambda: len(held) == 3)
+    tmp = await doomed.create_temporary_queue()
+    survivor: list[Delivery] = []
+    await broker.bind("x", survivor.append, window=10)
+    # simulate a crash: stop the heartbeat task without the clean shutdown
+    doomed.liveness._task.cancel()
+    await doomed.events.stop()
+    await wait_for(lambda: len(survivor) == 5, 10)
+    assert [d.message.payload for d in survivor] == [b"0", b"1", b"2", b"3", b"4"]
+    assert [d.redelivered for d in survivor] == [True] * 3 + [False] * 2
+    for _ in range(100):
+        if not await broker.queues.exists(tmp):
+            break
+        await asyncio.sleep(0.05)
+    assert not await broker.queues.exists(tmp)
+    await client.aclose()
+
+
+async def test_egress_disabled_and_queue_deletion(broker: Broker) -> None:
+    await broker.queues.create(QueueConfig(name="q", egress_enabled=False))
+    with pytest.raises(BindError) as err:
+        await broker.bind("q", lambda d: None)
+    assert err.value.code == "egress_disabled"
+    with pytest.raises(BindError):
+        await broker.bind("missing", lambda d: None)
+    await broker.queues.update("q", {"egress_enabled": True})
+    reasons: list[str] = []
+    await broker.bind("q", lambda d: None, on_closed=reasons.append)
+    await broker.delete_queue("q")
+    await wait_for(lambda: reasons == ["queue deleted"])
+    with pytest.raises(QueueError) as qerr:
+        await broker.delete_queue("q")
+    assert qerr.value.code == "not_found"
+
+
+async def test_queue_names_and_equivalence(broker: Broker) -> None:
+    for bad in ["", "a b", "a{b}", "x" * 256, "#tmp/x", "amq.q", "a*"]:
+        with pytest.raises(QueueError) as err:
+            await broker.queues.create(QueueConfig(name=bad))
+        assert err.value.code == "invalid"
+    assert await broker.queues.create(QueueConfig(name="q/with/slashes"))
+    assert not await broker.queues.create(QueueConfig(name="q/with/slashes"))
+    with pytest.raises(QueueError) as err:
+        await broker.queues.create(QueueConfig(name="q/with/slashes", access_type="exclusive"))
+    assert err.value.code == "precondition_failed"
+    with pytest.raises(QueueError) as err:
+        await broker.queues.create(QueueConfig(name="p", partition_count=4))
+    assert err.value.code == "unsupported"
+    assert await broker.queues.create(QueueConfig(name="#DEAD_MSG_QUEUE"))
+
+
+async def test_deleting_a_queue_removes_its_routes(broker: Broker, second_node: Broker) -> None:
+    await broker.queues.create(QueueConfig(name="q"), [("a/>", "smf")])
+    await broker.router.reload()
+    await wait_for(lambda: second_node.router.match("a/b") == {"q"})
+    await broker.delete_queue("q")
+    assert broker.router.match("a/b") == frozenset()
+    await wait_for(lambda: second_node.router.match("a/b") == frozenset())
+    assert await second_node.publish(Message(destination="a/b")) is Outcome.NO_SUBSCRIBERS
+
+
+async def test_direct_subscribers_get_topic_messages(broker: Broker) -> None:
+    got: list[Message] = []
+    token = broker.subscribe_direct("sensors/#", "mqtt", got.append)
+    await broker.publish(Message(destination="sensors/1/temp", payload=b"21"))
+    broker.unsubscribe_direct(token)
+    await broker.publish(Message(destination="sensors/1/temp", payload=b"22"))
+    assert [m.payload for m in got] == [b"21"]
+
+
+async def test_keys_module_names_every_key(redis_url: str, broker: Broker) -> None:
+    await broker.queues.create(QueueConfig(name="q"), [("a", "smf")])
+    await broker.publish(to_queue("q", b"x"))
+    await broker.bind("q", lambda d: None)
+    client = aioredis.Redis.from_url(redis_url)
+    names = {k.decode() for k in await client.keys("*")}
+    await client.aclose()
+    expected = {
+        keys.queues,
+        keys.seq,
+        keys.nodes,
+        keys.sub_version,
+        keys.queue_config("q"),
+        keys.queue_stream("q"),
+        keys.queue_stats("q"),
+        keys.queue_subs("q"),
+        keys.queue_flows("q"),
+        keys.node_alive(broker.node_id),
+        keys.node_queues(broker.node_id),
+    }
+    assert names == expected

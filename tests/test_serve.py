@@ -1,0 +1,110 @@
+"""`gateway serve` as users run it: embedded Redis, external Redis, clean errors."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from gateway.engine.library import MIN_REDIS, parse_version
+from tests.processes import GATEWAY, Proc
+
+pytestmark = pytest.mark.slow
+
+
+async def test_sigint_stops_node_and_embedded_redis(tmp_path: Path) -> None:
+    data_dir = tmp_path / "d"
+    gw = await Proc.start(
+        [
+            *GATEWAY,
+            "serve",
+            "--data-dir",
+            str(data_dir),
+            "--admin-port",
+            "0",
+            "--mqtt-port",
+            "0",
+            "--amqp-port",
+            "0",
+            "--appendfsync",
+            "always",
+        ]
+    )
+    ready = await gw.wait_event("ready")
+    assert ready["redis_url"].startswith("unix://")
+    redis_pid = int((data_dir / "redis.pid").read_text())
+    assert (
+        "appendonly.aof" in " ".join(os.listdir(data_dir)) or (data_dir / "appendonlydir").is_dir()
+    )
+    gw.proc.send_signal(signal.SIGINT)
+    assert await asyncio.wait_for(gw.proc.wait(), 20) == 0
+    assert not Path(f"/proc/{redis_pid}").exists(), "no orphaned redis-server"
+
+
+async def test_external_redis_url(tmp_path: Path, redis_url: str) -> None:
+    data_dir = tmp_path / "unused"
+    gw = await Proc.start(
+        [
+            *GATEWAY,
+            "serve",
+            "--redis-url",
+            redis_url,
+            "--data-dir",
+            str(data_dir),
+            "--admin-port",
+            "0",
+            "--mqtt-port",
+            "0",
+            "--amqp-port",
+            "0",
+        ]
+    )
+    ready = await gw.wait_event("ready")
+    assert ready["redis_url"] == redis_url
+    assert not data_dir.exists(), "no embedded Redis with --redis-url"
+    assert await gw.stop() == 0
+
+
+async def test_missing_redis_server_is_one_clear_line(tmp_path: Path) -> None:
+    env = {"PATH": str(tmp_path)}  # no redis-server on this PATH
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "gateway.cli",
+        "serve",
+        "--data-dir",
+        str(tmp_path / "d"),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, **env},
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 2
+    lines = err.decode().strip().splitlines()
+    assert len(lines) == 1 and "apt-get install redis-server" in lines[0], lines
+
+
+async def test_bad_config_is_one_clear_line(tmp_path: Path) -> None:
+    bad = tmp_path / "g.toml"
+    bad.write_text("[server]\nmqtt_prot = 1\n")
+    proc = await asyncio.create_subprocess_exec(
+        *GATEWAY,
+        "serve",
+        "--config",
+        str(bad),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    _, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 2
+    assert "mqtt_prot" in err.decode() and len(err.decode().strip().splitlines()) == 1
+
+
+def test_redis_version_gate() -> None:
+    assert parse_version("6.2.14")[:2] < MIN_REDIS
+    assert parse_version("7.0.15")[:2] >= MIN_REDIS
+    assert parse_version("7.2.4")[:2] >= MIN_REDIS
