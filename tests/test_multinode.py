@@ -90,7 +90,7 @@ async def test_exclusive_queue_fails_over_to_other_node_in_order(
     assert standby.lines[-1]["active"] is False
     got: dict[str, list[dict]] = {"a": [], "b": []}
     got_a, got_b = got["a"], got["b"]
-    everything = {"%04d" % i for i in range(n)}
+    everything = {f"{i:04d}" for i in range(n)}
     try:
         await collect({"a": active}, got, lambda: len(got_a) >= 300, 30)
         assert len(got_a) >= 300

@@ -82,7 +82,7 @@ async def test_missing_redis_server_is_one_clear_line(tmp_path: Path) -> None:
         stderr=asyncio.subprocess.PIPE,
         env={**os.environ, **env},
     )
-    out, err = await asyncio.wait_for(proc.communicate(), 30)
+    _, err = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode == 2
     lines = err.decode().strip().splitlines()
     assert len(lines) == 1 and "apt-get install redis-server" in lines[0], lines
