@@ -94,7 +94,6 @@ class Broker:
         self._tokens = itertools.count(1)
         self._tasks: set[asyncio.Task] = set()
         self.published = 0
-        self.refused: dict[str, int] = {}
 
     async def start(self) -> None:
         await self.events.start()
@@ -122,20 +121,10 @@ class Broker:
                 fut = asyncio.get_running_loop().create_future()
                 fut.set_result(Outcome.NO_SUBSCRIBERS)
                 return fut
-        fut = self.spooler.submit(queues, msg.to_queue, len(msg.payload), encode(msg))
-        fut.add_done_callback(self._count_refusal)
-        return fut
+        return self.spooler.submit(queues, msg.to_queue, len(msg.payload), encode(msg))
 
     async def publish(self, msg: Message) -> Outcome:
         return await self.publish_nowait(msg)
-
-    def _count_refusal(self, fut: asyncio.Future[Outcome]) -> None:
-        if fut.cancelled():
-            return
-        exc = fut.exception()
-        name = "redis_error" if exc is not None else fut.result().name.lower()
-        if exc is not None or not fut.result().accepted:
-            self.refused[name] = self.refused.get(name, 0) + 1
 
     def _spooled(self, queues: set[str]) -> None:
         for queue in queues:
@@ -259,5 +248,5 @@ class Broker:
             "dispatch_rounds": self.dispatcher.rounds,
             "flows": sum(len(f) for f in self.dispatcher.flows.values()),
             "reaped_flows": self.liveness.reaped,
-            **{f"refused_{k}": v for k, v in self.refused.items()},
+            **{f"refused_{k}": v for k, v in self.spooler.refused.items()},
         }

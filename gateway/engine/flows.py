@@ -342,9 +342,11 @@ class Dispatcher:
             flow.active = False
             self.request_lease_check(flow.queue)
         elif status == "noflow":
-            # our node was presumed dead and the flow released: bind again
+            # our node was presumed dead and the flow released: its messages went back to the
+            # queue. Bind again under a new id, so late settlements of the old id are ignored.
             log.warning("flow %s was released by another node; rebinding", flow.id)
             flow.unacked.clear()
+            flow.id = f"{self.node_id}.{next(self._ids)}"
             asyncio.get_running_loop().create_task(self._rebind(flow))
         elif status == "noqueue":
             self.close_queue_flows(flow.queue, "queue deleted")

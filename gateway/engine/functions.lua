@@ -11,18 +11,6 @@ local function node_of(flow)
   return string.match(flow, '^([^.]+)%.')
 end
 
--- Stream ids compare as integer (ms, seq) pairs, never as strings.
-local function id_parts(id)
-  local ms, sq = string.match(id, '^(%d+)-(%d+)$')
-  return tonumber(ms), tonumber(sq)
-end
-
-local function id_less(x, y)
-  local xm, xs = id_parts(x)
-  local ym, ys = id_parts(y)
-  return xm < ym or (xm == ym and xs < ys)
-end
-
 -- XCLAIM ... JUSTID: moves entries between consumers without bumping the delivery count.
 local function claim_justid(s, consumer, ids)
   local args = { 'XCLAIM', s, GROUP, consumer, 0 }
@@ -211,36 +199,24 @@ redis.register_function('gw_fetch', function(_, a)
 end)
 
 -- Settle entries a flow holds. ARGV: mode ('ack' | 'reject' | 'requeue'), then groups of
--- queue, flow, n, then n pairs of entry id, size. Entries the flow does not hold (already
--- settled, or returned after the flow was presumed dead) are skipped. Returns the count settled.
+-- queue, flow, n, then n pairs of entry id, size. A flow that is no longer bound (released
+-- after its node was presumed dead: its entries went back to the queue) settles nothing;
+-- entries already settled are skipped. Returns the count settled.
 redis.register_function('gw_settle', function(_, a)
   local mode = a[1]
   local pos, total = 2, 0
   while pos <= #a do
     local q, flow, n = a[pos], a[pos + 1], tonumber(a[pos + 2])
     local s = k_queue_stream(q)
-    local ids, sizes = {}, {}
-    local lo, hi
-    for i = 1, n do
-      local id = a[pos + 1 + 2 * i]
-      ids[i] = id
-      sizes[id] = tonumber(a[pos + 2 + 2 * i])
-      if not lo or id_less(id, lo) then lo = id end
-      if not hi or id_less(hi, id) then hi = id end
-    end
-    pos = pos + 3 + 2 * n
-    if n > 0 and redis.call('EXISTS', s) == 1 then
-      -- only entries this flow holds: its pending entries in the range the ids span
-      local held = {}
-      for _, e in ipairs(redis.call('XPENDING', s, GROUP, lo, hi, 1000000, flow)) do
-        held[e[1]] = true
-      end
+    local first = pos + 3
+    pos = first + 2 * n
+    if n > 0 and redis.call('ZSCORE', k_queue_flows(q), flow) then
       local mine, bytes = {}, 0
-      for _, id in ipairs(ids) do
-        if held[id] then
+      for i = first, pos - 1, 2 do
+        local id = a[i]
+        if mode == 'requeue' or redis.call('XACK', s, GROUP, id) == 1 then
           mine[#mine + 1] = id
-          bytes = bytes + sizes[id]
-          held[id] = nil
+          bytes = bytes + tonumber(a[i + 1])
         end
       end
       if #mine > 0 then
@@ -249,7 +225,6 @@ redis.register_function('gw_settle', function(_, a)
           redis.call('HINCRBY', k_queue_stats(q), 'requeued', #mine)
           redis.call('PUBLISH', k_queue_wake(q), '')
         else
-          redis.call('XACK', s, GROUP, unpack(mine))
           redis.call('XDEL', s, unpack(mine))
           local st = k_queue_stats(q)
           redis.call('HINCRBY', st, 'bytes', -bytes)

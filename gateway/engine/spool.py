@@ -49,6 +49,7 @@ class Spooler:
         self._task: asyncio.Task | None = None
         self.batches = 0
         self.messages = 0
+        self.refused: dict[str, int] = {}  # outcome name (or redis_error) -> count
 
     def submit(
         self, queues: Iterable[str], direct: bool, size: int, blob: bytes
@@ -69,6 +70,7 @@ class Spooler:
                 try:
                     await self._flush(batch)
                 except Exception as exc:  # Redis unreachable: refuse, never ack
+                    self.refused["redis_error"] = self.refused.get("redis_error", 0) + len(batch)
                     for p in batch:
                         if not p.future.done():
                             p.future.set_exception(exc)
@@ -111,6 +113,9 @@ class Spooler:
             outcome = Outcome(code)
             if outcome is Outcome.OK:
                 stored.update(p.queues)
+            elif outcome is not Outcome.NO_SUBSCRIBERS:
+                name = outcome.name.lower()
+                self.refused[name] = self.refused.get(name, 0) + 1
             if not p.future.done():
                 p.future.set_result(outcome)
         if stored and self._on_spooled is not None:
