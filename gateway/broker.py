@@ -27,7 +27,9 @@ Direct topic subscribers (not spooled, e.g. MQTT QoS 0)
     ``callback(message)`` runs for every message published on this node whose topic matches.
 
 Provisioning
-    ``broker.queues`` (`QueueStore`) creates, deletes, shows and lists queues;
+    ``await broker.declare_queue(config, subscriptions)`` creates a queue (idempotent; a
+    re-declaration with other properties raises `QueueError` 'precondition_failed');
+    ``broker.queues`` (`QueueStore`) shows, lists and changes queues;
     ``await broker.create_temporary_queue(...)`` makes an anonymous queue that dies with this
     node (delete it when the owning session ends); ``await broker.subscribe_queue(queue,
     patterns)`` / ``unsubscribe_queue`` change a queue's topic subscriptions.
@@ -52,7 +54,12 @@ from gateway.engine.flows import (
     Flow,
 )
 from gateway.engine.leases import NodeLiveness, new_node_id
-from gateway.engine.queues import QueueConfig, QueueError, QueueStore, temporary_queue_name
+from gateway.engine.queues import (
+    QueueConfig,
+    QueueError,
+    QueueStore,
+    temporary_queue_name,
+)
 from gateway.engine.spool import Spooler
 from gateway.model import Message, Outcome, encode, new_message_id
 from gateway.router import Router
@@ -182,6 +189,19 @@ class Broker:
         self._spawn(self.events.unwatch_queue(queue))
 
     # -- provisioning ----------------------------------------------------------------------
+
+    async def declare_queue(
+        self, config: QueueConfig, subscriptions: Iterable[tuple[str, str]] = ()
+    ) -> bool:
+        """Create a queue (idempotent). A non-durable queue belongs to this node and is
+        deleted when the node goes away, as transient queues are on a broker restart."""
+        if not config.durable and config.owner_node is None:
+            config.owner_node = self.node_id
+        subscriptions = list(subscriptions)
+        created = await self.queues.create(config, subscriptions)
+        if subscriptions:
+            await self.router.reload()
+        return created
 
     async def create_temporary_queue(
         self, owner: str | None = None, subscriptions: Iterable[tuple[str, str]] = ()

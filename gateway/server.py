@@ -43,9 +43,8 @@ async def provision(broker: Broker, settings: Settings) -> None:
             (s, "smf") if isinstance(s, str) else (s["pattern"], s.get("syntax", "smf"))
             for s in spec.get("subscriptions", [])
         ]
-        await broker.queues.create(config, subs, reserved_ok=config.name.startswith("#DEAD"))
+        await broker.declare_queue(config, subs)
         log.info("provisioned queue %s", config.name)
-    await broker.router.reload()
 
 
 async def run_node(

@@ -339,3 +339,17 @@ async def test_keys_module_names_every_key(redis_url: str, broker: Broker) -> No
         keys.node_queues(broker.node_id),
     }
     assert names == expected
+
+
+async def test_non_durable_queue_dies_with_its_node(redis_url: str, broker: Broker) -> None:
+    client = await library.connect(redis_url)
+    other = Broker(client, heartbeat=0.2, node_ttl=1.0)
+    await other.start()
+    await other.declare_queue(QueueConfig(name="transient", durable=False), [("t/#", "mqtt")])
+    await other.declare_queue(QueueConfig(name="kept"))
+    assert (await broker.queues.config("transient")).owner_node == other.node_id
+    await other.stop()  # a clean shutdown deletes it at once
+    await client.aclose()
+    assert not await broker.queues.exists("transient")
+    assert await broker.queues.exists("kept")
+    await wait_for(lambda: broker.router.match("t/x") == frozenset())

@@ -102,9 +102,7 @@ class AdminApi:
     async def _create_queue(self, body: dict[str, Any]) -> Response:
         subs = _subscriptions(body.get("subscriptions", []))
         config = QueueConfig.from_json(body)
-        created = await self.broker.queues.create(config, subs)
-        if subs:
-            await self.broker.router.reload()
+        created = await self.broker.declare_queue(config, subs)
         info = await self.broker.queues.info(config.name)
         return Response.json(info.to_json(), 201 if created else 200)
 
