@@ -80,6 +80,8 @@ def _coerce(name: str, value: Any) -> Any:
         return None
     try:
         if "int" in kind and "|" not in kind:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError(value)
             return int(value)
         if "float" in kind:
             return float(value)

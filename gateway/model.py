@@ -29,6 +29,7 @@ DEFAULT_PRIORITY = 4
 FLAG_PERSISTENT = 1
 FLAG_DMQ_ELIGIBLE = 2
 FLAG_RETAIN = 4
+FLAG_TO_QUEUE = 8
 
 PropertyValue = str | int | float | bool | bytes | None
 UserProperties = list[tuple[str, PropertyValue]]
@@ -119,6 +120,7 @@ def encode(msg: Message) -> bytes:
         (FLAG_PERSISTENT if msg.persistent else 0)
         | (FLAG_DMQ_ELIGIBLE if msg.dmq_eligible else 0)
         | (FLAG_RETAIN if msg.retain else 0)
+        | (FLAG_TO_QUEUE if msg.to_queue else 0)
     )
     pub = msg.publisher
     fields: list[Any] = [
@@ -149,30 +151,36 @@ def decode(blob: bytes) -> Message:
     """Inverse of `encode`; raises ValueError on an entry this version cannot read."""
     try:
         f = msgpack.unpackb(blob, raw=False, use_list=True, strict_map_key=False)
-    except (msgpack.UnpackException, ValueError) as exc:
+    except (msgpack.UnpackException, ValueError, TypeError) as exc:
         raise ValueError(f"undecodable stream entry: {exc}") from exc
-    if not isinstance(f, list) or not f or f[0] != ENCODING_VERSION:
+    if not isinstance(f, list) or not f or type(f[0]) is not int or f[0] != ENCODING_VERSION:
         raise ValueError("stream entry has an unknown encoding version")
+    if len(f) < 3 or not isinstance(f[1], bytes) or not isinstance(f[2], str):
+        raise ValueError("stream entry has no payload or destination")
     f.extend([None] * (17 - len(f)))
-    flags = f[4] or 0
-    pub = f[16]
-    return Message(
-        payload=f[1],
-        destination=f[2],
-        id=f[3] or "",
-        persistent=bool(flags & FLAG_PERSISTENT),
-        dmq_eligible=bool(flags & FLAG_DMQ_ELIGIBLE),
-        retain=bool(flags & FLAG_RETAIN),
-        priority=DEFAULT_PRIORITY if f[5] is None else f[5],
-        partition_key=f[6],
-        expiration=f[7],
-        not_before=f[8],
-        content_type=f[9],
-        correlation_id=f[10],
-        reply_to=f[11],
-        message_id=f[12],
-        subject=f[13],
-        user_properties=[(k, v) for k, v in f[14]] if f[14] else [],
-        annotations=f[15] or {},
-        publisher=Publisher(pub[0], pub[1], pub[2]) if pub else None,
-    )
+    try:
+        flags = f[4] or 0
+        pub = f[16]
+        return Message(
+            payload=f[1],
+            destination=f[2],
+            id=f[3] or "",
+            persistent=bool(flags & FLAG_PERSISTENT),
+            dmq_eligible=bool(flags & FLAG_DMQ_ELIGIBLE),
+            retain=bool(flags & FLAG_RETAIN),
+            to_queue=bool(flags & FLAG_TO_QUEUE),
+            priority=DEFAULT_PRIORITY if f[5] is None else f[5],
+            partition_key=f[6],
+            expiration=f[7],
+            not_before=f[8],
+            content_type=f[9],
+            correlation_id=f[10],
+            reply_to=f[11],
+            message_id=f[12],
+            subject=f[13],
+            user_properties=[(k, v) for k, v in f[14]] if f[14] else [],
+            annotations=dict(f[15]) if f[15] else {},
+            publisher=Publisher(pub[0], pub[1], pub[2]) if pub else None,
+        )
+    except (TypeError, ValueError, IndexError, KeyError) as exc:
+        raise ValueError(f"stream entry has malformed fields: {exc}") from exc

@@ -50,7 +50,6 @@ class Flow:
         "credit",
         "exclusive",
         "fence",
-        "hungry",
         "id",
         "on_closed",
         "on_deliver",
@@ -82,7 +81,6 @@ class Flow:
         self.active = not exclusive
         self.fence = ""
         self.closed = False
-        self.hungry = True
 
     @property
     def space(self) -> int:
@@ -204,7 +202,6 @@ class Dispatcher:
 
     def wake(self, flow: Flow) -> None:
         """The flow may have work (new messages, more space)."""
-        flow.hungry = True
         if not flow.closed and flow.active and flow.space > 0:
             self._want[flow] = None
             self._kick()
@@ -317,6 +314,8 @@ class Dispatcher:
         if status != b"ok":
             self._fetch_refused(flow, status.decode())
             return
+        if flow.closed:
+            return  # closed while fetching: its pending unbind returns these entries
         got = (len(reply) - 1) // 3
         queue = flow.queue
         for i in range(1, len(reply), 3):
@@ -333,8 +332,7 @@ class Dispatcher:
                 log.exception("delivery callback of flow %s failed", flow.id)
             if flow.closed:
                 return
-        flow.hungry = got >= requested
-        if flow.hungry and flow.space > 0:
+        if got >= requested and flow.space > 0:  # a full batch: there may be more
             self._want[flow] = None
 
     def _fetch_refused(self, flow: Flow, status: str) -> None:

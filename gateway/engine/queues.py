@@ -97,6 +97,12 @@ class QueueConfig:
     def validate(self, *, reserved_ok: bool = False) -> None:
         """Raise QueueError for a config this version cannot honour."""
         validate_queue_name(self.name, reserved_ok=reserved_ok)
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type == "bool" and not isinstance(value, bool):
+                raise QueueError("invalid", f"{f.name} must be true or false")
+            if f.type == "str | None" and value is not None and not isinstance(value, str):
+                raise QueueError("invalid", f"{f.name} must be a string")
         if self.access_type not in ACCESS_TYPES:
             raise QueueError("invalid", f"access_type must be one of {', '.join(ACCESS_TYPES)}")
         for name in (
@@ -183,11 +189,7 @@ class QueueConfig:
             raise QueueError("invalid", f"unknown queue properties: {', '.join(unknown)}")
         if "name" not in data:
             raise QueueError("invalid", "queue needs a name")
-        fields_ = {k: v for k, v in data.items() if k in known}
-        for f in dataclasses.fields(cls):
-            if f.name in fields_ and f.type == "bool" and not isinstance(fields_[f.name], bool):
-                raise QueueError("invalid", f"{f.name} must be true or false")
-        return cls(**fields_)
+        return cls(**{k: v for k, v in data.items() if k in known})
 
 
 # Fields whose change would alter how existing messages or flows behave: a re-declaration

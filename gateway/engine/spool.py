@@ -48,7 +48,7 @@ class Spooler:
         self._pending: list[_Pending] = []
         self._task: asyncio.Task | None = None
         self.batches = 0
-        self.messages = 0
+        self.messages = 0  # stored (outcome OK)
         self.refused: dict[str, int] = {}  # outcome name (or redis_error) -> count
 
     def submit(
@@ -107,12 +107,12 @@ class Spooler:
             body.append(p.blob)
         codes = await self._redis.fcall("gw_spool", 0, self._node, len(index), *index.keys(), *body)
         self.batches += 1
-        self.messages += len(batch)
         stored: set[str] = set()
         for p, code in zip(batch, codes, strict=False):
             outcome = Outcome(code)
             if outcome is Outcome.OK:
                 stored.update(p.queues)
+                self.messages += 1
             elif outcome is not Outcome.NO_SUBSCRIBERS:
                 name = outcome.name.lower()
                 self.refused[name] = self.refused.get(name, 0) + 1

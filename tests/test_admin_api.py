@@ -1,0 +1,736 @@
+"""The admin HTTP API and the `gateway queue` CLI, over real sockets against a real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import socket
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import pytest
+
+from gateway.admin.api import AdminApi
+from gateway.admin.http import HttpServer
+from gateway.broker import Broker
+
+# urllib honours *_proxy variables; this client and the CLI must talk to loopback directly
+_opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+CLI = Path(sys.executable).parent / "gateway"
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: dict[str, str]
+    raw: bytes
+
+    @property
+    def body(self) -> Any:
+        return json.loads(self.raw) if self.raw else None
+
+    @property
+    def error(self) -> str:
+        body = self.body
+        assert isinstance(body, dict), body
+        assert isinstance(body.get("error"), str) and body["error"], body
+        assert body.get("status") == self.status
+        return body["error"]
+
+
+class Admin:
+    """Blocking urllib calls, each in a thread so the server on this loop keeps running."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.base = f"http://127.0.0.1:{port}"
+
+    def _call(self, method: str, path: str, data: bytes | None, ctype: str | None) -> Reply:
+        req = urllib.request.Request(self.base + path, data=data, method=method)
+        if ctype:
+            req.add_header("Content-Type", ctype)
+        try:
+            with _opener.open(req, timeout=10) as resp:
+                return Reply(resp.status, dict(resp.headers.items()), resp.read())
+        except urllib.error.HTTPError as exc:
+            return Reply(exc.code, dict(exc.headers.items()), exc.read())
+
+    async def request(
+        self, method: str, path: str, body: Any = None, *, raw: bytes | None = None
+    ) -> Reply:
+        data = raw if raw is not None else None if body is None else json.dumps(body).encode()
+        ctype = "application/json" if data is not None else None
+        return await asyncio.to_thread(self._call, method, path, data, ctype)
+
+    async def get(self, path: str) -> Reply:
+        return await self.request("GET", path)
+
+    async def post(self, path: str, body: Any = None, **kw: Any) -> Reply:
+        return await self.request("POST", path, body, **kw)
+
+    async def create(self, name: str, **props: Any) -> Reply:
+        return await self.post("/api/v1/queues", {"name": name, **props})
+
+    async def publish(self, queue: str, payload: str, **fields: Any) -> Reply:
+        return await self.post(q(queue, "messages"), {"payload": payload, **fields})
+
+    async def take(self, queue: str, count: int = 1, ackmode: str = "ack", timeout_ms=2000):
+        reply = await self.post(
+            q(queue, "get"), {"count": count, "ackmode": ackmode, "timeout_ms": timeout_ms}
+        )
+        assert reply.status == 200, reply
+        return reply.body
+
+    async def depth(self, queue: str) -> int:
+        reply = await self.get(q(queue))
+        assert reply.status == 200, reply
+        return reply.body["messages"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def q(name: str, *rest: str) -> str:
+    """Path of a queue resource, the name encoded as one segment (a/b -> a%2Fb)."""
+    return "/".join(["/api/v1/queues", quote(name, safe=""), *rest])
+
+
+@pytest.fixture
+async def admin(broker: Broker) -> AsyncIterator[Admin]:
+    server = HttpServer(AdminApi(broker))
+    port = await server.start("127.0.0.1", 0)
+    try:
+        yield Admin(port)
+    finally:
+        await server.close()
+
+
+# -- queues ---------------------------------------------------------------------------------
+
+
+async def test_create_is_idempotent_and_checks_equivalence(admin: Admin) -> None:
+    first = await admin.create("q1", access_type="exclusive", max_messages=5)
+    assert first.status == 201
+    assert first.headers["Content-Type"] == "application/json"
+    assert first.body["name"] == "q1"
+    assert first.body["access_type"] == "exclusive"
+    assert first.body["max_messages"] == 5
+    assert first.body["messages"] == 0
+
+    again = await admin.create("q1", access_type="exclusive")
+    assert again.status == 200
+    assert again.body["name"] == "q1"
+
+    other = await admin.create("q1", access_type="non-exclusive")
+    assert other.status == 409
+    assert "access_type" in other.error
+
+    durable = await admin.create("q1", access_type="exclusive", durable=False)
+    assert durable.status == 409
+    assert "durable" in durable.error
+
+    shown = await admin.get(q("q1"))
+    assert shown.body["access_type"] == "exclusive"
+    assert shown.body["durable"] is True
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ({"name": "bad*name"}, "forbidden"),
+        ({"name": "has space"}, "forbidden"),
+        ({"name": ""}, "non-empty"),
+        ({"name": "#mine"}, "reserved"),
+        ({"name": "amq.x"}, "reserved"),
+        ({"name": "x" * 256}, "longer"),
+        ({}, "name"),
+        ({"name": "ok", "colour": "red"}, "unknown queue properties: colour"),
+        ({"name": "ok", "access_type": "shared"}, "access_type"),
+        ({"name": "ok", "durable": "yes"}, "durable"),
+        ({"name": "ok", "max_messages": -1}, "max_messages"),
+        ({"name": "ok", "max_messages": "10"}, "max_messages"),
+        ({"name": "ok", "subscriptions": "a/b"}, "subscriptions"),
+        ({"name": "ok", "subscriptions": [{"pattern": "a/#/b", "syntax": "mqtt"}]}, "a/#/b"),
+        ({"name": "ok", "subscriptions": [{"pattern": "a", "syntax": "amqp"}]}, "syntax"),
+        ({"name": "ok", "partition_count": 2}, "partition_count"),
+    ],
+)
+async def test_create_refuses_bad_specs(admin: Admin, body: dict, needle: str) -> None:
+    reply = await admin.post("/api/v1/queues", body)
+    assert reply.status == 400
+    assert needle in reply.error
+    assert (await admin.get("/api/v1/queues")).body == []  # nothing half-created
+
+
+@pytest.mark.parametrize(
+    ("raw", "needle"),
+    [
+        (b"{not json", "not valid JSON"),
+        (b"\xff\xfe", "not valid JSON"),
+        (b"[1, 2]", "JSON object"),
+        (b'"q1"', "JSON object"),
+        (b"null", "JSON object"),
+    ],
+)
+async def test_bad_bodies_get_400_json(admin: Admin, raw: bytes, needle: str) -> None:
+    for path in ("/api/v1/queues", "/api/v1/messages"):
+        reply = await admin.post(path, raw=raw)
+        assert reply.status == 400
+        assert reply.headers["Content-Type"] == "application/json"
+        assert needle in reply.error
+
+
+async def test_list_and_show(admin: Admin) -> None:
+    assert (await admin.get("/api/v1/queues")).body == []
+    assert (await admin.create("b", subscriptions=["t/>"])).status == 201
+    assert (await admin.create("a", access_type="exclusive", durable=False)).status == 201
+    assert (await admin.publish("b", "hello")).status == 200
+
+    listed = await admin.get("/api/v1/queues")
+    assert listed.status == 200
+    assert [row["name"] for row in listed.body] == ["a", "b"]
+    a, b = listed.body
+    assert a["access_type"] == "exclusive" and a["durable"] is False and a["messages"] == 0
+    assert b["access_type"] == "non-exclusive" and b["messages"] == 1
+    assert b["spooled_bytes"] > len("hello")
+    assert a["flows"] == 0
+
+    shown = await admin.get(q("b"))
+    assert shown.status == 200
+    assert shown.body["name"] == "b"
+    assert shown.body["subscriptions"] == [{"pattern": "t/>", "syntax": "smf"}]
+    assert shown.body["messages"] == 1
+    assert shown.body["ingress_enabled"] is True
+
+    missing = await admin.get(q("nope"))
+    assert missing.status == 404
+    assert "nope" in missing.error
+
+
+async def test_unknown_routes(admin: Admin) -> None:
+    assert (await admin.get("/api/v2/queues")).status == 404
+    assert (await admin.get("/nothing")).status == 404
+    put = await admin.request("PUT", "/api/v1/queues", {"name": "x"})
+    assert put.status == 405
+    assert put.error
+    health = await admin.get("/api/v1/health")
+    assert health.status == 200 and health.body["status"] == "ok"
+
+
+async def test_patch_ingress_disabled_refuses_publishes(admin: Admin) -> None:
+    await admin.create("q1")
+    patched = await admin.request("PATCH", q("q1"), {"ingress_enabled": False})
+    assert patched.status == 200
+    assert patched.body["ingress_enabled"] is False
+    assert (await admin.get(q("q1"))).body["ingress_enabled"] is False
+
+    refused = await admin.publish("q1", "x")
+    assert refused.status == 503
+    assert "ingress_disabled" in refused.error
+    assert await admin.depth("q1") == 0
+
+    assert (await admin.request("PATCH", q("q1"), {"ingress_enabled": True})).status == 200
+    ok = await admin.publish("q1", "x")
+    assert ok.status == 200 and ok.body["outcome"] == "ok"
+    assert await admin.depth("q1") == 1
+
+
+async def test_patch_errors(admin: Admin) -> None:
+    await admin.create("q1")
+    fixed = await admin.request("PATCH", q("q1"), {"access_type": "exclusive"})
+    assert fixed.status == 400
+    assert "access_type" in fixed.error
+    negative = await admin.request("PATCH", q("q1"), {"max_messages": -5})
+    assert negative.status == 400
+    missing = await admin.request("PATCH", q("nope"), {"ingress_enabled": False})
+    assert missing.status == 404
+    assert (await admin.get(q("q1"))).body["max_messages"] == 0
+
+
+async def test_patch_limits_and_egress_take_effect(admin: Admin) -> None:
+    await admin.create("q1", access_type="exclusive")
+    shrunk = await admin.request("PATCH", q("q1"), {"max_message_size": 4})
+    assert shrunk.status == 200 and shrunk.body["max_message_size"] == 4
+    assert (await admin.publish("q1", "12345")).status == 413
+    assert (await admin.publish("q1", "1234")).status == 200
+
+    assert (await admin.request("PATCH", q("q1"), {"egress_enabled": False})).status == 200
+    blocked = await admin.post(q("q1", "get"), {"timeout_ms": 100})
+    assert blocked.status == 409
+    assert "egress" in blocked.error
+    assert await admin.depth("q1") == 1
+
+    assert (await admin.request("PATCH", q("q1"), {"egress_enabled": True})).status == 200
+    got = await admin.take("q1")  # an exclusive queue: the get's flow takes the lease
+    assert [m["payload"] for m in got] == ["1234"]
+    assert await admin.depth("q1") == 0
+    not_object = await admin.request("PATCH", q("q1"), raw=b"[]")
+    assert not_object.status == 400
+
+
+async def test_patch_with_a_non_boolean_switch_is_refused(admin: Admin) -> None:
+    await admin.create("q1")
+    patched = await admin.request("PATCH", q("q1"), {"ingress_enabled": "true"})
+    assert patched.status == 400
+    assert (await admin.get(q("q1"))).body["ingress_enabled"] is True
+
+
+async def test_delete(admin: Admin) -> None:
+    await admin.create("q1", subscriptions=["d/>"])
+    await admin.publish("q1", "x")
+    deleted = await admin.request("DELETE", q("q1"))
+    assert deleted.status == 204
+    assert deleted.raw == b""
+    assert (await admin.get(q("q1"))).status == 404
+    again = await admin.request("DELETE", q("q1"))
+    assert again.status == 404
+    assert "q1" in again.error
+    assert (await admin.get("/api/v1/queues")).body == []
+    # its subscription went with it
+    routed = await admin.post("/api/v1/messages", {"topic": "d/1", "payload": "x"})
+    assert routed.body["outcome"] == "no_subscribers"
+
+
+async def test_names_with_slashes_and_unicode(admin: Admin) -> None:
+    for name in ("a/b", "svc/orders/in", "café/ü", "100%", "a#b", "#DEAD_MSG_QUEUE"):
+        created = await admin.create(name)
+        assert created.status == 201, created
+        assert created.body["name"] == name
+        shown = await admin.get(q(name))
+        assert shown.status == 200 and shown.body["name"] == name
+        assert (await admin.publish(name, "p")).status == 200
+        got = await admin.take(name)
+        assert [m["payload"] for m in got] == ["p"]
+        assert got[0]["destination"] == name
+    # a/b is not the resource a, nor the queue list
+    assert (await admin.get("/api/v1/queues/a")).status == 404
+    assert (await admin.request("DELETE", q("a/b"))).status == 204
+    assert (await admin.get(q("a/b"))).status == 404
+    assert (await admin.get(q("svc/orders/in"))).status == 200
+
+
+# -- subscriptions and topic publishing -------------------------------------------------------
+
+
+async def test_subscriptions_add_and_remove(admin: Admin) -> None:
+    await admin.create("q1")
+    subs = q("q1", "subscriptions")
+    publish = {"topic": "shop/eu/created", "payload": "order"}
+
+    before = await admin.post("/api/v1/messages", publish)
+    assert before.status == 200 and before.body["outcome"] == "no_subscribers"
+
+    added = await admin.post(subs, {"pattern": "shop/*/created"})
+    assert added.status == 200 and added.body == {"changed": 1}
+    assert (await admin.post(subs, {"pattern": "shop/*/created"})).body == {"changed": 0}
+    mqtt = await admin.post(subs, {"pattern": "alerts/#", "syntax": "mqtt"})
+    assert mqtt.body == {"changed": 1}
+    assert (await admin.get(q("q1"))).body["subscriptions"] == [
+        {"pattern": "alerts/#", "syntax": "mqtt"},
+        {"pattern": "shop/*/created", "syntax": "smf"},
+    ]
+
+    routed = await admin.post("/api/v1/messages", publish)
+    assert routed.status == 200 and routed.body["outcome"] == "ok" and routed.body["id"]
+    alerts = await admin.post("/api/v1/messages", {"topic": "alerts", "payload": "a"})
+    assert alerts.body["outcome"] == "ok"  # mqtt '#' matches the parent level
+    other = await admin.post("/api/v1/messages", {"topic": "shop/eu/paid", "payload": "x"})
+    assert other.body["outcome"] == "no_subscribers"
+    assert await admin.depth("q1") == 2
+
+    removed = await admin.request("DELETE", subs + "?pattern=" + quote("shop/*/created"))
+    assert removed.status == 200 and removed.body == {"changed": 1}
+    gone = await admin.post("/api/v1/messages", publish)
+    assert gone.body["outcome"] == "no_subscribers"
+    # wrong syntax: nothing removed
+    wrong = await admin.request("DELETE", subs + "?pattern=alerts/%23&syntax=smf")
+    assert wrong.body == {"changed": 0}
+    right = await admin.request("DELETE", subs + "?pattern=alerts/%23&syntax=mqtt")
+    assert right.body == {"changed": 1}
+    assert (await admin.post("/api/v1/messages", {"topic": "alerts"})).body["outcome"] == (
+        "no_subscribers"
+    )
+    got = await admin.take("q1", count=5, timeout_ms=300)
+    assert [(m["destination"], m["payload"]) for m in got] == [
+        ("shop/eu/created", "order"),
+        ("alerts", "a"),
+    ]
+
+
+async def test_subscription_errors(admin: Admin) -> None:
+    await admin.create("q1")
+    subs = q("q1", "subscriptions")
+    assert (await admin.request("DELETE", subs)).status == 400
+    assert (await admin.get(subs)).status == 405
+    bad = await admin.post(subs, {"pattern": "a/+b", "syntax": "mqtt"})
+    assert bad.status == 400 and "a/+b" in bad.error
+    assert (await admin.post(subs, {"syntax": "smf"})).status == 400
+    unknown = await admin.post(q("nope", "subscriptions"), {"pattern": "a"})
+    assert unknown.status == 404
+    assert (await admin.get(q("q1"))).body["subscriptions"] == []
+
+
+async def test_topic_publish_validation(admin: Admin) -> None:
+    both = await admin.post("/api/v1/messages", {"topic": "a", "queue": "b"})
+    assert both.status == 400 and "exactly one" in both.error
+    neither = await admin.post("/api/v1/messages", {"payload": "x"})
+    assert neither.status == 400
+    empty_topic = await admin.post("/api/v1/messages", {"topic": ""})
+    assert empty_topic.status == 400 and "invalid topic" in empty_topic.error
+    await admin.create("q1")
+    bad_b64 = await admin.publish("q1", "", payload_base64="***")
+    assert bad_b64.status == 400
+    bad_priority = await admin.publish("q1", "x", priority=10)
+    assert bad_priority.status == 400
+    bad_props = await admin.publish("q1", "x", user_properties=[["a", 1]])
+    assert bad_props.status == 400
+    assert await admin.depth("q1") == 0
+
+
+# -- publishing to a queue and getting messages ------------------------------------------------
+
+
+async def test_publish_and_get_fields(admin: Admin) -> None:
+    await admin.create("q1")
+    sent = await admin.publish(
+        "q1",
+        "",
+        payload_base64="AP8=",
+        partition_key="dev-1",
+        priority=9,
+        user_properties={"k": "v", "n": 2},
+    )
+    assert sent.status == 200
+    assert sent.body["outcome"] == "ok"
+    text = await admin.publish("q1", "héllo")
+    got = await admin.take("q1", count=2)
+    assert len(got) == 2
+    first, second = got
+    assert first["id"] == sent.body["id"] and second["id"] == text.body["id"]
+    assert first["payload_base64"] == "AP8=" and first["payload"] is None  # not UTF-8
+    assert first["partition_key"] == "dev-1" and first["priority"] == 9
+    assert first["user_properties"] == {"k": "v", "n": 2}
+    assert second["payload"] == "héllo" and second["priority"] == 4
+    assert first["delivery_count"] == 1 and first["redelivered"] is False
+    assert await admin.depth("q1") == 0
+
+
+async def test_publish_to_unknown_queue_is_404(admin: Admin) -> None:
+    reply = await admin.publish("nope", "x")
+    assert reply.status == 404
+    assert "not_found" in reply.error
+    assert (await admin.get("/api/v1/queues")).body == []
+
+
+async def test_publish_over_max_message_size_is_413(admin: Admin) -> None:
+    await admin.create("small", max_message_size=10)
+    assert (await admin.publish("small", "x" * 10)).status == 200
+    big = await admin.publish("small", "x" * 11)
+    assert big.status == 413
+    assert "too_large" in big.error
+    assert await admin.depth("small") == 1
+
+
+async def test_full_queue_is_507_and_keeps_what_it_has(admin: Admin) -> None:
+    await admin.create("capped", max_messages=3)
+    ids = []
+    for i in range(3):
+        reply = await admin.publish("capped", f"m{i}")
+        assert reply.status == 200, reply
+        ids.append(reply.body["id"])
+    for _ in range(2):
+        full = await admin.publish("capped", "overflow")
+        assert full.status == 507
+        assert "queue_full" in full.error
+    assert await admin.depth("capped") == 3
+
+    got = await admin.take("capped", count=10, timeout_ms=300)
+    assert [m["payload"] for m in got] == ["m0", "m1", "m2"]
+    assert [m["id"] for m in got] == ids
+    assert await admin.depth("capped") == 0
+    assert (await admin.publish("capped", "after")).status == 200
+
+
+async def test_publish_over_max_spool_bytes_is_507(admin: Admin) -> None:
+    await admin.create("quota", max_spool_bytes=200)
+    outcomes = [(await admin.publish("quota", "y" * 40)).status for _ in range(5)]
+    assert outcomes[0] == 200
+    assert 507 in outcomes
+    first_refusal = outcomes.index(507)
+    assert set(outcomes[first_refusal:]) == {507}
+    shown = (await admin.get(q("quota"))).body
+    assert shown["messages"] == first_refusal
+    assert 0 < shown["spooled_bytes"] <= 200
+    refused = await admin.publish("quota", "y" * 40)
+    assert "quota_exceeded" in refused.error
+
+
+async def test_get_requeue_ack_and_reject(admin: Admin) -> None:
+    await admin.create("q1")
+    for i in range(3):
+        await admin.publish("q1", f"m{i}")
+
+    first = await admin.take("q1", count=2, ackmode="requeue")
+    assert [(m["payload"], m["delivery_count"], m["redelivered"]) for m in first] == [
+        ("m0", 1, False),
+        ("m1", 1, False),
+    ]
+    assert await admin.depth("q1") == 3
+
+    second = await admin.take("q1", count=2, ackmode="ack")
+    assert [(m["payload"], m["delivery_count"], m["redelivered"]) for m in second] == [
+        ("m0", 2, True),
+        ("m1", 2, True),
+    ]
+    assert [m["entry_id"] for m in second] == [m["entry_id"] for m in first]
+    assert await admin.depth("q1") == 1
+
+    third = await admin.take("q1", count=5, ackmode="reject", timeout_ms=300)
+    assert [(m["payload"], m["delivery_count"]) for m in third] == [("m2", 1)]
+    assert await admin.depth("q1") == 0
+    counters = (await admin.get(q("q1"))).body["counters"]
+    assert counters["acked"] == 2 and counters["rejected"] == 1 and counters["requeued"] == 2
+
+
+async def test_get_timeout_waits_for_a_message(admin: Admin, broker: Broker) -> None:
+    await admin.create("q1")
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    empty = await admin.take("q1", count=1, timeout_ms=300)
+    assert empty == []
+    assert loop.time() - started >= 0.29
+
+    async def later() -> None:
+        await asyncio.sleep(0.2)
+        assert (await admin.publish("q1", "late")).status == 200
+
+    publisher = asyncio.create_task(later())
+    started = loop.time()
+    got = await admin.take("q1", count=1, timeout_ms=5000)
+    await publisher
+    assert [m["payload"] for m in got] == ["late"]
+    assert loop.time() - started < 4  # returned when the message came, not at the timeout
+    assert await admin.depth("q1") == 0
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"count": 0},
+        {"count": 1001},
+        {"count": "1"},
+        {"count": True},
+        {"ackmode": "drop"},
+        {"timeout_ms": -1},
+        {"timeout_ms": 30_001},
+    ],
+)
+async def test_get_validation(admin: Admin, body: dict) -> None:
+    await admin.create("q1")
+    await admin.publish("q1", "keep")
+    reply = await admin.post(q("q1", "get"), body)
+    assert reply.status == 400
+    assert reply.error
+    assert await admin.depth("q1") == 1
+
+
+async def test_get_from_unknown_queue_is_404(admin: Admin) -> None:
+    reply = await admin.post(q("nope", "get"), {"count": 1})
+    assert reply.status == 404
+    assert "nope" in reply.error
+
+
+# -- metrics ----------------------------------------------------------------------------------
+
+
+async def test_metrics(admin: Admin, broker: Broker) -> None:
+    await admin.create("q1")
+    await admin.create("x/y")
+    await admin.create("back\\slash")
+    for i in range(3):
+        await admin.publish("q1", f"m{i}")
+    await admin.take("q1", count=1)
+
+    reply = await admin.get("/metrics")
+    assert reply.status == 200
+    assert reply.headers["Content-Type"].startswith("text/plain")
+    lines = reply.raw.decode().splitlines()
+    assert 'gateway_queue_messages{queue="q1"} 2' in lines
+    assert 'gateway_queue_messages{queue="x/y"} 0' in lines
+    assert 'gateway_queue_messages{queue="back\\\\slash"} 0' in lines  # label escaping
+    assert 'gateway_queue_acked_total{queue="q1"} 1' in lines
+    assert "# TYPE gateway_queue_messages gauge" in lines
+    assert f'gateway_published{{node="{broker.node_id}"}} 3' in lines
+    spooled = [ln for ln in lines if ln.startswith('gateway_queue_spooled_bytes{queue="q1"}')]
+    assert len(spooled) == 1 and int(spooled[0].split()[-1]) > 0
+    # every sample line is "name{labels} number"
+    for line in lines:
+        if line and not line.startswith("#"):
+            float(line.rsplit(" ", 1)[1])
+
+
+# -- the HTTP layer ---------------------------------------------------------------------------
+
+
+async def _raw_exchange(port: int, data: bytes, *, eof: bool = False) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(data)
+        if eof:
+            writer.write_eof()
+        await writer.drain()
+        return await asyncio.wait_for(reader.read(), 5)  # until the server closes
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        b"THIS IS NOT HTTP\r\n\r\n",
+        b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + bytes(range(32)) + b"\r\n\r\n",
+        b"GET /api/v1/health HTTP/1.1\r\nHost: x\r\nContent-Length: many\r\n\r\n",
+        b"GET /api/v1/health HTTP/1.1\r\n\r\n",  # HTTP/1.1 without Host
+        b"GET /api/v1/health HTTP/1.1\r\nHost: x\r\nbad header line\r\n\r\n",
+    ],
+    ids=["text", "tls-hello", "bad-content-length", "no-host", "bad-header"],
+)
+async def test_malformed_http_gets_400_and_server_keeps_serving(
+    admin: Admin, garbage: bytes
+) -> None:
+    answer = await _raw_exchange(admin.port, garbage)
+    assert answer.startswith(b"HTTP/1.1 400 ")
+    _head, _, body = answer.partition(b"\r\n\r\n")
+    assert json.loads(body)["status"] == 400
+    health = await admin.get("/api/v1/health")
+    assert health.status == 200 and health.body["status"] == "ok"
+
+
+async def test_client_closing_mid_request_does_not_hurt(admin: Admin) -> None:
+    partial_head = await _raw_exchange(
+        admin.port, b"POST /api/v1/queues HTTP/1.1\r\nHost: x\r\n", eof=True
+    )
+    assert partial_head == b""  # closed before a request head: nothing to answer
+    partial_body = await _raw_exchange(
+        admin.port,
+        b"POST /api/v1/queues HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{",
+        eof=True,
+    )
+    assert partial_body.startswith(b"HTTP/1.1 400 ")  # body shorter than Content-Length
+    _reader, writer = await asyncio.open_connection("127.0.0.1", admin.port)
+    writer.write(b"POST /api/v1/queues HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n{")
+    await writer.drain()
+    writer.close()
+    await writer.wait_closed()
+    assert (await admin.get("/api/v1/health")).status == 200
+    assert (await admin.get("/api/v1/queues")).body == []
+
+
+async def test_keep_alive_serves_several_requests_on_one_connection(admin: Admin) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", admin.port)
+    try:
+        body = b'{"name": "ka"}'
+        writer.write(
+            b"POST /api/v1/queues HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s"
+            % (len(body), body)
+            + b"GET /api/v1/queues/ka HTTP/1.1\r\nHost: x\r\n\r\n"
+            + b"GET /api/v1/queues/none HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        )
+        await writer.drain()
+        data = await asyncio.wait_for(reader.read(), 5)
+    finally:
+        writer.close()
+    assert re.findall(rb"HTTP/1\.1 (\d{3}) ", data) == [b"201", b"200", b"404"]
+
+
+# -- the CLI, for real, as a subprocess -------------------------------------------------------
+
+
+async def run_cli(*args: str) -> tuple[int, str, str]:
+    env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
+    proc = await asyncio.create_subprocess_exec(
+        str(CLI),
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=env,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def test_cli_queue_commands(admin: Admin) -> None:
+    assert CLI.exists(), CLI
+    url = ["queue", "--admin-url", admin.base]
+
+    rc, out, err = await run_cli(*url, "create", "q1", "--subscription", "a/>")
+    assert (rc, err) == (0, "")
+    created = json.loads(out)
+    assert created["name"] == "q1"
+    assert created["subscriptions"] == [{"pattern": "a/>", "syntax": "smf"}]
+    # the subscription is live: a topic publish reaches the queue
+    routed = await admin.post("/api/v1/messages", {"topic": "a/b/c", "payload": "x"})
+    assert routed.body["outcome"] == "ok"
+
+    rc, out, err = await run_cli(
+        *url, "create", "x/y", "--access-type", "exclusive", "--max-messages", "7",
+        "--non-durable",
+    )  # fmt: skip
+    assert (rc, err) == (0, "")
+    assert json.loads(out)["max_messages"] == 7
+
+    rc, out, err = await run_cli(*url, "list")
+    assert (rc, err) == (0, "")
+    rows = out.splitlines()
+    assert rows[0].split() == ["NAME", "ACCESS", "MESSAGES", "BYTES", "FLOWS"]
+    table = {r.split()[0]: r.split()[1:] for r in rows[1:]}
+    assert set(table) == {"q1", "x/y"}
+    assert table["q1"][:2] == ["non-exclusive", "1"]
+    assert table["x/y"][:2] == ["exclusive", "0"]
+
+    rc, out, err = await run_cli(*url, "show", "x/y")
+    assert (rc, err) == (0, "")
+    shown = json.loads(out)
+    assert (shown["name"], shown["access_type"], shown["durable"]) == ("x/y", "exclusive", False)
+
+    rc, out, err = await run_cli(*url, "delete", "q1")
+    assert (rc, out, err) == (0, "", "")
+    assert (await admin.get(q("q1"))).status == 404
+
+
+async def test_cli_errors(admin: Admin) -> None:
+    url = ["queue", "--admin-url", admin.base]
+
+    rc, out, err = await run_cli(*url, "show", "nope")
+    assert rc == 1 and out == ""
+    assert err.endswith("\n") and len(err.splitlines()) == 1
+    assert err.startswith("gateway: ") and "nope" in err and "does not exist" in err
+
+    rc, out, err = await run_cli(*url, "create", "bad*name")
+    assert rc == 1 and out == ""
+    assert len(err.splitlines()) == 1 and "forbidden" in err
+
+    await admin.create("q1", access_type="exclusive")
+    rc, out, err = await run_cli(*url, "create", "q1", "--access-type", "non-exclusive")
+    assert rc == 1 and len(err.splitlines()) == 1 and "access_type" in err
+
+    rc, out, err = await run_cli(*url, "delete", "nope")
+    assert rc == 1 and len(err.splitlines()) == 1 and "nope" in err
+
+    closed = f"http://127.0.0.1:{free_port()}"
+    rc, out, err = await run_cli("queue", "--admin-url", closed, "list")
+    assert rc == 1 and out == ""
+    assert len(err.splitlines()) == 1 and "cannot reach the admin API" in err
