@@ -22,6 +22,17 @@ Consuming
     the others are standbys in bind order. ``on_closed(reason)`` is called if the queue goes
     away underneath the flow.
 
+Client sessions (state that must survive restarts and moves between nodes)
+    ``broker.clients`` (`ClientStore`): ``save(client_id, state_bytes, expiry_s)``,
+    ``load``, ``expire``, ``persist``, ``delete``; ``mark_received(client_id, packet_id)``
+    (False for a duplicate: exactly-once receipt) and ``release_received``.
+    ``token = await broker.claim_client(client_id, on_takeover)`` announces the connection
+    that holds a client id: an older one, on any node, gets ``on_takeover()``;
+    ``broker.release_client(client_id, token)`` when it ends.
+    Retained messages: publishing a topic message with ``retain=True`` stores it (an empty
+    payload clears it) before the future resolves; ``await broker.retained.matching(filter,
+    "mqtt")`` returns those matching a new subscription.
+
 Direct topic subscribers (not spooled, e.g. MQTT QoS 0)
     ``token = broker.subscribe_direct(pattern, syntax, callback)`` / ``unsubscribe_direct``:
     ``callback(message)`` runs for every message published on this node whose topic matches.
@@ -44,6 +55,8 @@ from collections.abc import Callable, Iterable
 
 import redis.asyncio as aioredis
 
+from gateway.engine import keys
+from gateway.engine.clients import ClientStore, RetainedStore
 from gateway.engine.events import EventListener
 from gateway.engine.flows import (
     DEFAULT_WINDOW,
@@ -86,6 +99,9 @@ class Broker:
         self.redis = redis
         self.node_id = node_id or new_node_id()
         self.queues = QueueStore(redis)
+        self.clients = ClientStore(redis)
+        self.retained = RetainedStore(redis)
+        self._connected: dict[str, tuple[int, Callable[[], None]]] = {}
         self.router = Router(redis)
         self.dispatcher = Dispatcher(redis, self.node_id)
         self.spooler = Spooler(redis, self.node_id, self._spooled)
@@ -127,8 +143,22 @@ class Broker:
             if not queues:
                 fut = asyncio.get_running_loop().create_future()
                 fut.set_result(Outcome.NO_SUBSCRIBERS)
-                return fut
-        return self.spooler.submit(queues, msg.to_queue, len(msg.payload), encode(msg))
+                return self._retain_after(msg, fut) if msg.retain else fut
+        fut = self.spooler.submit(queues, msg.to_queue, len(msg.payload), encode(msg))
+        return self._retain_after(msg, fut) if msg.retain and not msg.to_queue else fut
+
+    def _retain_after(
+        self, msg: Message, spooled: asyncio.Future[Outcome]
+    ) -> asyncio.Future[Outcome]:
+        """Store a retained message once its spool succeeded (before the publisher's ack)."""
+
+        async def both() -> Outcome:
+            outcome = await spooled
+            if outcome.accepted:
+                await self.retained.put(msg)
+            return outcome
+
+        return asyncio.ensure_future(both())
 
     async def publish(self, msg: Message) -> Outcome:
         return await self.publish_nowait(msg)
@@ -162,6 +192,36 @@ class Broker:
                 callback(msg)
             except Exception:
                 log.exception("direct subscriber failed")
+
+    # -- client sessions -------------------------------------------------------------------
+
+    async def claim_client(self, client_id: str, on_takeover: Callable[[], None]) -> int:
+        """Announce that this connection now holds `client_id`: an older connection with the
+        same id, on this node or another, gets `on_takeover()` called and should close.
+        Claims are ordered by a Redis counter, so a late event never ends a newer claim.
+        Returns the claim's number for `release_client`."""
+        claim = int(await self.redis.incr(keys.seq))
+        previous = self._connected.get(client_id)
+        self._connected[client_id] = (claim, on_takeover)
+        if previous is not None:
+            previous[1]()
+        await self.redis.publish(
+            keys.events, f"client {self.node_id} {claim} {client_id.encode().hex()}"
+        )
+        return claim
+
+    def release_client(self, client_id: str, claim: int) -> None:
+        current = self._connected.get(client_id)
+        if current is not None and current[0] == claim:
+            del self._connected[client_id]
+
+    def _taken_over(self, arg: str) -> None:
+        node, claim, hex_id = arg.split(" ")
+        client_id = bytes.fromhex(hex_id).decode()
+        current = self._connected.get(client_id)
+        if node != self.node_id and current is not None and current[0] < int(claim):
+            del self._connected[client_id]
+            current[1]()
 
     # -- consuming -------------------------------------------------------------------------
 
@@ -246,6 +306,8 @@ class Broker:
             self.dispatcher.wake_queue(arg)
         elif kind == "lease":
             self.dispatcher.request_lease_check(arg)
+        elif kind == "client":
+            self._taken_over(arg)
 
     def _resync(self) -> None:
         self._spawn(self.router.reload())

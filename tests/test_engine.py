@@ -353,3 +353,42 @@ async def test_non_durable_queue_dies_with_its_node(redis_url: str, broker: Brok
     assert not await broker.queues.exists("transient")
     assert await broker.queues.exists("kept")
     await wait_for(lambda: broker.router.match("t/x") == frozenset())
+
+
+async def test_retained_messages_follow_the_last_publish(broker: Broker) -> None:
+    await broker.publish(Message(destination="home/1/temp", payload=b"20", retain=True))
+    await broker.publish(Message(destination="home/1/temp", payload=b"21", retain=True))
+    await broker.publish(Message(destination="home/2/temp", payload=b"19", retain=True))
+    await broker.publish(Message(destination="home/3/temp", payload=b"x", retain=False))
+    got = await broker.retained.matching("home/+/temp", "mqtt")
+    assert [(m.destination, m.payload) for m in got] == [
+        ("home/1/temp", b"21"),
+        ("home/2/temp", b"19"),
+    ]
+    await broker.publish(Message(destination="home/1/temp", payload=b"", retain=True))
+    assert [m.destination for m in await broker.retained.matching("#", "mqtt")] == [
+        "home/2/temp"
+    ]
+
+
+async def test_client_state_and_exactly_once_receipt(broker: Broker) -> None:
+    clients = broker.clients
+    await clients.save("dev:1", b"state", expiry_s=None)
+    assert await clients.load("dev:1") == b"state"
+    assert await clients.mark_received("dev:1", 7) is True
+    assert await clients.mark_received("dev:1", 7) is False  # duplicate
+    await clients.release_received("dev:1", 7)
+    assert await clients.mark_received("dev:1", 7) is True
+    await clients.expire("dev:1", 0)
+    assert await clients.load("dev:1") is None and await clients.received("dev:1") == set()
+
+
+async def test_client_takeover_across_nodes(broker: Broker, second_node: Broker) -> None:
+    taken: list[str] = []
+    token = await broker.claim_client("sensor-9", lambda: taken.append("first"))
+    await second_node.claim_client("sensor-9", lambda: taken.append("second"))
+    await wait_for(lambda: taken == ["first"])
+    broker.release_client("sensor-9", token)  # a stale release changes nothing
+    local = await second_node.claim_client("sensor-9", lambda: taken.append("third"))
+    assert taken == ["first", "second"]
+    second_node.release_client("sensor-9", local)

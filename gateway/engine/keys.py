@@ -12,7 +12,7 @@ PREFIX = "gw"
 GROUP = "g"  # the one consumer group of every queue stream
 RETURNED_CONSUMER = "~r"  # parks requeued entries until a flow claims them
 
-# name -> template; "{q}" is a queue name, "{n}" a node id.
+# name -> template; "{q}" is a queue name, "{n}" a node id, "{c}" a client id (hex).
 TEMPLATES: dict[str, str] = {
     "queues": f"{PREFIX}:queues",
     "seq": f"{PREFIX}:seq",
@@ -26,8 +26,11 @@ TEMPLATES: dict[str, str] = {
     "queue_flows": f"{PREFIX}:q:{{{{q}}}}:flows",
     "queue_lease": f"{PREFIX}:q:{{{{q}}}}:lease",
     "queue_wake": f"{PREFIX}:wake:{{{{q}}}}",
+    "retained": f"{PREFIX}:retained",
     "node_alive": f"{PREFIX}:node:{{n}}",
     "node_queues": f"{PREFIX}:node:{{n}}:queues",
+    "client_state": f"{PREFIX}:client:{{c}}",
+    "client_received": f"{PREFIX}:client:{{c}}:received",
 }
 
 
@@ -44,6 +47,7 @@ seq = TEMPLATES["seq"]
 nodes = TEMPLATES["nodes"]
 events = TEMPLATES["events"]
 sub_version = TEMPLATES["sub_version"]
+retained = TEMPLATES["retained"]
 
 
 def queue_config(q: str) -> str:
@@ -82,6 +86,19 @@ def node_queues(n: str) -> str:
     return _node_key("node_queues", n)
 
 
+def _client_key(name: str, c: str) -> str:
+    # client ids may hold any character: hex keeps the key unambiguous
+    return TEMPLATES[name].replace("{c}", c.encode().hex())
+
+
+def client_state(c: str) -> str:
+    return _client_key("client_state", c)
+
+
+def client_received(c: str) -> str:
+    return _client_key("client_received", c)
+
+
 def lua_prelude() -> str:
     """Lua definitions of the same names, prepended to functions.lua at load time."""
     lines = [f"local GROUP = '{GROUP}'", f"local RETURNED = '{RETURNED_CONSUMER}'"]
@@ -89,6 +106,8 @@ def lua_prelude() -> str:
         if "{{q}}" in template:
             head, tail = template.split("{{q}}")
             lines.append(f"local function k_{name}(q) return '{head}{{' .. q .. '}}{tail}' end")
+        elif "{c}" in template:
+            continue  # client keys are used from Python only
         elif "{n}" in template:
             head, tail = template.split("{n}")
             lines.append(f"local function k_{name}(n) return '{head}' .. n .. '{tail}' end")

@@ -1,0 +1,80 @@
+"""State that protocol sessions keep in Redis so it survives restarts and node changes.
+
+Generic on purpose (the core knows no protocol): an opaque state blob per client id with an
+optional expiry (e.g. an MQTT session and its expiry interval), the set of inbound message
+ids received but not yet released (exactly-once receipt, e.g. MQTT QoS 2), and retained
+messages per topic. Which node holds a client's connection is announced over the event
+channel, so a reconnect elsewhere takes the session over.
+"""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+
+from gateway.engine import keys
+from gateway.model import Message, decode, encode
+from gateway.topics import pattern_matches
+
+
+class ClientStore:
+    def __init__(self, redis: aioredis.Redis) -> None:
+        self._redis = redis
+
+    async def save(self, client_id: str, state: bytes, expiry_s: int | None = None) -> None:
+        """Store a session's state; it vanishes `expiry_s` seconds later unless saved again."""
+        await self._redis.set(keys.client_state(client_id), state, ex=expiry_s or None)
+
+    async def load(self, client_id: str) -> bytes | None:
+        return await self._redis.get(keys.client_state(client_id))
+
+    async def expire(self, client_id: str, expiry_s: int) -> None:
+        """Start the expiry clock (e.g. when the client disconnects)."""
+        pipe = self._redis.pipeline(transaction=True)
+        for key in (keys.client_state(client_id), keys.client_received(client_id)):
+            if expiry_s > 0:
+                pipe.expire(key, expiry_s)
+            else:
+                pipe.delete(key)
+        await pipe.execute()
+
+    async def persist(self, client_id: str) -> None:
+        """Stop the expiry clock (the client is connected again)."""
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.persist(keys.client_state(client_id))
+        pipe.persist(keys.client_received(client_id))
+        await pipe.execute()
+
+    async def delete(self, client_id: str) -> None:
+        await self._redis.delete(keys.client_state(client_id), keys.client_received(client_id))
+
+    async def mark_received(self, client_id: str, message_id: int | str) -> bool:
+        """Record an inbound message id; False if it was already recorded (a duplicate)."""
+        return bool(await self._redis.sadd(keys.client_received(client_id), message_id))
+
+    async def release_received(self, client_id: str, message_id: int | str) -> None:
+        await self._redis.srem(keys.client_received(client_id), message_id)
+
+    async def received(self, client_id: str) -> set[str]:
+        return {m.decode() for m in await self._redis.smembers(keys.client_received(client_id))}
+
+
+class RetainedStore:
+    """The last retained message per topic; an empty payload clears it."""
+
+    def __init__(self, redis: aioredis.Redis) -> None:
+        self._redis = redis
+
+    async def put(self, msg: Message) -> None:
+        if msg.payload:
+            await self._redis.hset(keys.retained, msg.destination, encode(msg))
+        else:
+            await self._redis.hdel(keys.retained, msg.destination)
+
+    async def matching(self, pattern: str, syntax: str = "mqtt") -> list[Message]:
+        """Retained messages whose topic matches `pattern`, in topic order."""
+        out = []
+        async for topic, blob in self._redis.hscan_iter(keys.retained, count=1000):
+            if pattern_matches(pattern, topic.decode(), syntax):
+                out.append(decode(blob))
+        out.sort(key=lambda m: m.destination)
+        return out
