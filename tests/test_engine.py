@@ -366,9 +366,7 @@ async def test_retained_messages_follow_the_last_publish(broker: Broker) -> None
         ("home/2/temp", b"19"),
     ]
     await broker.publish(Message(destination="home/1/temp", payload=b"", retain=True))
-    assert [m.destination for m in await broker.retained.matching("#", "mqtt")] == [
-        "home/2/temp"
-    ]
+    assert [m.destination for m in await broker.retained.matching("#", "mqtt")] == ["home/2/temp"]
 
 
 async def test_client_state_and_exactly_once_receipt(broker: Broker) -> None:
@@ -392,3 +390,30 @@ async def test_client_takeover_across_nodes(broker: Broker, second_node: Broker)
     local = await second_node.claim_client("sensor-9", lambda: taken.append("third"))
     assert taken == ["first", "second"]
     second_node.release_client("sensor-9", local)
+
+
+async def test_stream_readers_keep_settled_entries_until_they_pass(
+    redis_url: str, broker: Broker
+) -> None:
+    await broker.declare_queue(QueueConfig(name="q"))
+    client = aioredis.Redis.from_url(redis_url)
+    await client.hset(keys.queue_readers("q"), "archiver", "0-0")
+    await client.sadd(keys.read_queues, "q")
+    for i in range(6):
+        await broker.publish(to_queue("q", b"%d" % i))
+    got: list[Delivery] = []
+    flow = await broker.bind("q", got.append, window=4)
+    await wait_for(lambda: len(got) == 4)
+    for d in got[:3]:
+        flow.ack(d.entry_id)
+    await wait_for(lambda: len(flow.unacked) == 1)
+    await asyncio.sleep(0.2)
+    stream = keys.queue_stream("q")
+    assert await client.xlen(stream) == 6, "acked entries stay while a reader needs them"
+    assert (await broker.queues.info("q")).messages == 3
+    # the reader passes everything: trimming stops at the oldest unacked entry
+    await client.hset(keys.queue_readers("q"), "archiver", got[-1].entry_id)
+    await broker.liveness.beat()
+    ids = [e[0].decode() for e in await client.xrange(stream)]
+    assert ids[0] == got[3].entry_id and len(ids) == 3
+    await client.aclose()

@@ -11,6 +11,14 @@ local function node_of(flow)
   return string.match(flow, '^([^.]+)%.')
 end
 
+-- Stream ids compare as integer (ms, seq) pairs, never as strings.
+local function id_less(x, y)
+  local xm, xs = string.match(x, '^(%d+)-(%d+)$')
+  local ym, ys = string.match(y, '^(%d+)-(%d+)$')
+  xm, ym = tonumber(xm), tonumber(ym)
+  return xm < ym or (xm == ym and tonumber(xs) < tonumber(ys))
+end
+
 -- XCLAIM ... JUSTID: moves entries between consumers without bumping the delivery count.
 local function claim_justid(s, consumer, ids)
   local args = { 'XCLAIM', s, GROUP, consumer, 0 }
@@ -57,8 +65,9 @@ end
 local function delete_queue(q)
   if redis.call('EXISTS', k_queue_config(q)) == 0 then return 0 end
   redis.call('DEL', k_queue_config(q), k_queue_stream(q), k_queue_stats(q), k_queue_subs(q),
-    k_queue_flows(q), k_queue_lease(q))
+    k_queue_flows(q), k_queue_lease(q), k_queue_readers(q))
   redis.call('SREM', K_QUEUES, q)
+  redis.call('SREM', K_READ_QUEUES, q)
   local v = redis.call('INCR', K_SUB_VERSION)
   redis.call('PUBLISH', K_EVENTS, 'qdel ' .. q)
   redis.call('PUBLISH', K_EVENTS, 'sub ' .. v)
@@ -101,8 +110,9 @@ redis.register_function('gw_spool', function(_, a)
       info.maxsize = tonumber(c[2]) or 0
       info.maxbytes = tonumber(c[3]) or 0
       info.maxmsgs = tonumber(c[4]) or 0
-      info.bytes = tonumber(redis.call('HGET', k_queue_stats(name), 'bytes') or '0') or 0
-      info.count = redis.call('XLEN', info.stream)
+      local st = redis.call('HMGET', k_queue_stats(name), 'bytes', 'msgs')
+      info.bytes = tonumber(st[1]) or 0
+      info.count = tonumber(st[2]) or 0
     end
     qs[i] = info
   end
@@ -146,6 +156,7 @@ redis.register_function('gw_spool', function(_, a)
     if q.added > 0 then
       local st = k_queue_stats(q.name)
       redis.call('HINCRBY', st, 'bytes', q.added_bytes)
+      redis.call('HINCRBY', st, 'msgs', q.added)
       redis.call('HINCRBY', st, 'spooled', q.added)
       redis.call('PUBLISH', k_queue_wake(q.name), a[1])
     end
@@ -225,8 +236,13 @@ redis.register_function('gw_settle', function(_, a)
           redis.call('HINCRBY', k_queue_stats(q), 'requeued', #mine)
           redis.call('PUBLISH', k_queue_wake(q), '')
         else
-          redis.call('XDEL', s, unpack(mine))
+          -- a queue with stream readers (the Spark source) keeps settled entries until
+          -- every reader passed them (gw_reap trims); otherwise they go at once
+          if redis.call('EXISTS', k_queue_readers(q)) == 0 then
+            redis.call('XDEL', s, unpack(mine))
+          end
           local st = k_queue_stats(q)
+          redis.call('HINCRBY', st, 'msgs', -#mine)
           redis.call('HINCRBY', st, 'bytes', -bytes)
           redis.call('HINCRBY', st, mode == 'ack' and 'acked' or 'rejected', #mine)
         end
@@ -293,12 +309,37 @@ redis.register_function('gw_node_down', function(_, a)
   return reap_node(a[1])
 end)
 
+-- Trim a read queue's settled entries below every reader's committed id, never past an
+-- unsettled (pending) or undelivered entry.
+local function trim_read_queue(q)
+  local s = k_queue_stream(q)
+  local committed = redis.call('HVALS', k_queue_readers(q))
+  if #committed == 0 or redis.call('EXISTS', s) == 0 then
+    redis.call('SREM', K_READ_QUEUES, q)
+    return 0
+  end
+  local floor = committed[1]
+  for _, id in ipairs(committed) do
+    if id_less(id, floor) then floor = id end
+  end
+  local pending = redis.call('XPENDING', s, GROUP)
+  if pending[2] and id_less(pending[2], floor) then floor = pending[2] end
+  for _, g in ipairs(redis.call('XINFO', 'GROUPS', s)) do
+    for i = 1, #g, 2 do
+      if g[i] == 'last-delivered-id' and id_less(g[i + 1], floor) then floor = g[i + 1] end
+    end
+  end
+  return redis.call('XTRIM', s, 'MINID', floor)
+end
+
 -- Reap every node whose liveness key expired. Returns the number of flows released.
+-- Also trims the queues that stream readers hold open (see trim_read_queue).
 redis.register_function('gw_reap', function(_, _)
   local released = 0
   for _, n in ipairs(redis.call('SMEMBERS', K_NODES)) do
     if redis.call('EXISTS', k_node_alive(n)) == 0 then released = released + reap_node(n) end
   end
+  for _, q in ipairs(redis.call('SMEMBERS', K_READ_QUEUES)) do trim_read_queue(q) end
   return released
 end)
 
@@ -315,7 +356,7 @@ redis.register_function('gw_queue_create', function(_, a)
   redis.call('HSET', cfg, unpack(a, 2))
   redis.call('DEL', k_queue_stream(q), k_queue_stats(q), k_queue_flows(q), k_queue_lease(q))
   redis.call('XGROUP', 'CREATE', k_queue_stream(q), GROUP, '0', 'MKSTREAM')
-  redis.call('HSET', k_queue_stats(q), 'bytes', 0, 'spooled', 0, 'acked', 0)
+  redis.call('HSET', k_queue_stats(q), 'msgs', 0, 'bytes', 0, 'spooled', 0, 'acked', 0)
   redis.call('SADD', K_QUEUES, q)
   for i = 2, #a - 1, 2 do
     if a[i] == 'owner_node' and a[i + 1] ~= '' then

@@ -12,7 +12,8 @@ PREFIX = "gw"
 GROUP = "g"  # the one consumer group of every queue stream
 RETURNED_CONSUMER = "~r"  # parks requeued entries until a flow claims them
 
-# name -> template; "{q}" is a queue name, "{n}" a node id, "{c}" a client id (hex).
+# name -> template; "{q}" is a queue name, "{n}" a node id, "{c}" a client id (hex),
+# "{s}" a sink name (hex).
 TEMPLATES: dict[str, str] = {
     "queues": f"{PREFIX}:queues",
     "seq": f"{PREFIX}:seq",
@@ -26,9 +27,12 @@ TEMPLATES: dict[str, str] = {
     "queue_flows": f"{PREFIX}:q:{{{{q}}}}:flows",
     "queue_lease": f"{PREFIX}:q:{{{{q}}}}:lease",
     "queue_wake": f"{PREFIX}:wake:{{{{q}}}}",
+    "queue_readers": f"{PREFIX}:q:{{{{q}}}}:readers",
+    "read_queues": f"{PREFIX}:readq",
     "retained": f"{PREFIX}:retained",
     "node_alive": f"{PREFIX}:node:{{n}}",
     "node_queues": f"{PREFIX}:node:{{n}}:queues",
+    "sink_batches": f"{PREFIX}:sink:{{s}}:batches",
     "client_state": f"{PREFIX}:client:{{c}}",
     "client_received": f"{PREFIX}:client:{{c}}:received",
 }
@@ -48,6 +52,7 @@ nodes = TEMPLATES["nodes"]
 events = TEMPLATES["events"]
 sub_version = TEMPLATES["sub_version"]
 retained = TEMPLATES["retained"]
+read_queues = TEMPLATES["read_queues"]
 
 
 def queue_config(q: str) -> str:
@@ -78,6 +83,10 @@ def queue_wake(q: str) -> str:
     return _queue_key("queue_wake", q)
 
 
+def queue_readers(q: str) -> str:
+    return _queue_key("queue_readers", q)
+
+
 def node_alive(n: str) -> str:
     return _node_key("node_alive", n)
 
@@ -89,6 +98,11 @@ def node_queues(n: str) -> str:
 def _client_key(name: str, c: str) -> str:
     # client ids may hold any character: hex keeps the key unambiguous
     return TEMPLATES[name].replace("{c}", c.encode().hex())
+
+
+def sink_batches(s: str) -> str:
+    """Batches a Spark sink already wrote (idempotent replays)."""
+    return TEMPLATES["sink_batches"].replace("{s}", s.encode().hex())
 
 
 def client_state(c: str) -> str:
@@ -106,8 +120,8 @@ def lua_prelude() -> str:
         if "{{q}}" in template:
             head, tail = template.split("{{q}}")
             lines.append(f"local function k_{name}(q) return '{head}{{' .. q .. '}}{tail}' end")
-        elif "{c}" in template:
-            continue  # client keys are used from Python only
+        elif "{c}" in template or "{s}" in template:
+            continue  # client and sink keys are used from Python only
         elif "{n}" in template:
             head, tail = template.split("{n}")
             lines.append(f"local function k_{name}(n) return '{head}' .. n .. '{tail}' end")

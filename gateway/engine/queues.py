@@ -68,6 +68,21 @@ def validate_queue_name(name: str, *, reserved_ok: bool = False) -> None:
         )
 
 
+PARTITION_PREFIX = "#P/"
+
+
+def partition_queue_name(parent: str, index: int) -> str:
+    """The hidden child queue holding partition `index` of a partitioned queue."""
+    return f"{PARTITION_PREFIX}{index}/{parent}"
+
+
+def stream_queues(parent: str, partition_count: int) -> list[tuple[int | None, str]]:
+    """(partition, queue name) of every stream that holds a queue's messages."""
+    if partition_count <= 0:
+        return [(None, parent)]
+    return [(i, partition_queue_name(parent, i)) for i in range(partition_count)]
+
+
 def temporary_queue_name(node_id: str) -> str:
     """A server-generated (anonymous) queue name, unique across nodes."""
     return f"{TEMPORARY_PREFIX}{node_id}/{os.urandom(8).hex()}"
@@ -323,18 +338,17 @@ class QueueStore:
         pipe = self._redis.pipeline(transaction=False)
         pipe.hgetall(keys.queue_config(name))
         pipe.smembers(keys.queue_subs(name))
-        pipe.xlen(keys.queue_stream(name))
         pipe.hgetall(keys.queue_stats(name))
         pipe.zrange(keys.queue_flows(name), 0, -1)
         pipe.hget(keys.queue_lease(name), "flow")
-        raw, subs, length, stats, flows, active = await pipe.execute()
+        raw, subs, stats, flows, active = await pipe.execute()
         if not raw:
             raise QueueError("not_found", f"queue {name!r} does not exist")
         counters = {k.decode(): int(v) for k, v in stats.items()}
         return QueueInfo(
             config=QueueConfig.from_redis(name, raw),
             subscriptions=[parse_subscription_entry(e.decode()) for e in subs],
-            messages=int(length),
+            messages=counters.pop("msgs", 0),
             spooled_bytes=counters.pop("bytes", 0),
             counters=counters,
             flows=[f.decode() for f in flows],
