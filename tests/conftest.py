@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import redis
+import uvloop
 
 from gateway.broker import Broker
 from gateway.engine import library
@@ -107,3 +108,8 @@ async def broker(redis_url: str) -> AsyncIterator[Broker]:
     yield node
     await node.stop()
     await client.aclose()
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict:
+    """Tests run on uvloop, as `gateway serve` does."""
+    return {"uvloop": uvloop.new_event_loop}

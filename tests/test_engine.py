@@ -417,3 +417,7 @@ async def test_stream_readers_keep_settled_entries_until_they_pass(
     ids = [e[0].decode() for e in await client.xrange(stream)]
     assert ids[0] == got[3].entry_id and len(ids) == 3
     await client.aclose()
+
+
+async def test_tests_run_on_uvloop() -> None:
+    assert type(asyncio.get_running_loop()).__module__.startswith("uvloop")

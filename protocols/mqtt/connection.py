@@ -1,0 +1,113 @@
+"""asyncio glue for one MQTT TCP connection: bytes -> decoder -> session, session -> socket.
+
+Flow control lives here because it is about sockets: reading pauses while the session is
+busy or the spool is behind (several reasons may hold it at once) and while the peer's
+receive side is full; a peer that stops reading is cut off once WRITE_BUFFER_CAP bytes are
+queued for it, so a slow subscriber cannot make the gateway's memory grow without bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, cast
+
+from protocols.mqtt.codec import MqttDecoder, MqttProtocolError
+from protocols.mqtt.session import MAX_PACKET_SIZE, Session
+
+if TYPE_CHECKING:
+    from protocols.mqtt.listener import Registry
+
+log = logging.getLogger(__name__)
+
+WRITE_BUFFER_HIGH = 256 * 1024  # pause reading above this much unsent output
+WRITE_BUFFER_CAP = 8 * 1024 * 1024  # drop the client when this much is already queued
+CLOSE_GRACE = 1.0  # seconds a closing transport may take to flush before it is aborted
+
+
+class MqttConnection(asyncio.Protocol):
+    """One client's socket; implements the session's `Link`."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+        self.transport: asyncio.Transport | None = None
+        self.decoder = MqttDecoder(MAX_PACKET_SIZE)
+        self.session: Session | None = None
+        self._paused: set[str] = set()
+        self._dead = False
+
+    @property
+    def protocol_level(self) -> int | None:
+        return self.decoder.protocol_level
+
+    @property
+    def input_paused(self) -> bool:
+        return bool(self._paused)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass of it
+        transport.set_write_buffer_limits(high=WRITE_BUFFER_HIGH)
+        self.session = Session(self.registry, self)
+        self.registry.connections.add(self)
+
+    def data_received(self, data: bytes) -> None:
+        if self._dead or self.session is None:
+            return
+        try:
+            packets = self.decoder.feed(data)
+        except MqttProtocolError as exc:
+            self._dead = True
+            self.session.receive(exc.packets, exc)
+            return
+        if packets:
+            self.session.receive(packets)
+
+    def eof_received(self) -> bool:
+        return False  # close our side too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._dead = True
+        self.registry.connections.discard(self)
+        if self.session is not None:
+            self.session.connection_lost()
+
+    # -- Link ------------------------------------------------------------------------------
+
+    def send(self, data: bytes) -> None:
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        if transport.get_write_buffer_size() > WRITE_BUFFER_CAP:
+            log.warning(
+                "MQTT client %r is not reading; disconnecting it",
+                self.session.client_id if self.session else "?",
+            )
+            transport.abort()
+            return
+        transport.write(data)
+
+    def close(self) -> None:
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        transport.close()
+        if transport.get_write_buffer_size():
+            asyncio.get_running_loop().call_later(CLOSE_GRACE, transport.abort)
+
+    def pause_input(self, reason: str) -> None:
+        if not self._paused and self.transport is not None and not self.transport.is_closing():
+            self.transport.pause_reading()
+        self._paused.add(reason)
+
+    def resume_input(self, reason: str) -> None:
+        if reason not in self._paused:
+            return
+        self._paused.discard(reason)
+        if not self._paused and self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
+
+    def pause_writing(self) -> None:
+        self.pause_input("writing")
+
+    def resume_writing(self) -> None:
+        self.resume_input("writing")

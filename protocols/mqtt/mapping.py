@@ -1,0 +1,140 @@
+"""MQTT packets <-> `gateway.model.Message`.
+
+The MQTT rows of the mapping table (ARCHITECTURE.md), both directions:
+
+| model | MQTT 5 | MQTT 3.1 / 3.1.1 |
+|---|---|---|
+| destination | topic name (to_queue=False) | topic name |
+| partition_key | user property `JMSXGroupId` | none |
+| priority | user property `JMSPriority` (0-9; other values stay user properties) | 4 |
+| user_properties | user properties, order kept | dropped on egress |
+| expiration | Message Expiry Interval (epoch ms in; remaining seconds out) | none |
+| persistent | QoS > 0 | QoS > 0 |
+| correlation_id | Correlation Data (bytes; str/int egress as UTF-8) | none |
+| reply_to | Response Topic | none |
+| content_type | Content Type | none |
+| annotations `x-mqtt-payload-format` | Payload Format Indicator | none |
+| annotations `x-mqtt-qos` | 2 for a QoS 2 publish (QoS 0/1: from persistent) | same |
+| retain | RETAIN flag | RETAIN flag |
+| publisher | ("mqtt", client id, user name) | same |
+
+Messages from other protocols carry no `x-mqtt-qos`: they go out at QoS 1 when persistent,
+else QoS 0 (always capped by the subscription's QoS).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+from gateway.model import DEFAULT_PRIORITY, Message, PropertyValue, Publisher
+from protocols.mqtt.codec import Properties, Publish, Will, encode_publish
+
+GROUP_ID = "JMSXGroupId"
+PRIORITY = "JMSPriority"
+PAYLOAD_FORMAT = "x-mqtt-payload-format"
+QOS = "x-mqtt-qos"
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def to_message(publish: Publish | Will, publisher: Publisher, level: int) -> Message:
+    """Build the Message for an inbound PUBLISH (or a will, which has the same fields)."""
+    msg = Message(
+        destination=publish.topic,
+        payload=publish.payload,
+        persistent=publish.qos > 0,
+        retain=publish.retain,
+        publisher=publisher,
+    )
+    if publish.qos == 2:  # QoS 0 / 1 are told apart by `persistent`: no bytes spent on them
+        msg.annotations[QOS] = 2
+    props = publish.properties
+    if level == 5 and props is not None:
+        _apply_properties(msg, props)
+    return msg
+
+
+def _apply_properties(msg: Message, props: Properties) -> None:
+    if props.message_expiry_interval is not None:
+        msg.expiration = now_ms() + props.message_expiry_interval * 1000
+    msg.content_type = props.content_type
+    msg.reply_to = props.response_topic
+    msg.correlation_id = props.correlation_data
+    if props.payload_format_indicator is not None:
+        msg.annotations[PAYLOAD_FORMAT] = props.payload_format_indicator
+    for key, value in props.user_properties:
+        if key == GROUP_ID and msg.partition_key is None:
+            msg.partition_key = value
+        elif key == PRIORITY and value.isdigit() and int(value) <= 9:
+            msg.priority = int(value)
+        else:
+            msg.user_properties.append((key, value))
+
+
+def remaining_expiry(msg: Message, now: int) -> int | None:
+    """Seconds left before `msg` expires (at least 1), 0 if expired, None if it never does."""
+    if msg.expiration is None:
+        return None
+    left = msg.expiration - now
+    return max(1, math.ceil(left / 1000)) if left > 0 else 0
+
+
+def message_qos(msg: Message) -> int:
+    """The QoS the message was published with (see the module docstring for non-MQTT)."""
+    qos = msg.annotations.get(QOS)
+    if isinstance(qos, int) and 0 <= qos <= 2:
+        return qos
+    return 1 if msg.persistent else 0
+
+
+def _text(value: PropertyValue) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return "" if value is None else str(value)
+
+
+def egress_properties(
+    msg: Message, expiry: int | None, subscription_ids: list[int]
+) -> Properties | None:
+    """MQTT 5 PUBLISH properties for `msg` (None when it needs none)."""
+    user: list[tuple[str, str]] = []
+    if msg.partition_key is not None:
+        user.append((GROUP_ID, msg.partition_key))
+    if msg.priority != DEFAULT_PRIORITY:
+        user.append((PRIORITY, str(msg.priority)))
+    user.extend((k, _text(v)) for k, v in msg.user_properties)
+    corr = msg.correlation_id
+    if corr is not None and not isinstance(corr, bytes):
+        corr = str(corr).encode()
+    fmt = msg.annotations.get(PAYLOAD_FORMAT)
+    props = Properties(
+        payload_format_indicator=fmt if fmt in (0, 1) else None,
+        message_expiry_interval=expiry,
+        content_type=msg.content_type,
+        response_topic=msg.reply_to,
+        correlation_data=corr,
+        subscription_identifiers=subscription_ids,
+        user_properties=user,
+    )
+    return None if props.is_empty() else props
+
+
+def encode_delivery(
+    msg: Message,
+    *,
+    qos: int,
+    packet_id: int | None,
+    dup: bool,
+    retain: bool,
+    subscription_ids: list[int],
+    expiry: int | None,
+    level: int,
+) -> bytes:
+    """Wire bytes of the PUBLISH that delivers `msg` to a subscriber."""
+    props = egress_properties(msg, expiry, subscription_ids) if level == 5 else None
+    return encode_publish(msg.destination, msg.payload, qos, retain, dup, packet_id, props, level)

@@ -1,0 +1,824 @@
+"""MQTT semantics of one client connection, between the codec and the broker.
+
+A `Session` receives decoded packets in order and answers through a `Link` (the asyncio
+connection). Packets are handled one at a time: PUBLISH and the acks are handled on the spot,
+while CONNECT, SUBSCRIBE and UNSUBSCRIBE await Redis, and later packets wait in a backlog
+(input paused) so that e.g. a PUBLISH after a SUBSCRIBE is routed to the new subscription.
+
+What outlives the connection (subscriptions, the per-client queue, QoS 2 packet ids) is in
+`SessionState`, kept by the node's `Registry` (listener.py). QoS 1/2 subscriptions feed one
+queue per client (durable for persistent sessions, temporary otherwise), so a message that
+matches several of them is delivered once at the highest granted QoS; QoS 0 subscriptions
+are direct (not spooled). QoS 2 state (inbound ids awaiting PUBREL, outbound ids awaiting
+PUBCOMP) is node memory only: surviving a gateway restart is a follow-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections import deque
+from collections.abc import Coroutine, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from gateway.broker import BindError, Flow, Outcome, QueueError
+from gateway.config import Settings
+from gateway.model import Delivery, Message, Publisher
+from gateway.topics import MQTT, SubscriptionTrie, TopicError, parse_pattern, pattern_matches
+from protocols.mqtt import mapping
+from protocols.mqtt.codec import (
+    Connack,
+    Connect,
+    Disconnect,
+    MqttProtocolError,
+    Packet,
+    Pingreq,
+    Pingresp,
+    Properties,
+    Puback,
+    Pubcomp,
+    Publish,
+    Pubrec,
+    Pubrel,
+    ReasonCode,
+    Suback,
+    Subscribe,
+    SubscriptionOptions,
+    Unsuback,
+    Unsubscribe,
+    Will,
+    encode,
+)
+
+if TYPE_CHECKING:
+    from protocols.mqtt.listener import Registry
+
+log = logging.getLogger(__name__)
+
+NEVER_EXPIRES = 0xFFFFFFFF
+MAX_PACKET_SIZE = 2 * 1024 * 1024  # announced to v5 clients, enforced by the decoder
+SERVER_RECEIVE_MAXIMUM = 256  # inbound QoS 1/2 publishes a v5 client may have unacked
+TOPIC_ALIAS_MAXIMUM = 64
+MAX_KEEP_ALIVE = 3600  # v5 clients asking for more are told this (server keep alive)
+CONNECT_TIMEOUT = 10.0
+DEFAULT_WINDOW = 32  # outbound unacked QoS 1/2 messages for v3/v4 clients
+MAX_WINDOW = 1024  # cap on a v5 client's receive maximum, to bound memory per client
+MAX_PENDING_PUBLISHES = 1024  # publishes awaiting the spool before input is paused
+
+# Refused spool outcomes -> MQTT 5 PUBACK/PUBREC reason codes. PUBACK cannot carry 0x95
+# (packet too large is not in its table, MQTT 5 §3.4.2.1), so TOO_LARGE is a quota refusal.
+_REFUSAL_CODES = {
+    Outcome.QUOTA_EXCEEDED: ReasonCode.QUOTA_EXCEEDED,
+    Outcome.QUEUE_FULL: ReasonCode.QUOTA_EXCEEDED,
+    Outcome.TOO_LARGE: ReasonCode.QUOTA_EXCEEDED,
+    Outcome.INGRESS_DISABLED: ReasonCode.UNSPECIFIED_ERROR,
+    Outcome.NOT_FOUND: ReasonCode.UNSPECIFIED_ERROR,
+}
+# Failure reason codes a CONNACK may carry (MQTT 5 §3.2.2.2).
+_CONNACK_CODES = frozenset(
+    {
+        0x80,
+        0x81,
+        0x82,
+        0x83,
+        0x84,
+        0x85,
+        0x86,
+        0x87,
+        0x88,
+        0x89,
+        0x8A,
+        0x8C,
+        0x90,
+        0x95,
+        0x97,
+        0x99,
+        0x9A,
+        0x9B,
+        0x9C,
+        0x9D,
+        0x9F,
+    }
+)
+# Reason codes a server may put in DISCONNECT; others become protocol errors.
+_DISCONNECT_CODES = frozenset(
+    {
+        0x80,
+        0x81,
+        0x82,
+        0x83,
+        0x87,
+        0x89,
+        0x8B,
+        0x8D,
+        0x8E,
+        0x90,
+        0x93,
+        0x94,
+        0x95,
+        0x97,
+        0x98,
+        0x99,
+        0x9A,
+        0x9B,
+    }
+)
+
+
+class Link(Protocol):
+    """What a session needs from its connection."""
+
+    protocol_level: int | None  # fixed by the decoder from the CONNECT header
+    input_paused: bool
+
+    def send(self, data: bytes) -> None: ...
+    def close(self) -> None: ...
+    def pause_input(self, reason: str) -> None: ...
+    def resume_input(self, reason: str) -> None: ...
+
+
+@dataclass(slots=True)
+class SessionState:
+    """What MQTT keeps between connections of one client id (on this node)."""
+
+    client_id: str
+    persistent: bool = False
+    expiry: int = 0  # session expiry interval, seconds
+    subscriptions: dict[str, SubscriptionOptions] = field(default_factory=dict)
+    subscription_ids: dict[str, int] = field(default_factory=dict)
+    trie: SubscriptionTrie[str] = field(default_factory=lambda: SubscriptionTrie(64))
+    queue: str | None = None
+    qos2_in: set[int] = field(default_factory=set)  # received, PUBREL not yet seen
+    pubrel_out: set[int] = field(default_factory=set)  # PUBREL sent, PUBCOMP not yet seen
+    session: Session | None = None  # the attached connection
+
+    def set_subscription(self, pattern: str, options: SubscriptionOptions) -> None:
+        self.subscriptions[pattern] = options
+        self.trie.add(pattern, pattern, MQTT)
+
+    def drop_subscription(self, pattern: str) -> None:
+        del self.subscriptions[pattern]
+        self.subscription_ids.pop(pattern, None)
+        self.trie.remove(pattern, pattern, MQTT)
+
+
+def _covered(patterns: list[str], topic: str) -> bool:
+    """Whether an ACL pattern list matches `topic` (a name, or a filter taken literally)."""
+    for pattern in patterns:
+        try:
+            if pattern_matches(pattern, topic, MQTT):
+                return True
+        except TopicError:
+            if pattern == topic:
+                return True
+    return False
+
+
+class Session:
+    """One connection's MQTT state machine; see the module docstring."""
+
+    def __init__(self, registry: Registry, link: Link) -> None:
+        self.registry = registry
+        self.broker = registry.broker
+        self.settings: Settings = registry.settings
+        self.link = link
+        self.loop = asyncio.get_running_loop()
+        self.level = 4
+        self.client_id = ""
+        self.user: str | None = None
+        self.will: Will | None = None
+        self.state: SessionState | None = None
+        self.connected = False
+        self.closing = False
+        self.detached: asyncio.Future[None] = self.loop.create_future()
+        self._connect_seen = False
+        self._backlog: deque[Packet | MqttProtocolError] = deque()
+        self._busy: asyncio.Task | None = None
+        # (spool future or None, qos, packet id, reason code when there is no future)
+        self._acks: deque[tuple[asyncio.Future[Outcome] | None, int, int, int]] = deque()
+        self._qos1_in = 0
+        self._spooling = 0
+        self._inflight: dict[int, tuple[str, int]] = {}  # packet id -> (entry id, qos)
+        self._next_pid = 1
+        self._aliases: dict[int, str] = {}
+        self._flow: Flow | None = None
+        self._window = DEFAULT_WINDOW
+        self._direct: dict[str, int] = {}
+        self._last_direct = ""
+        self._deny_publish: list[str] = []
+        self._deny_subscribe: list[str] = []
+        self._max_out: int | None = None
+        self._keep_alive = 0.0
+        self._last_rx = self.loop.time()
+        self._timer: asyncio.TimerHandle | None = self.loop.call_later(
+            CONNECT_TIMEOUT, self._connect_timeout
+        )
+
+    # -- input -----------------------------------------------------------------------------
+
+    def receive(self, packets: list[Packet], error: MqttProtocolError | None = None) -> None:
+        """Decoded packets (and the decoder's error, if any) in arrival order."""
+        if self.closing:
+            return
+        self._last_rx = self.loop.time()
+        self._backlog.extend(packets)
+        if error is not None:
+            self._backlog.append(error)
+        self._drain()
+
+    def _drain(self) -> None:
+        while self._busy is None and self._backlog and not self.closing:
+            item = self._backlog.popleft()
+            try:
+                coro = self._dispatch(item)
+            except Exception:
+                log.exception("MQTT client %r: handling %s failed", self.client_id, item)
+                self.fail(ReasonCode.IMPLEMENTATION_SPECIFIC_ERROR)
+                return
+            if coro is not None:
+                self._busy = self.loop.create_task(coro)
+                self._busy.add_done_callback(self._busy_done)
+                self.link.pause_input("busy")
+
+    def _busy_done(self, task: asyncio.Task) -> None:
+        self._busy = None
+        if not task.cancelled() and task.exception() is not None:
+            log.error("MQTT client %r: request failed", self.client_id, exc_info=task.exception())
+            self.fail(ReasonCode.UNSPECIFIED_ERROR)
+        self.link.resume_input("busy")
+        self._drain()
+
+    def _dispatch(self, item: Packet | MqttProtocolError) -> Coroutine[Any, Any, None] | None:
+        if isinstance(item, MqttProtocolError):
+            self._protocol_error(item)
+            return None
+        if not self._connect_seen:
+            self._connect_seen = True
+            assert isinstance(item, Connect)  # the decoder lets nothing else come first
+            return self._on_connect(item)
+        match item:
+            case Publish():
+                self._on_publish(item)
+            case Puback():
+                self._on_puback(item)
+            case Pubrec():
+                self._on_pubrec(item)
+            case Pubrel():
+                self._on_pubrel(item)
+            case Pubcomp():
+                self._on_pubcomp(item)
+            case Subscribe():
+                return self._on_subscribe(item)
+            case Unsubscribe():
+                return self._on_unsubscribe(item)
+            case Pingreq():
+                self._send(Pingresp())
+            case Disconnect():
+                self._on_disconnect(item)
+            case _:  # a second CONNECT, AUTH, or a packet only servers send
+                log.info("MQTT client %r sent unexpected %s", self.client_id, type(item).__name__)
+                self.fail(ReasonCode.PROTOCOL_ERROR)
+        return None
+
+    def _protocol_error(self, exc: MqttProtocolError) -> None:
+        log.info("MQTT client %r: %s", self.client_id, exc)
+        if self._connect_seen:
+            self.fail(exc.reason_code)
+            return
+        # the CONNECT itself was bad: answer with a CONNACK where the spec asks for one
+        self._connect_seen = True
+        level = self.link.protocol_level
+        rc = exc.reason_code
+        if level is None and rc == ReasonCode.UNSUPPORTED_PROTOCOL_VERSION:
+            self.level = 4  # the v3/v4 CONNACK every client version can read
+            self._refuse_connect(rc)
+        elif level == 5 or (level is not None and rc == ReasonCode.CLIENT_IDENTIFIER_NOT_VALID):
+            self.level = level
+            self._refuse_connect(rc if rc in _CONNACK_CODES else ReasonCode.MALFORMED_PACKET)
+        else:
+            self.close()
+
+    # -- CONNECT ---------------------------------------------------------------------------
+
+    async def _on_connect(self, p: Connect) -> None:
+        self.level = p.protocol_level
+        props = p.properties or Properties()
+        if props.authentication_method is not None:
+            self._refuse_connect(ReasonCode.BAD_AUTHENTICATION_METHOD)
+            return
+        refusal = self._authenticate(p)
+        if self.level == 5 and p.will is not None and p.will.retain:
+            refusal = ReasonCode.RETAIN_NOT_SUPPORTED  # retain_available is 0
+        if refusal is not None:
+            self._refuse_connect(refusal)
+            return
+        self.client_id = p.client_id or f"auto-{os.urandom(12).hex()}"
+        self.will = p.will
+        if self.level == 5:
+            expiry = props.session_expiry_interval or 0
+            self._window = min(props.receive_maximum or 65535, MAX_WINDOW)
+            self._max_out = props.maximum_packet_size
+            keep_alive = min(p.keep_alive, MAX_KEEP_ALIVE)
+        else:
+            expiry = 0 if p.clean_start else NEVER_EXPIRES
+            keep_alive = p.keep_alive
+        if self.will is not None and _covered(self._deny_publish, self.will.topic):
+            self.will = None
+        self.state, present = await self.registry.attach(
+            self, self.client_id, p.clean_start, expiry
+        )
+        if self.closing:  # the client went away while we waited
+            return
+        ack_props = None
+        if self.level == 5:
+            ack_props = Properties(
+                assigned_client_identifier=None if p.client_id else self.client_id,
+                server_keep_alive=keep_alive,
+                receive_maximum=SERVER_RECEIVE_MAXIMUM,
+                maximum_packet_size=MAX_PACKET_SIZE,
+                topic_alias_maximum=TOPIC_ALIAS_MAXIMUM,
+                retain_available=0,
+                wildcard_subscription_available=1,
+                subscription_identifier_available=1,
+                shared_subscription_available=0,
+            )
+        self._send(Connack(present, 0, ack_props))
+        self.connected = True
+        self._start_keep_alive(keep_alive)
+        await self._resume()
+
+    def _authenticate(self, p: Connect) -> int | None:
+        """None if the client may connect, else the v5 CONNACK reason code."""
+        if p.username is None and p.password is None:
+            if not self.settings.allow_anonymous:
+                return ReasonCode.NOT_AUTHORIZED
+        else:
+            try:
+                password = (p.password or b"").decode()
+            except UnicodeDecodeError:
+                return ReasonCode.BAD_USER_NAME_OR_PASSWORD
+            if not self.settings.password_ok(p.username or "", password):
+                return ReasonCode.BAD_USER_NAME_OR_PASSWORD
+            self.user = p.username
+        for rule in self.settings.acl:
+            if rule.user in ("*", self.user):
+                self._deny_publish += rule.deny_publish
+                self._deny_subscribe += rule.deny_subscribe
+        return None
+
+    def _refuse_connect(self, rc: int) -> None:
+        self._send(Connack(False, rc))
+        self.close()
+
+    async def _resume(self) -> None:
+        """Re-establish a (possibly resumed) session's deliveries after CONNACK."""
+        state = self.state
+        assert state is not None
+        for pattern, options in state.subscriptions.items():
+            if options.qos == 0:
+                self._direct[pattern] = self.broker.subscribe_direct(pattern, MQTT, self._on_direct)
+        for pid in sorted(state.pubrel_out):
+            self._send(Pubrel(pid))
+        if state.queue is not None:
+            await self._bind(state.queue)
+
+    async def _bind(self, queue: str) -> None:
+        try:
+            self._flow = await self.broker.bind(
+                queue,
+                self._on_delivery,
+                window=self._flow_window(),
+                on_closed=self._flow_closed,
+            )
+        except BindError as exc:
+            log.warning("MQTT client %r: cannot bind %s: %s", self.client_id, queue, exc)
+            if self.state is not None:
+                self.state.queue = None
+            return
+        if self.closing:  # lost while binding: the cleanup ran before the flow existed
+            await self._flow.close()
+
+    def _flow_window(self) -> int:
+        pending = len(self.state.pubrel_out) if self.state is not None else 0
+        return max(1, self._window - pending)
+
+    def _flow_closed(self, reason: str) -> None:
+        log.info("MQTT client %r: queue flow closed (%s)", self.client_id, reason)
+        self._flow = None
+        if self.state is not None:
+            self.state.queue = None
+
+    # -- keep alive ------------------------------------------------------------------------
+
+    def _connect_timeout(self) -> None:
+        self._timer = None
+        if not self.connected and not self.closing:
+            log.info("MQTT connection sent no CONNECT in %.0f s", CONNECT_TIMEOUT)
+            self.close()
+
+    def _start_keep_alive(self, seconds: int) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if seconds:
+            self._keep_alive = seconds * 1.5
+            self._timer = self.loop.call_later(self._keep_alive, self._check_keep_alive)
+
+    def _check_keep_alive(self) -> None:
+        if self.link.input_paused:  # we are not reading: the client is not idle
+            self._last_rx = self.loop.time()
+        idle = self.loop.time() - self._last_rx
+        if idle >= self._keep_alive:
+            self._timer = None
+            log.info("MQTT client %r: keep alive timed out", self.client_id)
+            self.fail(ReasonCode.KEEP_ALIVE_TIMEOUT)
+        else:
+            self._timer = self.loop.call_later(self._keep_alive - idle, self._check_keep_alive)
+
+    # -- inbound PUBLISH -------------------------------------------------------------------
+
+    def _on_publish(self, p: Publish) -> None:
+        state = self.state
+        assert state is not None
+        if self.level == 5 and not self._check_v5_publish(p):
+            return
+        pid = p.packet_id or 0  # set whenever qos > 0 (the decoder checks)
+        if p.qos == 2 and pid in state.qos2_in:  # resent before PUBREL: do not spool again
+            self._acks.append((None, 2, pid, ReasonCode.SUCCESS))
+            self._flush_acks()
+            return
+        if (
+            p.qos
+            and self.level == 5
+            and self._qos1_in + len(state.qos2_in) >= (SERVER_RECEIVE_MAXIMUM)
+        ):
+            self.fail(ReasonCode.RECEIVE_MAXIMUM_EXCEEDED)
+            return
+        if _covered(self._deny_publish, p.topic):
+            log.info("MQTT client %r may not publish to %r", self.client_id, p.topic)
+            self.registry.count("publish_denied")
+            if p.qos:  # v3/v4: acked and dropped (as mosquitto does), v5: refused
+                rc = ReasonCode.NOT_AUTHORIZED if self.level == 5 else ReasonCode.SUCCESS
+                self._acks.append((None, p.qos, pid, rc))
+                self._flush_acks()
+            return
+        msg = mapping.to_message(p, Publisher("mqtt", self.client_id, self.user), self.level)
+        fut = self.broker.publish_nowait(msg)
+        self._spooling += 1
+        if self._spooling >= MAX_PENDING_PUBLISHES:
+            self.link.pause_input("spool")
+        fut.add_done_callback(self._spooled)
+        if p.qos:
+            if p.qos == 2:
+                state.qos2_in.add(pid)
+            else:
+                self._qos1_in += 1
+            self._acks.append((fut, p.qos, pid, ReasonCode.SUCCESS))
+            fut.add_done_callback(self._flush_acks)
+
+    def _check_v5_publish(self, p: Publish) -> bool:
+        """Topic aliases and what a v5 client may not send; False if the client was failed."""
+        props = p.properties
+        if p.retain:
+            self.fail(ReasonCode.RETAIN_NOT_SUPPORTED)
+            return False
+        if props is None:
+            return True
+        if props.subscription_identifiers:
+            self.fail(ReasonCode.PROTOCOL_ERROR)
+            return False
+        alias = props.topic_alias
+        if alias is not None:
+            if not 0 < alias <= TOPIC_ALIAS_MAXIMUM:
+                self.fail(ReasonCode.TOPIC_ALIAS_INVALID)
+                return False
+            if p.topic:
+                self._aliases[alias] = p.topic
+            elif alias in self._aliases:
+                p.topic = self._aliases[alias]
+            else:
+                self.fail(ReasonCode.PROTOCOL_ERROR)
+                return False
+        return True
+
+    def _spooled(self, fut: asyncio.Future[Outcome]) -> None:
+        self._spooling -= 1
+        if self._spooling == MAX_PENDING_PUBLISHES // 2:
+            self.link.resume_input("spool")
+
+    def _flush_acks(self, _: object = None) -> None:
+        """Send PUBACK/PUBREC for the resolved head of the queue: acks keep publish order.
+
+        An entry without a future was decided on arrival (`rc` is its answer)."""
+        state = self.state
+        while self._acks:
+            fut, qos, pid, rc = self._acks[0]
+            if fut is not None and not fut.done():
+                return
+            self._acks.popleft()
+            if qos == 1 and fut is not None:
+                self._qos1_in -= 1
+            if self.closing or state is None:
+                continue
+            if fut is None:
+                self._send_pub_ack(qos, pid, rc)
+                continue
+            exc = None if fut.cancelled() else fut.exception()
+            if fut.cancelled() or exc is not None:
+                # not stored: no ack, and the connection goes so the client resends
+                log.error("MQTT client %r: spooling failed: %s", self.client_id, exc)
+                state.qos2_in.discard(pid)
+                self.fail(ReasonCode.UNSPECIFIED_ERROR)
+                continue
+            outcome = fut.result()
+            if outcome.accepted:
+                self._send_pub_ack(qos, pid, ReasonCode.SUCCESS)
+                continue
+            state.qos2_in.discard(pid)
+            self.registry.count(f"refused_{outcome.name.lower()}")
+            if self.level == 5:
+                self._send_pub_ack(qos, pid, _REFUSAL_CODES.get(outcome, 0x80))
+            else:
+                log.warning(
+                    "MQTT client %r: publish refused (%s); PUBACK withheld",
+                    self.client_id,
+                    outcome.name,
+                )
+
+    def _send_pub_ack(self, qos: int, pid: int, rc: int) -> None:
+        self._send(Puback(pid, rc) if qos == 1 else Pubrec(pid, rc))
+
+    def _on_pubrel(self, p: Pubrel) -> None:
+        state = self.state
+        assert state is not None
+        if p.packet_id in state.qos2_in:
+            state.qos2_in.discard(p.packet_id)
+            self._send(Pubcomp(p.packet_id))
+        else:
+            rc = ReasonCode.PACKET_IDENTIFIER_NOT_FOUND if self.level == 5 else 0
+            self._send(Pubcomp(p.packet_id, rc))
+
+    # -- outbound deliveries ---------------------------------------------------------------
+
+    def _on_direct(self, msg: Message) -> None:
+        # one callback per matching QoS 0 filter: deliver each message once
+        if self.closing or msg.id == self._last_direct:
+            return
+        self._last_direct = msg.id
+        self._deliver(msg, None, False)
+
+    def _on_delivery(self, delivery: Delivery) -> None:
+        self._deliver(delivery.message, delivery.entry_id, delivery.redelivered)
+
+    def _deliver(self, msg: Message, entry_id: str | None, dup: bool) -> None:
+        """Send one message; `entry_id` None: a direct (QoS 0, not spooled) message."""
+        state = self.state
+        if state is None or self.closing:
+            return
+        topic = msg.destination
+        pub = msg.publisher
+        matched: Iterable[str] = state.trie.match(topic)
+        if pub is not None and pub.protocol == "mqtt" and pub.client_id == self.client_id:
+            matched = [f for f in matched if not state.subscriptions[f].no_local]
+        queued = [f for f in matched if state.subscriptions[f].qos > 0]
+        if entry_id is None:
+            if queued:  # the queue delivers it, once, at the highest granted QoS
+                return
+            filters = list(matched)
+        else:
+            filters = queued
+        options = [state.subscriptions[f] for f in filters]
+        expiry = mapping.remaining_expiry(msg, mapping.now_ms())
+        if not options or expiry == 0 or _covered(self._deny_subscribe, topic):
+            self._settle(entry_id)
+            return
+        qos = min(mapping.message_qos(msg), max(o.qos for o in options))
+        pid = self._allocate_pid() if qos else None
+        if qos and pid is None:  # cannot happen while the window is below 65535
+            if entry_id is not None and self._flow is not None:
+                self._flow.requeue(entry_id)
+            return
+        data = mapping.encode_delivery(
+            msg,
+            qos=qos,
+            packet_id=pid,
+            dup=dup and qos > 0,
+            retain=msg.retain and any(o.retain_as_published for o in options),
+            subscription_ids=sorted(
+                {state.subscription_ids[f] for f in filters if f in state.subscription_ids}
+            ),
+            expiry=expiry,
+            level=self.level,
+        )
+        if self._max_out is not None and len(data) > self._max_out:
+            log.info("MQTT client %r: message over its maximum packet size dropped", self.client_id)
+            self._settle(entry_id)
+            return
+        if pid is not None and entry_id is not None:
+            self._inflight[pid] = (entry_id, qos)
+        else:
+            self._settle(entry_id)
+        self.link.send(data)
+
+    def _settle(self, entry_id: str | None) -> None:
+        if entry_id is not None and self._flow is not None:
+            self._flow.ack(entry_id)
+
+    def _allocate_pid(self) -> int | None:
+        pubrel = self.state.pubrel_out if self.state is not None else set()
+        for _ in range(65535):
+            pid = self._next_pid
+            self._next_pid = pid % 65535 + 1
+            if pid not in self._inflight and pid not in pubrel:
+                return pid
+        return None
+
+    def _on_puback(self, p: Puback) -> None:
+        item = self._inflight.pop(p.packet_id, None)
+        if item is not None:
+            self._settle(item[0])
+
+    def _on_pubrec(self, p: Pubrec) -> None:
+        """QoS 2 out: the message is settled in the queue at PUBREC (the client owns it
+        now), so a reconnect resends PUBREL, never the message: no duplicate."""
+        state = self.state
+        assert state is not None
+        item = self._inflight.pop(p.packet_id, None)
+        if item is not None:
+            self._settle(item[0])
+            if p.reason_code < 0x80:
+                state.pubrel_out.add(p.packet_id)
+                self._update_window()
+                self._send(Pubrel(p.packet_id))
+        elif p.packet_id in state.pubrel_out:
+            self._send(Pubrel(p.packet_id))
+        elif self.level == 5:
+            self._send(Pubrel(p.packet_id, ReasonCode.PACKET_IDENTIFIER_NOT_FOUND))
+
+    def _on_pubcomp(self, p: Pubcomp) -> None:
+        state = self.state
+        assert state is not None
+        if p.packet_id in state.pubrel_out:
+            state.pubrel_out.discard(p.packet_id)
+            self._update_window()
+
+    def _update_window(self) -> None:
+        """PUBREL-pending messages count against the client's receive maximum."""
+        if self._flow is not None:
+            self._flow.set_window(self._flow_window())
+
+    # -- SUBSCRIBE / UNSUBSCRIBE -----------------------------------------------------------
+
+    async def _on_subscribe(self, p: Subscribe) -> None:
+        state = self.state
+        assert state is not None
+        sub_id = None
+        if p.properties is not None and p.properties.subscription_identifiers:
+            sub_id = p.properties.subscription_identifiers[0]
+        codes: list[int] = []
+        to_queue: list[str] = []
+        from_queue: list[str] = []
+        for pattern, options in p.subscriptions:
+            rc = self._check_filter(pattern)
+            if rc is None:
+                rc = options.qos
+                previous = state.subscriptions.get(pattern)
+                if options.qos == 0:
+                    if previous is not None and previous.qos > 0:
+                        from_queue.append(pattern)
+                    if pattern not in self._direct:
+                        self._direct[pattern] = self.broker.subscribe_direct(
+                            pattern, MQTT, self._on_direct
+                        )
+                else:
+                    if pattern in self._direct:
+                        self.broker.unsubscribe_direct(self._direct.pop(pattern))
+                    to_queue.append(pattern)
+                state.set_subscription(pattern, options)
+                if sub_id is not None:
+                    state.subscription_ids[pattern] = sub_id
+                else:
+                    state.subscription_ids.pop(pattern, None)
+            codes.append(rc)
+        try:
+            if from_queue and state.queue is not None:
+                await self.broker.unsubscribe_queue(state.queue, from_queue, MQTT)
+            if to_queue:
+                queue = await self._ensure_queue()
+                await self.broker.subscribe_queue(queue, to_queue, MQTT)
+        except (QueueError, BindError) as exc:
+            log.error("MQTT client %r: subscribe failed: %s", self.client_id, exc)
+            for i, (pattern, _) in enumerate(p.subscriptions):
+                if pattern in to_queue:
+                    codes[i] = ReasonCode.UNSPECIFIED_ERROR
+                    state.drop_subscription(pattern)
+        self._send(Suback(p.packet_id, codes))
+
+    def _check_filter(self, pattern: str) -> int | None:
+        """None if `pattern` may be subscribed, else the SUBACK failure code."""
+        if pattern.startswith("$share/"):
+            return ReasonCode.SHARED_SUBSCRIPTIONS_NOT_SUPPORTED
+        try:
+            parse_pattern(pattern, MQTT)
+        except TopicError:
+            return ReasonCode.TOPIC_FILTER_INVALID
+        if _covered(self._deny_subscribe, pattern):
+            log.info("MQTT client %r may not subscribe to %r", self.client_id, pattern)
+            return ReasonCode.NOT_AUTHORIZED
+        return None
+
+    async def _ensure_queue(self) -> str:
+        """The client's queue, created (and bound) on the first QoS 1/2 subscription."""
+        state = self.state
+        assert state is not None
+        if state.queue is None:
+            state.queue = await self.registry.create_queue(state)
+        if self._flow is None and not self.closing:
+            await self._bind(state.queue)
+        return state.queue
+
+    async def _on_unsubscribe(self, p: Unsubscribe) -> None:
+        state = self.state
+        assert state is not None
+        codes: list[int] = []
+        from_queue: list[str] = []
+        for pattern in p.topic_filters:
+            options = state.subscriptions.get(pattern)
+            if options is None:
+                codes.append(ReasonCode.NO_SUBSCRIPTION_EXISTED)
+                continue
+            codes.append(ReasonCode.SUCCESS)
+            state.drop_subscription(pattern)
+            if pattern in self._direct:
+                self.broker.unsubscribe_direct(self._direct.pop(pattern))
+            if options.qos > 0:
+                from_queue.append(pattern)
+        if from_queue and state.queue is not None:
+            await self.broker.unsubscribe_queue(state.queue, from_queue, MQTT)
+        self._send(Unsuback(p.packet_id, codes))
+
+    # -- DISCONNECT and teardown -----------------------------------------------------------
+
+    def _on_disconnect(self, p: Disconnect) -> None:
+        state = self.state
+        assert state is not None
+        expiry = p.properties.session_expiry_interval if p.properties else None
+        if expiry is not None:
+            if state.expiry == 0 and expiry:  # MQTT 5 §3.14.2.2.2
+                self.fail(ReasonCode.PROTOCOL_ERROR)
+                return
+            state.expiry = expiry
+        if p.reason_code != ReasonCode.DISCONNECT_WITH_WILL_MESSAGE:
+            self.will = None
+        self.close()
+
+    def fail(self, rc: int) -> None:
+        """Close because of `rc`, telling a v5 client why (v3/v4 have no DISCONNECT)."""
+        if self.closing:
+            return
+        if self.level == 5 and self.connected:
+            self._send(Disconnect(rc if rc in _DISCONNECT_CODES else ReasonCode.PROTOCOL_ERROR))
+        self.close()
+
+    def close(self) -> None:
+        if not self.closing:
+            self.closing = True
+            self.link.close()
+
+    async def take_over(self) -> None:
+        """Another connection claims this client id: disconnect (0x8E) and wait for teardown."""
+        self.fail(ReasonCode.SESSION_TAKEN_OVER)
+        await asyncio.shield(self.detached)
+
+    def shutdown(self) -> None:
+        self.fail(ReasonCode.SERVER_SHUTTING_DOWN)
+
+    def connection_lost(self) -> None:
+        """The transport is gone: release flows and subscriptions, then the registry decides
+        about the will and the session's lifetime."""
+        self.closing = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.registry.spawn(self._teardown())
+
+    async def _teardown(self) -> None:
+        try:
+            if self._busy is not None:
+                await asyncio.wait({self._busy})
+            for token in self._direct.values():
+                self.broker.unsubscribe_direct(token)
+            self._direct.clear()
+            if self._flow is not None:
+                flow, self._flow = self._flow, None
+                await flow.close()
+            if self.state is not None and self.state.session is self:
+                await self.registry.detach(self)
+        finally:
+            if not self.detached.done():
+                self.detached.set_result(None)
+
+    def _send(self, packet: Packet) -> None:
+        self.link.send(encode(packet, self.level))
