@@ -67,6 +67,7 @@ from gateway.engine.flows import (
     Flow,
 )
 from gateway.engine.leases import NodeLiveness, new_node_id
+from gateway.engine.partitions import key_hash
 from gateway.engine.queues import (
     QueueConfig,
     QueueError,
@@ -144,7 +145,9 @@ class Broker:
                 fut = asyncio.get_running_loop().create_future()
                 fut.set_result(Outcome.NO_SUBSCRIBERS)
                 return self._retain_after(msg, fut) if msg.retain else fut
-        fut = self.spooler.submit(queues, msg.to_queue, len(msg.payload), encode(msg))
+        fut = self.spooler.submit(
+            queues, msg.to_queue, len(msg.payload), key_hash(msg.partition_key), encode(msg)
+        )
         return self._retain_after(msg, fut) if msg.retain and not msg.to_queue else fut
 
     def _retain_after(
@@ -306,6 +309,8 @@ class Broker:
             self.dispatcher.wake_queue(arg)
         elif kind == "lease":
             self.dispatcher.request_lease_check(arg)
+        elif kind == "parts":
+            self.dispatcher.request_partition_refresh(arg)
         elif kind == "client":
             self._taken_over(arg)
 
@@ -314,6 +319,8 @@ class Broker:
         self.dispatcher.wake_all()
         for queue in self.dispatcher.exclusive_standby_queues():
             self.dispatcher.request_lease_check(queue)
+        for queue in self.dispatcher.partitioned_queues():
+            self.dispatcher.request_partition_refresh(queue)
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)

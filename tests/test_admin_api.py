@@ -163,7 +163,7 @@ async def test_create_is_idempotent_and_checks_equivalence(admin: Admin) -> None
         ({"name": "ok", "subscriptions": "a/b"}, "subscriptions"),
         ({"name": "ok", "subscriptions": [{"pattern": "a/#/b", "syntax": "mqtt"}]}, "a/#/b"),
         ({"name": "ok", "subscriptions": [{"pattern": "a", "syntax": "amqp"}]}, "syntax"),
-        ({"name": "ok", "partition_count": 2}, "partition_count"),
+        ({"name": "ok", "partition_count": 2, "access_type": "exclusive"}, "partitioned"),
     ],
 )
 async def test_create_refuses_bad_specs(admin: Admin, body: dict, needle: str) -> None:

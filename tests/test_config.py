@@ -41,7 +41,7 @@ max_spool_bytes = 100000000          # 0: last value queue
 max_message_size = 1048576
 """
 
-UNSUPPORTED_FIELDS = ("partition_count", "max_redelivery", "max_ttl_ms", "respect_ttl")
+UNSUPPORTED_FIELDS = ("max_redelivery", "max_ttl_ms", "respect_ttl")
 
 
 def write(tmp_path: Path, text: str, name: str = "gateway.toml") -> str:
@@ -206,7 +206,6 @@ def test_architecture_example_loads(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("partition_count", 4),
         ("max_redelivery", 3),
         ("max_ttl_ms", 60000),
         ("respect_ttl", True),

@@ -294,7 +294,12 @@ async def test_queue_names_and_equivalence(broker: Broker) -> None:
         await broker.queues.create(QueueConfig(name="q/with/slashes", access_type="exclusive"))
     assert err.value.code == "precondition_failed"
     with pytest.raises(QueueError) as err:
-        await broker.queues.create(QueueConfig(name="p", partition_count=4))
+        await broker.queues.create(
+            QueueConfig(name="p", partition_count=4, access_type="exclusive")
+        )
+    assert err.value.code == "invalid"
+    with pytest.raises(QueueError) as err:
+        await broker.queues.create(QueueConfig(name="p", max_redelivery=3))
     assert err.value.code == "unsupported"
     assert await broker.queues.create(QueueConfig(name="#DEAD_MSG_QUEUE"))
 

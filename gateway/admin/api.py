@@ -63,8 +63,7 @@ class AdminApi:
             if m == "GET":
                 return Response.json((await self.broker.queues.info(name)).to_json())
             if m == "PATCH":
-                updated = await self.broker.queues.update(name, _object(req))
-                return Response.json(updated.to_json())
+                return await self._update_queue(name, _object(req))
             if m == "DELETE":
                 await self.broker.delete_queue(name)
                 return Response(204)
@@ -105,6 +104,17 @@ class AdminApi:
         created = await self.broker.declare_queue(config, subs)
         info = await self.broker.queues.info(config.name)
         return Response.json(info.to_json(), 201 if created else 200)
+
+    async def _update_queue(self, name: str, body: dict[str, Any]) -> Response:
+        """Run-time changes; `partition_count` (egress disabled) reports deleted messages."""
+        result: dict[str, Any] = {}
+        if "partition_count" in body:
+            count = body.pop("partition_count")
+            result["deleted_messages"] = await self.broker.queues.repartition(name, count)
+        if body:
+            await self.broker.queues.update(name, body)
+        info = await self.broker.queues.info(name)
+        return Response.json({**info.to_json(), **result})
 
     async def _subscriptions(self, name: str, req: Request) -> Response:
         if req.method == "POST":

@@ -10,6 +10,11 @@ callbacks. Settlements go before fetches so a requeued message is seen by the ne
 Exclusive queues: the earliest-bound flow on a live node holds the lease (with a fencing
 token checked by every fetch); the others are standbys, promoted in bind order when the
 lease moves (unbind, or the holder's node stops heartbeating).
+
+Partitioned queues: flows bind to the parent; each partition (a hidden exclusive child
+queue) is dispatched by the one flow Redis assigned it to (see partitions.py), so a flow
+fetches from each partition it owns and its entry ids carry the partition ("2/1700-0").
+A bind asks for a rebalance after the queue's rebalance delay, which coalesces bursts.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from collections.abc import Callable
 
 import redis.asyncio as aioredis
 
+from gateway.engine.keys import partition_queue
+from gateway.engine.partitions import PartitionMap, split_window
 from gateway.model import Delivery, decode
 
 log = logging.getLogger(__name__)
@@ -51,8 +58,11 @@ class Flow:
         "exclusive",
         "fence",
         "id",
+        "idle",
         "on_closed",
         "on_deliver",
+        "partitioned",
+        "parts",
         "queue",
         "unacked",
         "window",
@@ -63,7 +73,6 @@ class Flow:
         dispatcher: Dispatcher,
         flow_id: str,
         queue: str,
-        exclusive: bool,
         window: int,
         credit: int | None,
         on_deliver: DeliverCallback,
@@ -72,13 +81,16 @@ class Flow:
         self._dispatcher = dispatcher
         self.id = flow_id
         self.queue = queue
-        self.exclusive = exclusive
+        self.exclusive = False
+        self.partitioned = False
+        self.parts: dict[int, str] = {}  # partition index -> fence, while this flow owns it
+        self.idle: set[int] = set()  # owned partitions found empty since the last wake-up
         self.window = window
         self.credit = credit
         self.on_deliver = on_deliver
         self.on_closed = on_closed
-        self.unacked: dict[str, int] = {}
-        self.active = not exclusive
+        self.unacked: dict[str, tuple[str, str, int]] = {}  # entry id -> (queue, id, size)
+        self.active = True  # exclusive standbys and partitioned flows without partitions: no
         self.fence = ""
         self.closed = False
 
@@ -101,10 +113,13 @@ class Flow:
         self._settle("reject", entry_id)
 
     def _settle(self, mode: str, entry_id: str) -> None:
-        size = self.unacked.pop(entry_id, None)
-        if size is None or self.closed:
+        held = self.unacked.pop(entry_id, None)
+        if held is None or self.closed:
             return
-        self._dispatcher.settle(mode, self, entry_id, size)
+        self._dispatcher.settle(mode, self, *held)
+
+    def owns_partition(self, queue: str) -> bool:
+        return any(partition_queue(self.queue, i) == queue for i in self.parts)
 
     def set_window(self, window: int) -> None:
         """Maximum delivered-but-unsettled messages (MQTT receive maximum, prefetch)."""
@@ -123,6 +138,18 @@ class Flow:
             await self._dispatcher.unbind(self)
 
 
+class _Fetch:
+    """One fetch of one round: a flow reading `count` entries of `queue` (a partition)."""
+
+    __slots__ = ("count", "flow", "partition", "queue")
+
+    def __init__(self, flow: Flow, queue: str, partition: int | None, count: int) -> None:
+        self.flow = flow
+        self.queue = queue
+        self.partition = partition
+        self.count = count
+
+
 class Dispatcher:
     """All flows of one node; see the module docstring for the pump's round."""
 
@@ -135,6 +162,8 @@ class Dispatcher:
         self._settles: dict[str, list[tuple[str, str, str, int]]] = {}
         self._unbinds: list[tuple[Flow, asyncio.Future]] = []
         self._lease_checks: set[str] = set()
+        self._rebalances: dict[str, float] = {}  # partitioned queue -> when (loop time)
+        self._refreshes: set[str] = set()  # partitioned queues whose map to re-read
         self._task: asyncio.Task | None = None
         self.on_last_flow: Callable[[str], None] | None = None
         self.delivered = 0
@@ -151,27 +180,37 @@ class Dispatcher:
         credit: int | None = None,
         on_closed: ClosedCallback | None = None,
     ) -> Flow:
-        flow_id = f"{self.node_id}.{next(self._ids)}"
-        _status, access = await self._register(queue, flow_id)
         flow = Flow(
-            self, flow_id, queue, access == "exclusive", window, credit, on_deliver, on_closed
+            self,
+            f"{self.node_id}.{next(self._ids)}",
+            queue,
+            window,
+            credit,
+            on_deliver,
+            on_closed,
         )
-        local = self.flows.setdefault(queue, [])
-        local.append(flow)
+        delay = await self._register(flow)
+        self.flows.setdefault(queue, []).append(flow)
         if flow.exclusive:
             await self.check_lease(queue)
+        elif flow.partitioned:
+            self.request_rebalance(queue, delay)
         else:
             self.wake(flow)
         return flow
 
-    async def _register(self, queue: str, flow_id: str) -> tuple[str, str]:
-        reply = await self._redis.fcall("gw_bind", 0, queue, flow_id, self.node_id)
+    async def _register(self, flow: Flow) -> float:
+        """gw_bind; sets the flow's kind. Returns the queue's rebalance delay (seconds)."""
+        reply = await self._redis.fcall("gw_bind", 0, flow.queue, flow.id, self.node_id)
         status = reply[0].decode()
         if status == "noqueue":
-            raise BindError("not_found", f"queue {queue!r} does not exist")
+            raise BindError("not_found", f"queue {flow.queue!r} does not exist")
         if status == "egress":
-            raise BindError("egress_disabled", f"queue {queue!r} has egress disabled")
-        return status, reply[2].decode()
+            raise BindError("egress_disabled", f"queue {flow.queue!r} has egress disabled")
+        flow.exclusive = reply[2] == b"exclusive"
+        flow.partitioned = int(reply[3]) > 0
+        flow.active = not (flow.exclusive or flow.partitioned)
+        return int(reply[4]) / 1000
 
     async def unbind(self, flow: Flow) -> None:
         fut = asyncio.get_running_loop().create_future()
@@ -202,6 +241,7 @@ class Dispatcher:
 
     def wake(self, flow: Flow) -> None:
         """The flow may have work (new messages, more space)."""
+        flow.idle.clear()
         if not flow.closed and flow.active and flow.space > 0:
             self._want[flow] = None
             self._kick()
@@ -214,9 +254,13 @@ class Dispatcher:
         for queue in list(self.flows):
             self.wake_queue(queue)
 
-    def settle(self, mode: str, flow: Flow, entry_id: str, size: int) -> None:
-        self._settles.setdefault(mode, []).append((flow.queue, flow.id, entry_id, size))
+    def settle(self, mode: str, flow: Flow, queue: str, entry_id: str, size: int) -> None:
+        self._settles.setdefault(mode, []).append((queue, flow.id, entry_id, size))
+        if flow.partitioned and not flow.owns_partition(queue):
+            self.request_rebalance(flow.queue)  # a handoff may be able to complete now
         self.wake(flow)
+
+    # -- exclusive queues ------------------------------------------------------------------
 
     async def check_lease(self, queue: str) -> None:
         """Ask Redis who holds an exclusive queue; promote or demote local flows."""
@@ -240,16 +284,67 @@ class Dispatcher:
     def exclusive_standby_queues(self) -> list[str]:
         return [q for q, fl in self.flows.items() if any(f.exclusive and not f.active for f in fl)]
 
+    # -- partitioned queues ----------------------------------------------------------------
+
+    def partitioned_queues(self) -> list[str]:
+        return [q for q, fl in self.flows.items() if any(f.partitioned for f in fl)]
+
+    def request_rebalance(self, queue: str, delay: float = 0.0) -> None:
+        loop = asyncio.get_running_loop()
+        due = loop.time() + delay
+        if due < self._rebalances.get(queue, float("inf")):
+            self._rebalances[queue] = due
+            if delay > 0:
+                loop.call_later(delay, self._kick)
+            else:
+                self._kick()
+
+    def request_partition_refresh(self, queue: str) -> None:
+        if any(f.partitioned for f in self.flows.get(queue, ())):
+            self._refreshes.add(queue)
+            self._kick()
+
+    async def refresh_partitions(self, queue: str) -> None:
+        """Read a partitioned queue's map; give local flows the partitions they own now."""
+        pmap = PartitionMap.from_reply(await self._redis.fcall("gw_partitions", 0, queue))
+        bound = set(pmap.flows)
+        for flow in list(self.flows.get(queue, ())):
+            if not flow.partitioned or flow.closed:
+                continue
+            if flow.id not in bound:  # released while our node was presumed dead
+                self._lost(flow)
+                continue
+            owned = pmap.owned_by(flow.id)
+            gained = owned.keys() - flow.parts.keys()
+            flow.parts = owned
+            flow.active = bool(owned)
+            if gained:
+                self.wake(flow)
+
+    def _due_rebalances(self) -> list[str]:
+        now = asyncio.get_running_loop().time()
+        return [q for q, due in self._rebalances.items() if due <= now]
+
     # -- the pump --------------------------------------------------------------------------
 
     def _kick(self) -> None:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._pump())
 
+    def _has_work(self) -> bool:
+        return bool(
+            self._settles
+            or self._unbinds
+            or self._want
+            or self._lease_checks
+            or self._refreshes
+            or self._due_rebalances()
+        )
+
     async def _pump(self) -> None:
         try:
             await asyncio.sleep(0)  # gather this turn's settlements and wake-ups
-            while self._settles or self._unbinds or self._want or self._lease_checks:
+            while self._has_work():
                 try:
                     await self._round()
                 except Exception:
@@ -258,11 +353,37 @@ class Dispatcher:
         finally:
             self._task = None
 
+    def _fetches(self) -> list[_Fetch]:
+        fetches: list[_Fetch] = []
+        for flow in list(self._want):
+            del self._want[flow]
+            space = min(flow.space, FETCH_BATCH)
+            if space <= 0 or flow.closed or not flow.active:
+                continue
+            if not flow.partitioned:
+                fetches.append(_Fetch(flow, flow.queue, None, space))
+                continue
+            # a small window cannot serve every partition each round: start with those not
+            # yet found empty, in turn, so each gets its share
+            ready = [i for i in flow.parts if i not in flow.idle]
+            if not ready:
+                continue
+            shift = self.rounds % len(ready)
+            ready = ready[shift:] + ready[:shift]
+            for index, count in zip(ready, split_window(space, len(ready)), strict=True):
+                if count > 0:
+                    fetches.append(_Fetch(flow, partition_queue(flow.queue, index), index, count))
+        return fetches
+
     async def _round(self) -> None:
         self.rounds += 1
         settles, self._settles = self._settles, {}
         unbinds, self._unbinds = self._unbinds, []
         lease_checks, self._lease_checks = self._lease_checks, set()
+        rebalances = self._due_rebalances()
+        for queue in rebalances:
+            del self._rebalances[queue]
+        refreshes, self._refreshes = self._refreshes | set(rebalances), set()
         pipe = self._redis.pipeline(transaction=False)
         for mode, items in settles.items():
             args: list[object] = [mode]
@@ -273,55 +394,60 @@ class Dispatcher:
             pipe.fcall("gw_settle", 0, *args)
         for flow, _ in unbinds:
             pipe.fcall("gw_unbind", 0, flow.queue, flow.id)
-        fetching: list[tuple[Flow, int]] = []
-        for flow in list(self._want):
-            del self._want[flow]
-            n = min(flow.space, FETCH_BATCH)
-            if n <= 0 or flow.closed or not flow.active:
-                continue
-            fetching.append((flow, n))
-            pipe.fcall("gw_fetch", 0, flow.queue, flow.id, n, flow.fence)
+        for queue in rebalances:
+            pipe.fcall("gw_rebalance", 0, queue)
+        fetches = self._fetches()
+        for f in fetches:
+            fence = flow_fence(f.flow, f.partition)
+            pipe.fcall("gw_fetch", 0, f.queue, f.flow.id, f.count, fence)
         try:
             replies = await pipe.execute(raise_on_error=False)
-        except Exception as exc:
+        except Exception:
             # nothing was applied for sure: put the work back and let the caller retry
             for mode, items in settles.items():
                 self._settles.setdefault(mode, []).extend(items)
             self._unbinds.extend(unbinds)
             self._lease_checks |= lease_checks
-            for flow, _ in fetching:
-                self._want[flow] = None
-            raise exc
+            for queue in rebalances:
+                self._rebalances[queue] = 0.0
+            for f in fetches:
+                self._want[f.flow] = None
+            raise
         pos = len(settles)
-        for (_, fut), reply in zip(unbinds, replies[pos : pos + len(unbinds)], strict=False):
+        for (_, fut), reply in zip(unbinds, replies[pos : pos + len(unbinds)], strict=True):
             if not fut.done():
                 if isinstance(reply, Exception):
                     fut.set_exception(reply)
                 else:
                     fut.set_result(None)
-        pos += len(unbinds)
-        for (flow, requested), reply in zip(fetching, replies[pos:], strict=False):
+        pos += len(unbinds) + len(rebalances)
+        for f, reply in zip(fetches, replies[pos:], strict=True):
             if isinstance(reply, Exception):
-                log.warning("fetch for flow %s failed: %s", flow.id, reply)
-                self._want[flow] = None
+                log.warning("fetch for flow %s failed: %s", f.flow.id, reply)
+                self._want[f.flow] = None
                 continue
-            self._deliver(flow, requested, reply)
+            self._deliver(f, reply)
         for queue in lease_checks:
             await self.check_lease(queue)
+        for queue in refreshes:
+            await self.refresh_partitions(queue)
 
-    def _deliver(self, flow: Flow, requested: int, reply: list) -> None:
+    def _deliver(self, fetch: _Fetch, reply: list) -> None:
+        flow = fetch.flow
         status = reply[0]
         if status != b"ok":
-            self._fetch_refused(flow, status.decode())
+            self._fetch_refused(fetch, status.decode())
             return
         if flow.closed:
             return  # closed while fetching: its pending unbind returns these entries
         got = (len(reply) - 1) // 3
-        queue = flow.queue
+        queue = fetch.queue
+        prefix = "" if fetch.partition is None else f"{fetch.partition}/"
         for i in range(1, len(reply), 3):
-            entry_id = reply[i].decode()
+            raw_id = reply[i].decode()
+            entry_id = prefix + raw_id
             blob = reply[i + 2]
-            flow.unacked[entry_id] = len(blob)
+            flow.unacked[entry_id] = (queue, raw_id, len(blob))
             if flow.credit is not None:
                 flow.credit -= 1
             delivery = Delivery(queue, entry_id, decode(blob), int(reply[i + 1]), len(blob))
@@ -332,34 +458,56 @@ class Dispatcher:
                 log.exception("delivery callback of flow %s failed", flow.id)
             if flow.closed:
                 return
-        if got >= requested and flow.space > 0:  # a full batch: there may be more
+        if fetch.partition is not None:
+            if got < fetch.count:
+                flow.idle.add(fetch.partition)
+            if flow.space > 0 and any(i not in flow.idle for i in flow.parts):
+                self._want[flow] = None
+        elif got >= fetch.count and flow.space > 0:  # a full batch: there may be more
             self._want[flow] = None
 
-    def _fetch_refused(self, flow: Flow, status: str) -> None:
-        if status == "notowner":
+    def _fetch_refused(self, fetch: _Fetch, status: str) -> None:
+        flow = fetch.flow
+        if fetch.partition is not None and status in ("notowner", "noflow"):
+            # the partition is being handed off (or was): stop dispatching it
+            flow.parts.pop(fetch.partition, None)
+            flow.active = bool(flow.parts)
+            self.request_partition_refresh(flow.queue)
+        elif status == "notowner":
             flow.active = False
             self.request_lease_check(flow.queue)
         elif status == "noflow":
-            # our node was presumed dead and the flow released: its messages went back to the
-            # queue. Bind again under a new id, so late settlements of the old id are ignored.
-            log.warning("flow %s was released by another node; rebinding", flow.id)
-            flow.unacked.clear()
-            flow.id = f"{self.node_id}.{next(self._ids)}"
-            asyncio.get_running_loop().create_task(self._rebind(flow))
+            self._lost(flow)
         elif status == "noqueue":
             self.close_queue_flows(flow.queue, "queue deleted")
         # 'egress': paused until the queue's config changes (a 'qcfg' event wakes it)
 
+    def _lost(self, flow: Flow) -> None:
+        """Our node was presumed dead and the flow released: its messages went back to the
+        queue. Bind again under a new id, so late settlements of the old id are ignored."""
+        log.warning("flow %s was released by another node; rebinding", flow.id)
+        flow.unacked.clear()
+        flow.parts.clear()
+        flow.id = f"{self.node_id}.{next(self._ids)}"
+        asyncio.get_running_loop().create_task(self._rebind(flow))
+
     async def _rebind(self, flow: Flow) -> None:
         try:
-            await self._register(flow.queue, flow.id)
+            await self._register(flow)
         except BindError as exc:
             self.close_queue_flows(flow.queue, str(exc))
             return
         if flow.exclusive:
             await self.check_lease(flow.queue)
+        elif flow.partitioned:
+            self.request_rebalance(flow.queue)
         else:
             self.wake(flow)
+
+
+def flow_fence(flow: Flow, partition: int | None) -> str:
+    """The fencing token a fetch must present (exclusive lease or partition ownership)."""
+    return flow.fence if partition is None else flow.parts.get(partition, "")
 
 
 def _group(items: list[tuple[str, str, str, int]]) -> dict[tuple[str, str], list[tuple[str, int]]]:

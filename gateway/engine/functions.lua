@@ -19,6 +19,11 @@ local function id_less(x, y)
   return xm < ym or (xm == ym and tonumber(xs) < tonumber(ys))
 end
 
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
 -- XCLAIM ... JUSTID: moves entries between consumers without bumping the delivery count.
 local function claim_justid(s, consumer, ids)
   local args = { 'XCLAIM', s, GROUP, consumer, 0 }
@@ -35,9 +40,23 @@ local function entry_blob(fields)
   return false
 end
 
+local rebalance -- forward declaration: release_flow and rebalance call each other
+
+local function partition_count(q)
+  return tonumber(redis.call('HGET', k_queue_config(q), 'partition_count') or '0') or 0
+end
+
+-- Flows bind to a partitioned queue's parent, so its partitions wake the parent's channel.
+local function wake(q, payload)
+  local parent = redis.call('HGET', k_queue_config(q), 'parent')
+  redis.call('PUBLISH', k_queue_wake(parent or q), payload or '')
+end
+
 -- Move every pending entry of `flow` to the returned consumer (no delivery-count bump:
 -- the count grows when a flow claims it again), forget the consumer, free its lease.
-local function release_flow(q, flow)
+-- On a partitioned queue the flow is released from every partition and the partitions
+-- are rebalanced among the remaining flows (unless `no_rebalance`).
+local function release_flow(q, flow, no_rebalance)
   local s = k_queue_stream(q)
   local moved = 0
   if redis.call('EXISTS', s) == 1 then
@@ -58,13 +77,21 @@ local function release_flow(q, flow)
     redis.call('DEL', lease)
     redis.call('PUBLISH', K_EVENTS, 'lease ' .. q)
   end
-  if moved > 0 then redis.call('PUBLISH', k_queue_wake(q), '') end
+  if moved > 0 then wake(q) end
+  local n = partition_count(q)
+  if n > 0 then
+    for i = 0, n - 1 do
+      moved = moved + release_flow(partition_queue(q, i), flow, true)
+    end
+    if not no_rebalance then rebalance(q, now_ms()) end
+  end
   return moved
 end
 
 local function delete_queue(q)
   if redis.call('EXISTS', k_queue_config(q)) == 0 then return 0 end
-  redis.call('DEL', k_queue_config(q), k_queue_stream(q), k_queue_stats(q), k_queue_subs(q),
+  for i = 0, partition_count(q) - 1 do delete_queue(partition_queue(q, i)) end
+  redis.call('DEL', k_queue_parts(q), k_queue_config(q), k_queue_stream(q), k_queue_stats(q), k_queue_subs(q),
     k_queue_flows(q), k_queue_lease(q), k_queue_readers(q))
   redis.call('SREM', K_QUEUES, q)
   redis.call('SREM', K_READ_QUEUES, q)
@@ -91,31 +118,149 @@ local function reap_node(n)
   return released
 end
 
+-- Live flows of a queue in bind order; flows of dead nodes are released on the way.
+local function live_flows(q)
+  local out = {}
+  for _, flow in ipairs(redis.call('ZRANGE', k_queue_flows(q), 0, -1)) do
+    if redis.call('EXISTS', k_node_alive(node_of(flow))) == 1 then
+      out[#out + 1] = flow
+    else
+      release_flow(q, flow, true)
+    end
+  end
+  return out
+end
+
+-- Start dispatch of partition i to `flow`: register it on the child, new lease and fence.
+local function grant_partition(q, i, child, flow)
+  local seq = redis.call('INCR', K_SEQ)
+  redis.call('ZADD', k_queue_flows(child), seq, flow)
+  redis.call('HSET', k_queue_lease(child), 'flow', flow, 'fence', seq)
+  redis.call('HSET', k_queue_parts(q), 'o:' .. i, flow)
+  redis.call('HDEL', k_queue_parts(q), 'd:' .. i)
+end
+
+-- Assign every partition to one live flow, as evenly as possible, keeping assignments where
+-- balance allows; flows beyond the partition count get none (inactive). A partition moving
+-- away from a live flow is handed off: the old owner stops dispatching at once, the new
+-- owner starts once the old one has settled what it holds, or when the handoff timeout
+-- returns those messages to the partition (they come first, in order, to the new owner).
+-- Returns true if any ownership changed.
+rebalance = function(q, now)
+  local n = partition_count(q)
+  if n == 0 then return false end
+  local parts = k_queue_parts(q)
+  local flows = live_flows(q)
+  local nf = #flows
+  local cap = {}
+  for idx, f in ipairs(flows) do
+    cap[f] = math.floor(n / nf) + ((idx <= n % nf) and 1 or 0)
+  end
+  local state = {}
+  local raw = redis.call('HGETALL', parts)
+  for j = 1, #raw, 2 do state[raw[j]] = raw[j + 1] end
+  local target = {}
+  for i = 0, n - 1 do
+    local t = state['t:' .. i]
+    if t and cap[t] and cap[t] > 0 then
+      target[i] = t
+      cap[t] = cap[t] - 1
+    end
+  end
+  local fi = 1
+  for i = 0, n - 1 do
+    if not target[i] then
+      while fi <= nf and cap[flows[fi]] == 0 do fi = fi + 1 end
+      if fi <= nf then
+        target[i] = flows[fi]
+        cap[flows[fi]] = cap[flows[fi]] - 1
+      end
+    end
+  end
+  local handoff_ms = tonumber(
+    redis.call('HGET', k_queue_config(q), 'partition_handoff_timeout_ms') or '3000') or 3000
+  local changed = false
+  for i = 0, n - 1 do
+    local child = partition_queue(q, i)
+    local t, o = target[i], state['o:' .. i]
+    if t then
+      redis.call('HSET', parts, 't:' .. i, t)
+    else
+      redis.call('HDEL', parts, 't:' .. i)
+    end
+    if o and not redis.call('ZSCORE', k_queue_flows(child), o) then o = nil end
+    if o == t then
+      if t and redis.call('HGET', k_queue_lease(child), 'flow') ~= t then
+        grant_partition(q, i, child, t)
+        changed = true
+      end
+    elseif not o then
+      redis.call('HDEL', parts, 'o:' .. i, 'd:' .. i)
+      if redis.call('DEL', k_queue_lease(child)) == 1 then changed = true end
+      if t then
+        grant_partition(q, i, child, t)
+        changed = true
+      end
+    else
+      if redis.call('DEL', k_queue_lease(child)) == 1 then changed = true end
+      local deadline = tonumber(state['d:' .. i])
+      if not deadline then
+        deadline = now + handoff_ms
+        redis.call('HSET', parts, 'd:' .. i, deadline)
+      end
+      local held = redis.call('XPENDING', k_queue_stream(child), GROUP, '-', '+', 1, o)
+      if #held == 0 or now >= deadline then
+        release_flow(child, o, true)
+        redis.call('HDEL', parts, 'o:' .. i, 'd:' .. i)
+        if t then grant_partition(q, i, child, t) end
+        changed = true
+      end
+    end
+  end
+  if changed then redis.call('PUBLISH', K_EVENTS, 'parts ' .. q) end
+  return changed
+end
+
+-- Spool state of one queue during a gw_spool call (config and counters read once).
+local function spool_target(name)
+  local c = redis.call('HMGET', k_queue_config(name), 'ingress', 'max_message_size',
+    'max_spool_bytes', 'max_messages', 'partition_count', 'parent')
+  local info = { name = name, added = 0, added_bytes = 0, wake = c[6] or name }
+  if not c[1] then
+    info.missing = true
+    return info
+  end
+  info.stream = k_queue_stream(name)
+  info.ingress = c[1] == '1'
+  info.maxsize = tonumber(c[2]) or 0
+  info.maxbytes = tonumber(c[3]) or 0
+  info.maxmsgs = tonumber(c[4]) or 0
+  info.partitions = tonumber(c[5]) or 0
+  local st = redis.call('HMGET', k_queue_stats(name), 'bytes', 'msgs')
+  info.bytes = tonumber(st[1]) or 0
+  info.count = tonumber(st[2]) or 0
+  return info
+end
+
 -- ARGV: node, nq, queue names..., then per message: k, queue indexes (k)..., direct,
--- payload size (checked against max_message_size), blob. Spooled bytes count the stored
--- blob. Returns one outcome code per message; a message is stored in all its queues or none.
+-- payload size (checked against max_message_size), key hash high and low 32 bits (picks
+-- the partition of a partitioned queue: xxh3_64(key) % partition_count), blob.
+-- Spooled bytes count the stored blob. Returns one outcome code per message; a message is
+-- stored in all its queues or in none.
 redis.register_function('gw_spool', function(_, a)
   local nq = tonumber(a[2])
-  local qs = {}
-  for i = 1, nq do
-    local name = a[2 + i]
-    local c = redis.call('HMGET', k_queue_config(name), 'ingress', 'max_message_size',
-      'max_spool_bytes', 'max_messages')
-    local info = { name = name, added = 0, added_bytes = 0 }
-    if not c[1] then
-      info.missing = true
-    else
-      info.stream = k_queue_stream(name)
-      info.ingress = c[1] == '1'
-      info.maxsize = tonumber(c[2]) or 0
-      info.maxbytes = tonumber(c[3]) or 0
-      info.maxmsgs = tonumber(c[4]) or 0
-      local st = redis.call('HMGET', k_queue_stats(name), 'bytes', 'msgs')
-      info.bytes = tonumber(st[1]) or 0
-      info.count = tonumber(st[2]) or 0
+  local qs, by_name = {}, {}
+  local function target(name)
+    local t = by_name[name]
+    if not t then
+      t = spool_target(name)
+      by_name[name] = t
+      qs[#qs + 1] = t
     end
-    qs[i] = info
+    return t
   end
+  local named = {}
+  for i = 1, nq do named[i] = a[2 + i] end
   local out = {}
   local pos = 3 + nq
   local n = #a
@@ -123,10 +268,15 @@ redis.register_function('gw_spool', function(_, a)
     local k = tonumber(a[pos])
     local direct = a[pos + k + 1] == '1'
     local size = tonumber(a[pos + k + 2])
-    local blob = a[pos + k + 3]
+    local hi, lo = tonumber(a[pos + k + 3]), tonumber(a[pos + k + 4])
+    local blob = a[pos + k + 5]
     local code, targets = OK, {}
     for j = 1, k do
-      local q = qs[tonumber(a[pos + j])]
+      local q = target(named[tonumber(a[pos + j])])
+      if not q.missing and q.partitions > 0 then
+        local np = q.partitions
+        q = target(partition_queue(q.name, ((hi % np) * (4294967296 % np) + lo % np) % np))
+      end
       if q.missing then
         if direct then code = NOT_FOUND end
       elseif not q.ingress then code = INGRESS_DISABLED
@@ -150,15 +300,19 @@ redis.register_function('gw_spool', function(_, a)
       end
     end
     out[#out + 1] = code
-    pos = pos + k + 4
+    pos = pos + k + 6
   end
+  local woken = {}
   for _, q in ipairs(qs) do
     if q.added > 0 then
       local st = k_queue_stats(q.name)
       redis.call('HINCRBY', st, 'bytes', q.added_bytes)
       redis.call('HINCRBY', st, 'msgs', q.added)
       redis.call('HINCRBY', st, 'spooled', q.added)
-      redis.call('PUBLISH', k_queue_wake(q.name), a[1])
+      if not woken[q.wake] then
+        woken[q.wake] = true
+        redis.call('PUBLISH', k_queue_wake(q.wake), a[1])
+      end
     end
   end
   return out
@@ -234,7 +388,7 @@ redis.register_function('gw_settle', function(_, a)
         if mode == 'requeue' then
           claim_justid(s, RETURNED, mine)
           redis.call('HINCRBY', k_queue_stats(q), 'requeued', #mine)
-          redis.call('PUBLISH', k_queue_wake(q), '')
+          wake(q)
         else
           -- a queue with stream readers (the Spark source) keeps settled entries until
           -- every reader passed them (gw_reap trims); otherwise they go at once
@@ -254,16 +408,18 @@ redis.register_function('gw_settle', function(_, a)
 end)
 
 -- ARGV: queue, flow, node. Registers a flow; bind order decides exclusive standby order.
--- Returns {'ok', bind sequence, access type} or {'noqueue'} / {'egress'}.
+-- Returns {'ok', bind sequence, access type, partition count, rebalance delay ms} or
+-- {'noqueue'} / {'egress'}.
 redis.register_function('gw_bind', function(_, a)
   local q, flow, node = a[1], a[2], a[3]
-  local c = redis.call('HMGET', k_queue_config(q), 'egress', 'access')
+  local c = redis.call('HMGET', k_queue_config(q), 'egress', 'access', 'partition_count',
+    'partition_rebalance_delay_ms')
   if not c[1] then return { 'noqueue' } end
   if c[1] ~= '1' then return { 'egress' } end
   local seq = redis.call('INCR', K_SEQ)
   redis.call('ZADD', k_queue_flows(q), seq, flow)
   redis.call('SADD', k_node_queues(node), q)
-  return { 'ok', seq, c[2] }
+  return { 'ok', seq, c[2], tonumber(c[3]) or 0, tonumber(c[4]) or 0 }
 end)
 
 -- ARGV: queue, flow. Unbinds a flow; its unacked messages go back for redelivery.
@@ -343,8 +499,29 @@ redis.register_function('gw_reap', function(_, _)
   return released
 end)
 
--- ARGV: queue, then field/value pairs. Creates the queue unless it exists.
--- Returns {1} when created, else {0, field, value, ...} of the existing config.
+-- Stream, consumer group and counters of a queue whose config hash is written.
+local function init_queue(q)
+  redis.call('DEL', k_queue_stream(q), k_queue_stats(q), k_queue_flows(q), k_queue_lease(q))
+  redis.call('XGROUP', 'CREATE', k_queue_stream(q), GROUP, '0', 'MKSTREAM')
+  redis.call('HSET', k_queue_stats(q), 'msgs', 0, 'bytes', 0, 'spooled', 0, 'acked', 0)
+end
+
+-- A partition copies its parent's settings but is exclusive (one owner flow at a time)
+-- and hidden from the queue list.
+local function partition_settings(q, child)
+  redis.call('HSET', k_queue_config(child), unpack(redis.call('HGETALL', k_queue_config(q))))
+  redis.call('HSET', k_queue_config(child), 'access', 'exclusive', 'partition_count', 0,
+    'parent', q)
+end
+
+local function create_partition(q, i)
+  local child = partition_queue(q, i)
+  partition_settings(q, child)
+  init_queue(child)
+end
+
+-- ARGV: queue, then field/value pairs. Creates the queue (and its partitions) unless it
+-- exists. Returns {1} when created, else {0, field, value, ...} of the existing config.
 redis.register_function('gw_queue_create', function(_, a)
   local q = a[1]
   local cfg = k_queue_config(q)
@@ -354,9 +531,8 @@ redis.register_function('gw_queue_create', function(_, a)
     return out
   end
   redis.call('HSET', cfg, unpack(a, 2))
-  redis.call('DEL', k_queue_stream(q), k_queue_stats(q), k_queue_flows(q), k_queue_lease(q))
-  redis.call('XGROUP', 'CREATE', k_queue_stream(q), GROUP, '0', 'MKSTREAM')
-  redis.call('HSET', k_queue_stats(q), 'msgs', 0, 'bytes', 0, 'spooled', 0, 'acked', 0)
+  init_queue(q)
+  for i = 0, partition_count(q) - 1 do create_partition(q, i) end
   redis.call('SADD', K_QUEUES, q)
   for i = 2, #a - 1, 2 do
     if a[i] == 'owner_node' and a[i + 1] ~= '' then
@@ -366,14 +542,77 @@ redis.register_function('gw_queue_create', function(_, a)
   return { 1 }
 end)
 
--- ARGV: queue, then field/value pairs to change. Returns 0 if the queue does not exist.
+-- ARGV: queue, then field/value pairs to change (partitions follow their parent).
+-- Returns 0 if the queue does not exist.
 redis.register_function('gw_queue_update', function(_, a)
-  local cfg = k_queue_config(a[1])
+  local q = a[1]
+  local cfg = k_queue_config(q)
   if redis.call('EXISTS', cfg) == 0 then return 0 end
   redis.call('HSET', cfg, unpack(a, 2))
-  redis.call('PUBLISH', K_EVENTS, 'qcfg ' .. a[1])
-  redis.call('PUBLISH', k_queue_wake(a[1]), '')
+  for i = 0, partition_count(q) - 1 do partition_settings(q, partition_queue(q, i)) end
+  redis.call('PUBLISH', K_EVENTS, 'qcfg ' .. q)
+  redis.call('PUBLISH', k_queue_wake(q), '')
   return 1
+end)
+
+-- ARGV: queue, new partition count. Scaling partitions or switching between partitioned
+-- and not is only allowed with egress disabled; every flow is unbound. Messages of
+-- removed partitions (or of the old layout when switching kind) are deleted and counted.
+-- Returns {'ok', deleted messages} or {'noqueue'} / {'egress'} / {'exclusive'}.
+redis.register_function('gw_repartition', function(_, a)
+  local q, new_n = a[1], tonumber(a[2])
+  local cfg = k_queue_config(q)
+  local c = redis.call('HMGET', cfg, 'egress', 'partition_count', 'access')
+  if not c[1] then return { 'noqueue' } end
+  if c[1] == '1' then return { 'egress' } end
+  if new_n > 0 and c[3] ~= 'non-exclusive' then return { 'exclusive' } end
+  local old_n = tonumber(c[2]) or 0
+  if old_n == new_n then return { 'ok', 0 } end
+  for _, flow in ipairs(redis.call('ZRANGE', k_queue_flows(q), 0, -1)) do
+    release_flow(q, flow, true)
+  end
+  local deleted = 0
+  if old_n == 0 then
+    deleted = tonumber(redis.call('HGET', k_queue_stats(q), 'msgs') or '0') or 0
+    init_queue(q)
+  end
+  for i = new_n, old_n - 1 do
+    local child = partition_queue(q, i)
+    deleted = deleted + (tonumber(redis.call('HGET', k_queue_stats(child), 'msgs') or '0') or 0)
+    delete_queue(child)
+  end
+  redis.call('HSET', cfg, 'partition_count', new_n)
+  for i = old_n, new_n - 1 do create_partition(q, i) end
+  redis.call('DEL', k_queue_parts(q))
+  redis.call('PUBLISH', K_EVENTS, 'qcfg ' .. q)
+  return { 'ok', deleted }
+end)
+
+-- ARGV: queue. Rebalances a partitioned queue's partitions (and moves handoffs along).
+redis.register_function('gw_rebalance', function(_, a)
+  return rebalance(a[1], now_ms()) and 1 or 0
+end)
+
+-- ARGV: queue. Returns {n, then per partition: owner flow, fence, target flow, holder,
+-- then every flow bound to the queue}: the owner dispatches (with that fence); a holder
+-- differing from the target is handing off.
+redis.register_function('gw_partitions', function(_, a)
+  local q = a[1]
+  local n = partition_count(q)
+  local parts = k_queue_parts(q)
+  local out = { n }
+  for i = 0, n - 1 do
+    local l = redis.call('HMGET', k_queue_lease(partition_queue(q, i)), 'flow', 'fence')
+    local st = redis.call('HMGET', parts, 't:' .. i, 'o:' .. i)
+    out[#out + 1] = l[1] or ''
+    out[#out + 1] = l[2] or ''
+    out[#out + 1] = st[1] or ''
+    out[#out + 1] = st[2] or ''
+  end
+  for _, flow in ipairs(redis.call('ZRANGE', k_queue_flows(q), 0, -1)) do
+    out[#out + 1] = flow
+  end
+  return out
 end)
 
 -- ARGV: queue. Deletes the queue, its messages and its topic subscriptions.

@@ -9,6 +9,7 @@ a Redis Cluster slot; queue names may therefore not contain braces (see `queues.
 from __future__ import annotations
 
 PREFIX = "gw"
+PARTITION_PREFIX = "#P/"  # hidden child queues of partitioned queues: "#P/<index>/<parent>"
 GROUP = "g"  # the one consumer group of every queue stream
 RETURNED_CONSUMER = "~r"  # parks requeued entries until a flow claims them
 
@@ -28,6 +29,7 @@ TEMPLATES: dict[str, str] = {
     "queue_lease": f"{PREFIX}:q:{{{{q}}}}:lease",
     "queue_wake": f"{PREFIX}:wake:{{{{q}}}}",
     "queue_readers": f"{PREFIX}:q:{{{{q}}}}:readers",
+    "queue_parts": f"{PREFIX}:q:{{{{q}}}}:parts",
     "read_queues": f"{PREFIX}:readq",
     "retained": f"{PREFIX}:retained",
     "node_alive": f"{PREFIX}:node:{{n}}",
@@ -87,6 +89,17 @@ def queue_readers(q: str) -> str:
     return _queue_key("queue_readers", q)
 
 
+def queue_parts(q: str) -> str:
+    """Partition assignment of a partitioned queue: t:<i> target flow, o:<i> owner flow,
+    d:<i> handoff deadline (epoch ms)."""
+    return _queue_key("queue_parts", q)
+
+
+def partition_queue(parent: str, index: int) -> str:
+    """Name of the child queue (and so of its keys) holding one partition."""
+    return f"{PARTITION_PREFIX}{index}/{parent}"
+
+
 def node_alive(n: str) -> str:
     return _node_key("node_alive", n)
 
@@ -115,7 +128,11 @@ def client_received(c: str) -> str:
 
 def lua_prelude() -> str:
     """Lua definitions of the same names, prepended to functions.lua at load time."""
-    lines = [f"local GROUP = '{GROUP}'", f"local RETURNED = '{RETURNED_CONSUMER}'"]
+    lines = [
+        f"local GROUP = '{GROUP}'",
+        f"local RETURNED = '{RETURNED_CONSUMER}'",
+        f"local function partition_queue(p, i) return '{PARTITION_PREFIX}' .. i .. '/' .. p end",
+    ]
     for name, template in TEMPLATES.items():
         if "{{q}}" in template:
             head, tail = template.split("{{q}}")

@@ -71,6 +71,8 @@ class NodeLiveness:
             log.info("released %s flows of dead nodes", released)
         for queue in self._dispatcher.exclusive_standby_queues():
             await self._dispatcher.check_lease(queue)
+        for queue in self._dispatcher.partitioned_queues():  # handoff timeouts, dead owners
+            self._dispatcher.request_rebalance(queue)
 
     async def _run(self) -> None:
         ticks = 0

@@ -16,6 +16,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from gateway.engine import keys
+from gateway.engine.partitions import PartitionMap
 from gateway.topics import TopicError, parse_pattern
 
 MAX_NAME_BYTES = 255
@@ -68,19 +69,14 @@ def validate_queue_name(name: str, *, reserved_ok: bool = False) -> None:
         )
 
 
-PARTITION_PREFIX = "#P/"
-
-
-def partition_queue_name(parent: str, index: int) -> str:
-    """The hidden child queue holding partition `index` of a partitioned queue."""
-    return f"{PARTITION_PREFIX}{index}/{parent}"
+partition_queue_name = keys.partition_queue
 
 
 def stream_queues(parent: str, partition_count: int) -> list[tuple[int | None, str]]:
     """(partition, queue name) of every stream that holds a queue's messages."""
     if partition_count <= 0:
         return [(None, parent)]
-    return [(i, partition_queue_name(parent, i)) for i in range(partition_count)]
+    return [(i, keys.partition_queue(parent, i)) for i in range(partition_count)]
 
 
 def temporary_queue_name(node_id: str) -> str:
@@ -107,6 +103,8 @@ class QueueConfig:
     max_ttl_ms: int = 0
     respect_ttl: bool = False
     partition_count: int = 0
+    partition_rebalance_delay_ms: int = 500  # coalesces bursts of binds
+    partition_handoff_timeout_ms: int = 3000  # then the old owner's unacked are requeued
     created_ms: int = field(default=0, compare=False)
 
     def validate(self, *, reserved_ok: bool = False) -> None:
@@ -127,17 +125,22 @@ class QueueConfig:
             "max_redelivery",
             "max_ttl_ms",
             "partition_count",
+            "partition_rebalance_delay_ms",
+            "partition_handoff_timeout_ms",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise QueueError("invalid", f"{name} must be a non-negative integer")
         validate_queue_name(self.dead_message_queue, reserved_ok=True)
+        if self.partition_count and self.access_type != "non-exclusive":
+            raise QueueError("invalid", "only non-exclusive queues can be partitioned")
+        if self.partition_count > 1024:
+            raise QueueError("invalid", "partition_count must be at most 1024")
         unsupported = {
             "max_spool_bytes": self.max_spool_bytes == 0,  # last value queue
             "max_redelivery": self.max_redelivery != 0,
             "max_ttl_ms": self.max_ttl_ms != 0,
             "respect_ttl": self.respect_ttl,
-            "partition_count": self.partition_count != 0,
         }
         for name, refused in unsupported.items():
             if refused:
@@ -163,6 +166,8 @@ class QueueConfig:
             "max_ttl_ms": self.max_ttl_ms,
             "respect_ttl": self.respect_ttl,
             "partition_count": self.partition_count,
+            "partition_rebalance_delay_ms": self.partition_rebalance_delay_ms,
+            "partition_handoff_timeout_ms": self.partition_handoff_timeout_ms,
             "created_ms": self.created_ms,
         }
         out: list[str] = []
@@ -189,6 +194,8 @@ class QueueConfig:
             max_ttl_ms=int(h.get("max_ttl_ms", 0)),
             respect_ttl=h.get("respect_ttl", "0") == "1",
             partition_count=int(h.get("partition_count", 0)),
+            partition_rebalance_delay_ms=int(h.get("partition_rebalance_delay_ms", 500)),
+            partition_handoff_timeout_ms=int(h.get("partition_handoff_timeout_ms", 3000)),
             created_ms=int(h.get("created_ms", 0)),
         )
 
@@ -240,16 +247,27 @@ class QueueInfo:
     counters: dict[str, int]
     flows: list[str]
     active_flow: str | None
+    partitions: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
+        active = {p["owner"] for p in self.partitions if p["owner"]}
         return {
             **self.config.to_json(),
             "subscriptions": [{"pattern": p, "syntax": s} for p, s in sorted(self.subscriptions)],
             "messages": self.messages,
             "spooled_bytes": self.spooled_bytes,
             "counters": self.counters,
-            "flows": self.flows,
+            "flows": [
+                {
+                    "id": f,
+                    "active": f in active
+                    if self.partitions
+                    else f == self.active_flow or self.config.access_type == "non-exclusive",
+                }
+                for f in self.flows
+            ],
             "active_flow": self.active_flow,
+            "partitions": self.partitions,
         }
 
 
@@ -344,13 +362,63 @@ class QueueStore:
         raw, subs, stats, flows, active = await pipe.execute()
         if not raw:
             raise QueueError("not_found", f"queue {name!r} does not exist")
+        config = QueueConfig.from_redis(name, raw)
         counters = {k.decode(): int(v) for k, v in stats.items()}
+        partitions: list[dict[str, Any]] = []
+        if config.partition_count:
+            partitions = await self._partitions(name, config.partition_count, counters)
         return QueueInfo(
-            config=QueueConfig.from_redis(name, raw),
+            config=config,
             subscriptions=[parse_subscription_entry(e.decode()) for e in subs],
             messages=counters.pop("msgs", 0),
             spooled_bytes=counters.pop("bytes", 0),
             counters=counters,
             flows=[f.decode() for f in flows],
             active_flow=active.decode() if active else None,
+            partitions=partitions,
         )
+
+    async def _partitions(
+        self, name: str, count: int, totals: dict[str, int]
+    ) -> list[dict[str, Any]]:
+        """Per-partition owner and depth; adds the partitions' counters into `totals`."""
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.fcall("gw_partitions", 0, name)
+        for index in range(count):
+            pipe.hgetall(keys.queue_stats(keys.partition_queue(name, index)))
+        reply, *stats = await pipe.execute()
+        pmap = PartitionMap.from_reply(reply)
+        out = []
+        for index, raw in enumerate(stats):
+            part = {k.decode(): int(v) for k, v in raw.items()}
+            for k, v in part.items():
+                totals[k] = totals.get(k, 0) + v
+            out.append(
+                {
+                    "index": index,
+                    "owner": pmap.owners[index] or None,
+                    "target": pmap.targets[index] or None,
+                    "handing_off_from": pmap.holders[index]
+                    if pmap.holders[index] and pmap.holders[index] != pmap.owners[index]
+                    else None,
+                    "messages": part.get("msgs", 0),
+                }
+            )
+        return out
+
+    async def repartition(self, name: str, partition_count: int) -> int:
+        """Change the partition count (0: not partitioned); egress must be disabled.
+        Every flow is unbound. Returns how many messages the removed partitions held."""
+        if not isinstance(partition_count, int) or not 0 <= partition_count <= 1024:
+            raise QueueError("invalid", "partition_count must be an integer from 0 to 1024")
+        reply = await self._redis.fcall("gw_repartition", 0, name, partition_count)
+        status = reply[0].decode()
+        if status == "noqueue":
+            raise QueueError("not_found", f"queue {name!r} does not exist")
+        if status == "egress":
+            raise QueueError(
+                "precondition_failed", "disable egress before changing partition_count"
+            )
+        if status == "exclusive":
+            raise QueueError("invalid", "only non-exclusive queues can be partitioned")
+        return int(reply[1])

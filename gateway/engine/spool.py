@@ -21,14 +21,21 @@ MAX_BATCH_BYTES = 4 * 1024 * 1024
 
 
 class _Pending:
-    __slots__ = ("blob", "direct", "future", "queues", "size")
+    __slots__ = ("blob", "direct", "future", "key_hash", "queues", "size")
 
     def __init__(
-        self, queues: Iterable[str], direct: bool, size: int, blob: bytes, future: asyncio.Future
+        self,
+        queues: Iterable[str],
+        direct: bool,
+        size: int,
+        key_hash: tuple[int, int],
+        blob: bytes,
+        future: asyncio.Future,
     ) -> None:
         self.queues = queues
         self.direct = direct
         self.size = size
+        self.key_hash = key_hash
         self.blob = blob
         self.future = future
 
@@ -52,12 +59,18 @@ class Spooler:
         self.refused: dict[str, int] = {}  # outcome name (or redis_error) -> count
 
     def submit(
-        self, queues: Iterable[str], direct: bool, size: int, blob: bytes
+        self,
+        queues: Iterable[str],
+        direct: bool,
+        size: int,
+        key_hash: tuple[int, int],
+        blob: bytes,
     ) -> asyncio.Future[Outcome]:
-        """Queue one message for the next batch; the future carries its Outcome."""
+        """Queue one message for the next batch; the future carries its Outcome.
+        `key_hash` picks the partition of partitioned queues (partitions.key_hash)."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Outcome] = loop.create_future()
-        self._pending.append(_Pending(queues, direct, size, blob, fut))
+        self._pending.append(_Pending(queues, direct, size, key_hash, blob, fut))
         if self._task is None:
             self._task = loop.create_task(self._run())
         return fut
@@ -104,6 +117,7 @@ class Spooler:
             body.extend(idx)
             body.append(1 if p.direct else 0)
             body.append(p.size)
+            body.extend(p.key_hash)
             body.append(p.blob)
         codes = await self._redis.fcall("gw_spool", 0, self._node, len(index), *index.keys(), *body)
         self.batches += 1

@@ -1,0 +1,296 @@
+"""Pipeline jobs over gateway queues, and the `gateway pipeline ...` command.
+
+archive     a queue to Parquet, partitioned by queue and date (incremental with a checkpoint)
+aggregate   count and average of a numeric value per partition key and time window, with a
+            watermark, published back into a gateway topic through the sink
+dmq-report  dead messages by origin queue and reason (batch read of the DMQ)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+from collections.abc import Callable
+
+from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql.streaming import StreamingQuery
+
+from gateway.engine.queues import DEAD_MESSAGE_QUEUE
+from gateway.spark.session import activate, build_session
+from gateway.spark.source import DEFAULT_REDIS_URL
+
+ORIGIN_PROPERTY = "x-origin-queue"
+REASON_PROPERTY = "x-dmq-reason"
+
+
+def read_queue(spark: SparkSession, redis_url: str, queue: str, **options: str) -> DataFrame:
+    """Batch read of every stream of `queue`."""
+    activate(spark)
+    reader = spark.read.format("gateway").option("redis_url", redis_url).option("queue", queue)
+    return reader.options(**options).load()
+
+
+def stream_queue(spark: SparkSession, redis_url: str, queue: str, **options: str) -> DataFrame:
+    """Streaming read of every stream of `queue`."""
+    activate(spark)
+    reader = spark.readStream.format("gateway").option("redis_url", redis_url)
+    return reader.option("queue", queue).options(**options).load()
+
+
+def with_date(df: DataFrame) -> DataFrame:
+    return df.withColumn("date", F.to_date("ingest_ts"))
+
+
+def archive(
+    spark: SparkSession,
+    redis_url: str,
+    queue: str,
+    path: str,
+    checkpoint: str | None = None,
+) -> None:
+    """Write the queue's messages to Parquet under `path` (partitions queue=/date=).
+
+    With a checkpoint the archive is incremental (Trigger.AvailableNow, committed offsets
+    under reader name ``archive``, so the engine keeps entries until they are archived);
+    without one it is a one-shot snapshot of what is spooled now.
+    """
+    if checkpoint is None:
+        df = with_date(read_queue(spark, redis_url, queue))
+        df.write.mode("append").partitionBy("queue", "date").parquet(path)
+        return
+    df = with_date(stream_queue(spark, redis_url, queue, readerName="archive"))
+    query = (
+        df.writeStream.format("parquet")
+        .option("path", path)
+        .option("checkpointLocation", checkpoint)
+        .partitionBy("queue", "date")
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination()
+
+
+def value_column(value: str) -> Column:
+    """`payload` (the payload as a number) or `property:NAME` (a user property)."""
+    if value == "payload":
+        return F.col("payload").cast("string").cast("double")
+    kind, _, name = value.partition(":")
+    if kind != "property" or not name:
+        raise ValueError("value must be 'payload' or 'property:NAME'")
+    return F.col("properties").getItem(name).cast("double")
+
+
+def aggregates(df: DataFrame, window: str, watermark: str, value: str) -> DataFrame:
+    """Per key and window: count and average, as sink rows (JSON payload, stable id)."""
+    grouped = (
+        df.withWatermark("ingest_ts", watermark)
+        .withColumn("value", value_column(value))
+        .groupBy(F.window("ingest_ts", window), F.col("partition_key"))
+        .agg(F.count(F.lit(1)).alias("count"), F.avg("value").alias("avg"))
+    )
+    body = F.to_json(
+        F.struct(
+            F.col("partition_key").alias("key"),
+            F.date_format("window.start", "yyyy-MM-dd'T'HH:mm:ss.SSSXXX").alias("window_start"),
+            F.date_format("window.end", "yyyy-MM-dd'T'HH:mm:ss.SSSXXX").alias("window_end"),
+            "count",
+            "avg",
+        )
+    )
+    return grouped.select(
+        body.cast("binary").alias("payload"),
+        F.col("partition_key"),
+        F.lit("application/json").alias("content_type"),
+        # the same window always publishes the same message id, also when replayed
+        F.concat_ws("|", F.coalesce("partition_key", F.lit("")), F.col("window.start")).alias("id"),
+    )
+
+
+def aggregate(
+    spark: SparkSession,
+    redis_url: str,
+    queue: str,
+    topic: str,
+    checkpoint: str,
+    *,
+    window: str = "1 minute",
+    watermark: str = "10 seconds",
+    value: str = "payload",
+    reader_name: str = "aggregate",
+    once: bool = False,
+    processing_time: str = "1 second",
+) -> StreamingQuery:
+    """Start the windowed aggregate; `once` processes what is spooled now and stops."""
+    rows = aggregates(
+        stream_queue(spark, redis_url, queue, readerName=reader_name), window, watermark, value
+    )
+    writer = (
+        rows.writeStream.format("gateway")
+        .option("redis_url", redis_url)
+        .option("topic", topic)
+        .option("sinkName", f"aggregate:{queue}:{topic}")
+        .option("checkpointLocation", checkpoint)
+        .outputMode("append")
+    )
+    trigger = {"availableNow": True} if once else {"processingTime": processing_time}
+    return writer.trigger(**trigger).start()
+
+
+def dmq_report(spark: SparkSession, redis_url: str, queue: str = DEAD_MESSAGE_QUEUE) -> DataFrame:
+    """Dead messages counted by origin queue and reason, most frequent first."""
+    props = F.col("properties")
+    return (
+        read_queue(spark, redis_url, queue)
+        .select(
+            F.coalesce(props.getItem(ORIGIN_PROPERTY), F.lit("unknown")).alias("origin_queue"),
+            F.coalesce(props.getItem(REASON_PROPERTY), F.lit("unknown")).alias("reason"),
+            F.col("ingest_ts"),
+        )
+        .groupBy("origin_queue", "reason")
+        .agg(
+            F.count(F.lit(1)).alias("messages"),
+            F.min("ingest_ts").alias("first"),
+            F.max("ingest_ts").alias("last"),
+        )
+        .orderBy(F.desc("messages"), "origin_queue", "reason")
+    )
+
+
+class StageProgress:
+    """Prints one line per completed Spark stage while a batch job runs (status tracker)."""
+
+    def __init__(
+        self, spark: SparkSession, out: Callable[[str], None] = print, interval: float = 0.5
+    ) -> None:
+        self._tracker = spark.sparkContext.statusTracker()
+        self._out = out
+        self._interval = interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stage-progress", daemon=True)
+        self._active: dict[int, tuple[str, int]] = {}
+
+    def __enter__(self) -> StageProgress:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._poll()
+        for stage_id in list(self._active):
+            self._finish(stage_id)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            self._poll()
+
+    def _poll(self) -> None:
+        current = set(self._tracker.getActiveStageIds())
+        for stage_id in current:
+            info = self._tracker.getStageInfo(stage_id)
+            if info is not None:
+                self._active[stage_id] = (info.name, info.numTasks)
+        for stage_id in set(self._active) - current:
+            self._finish(stage_id)
+
+    def _finish(self, stage_id: int) -> None:
+        name, tasks = self._active.pop(stage_id)
+        self._out(f"stage {stage_id} done: {tasks} tasks ({name.split(' at ')[0]})")
+
+
+def add_pipeline_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """`pipeline archive|aggregate|dmq-report`, for the `gateway` command."""
+    parser = subparsers.add_parser("pipeline", help="Spark jobs over gateway queues")
+    parser.add_argument(
+        "--master", help="Spark master (default local[*]; spark-submit's own when under it)"
+    )
+    parser.add_argument("--redis-url", default=DEFAULT_REDIS_URL, help="the gateway's Redis")
+    jobs = parser.add_subparsers(dest="pipeline_command", required=True)
+
+    arch = jobs.add_parser("archive", help="archive a queue to Parquet (queue=/date=)")
+    arch.add_argument("queue")
+    arch.add_argument("path", help="output directory (any Spark path)")
+    arch.add_argument("--checkpoint", help="incremental: archive only what is new since last run")
+
+    agg = jobs.add_parser("aggregate", help="windowed per-key aggregates into a topic")
+    agg.add_argument("queue")
+    agg.add_argument("topic")
+    agg.add_argument("--checkpoint", required=True, help="streaming checkpoint directory")
+    agg.add_argument("--window", default="1 minute")
+    agg.add_argument("--watermark", default="10 seconds")
+    agg.add_argument("--value", default="payload", help="payload or property:NAME")
+    agg.add_argument("--once", action="store_true", help="process what is there, then stop")
+
+    dmq = jobs.add_parser("dmq-report", help="dead messages by origin queue and reason")
+    dmq.add_argument("queue", nargs="?", default=DEAD_MESSAGE_QUEUE)
+    dmq.add_argument("--json", action="store_true", help="one JSON object per line")
+    return parser
+
+
+def run_pipeline(args: argparse.Namespace) -> int:
+    spark = build_session(f"gateway-{args.pipeline_command}", args.master)
+    spark.sparkContext.setLogLevel("WARN")
+    try:
+        if args.pipeline_command == "archive":
+            with StageProgress(spark):
+                archive(spark, args.redis_url, args.queue, args.path, args.checkpoint)
+            print(f"archived {args.queue} to {args.path}")
+        elif args.pipeline_command == "aggregate":
+            return _run_aggregate(spark, args)
+        else:
+            with StageProgress(spark, out=lambda line: print(line, file=sys.stderr)):
+                rows = dmq_report(spark, args.redis_url, args.queue).collect()
+            _print_report(rows, args.json)
+    finally:
+        spark.stop()
+    return 0
+
+
+def _run_aggregate(spark: SparkSession, args: argparse.Namespace) -> int:
+    query = aggregate(
+        spark,
+        args.redis_url,
+        args.queue,
+        args.topic,
+        args.checkpoint,
+        window=args.window,
+        watermark=args.watermark,
+        value=args.value,
+        once=args.once,
+    )
+    last = None
+    try:
+        while not query.awaitTermination(2):
+            progress = query.lastProgress
+            if progress and progress["batchId"] != last:
+                last = progress["batchId"]
+                print(
+                    f"batch {last}: {progress['numInputRows']} rows, "
+                    f"{progress.get('processedRowsPerSecond', 0):.0f} rows/s"
+                )
+    except KeyboardInterrupt:
+        query.stop()
+    return 0
+
+
+def _print_report(rows: list, as_json: bool) -> None:
+    if as_json:
+        for r in rows:
+            print(json.dumps({**r.asDict(), "first": str(r.first), "last": str(r.last)}))
+        return
+    print(f"{'origin queue':<30} {'reason':<24} {'messages':>9}")
+    for r in rows:
+        print(f"{r.origin_queue:<30} {r.reason:<24} {r.messages:>9}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gateway")
+    add_pipeline_parser(parser.add_subparsers(dest="command", required=True))
+    return run_pipeline(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

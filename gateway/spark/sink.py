@@ -1,0 +1,199 @@
+"""The `gateway` sink: publishes DataFrame rows as messages through a Broker's spool path.
+
+Going through `Broker.publish_nowait` (not a raw XADD) means quotas, routing and topic
+subscriptions apply exactly as for a protocol client. Replays are idempotent per
+(sink, batch, Spark partition): a marker in `keys.sink_batches(sink)` is added once that
+partition's messages are spooled, and a replayed partition that finds it publishes
+nothing. Message ids are deterministic, so a crash between spool and marker leaves
+duplicates a consumer can recognise.
+
+Row columns: ``payload`` (binary or string, required); optional ``partition_key``,
+``properties`` (map of user properties), ``content_type``, ``correlation_id`` and ``id``
+(a stable row id; otherwise the id comes from batch, partition and row index).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import uuid
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from itertools import islice
+
+from pyspark import TaskContext
+from pyspark.sql import Row
+from pyspark.sql.datasource import DataSourceStreamWriter, DataSourceWriter, WriterCommitMessage
+from pyspark.sql.types import StructType
+
+from gateway.broker import Broker
+from gateway.engine import keys, library
+from gateway.model import Message
+from gateway.spark.source import DEFAULT_REDIS_URL
+
+log = logging.getLogger(__name__)
+
+CHUNK = 1000  # publishes in flight per gather: bounds memory, still group-committed
+OPTIONAL_COLUMNS = ("partition_key", "properties", "content_type", "correlation_id", "id")
+BATCH_ID_PROPERTY = "streaming.sql.batchId"  # local properties Spark sets per micro-batch
+QUERY_ID_PROPERTY = "sql.streaming.queryId"
+
+
+class SinkRefused(RuntimeError):
+    """The gateway refused a message (quota, missing queue, ingress off): fail the task."""
+
+
+@dataclass(frozen=True, slots=True)
+class SinkOptions:
+    redis_url: str
+    destination: str
+    to_queue: bool
+    sink_name: str
+    batch_id: str | None
+
+    @classmethod
+    def parse(cls, options: dict[str, str]) -> SinkOptions:
+        topic, queue = options.get("topic"), options.get("queue")
+        if bool(topic) == bool(queue):
+            raise ValueError("the gateway sink needs exactly one of options 'topic' or 'queue'")
+        destination = topic or queue
+        assert destination is not None
+        return cls(
+            redis_url=options.get("redis_url", DEFAULT_REDIS_URL),
+            destination=destination,
+            to_queue=bool(queue),
+            sink_name=options.get("sinkName") or f"{'queue' if queue else 'topic'}:{destination}",
+            batch_id=options.get("batchId") or None,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SinkCommit(WriterCommitMessage):
+    marker: str
+    published: int
+    skipped: bool
+
+
+def message_id(sink: str, key: str) -> str:
+    """Deterministic id: the same row of the same batch always gets the same id."""
+    return hashlib.blake2b(f"{sink}\x00{key}".encode(), digest_size=16).hexdigest()
+
+
+class RowMapper:
+    """Turns rows into Messages using column positions found once from the schema."""
+
+    def __init__(self, opts: SinkOptions, schema: StructType) -> None:
+        names = schema.fieldNames()
+        if "payload" not in names:
+            raise ValueError("the gateway sink needs a 'payload' column (binary or string)")
+        self.opts = opts
+        self.payload = names.index("payload")
+        self.optional = {c: names.index(c) for c in OPTIONAL_COLUMNS if c in names}
+
+    def message(self, row: Row, batch: str, index: int) -> Message:
+        get = self.optional.get
+        payload = row[self.payload]
+        if isinstance(payload, str):
+            payload = payload.encode()
+        row_id = row[get("id")] if "id" in self.optional else None
+        key = f"id\x00{row_id}" if row_id is not None else f"{batch}\x00{index}"
+        props = row[get("properties")] if "properties" in self.optional else None
+        return Message(
+            destination=self.opts.destination,
+            payload=bytes(payload or b""),
+            to_queue=self.opts.to_queue,
+            partition_key=row[get("partition_key")] if "partition_key" in self.optional else None,
+            content_type=row[get("content_type")] if "content_type" in self.optional else None,
+            correlation_id=(
+                row[get("correlation_id")] if "correlation_id" in self.optional else None
+            ),
+            user_properties=sorted((props or {}).items()),
+            id=message_id(self.opts.sink_name, key),
+        )
+
+
+async def publish(opts: SinkOptions, marker: str, messages: Iterable[Message]) -> SinkCommit:
+    """Spool `messages` through a Broker unless `marker` says this partition is done."""
+    client = await library.connect(opts.redis_url)
+    marks = keys.sink_batches(opts.sink_name)
+    try:
+        if await client.sismember(marks, marker):
+            return SinkCommit(marker, 0, True)
+        broker = Broker(client)
+        await broker.start()
+        published = 0
+        try:
+            it = iter(messages)
+            while chunk := list(islice(it, CHUNK)):
+                outcomes = await asyncio.gather(*(broker.publish_nowait(m) for m in chunk))
+                for msg, outcome in zip(chunk, outcomes, strict=True):
+                    if not outcome.accepted:
+                        raise SinkRefused(
+                            f"gateway refused message {msg.id} to {opts.destination!r}: "
+                            f"{outcome.name} ({published} of this partition were spooled)"
+                        )
+                published += len(chunk)
+            await client.sadd(marks, marker)
+        finally:
+            await broker.stop()
+        return SinkCommit(marker, published, False)
+    finally:
+        await client.aclose()
+
+
+def write_partition(
+    opts: SinkOptions, mapper: RowMapper, batch: str, rows: Iterator[Row]
+) -> SinkCommit:
+    """Runs on an executor: one event loop, one client and one Broker per task."""
+    ctx = TaskContext.get()
+    partition = ctx.partitionId() if ctx is not None else 0
+    marker = f"{batch}:{partition}"
+    messages = (mapper.message(row, marker, i) for i, row in enumerate(rows))
+    return asyncio.run(publish(opts, marker, messages))
+
+
+def _report(opts: SinkOptions, messages: list[WriterCommitMessage | None], batch: str) -> None:
+    done = [m for m in messages if isinstance(m, SinkCommit)]
+    log.info(
+        "sink %s batch %s: %d messages published, %d partitions skipped as replays",
+        opts.sink_name,
+        batch,
+        sum(m.published for m in done),
+        sum(m.skipped for m in done),
+    )
+
+
+class BatchWriter(DataSourceWriter):
+    """`df.write.format("gateway")`: one batch id per write (option `batchId` to replay)."""
+
+    def __init__(self, opts: SinkOptions, schema: StructType) -> None:
+        self.opts = opts
+        self.mapper = RowMapper(opts, schema)
+        self.batch = opts.batch_id or uuid.uuid4().hex
+
+    def write(self, iterator: Iterator[Row]) -> SinkCommit:
+        return write_partition(self.opts, self.mapper, self.batch, iterator)
+
+    def commit(self, messages: list[WriterCommitMessage | None]) -> None:
+        _report(self.opts, messages, self.batch)
+
+
+class StreamWriter(DataSourceStreamWriter):
+    """`writeStream.format("gateway")`: batch id = query id + micro-batch id (replay-stable)."""
+
+    def __init__(self, opts: SinkOptions, schema: StructType) -> None:
+        self.opts = opts
+        self.mapper = RowMapper(opts, schema)
+
+    def write(self, iterator: Iterator[Row]) -> SinkCommit:
+        ctx = TaskContext.get()
+        if ctx is None or ctx.getLocalProperty(BATCH_ID_PROPERTY) is None:
+            raise RuntimeError("the gateway stream sink runs only inside a streaming query")
+        batch = (
+            f"{ctx.getLocalProperty(QUERY_ID_PROPERTY)}/{ctx.getLocalProperty(BATCH_ID_PROPERTY)}"
+        )
+        return write_partition(self.opts, self.mapper, batch, iterator)
+
+    def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        _report(self.opts, messages, str(batchId))

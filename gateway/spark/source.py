@@ -1,0 +1,440 @@
+"""The `gateway` Python data source: batch and streaming reads of a queue's streams.
+
+Reads go by id range with XRANGE, never through the queue's consumer group, so a Spark job
+takes no work from live consumers and sees acked entries the engine keeps for registered
+readers. Offsets are per-stream entry ids (``{child queue: "ms-seq"}``, start exclusive,
+end inclusive); one Spark input partition reads one stream. Writes go to `sink.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import redis
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceReader,
+    DataSourceStreamReader,
+    DataSourceStreamWriter,
+    DataSourceWriter,
+    InputPartition,
+)
+from pyspark.sql.streaming.datasource import (
+    ReadAllAvailable,
+    ReadLimit,
+    ReadMaxRows,
+    SupportsTriggerAvailableNow,
+)
+from pyspark.sql.types import StructType
+
+from gateway.engine import keys
+from gateway.engine.queues import stream_queues
+from gateway.model import Message, PropertyValue, decode
+
+log = logging.getLogger(__name__)
+
+SCHEMA = (
+    "queue string, partition int, entry_id string, ingest_ts timestamp, topic string, "
+    "partition_key string, properties map<string,string>, payload binary"
+)
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+PAGE = 5000  # XRANGE COUNT per round trip
+ZERO = "0-0"
+
+StreamId = tuple[int, int]
+Row = tuple[str, int | None, str, datetime, str, str | None, dict[str, str | None], bytes]
+
+
+class DataLossError(RuntimeError):
+    """Entries a reader still needed were trimmed or deleted from a stream."""
+
+
+def parse_id(text: str | bytes) -> StreamId:
+    """(ms, seq) of a stream id: ids compare as integer pairs, never as strings."""
+    if isinstance(text, bytes):
+        text = text.decode()
+    ms, _, seq = text.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def format_id(sid: StreamId) -> str:
+    return f"{sid[0]}-{sid[1]}"
+
+
+def _bool(options: dict[str, str], name: str, default: bool) -> bool:
+    value = options.get(name)
+    return default if value is None else str(value).strip().lower() in ("true", "1", "yes")
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    """Reader options; plain data so that readers pickle to executors cheaply."""
+
+    redis_url: str
+    queue: str
+    starting: str
+    max_entries: int | None
+    fail_on_data_loss: bool
+    reader_name: str | None
+
+    @classmethod
+    def parse(cls, options: dict[str, str]) -> Options:
+        queue = options.get("queue")
+        if not queue:
+            raise ValueError("the gateway source needs option 'queue'")
+        cap = options.get("maxEntriesPerBatch")
+        if cap is not None and int(cap) <= 0:
+            raise ValueError("maxEntriesPerBatch must be a positive integer")
+        return cls(
+            redis_url=options.get("redis_url", DEFAULT_REDIS_URL),
+            queue=queue,
+            starting=options.get("startingOffsets", "").strip(),
+            max_entries=int(cap) if cap is not None else None,
+            fail_on_data_loss=_bool(options, "failOnDataLoss", True),
+            reader_name=options.get("readerName") or None,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class StreamInfo:
+    """What XINFO STREAM tells about retention; ids as integer pairs."""
+
+    length: int
+    first: StreamId
+    last_generated: StreamId
+    max_deleted: StreamId
+
+    @classmethod
+    def fetch(cls, client: redis.Redis, queue: str) -> StreamInfo:
+        try:
+            raw = client.execute_command("XINFO", "STREAM", keys.queue_stream(queue))
+        except redis.ResponseError:  # no stream (queue deleted): nothing to read
+            return cls(0, (0, 0), (0, 0), (0, 0))
+        if isinstance(raw, list):
+            raw = dict(zip(raw[::2], raw[1::2], strict=False))
+        info = {(k.decode() if isinstance(k, bytes) else k): v for k, v in raw.items()}
+        first = info.get("first-entry")
+        return cls(
+            length=int(info["length"]),
+            first=parse_id(first[0]) if first else (0, 0),
+            last_generated=parse_id(info["last-generated-id"]),
+            max_deleted=parse_id(info.get("max-deleted-entry-id", ZERO)),
+        )
+
+
+def lost_range(client: redis.Redis, queue: str, start: StreamId) -> str | None:
+    """Why entries after `start` are gone, or None when nothing a reader needed was removed.
+
+    XDEL moves `max-deleted-entry-id`; XTRIM only moves the first entry. A trim is loss when
+    `start` itself was trimmed (the engine keeps a reader's committed entry) or when the
+    stream is empty although entries after `start` were added.
+    """
+    if start == (0, 0):
+        return None
+    info = StreamInfo.fetch(client, queue)
+    at = format_id(start)
+    if info.max_deleted > start:
+        deleted = format_id(info.max_deleted)
+        return f"entries after {at} were deleted (max-deleted-entry-id {deleted})"
+    if info.length == 0:
+        if info.last_generated > start:
+            return f"stream is empty but entries up to {format_id(info.last_generated)} were added"
+        return None
+    if (
+        info.first > start
+        and info.max_deleted < start
+        and not client.xrange(keys.queue_stream(queue), at, at)
+    ):
+        return f"stream was trimmed past {at} (first entry now {format_id(info.first)})"
+    return None
+
+
+def check_loss(client: redis.Redis, opts: Options, queue: str, start: StreamId) -> None:
+    """Raise (failOnDataLoss) or warn when the range after `start` lost entries."""
+    reason = lost_range(client, queue, start)
+    if reason is None:
+        return
+    message = f"data loss in queue {opts.queue!r} stream {queue!r}: {reason}"
+    if opts.fail_on_data_loss:
+        raise DataLossError(f"{message}; set failOnDataLoss=false to skip the missing range")
+    log.warning("%s; skipping the missing range", message)
+
+
+def _text(value: PropertyValue) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "backslashreplace")
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def properties(msg: Message) -> dict[str, str | None]:
+    """Headers, then annotations, then user properties (a later name wins), as strings."""
+    out: dict[str, str | None] = {"priority": str(msg.priority)}
+    for name in ("content_type", "correlation_id", "reply_to", "message_id", "subject"):
+        value = getattr(msg, name)
+        if value is not None:
+            out[name] = _text(value)
+    if msg.expiration is not None:
+        out["expiration"] = str(msg.expiration)
+    for name, value in msg.annotations.items():
+        out[str(name)] = _text(value)
+    for name, value in msg.user_properties:
+        out[name] = _text(value)
+    return out
+
+
+def to_row(parent: str, partition: int | None, entry_id: bytes, msg: Message) -> Row:
+    eid = entry_id.decode()
+    ms = parse_id(eid)[0]
+    return (
+        parent,
+        partition,
+        eid,
+        datetime.fromtimestamp(ms / 1000, tz=UTC),
+        msg.destination,
+        msg.partition_key,
+        properties(msg),
+        msg.payload,
+    )
+
+
+class StreamRange(InputPartition):
+    """One stream's id range (start exclusive, end inclusive): one Spark task."""
+
+    def __init__(self, partition: int | None, queue: str, start: str, end: str) -> None:
+        super().__init__((partition, queue, start, end))
+        self.partition = partition
+        self.queue = queue
+        self.start = start
+        self.end = end
+
+
+def read_range(opts: Options, part: StreamRange) -> Iterator[Row]:
+    """XRANGE the range page by page; runs on an executor with its own client."""
+    client = redis.Redis.from_url(opts.redis_url)
+    try:
+        key = keys.queue_stream(part.queue)
+        low = "-" if part.start == ZERO else "(" + part.start
+        end = parse_id(part.end)
+        while True:
+            page = client.xrange(key, low, part.end, count=PAGE)
+            for entry_id, fields in page:
+                blob = fields.get(b"m")
+                try:
+                    msg = decode(blob) if blob is not None else None
+                except ValueError as exc:
+                    msg = None
+                    log.warning("skipping entry %s of %s: %s", entry_id, part.queue, exc)
+                if msg is not None:
+                    yield to_row(opts.queue, part.partition, entry_id, msg)
+            if len(page) < PAGE or parse_id(page[-1][0]) >= end:
+                return
+            low = "(" + page[-1][0].decode()
+    finally:
+        client.close()
+
+
+def queue_streams(client: redis.Redis, queue: str) -> list[tuple[int | None, str]]:
+    """(partition, child queue) of every stream of `queue`, from its config hash."""
+    raw = client.hget(keys.queue_config(queue), "partition_count")
+    if raw is None and not client.exists(keys.queue_config(queue)):
+        raise ValueError(f"queue {queue!r} does not exist")
+    return stream_queues(queue, int(raw or 0))
+
+
+def starting_offsets(client: redis.Redis, opts: Options) -> tuple[dict[str, str], bool]:
+    """Start id per stream, and whether they were chosen explicitly (then loss is checked).
+
+    Explicit `startingOffsets` wins, then the committed offsets of `readerName`, then earliest.
+    """
+    streams = [q for _, q in queue_streams(client, opts.queue)]
+    starting = opts.starting.lower()
+    if starting == "latest":
+        return {q: format_id(StreamInfo.fetch(client, q).last_generated) for q in streams}, False
+    if starting.startswith("{"):
+        given = json.loads(opts.starting)
+        unknown = sorted(set(given) - set(streams))
+        if unknown:
+            raise ValueError(f"startingOffsets names unknown streams: {', '.join(unknown)}")
+        return {q: format_id(parse_id(given.get(q, ZERO))) for q in streams}, True
+    if starting not in ("", "earliest"):
+        raise ValueError("startingOffsets must be earliest, latest or a JSON object of ids")
+    if not starting and opts.reader_name:
+        pipe = client.pipeline(transaction=False)
+        for q in streams:
+            pipe.hget(keys.queue_readers(q), opts.reader_name)
+        committed = pipe.execute()
+        if any(committed):
+            pairs = zip(streams, committed, strict=True)
+            return {q: (c.decode() if c else ZERO) for q, c in pairs}, True
+    return dict.fromkeys(streams, ZERO), False
+
+
+class GatewayDataSource(DataSource):
+    """``spark.read.format("gateway")`` / ``writeStream.format("gateway")``."""
+
+    @classmethod
+    def name(cls) -> str:
+        return "gateway"
+
+    def schema(self) -> str:
+        return SCHEMA
+
+    def reader(self, schema: StructType) -> DataSourceReader:
+        return BatchReader(Options.parse(dict(self.options)))
+
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        return StreamReader(Options.parse(dict(self.options)))
+
+    def writer(self, schema: StructType, overwrite: bool) -> DataSourceWriter:
+        from gateway.spark.sink import BatchWriter, SinkOptions
+
+        return BatchWriter(SinkOptions.parse(dict(self.options)), schema)
+
+    def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamWriter:
+        from gateway.spark.sink import SinkOptions, StreamWriter
+
+        return StreamWriter(SinkOptions.parse(dict(self.options)), schema)
+
+
+class BatchReader(DataSourceReader):
+    """Everything spooled up to planning time, one task per stream."""
+
+    def __init__(self, opts: Options) -> None:
+        self.opts = opts
+
+    def partitions(self) -> Sequence[InputPartition]:
+        client = redis.Redis.from_url(self.opts.redis_url)
+        try:
+            starts, explicit = starting_offsets(client, self.opts)
+            out = []
+            for partition, queue in queue_streams(client, self.opts.queue):
+                start = parse_id(starts[queue])
+                end = StreamInfo.fetch(client, queue).last_generated
+                if end <= start:
+                    continue
+                if explicit:
+                    check_loss(client, self.opts, queue, start)
+                out.append(StreamRange(partition, queue, format_id(start), format_id(end)))
+            return out
+        finally:
+            client.close()
+
+    def read(self, partition: InputPartition) -> Iterator[Row]:
+        assert isinstance(partition, StreamRange)
+        return read_range(self.opts, partition)
+
+
+class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """Micro-batches over id ranges; commits record the reader's position for retention."""
+
+    def __init__(self, opts: Options) -> None:
+        self.opts = opts
+        self._client: redis.Redis | None = None
+        self._registered = False
+        self._target: dict[str, StreamId] | None = None  # Trigger.AvailableNow end
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Executors get the options only; the driver's client stays behind."""
+        return {"opts": self.opts}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["opts"])  # type: ignore[misc]
+
+    @property
+    def client(self) -> redis.Redis:
+        if self._client is None:
+            self._client = redis.Redis.from_url(self.opts.redis_url)
+        return self._client
+
+    def initialOffset(self) -> dict:
+        return starting_offsets(self.client, self.opts)[0]
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        if self.opts.max_entries is None:
+            return ReadAllAvailable()
+        return ReadMaxRows(self.opts.max_entries)
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        self._target = {
+            q: StreamInfo.fetch(self.client, q).last_generated
+            for _, q in queue_streams(self.client, self.opts.queue)
+        }
+
+    def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
+        self._register(start)
+        ends: dict[str, StreamId] = {}
+        for _, queue in queue_streams(self.client, self.opts.queue):
+            end = StreamInfo.fetch(self.client, queue).last_generated
+            if self._target is not None:
+                end = min(end, self._target.get(queue, (0, 0)))
+            ends[queue] = max(end, parse_id(start.get(queue, ZERO)))
+        if isinstance(limit, ReadMaxRows):
+            self._cap(start, ends, limit.max_rows)
+        return {q: format_id(e) for q, e in ends.items()}
+
+    def _cap(self, start: dict, ends: dict[str, StreamId], max_rows: int) -> None:
+        """Share `max_rows` among streams with new entries; move their ends back to fit."""
+        busy = [q for q, e in ends.items() if e > parse_id(start.get(q, ZERO))]
+        for i, queue in enumerate(busy):
+            budget = max_rows // len(busy) + (1 if i < max_rows % len(busy) else 0)
+            if budget == 0:
+                ends[queue] = parse_id(start.get(queue, ZERO))
+                continue
+            low = start.get(queue, ZERO)
+            page = self.client.xrange(
+                keys.queue_stream(queue),
+                "-" if low == ZERO else "(" + low,
+                format_id(ends[queue]),
+                count=budget,
+            )
+            if len(page) == budget:
+                ends[queue] = parse_id(page[-1][0])
+
+    def partitions(self, start: dict, end: dict) -> Sequence[InputPartition]:
+        out = []
+        streams = dict((q, p) for p, q in queue_streams(self.client, self.opts.queue))
+        for queue, last in end.items():
+            low = parse_id(start.get(queue, ZERO))
+            if parse_id(last) <= low or queue not in streams:
+                continue
+            check_loss(self.client, self.opts, queue, low)
+            out.append(StreamRange(streams[queue], queue, format_id(low), last))
+        return out
+
+    def read(self, partition: InputPartition) -> Iterator[Row]:
+        assert isinstance(partition, StreamRange)
+        return read_range(self.opts, partition)
+
+    def _register(self, start: dict) -> None:
+        """Announce the reader once, at its start position, so the engine retains from here."""
+        if self._registered or self.opts.reader_name is None:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for queue, sid in start.items():
+            pipe.hsetnx(keys.queue_readers(queue), self.opts.reader_name, sid)
+            pipe.sadd(keys.read_queues, queue)
+        pipe.execute()
+        self._registered = True
+
+    def commit(self, end: dict) -> None:
+        if self.opts.reader_name is None:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for queue, sid in end.items():
+            pipe.hset(keys.queue_readers(queue), self.opts.reader_name, sid)
+            pipe.sadd(keys.read_queues, queue)
+        pipe.execute()
+
+    def stop(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
