@@ -67,7 +67,6 @@ from gateway.engine.flows import (
     Flow,
 )
 from gateway.engine.leases import NodeLiveness, new_node_id
-from gateway.engine.partitions import key_hash
 from gateway.engine.queues import (
     QueueConfig,
     QueueError,
@@ -146,7 +145,7 @@ class Broker:
                 fut.set_result(Outcome.NO_SUBSCRIBERS)
                 return self._retain_after(msg, fut) if msg.retain else fut
         fut = self.spooler.submit(
-            queues, msg.to_queue, len(msg.payload), key_hash(msg.partition_key), encode(msg)
+            queues, msg.to_queue, len(msg.payload), msg.partition_key, encode(msg)
         )
         return self._retain_after(msg, fut) if msg.retain and not msg.to_queue else fut
 

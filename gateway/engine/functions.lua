@@ -46,6 +46,30 @@ local function partition_count(q)
   return tonumber(redis.call('HGET', k_queue_config(q), 'partition_count') or '0') or 0
 end
 
+-- Message-group mode of a queue: false, 'default' or 'shared'.
+local function group_mode(q)
+  local m = redis.call('HGET', k_queue_config(q), 'message_groups')
+  return m and m ~= '' and m or false
+end
+
+-- Where unsettled entries go back to: the holding consumer on message-group queues (whose
+-- fetch picks entries by group), the returned consumer elsewhere.
+local function park_consumer(q)
+  return group_mode(q) and HOLDING or RETURNED
+end
+
+-- The message group of a stream entry (nil: ungrouped).
+local function entry_group(s, id, mode, default_group)
+  local e = redis.call('XRANGE', s, id, id)
+  if #e == 0 then return nil end
+  local f = e[1][2]
+  for i = 1, #f, 2 do
+    if f[i] == 'k' then return f[i + 1] end
+  end
+  if mode == 'shared' then return default_group end
+  return nil
+end
+
 -- Flows bind to a partitioned queue's parent, so its partitions wake the parent's channel.
 local function wake(q, payload)
   local parent = redis.call('HGET', k_queue_config(q), 'parent')
@@ -65,11 +89,20 @@ local function release_flow(q, flow, no_rebalance)
       if #p == 0 then break end
       local ids = {}
       for i, e in ipairs(p) do ids[i] = e[1] end
-      claim_justid(s, RETURNED, ids)
+      claim_justid(s, park_consumer(q), ids)
       moved = moved + #ids
       if #p < 500 then break end
     end
     pcall(redis.call, 'XGROUP', 'DELCONSUMER', s, GROUP, flow)
+  end
+  if group_mode(q) then  -- its groups are free for other consumers now
+    local groups = redis.call('HGETALL', k_queue_groups(q))
+    for i = 1, #groups, 2 do
+      if groups[i + 1] == flow then
+        redis.call('HDEL', k_queue_groups(q), groups[i])
+        redis.call('HDEL', k_queue_group_held(q), groups[i])
+      end
+    end
   end
   redis.call('ZREM', k_queue_flows(q), flow)
   local lease = k_queue_lease(q)
@@ -91,7 +124,7 @@ end
 local function delete_queue(q)
   if redis.call('EXISTS', k_queue_config(q)) == 0 then return 0 end
   for i = 0, partition_count(q) - 1 do delete_queue(partition_queue(q, i)) end
-  redis.call('DEL', k_queue_parts(q), k_queue_config(q), k_queue_stream(q), k_queue_stats(q), k_queue_subs(q),
+  redis.call('DEL', k_queue_parts(q), k_queue_groups(q), k_queue_group_held(q), k_queue_config(q), k_queue_stream(q), k_queue_stats(q), k_queue_subs(q),
     k_queue_flows(q), k_queue_lease(q), k_queue_readers(q))
   redis.call('SREM', K_QUEUES, q)
   redis.call('SREM', K_READ_QUEUES, q)
@@ -224,7 +257,7 @@ end
 -- Spool state of one queue during a gw_spool call (config and counters read once).
 local function spool_target(name)
   local c = redis.call('HMGET', k_queue_config(name), 'ingress', 'max_message_size',
-    'max_spool_bytes', 'max_messages', 'partition_count', 'parent')
+    'max_spool_bytes', 'max_messages', 'partition_count', 'parent', 'message_groups')
   local info = { name = name, added = 0, added_bytes = 0, wake = c[6] or name }
   if not c[1] then
     info.missing = true
@@ -236,6 +269,7 @@ local function spool_target(name)
   info.maxbytes = tonumber(c[3]) or 0
   info.maxmsgs = tonumber(c[4]) or 0
   info.partitions = tonumber(c[5]) or 0
+  info.grouped = c[7] and c[7] ~= ''
   local st = redis.call('HMGET', k_queue_stats(name), 'bytes', 'msgs')
   info.bytes = tonumber(st[1]) or 0
   info.count = tonumber(st[2]) or 0
@@ -244,7 +278,8 @@ end
 
 -- ARGV: node, nq, queue names..., then per message: k, queue indexes (k)..., direct,
 -- payload size (checked against max_message_size), key hash high and low 32 bits (picks
--- the partition of a partitioned queue: xxh3_64(key) % partition_count), blob.
+-- the partition of a partitioned queue: xxh3_64(key) % partition_count), the key itself
+-- ('' for none; kept as field 'k' on message-group queues), blob.
 -- Spooled bytes count the stored blob. Returns one outcome code per message; a message is
 -- stored in all its queues or in none.
 redis.register_function('gw_spool', function(_, a)
@@ -269,7 +304,8 @@ redis.register_function('gw_spool', function(_, a)
     local direct = a[pos + k + 1] == '1'
     local size = tonumber(a[pos + k + 2])
     local hi, lo = tonumber(a[pos + k + 3]), tonumber(a[pos + k + 4])
-    local blob = a[pos + k + 5]
+    local key = a[pos + k + 5]
+    local blob = a[pos + k + 6]
     local code, targets = OK, {}
     for j = 1, k do
       local q = target(named[tonumber(a[pos + j])])
@@ -291,7 +327,11 @@ redis.register_function('gw_spool', function(_, a)
         code = direct and NOT_FOUND or NO_SUBSCRIBERS
       else
         for _, q in ipairs(targets) do
-          redis.call('XADD', q.stream, '*', 'm', blob)
+          if q.grouped and key ~= '' then
+            redis.call('XADD', q.stream, '*', 'm', blob, 'k', key)
+          else
+            redis.call('XADD', q.stream, '*', 'm', blob)
+          end
           q.count = q.count + 1
           q.bytes = q.bytes + #blob
           q.added = q.added + 1
@@ -300,7 +340,7 @@ redis.register_function('gw_spool', function(_, a)
       end
     end
     out[#out + 1] = code
-    pos = pos + k + 6
+    pos = pos + k + 7
   end
   local woken = {}
   for _, q in ipairs(qs) do
@@ -321,9 +361,57 @@ end)
 -- ARGV: queue, flow, count, fence. Returns {status, id, delivery_count, blob, ...}
 -- status: 'ok', or 'noflow' / 'notowner' / 'egress' / 'noqueue' with no entries.
 -- Requeued entries (oldest first) are served before new ones, so order survives failover.
+-- Message-group queues: new entries first move to the holding consumer (delivery count 0);
+-- a flow then takes, oldest first, held entries that are ungrouped or whose group is free or
+-- already its own, so one group never reaches two consumers at once and groups never block
+-- each other. Default mode: a group stays with its consumer while that consumer lives.
+-- Shared mode: a group is free again once its holder settled all its messages.
+local function fetch_grouped(q, s, flow, count, mode, default_group, out)
+  local scan = math.max(count * 4, 64)
+  local held = redis.call('XPENDING', s, GROUP, '-', '+', scan, HOLDING)
+  if #held < scan then
+    local r = redis.call('XREADGROUP', 'GROUP', GROUP, HOLDING, 'COUNT', scan - #held,
+      'STREAMS', s, '>')
+    if r then
+      local ids = {}
+      for i, e in ipairs(r[1][2]) do ids[i] = e[1] end
+      local args = { 'XCLAIM', s, GROUP, HOLDING, 0 }
+      for _, id in ipairs(ids) do args[#args + 1] = id end
+      args[#args + 1] = 'RETRYCOUNT'
+      args[#args + 1] = 0
+      args[#args + 1] = 'JUSTID'
+      redis.call(unpack(args))
+      held = redis.call('XPENDING', s, GROUP, '-', '+', scan, HOLDING)
+    end
+  end
+  local groups, gheld = k_queue_groups(q), k_queue_group_held(q)
+  local taken = 0
+  for _, e in ipairs(held) do
+    if taken >= count then break end
+    local id = e[1]
+    local g = entry_group(s, id, mode, default_group)
+    local owner = g and redis.call('HGET', groups, g)
+    if not g or not owner or owner == flow then
+      local c = redis.call('XCLAIM', s, GROUP, flow, 0, id, 'RETRYCOUNT', e[4] + 1)
+      local blob = c[1] and entry_blob(c[1][2])
+      if blob then
+        if g then
+          redis.call('HSET', groups, g, flow)
+          if mode == 'shared' then redis.call('HINCRBY', gheld, g, 1) end
+        end
+        out[#out + 1] = id
+        out[#out + 1] = e[4] + 1
+        out[#out + 1] = blob
+        taken = taken + 1
+      end
+    end
+  end
+end
+
 redis.register_function('gw_fetch', function(_, a)
   local q, flow, count, fence = a[1], a[2], tonumber(a[3]), a[4]
-  local c = redis.call('HMGET', k_queue_config(q), 'egress', 'access')
+  local c = redis.call('HMGET', k_queue_config(q), 'egress', 'access', 'message_groups',
+    'default_group')
   if not c[1] then return { 'noqueue' } end
   if c[1] ~= '1' then return { 'egress' } end
   if not redis.call('ZSCORE', k_queue_flows(q), flow) then return { 'noflow' } end
@@ -333,6 +421,10 @@ redis.register_function('gw_fetch', function(_, a)
   end
   local s = k_queue_stream(q)
   local out = { 'ok' }
+  if c[3] and c[3] ~= '' then
+    fetch_grouped(q, s, flow, count, c[3], c[4], out)
+    return out
+  end
   local p = redis.call('XPENDING', s, GROUP, '-', '+', count, RETURNED)
   if #p > 0 then
     local ids, counts = {}, {}
@@ -376,17 +468,25 @@ redis.register_function('gw_settle', function(_, a)
     local first = pos + 3
     pos = first + 2 * n
     if n > 0 and redis.call('ZSCORE', k_queue_flows(q), flow) then
+      local gmode = group_mode(q)
+      local shared = gmode == 'shared'
+      local default_group = shared and redis.call('HGET', k_queue_config(q), 'default_group')
       local mine, bytes = {}, 0
       for i = first, pos - 1, 2 do
         local id = a[i]
+        local g = shared and entry_group(s, id, gmode, default_group)
         if mode == 'requeue' or redis.call('XACK', s, GROUP, id) == 1 then
           mine[#mine + 1] = id
           bytes = bytes + tonumber(a[i + 1])
+          if g and redis.call('HINCRBY', k_queue_group_held(q), g, -1) <= 0 then
+            redis.call('HDEL', k_queue_group_held(q), g)  -- the group is free again
+            redis.call('HDEL', k_queue_groups(q), g)
+          end
         end
       end
       if #mine > 0 then
         if mode == 'requeue' then
-          claim_justid(s, RETURNED, mine)
+          claim_justid(s, park_consumer(q), mine)
           redis.call('HINCRBY', k_queue_stats(q), 'requeued', #mine)
           wake(q)
         else

@@ -12,6 +12,7 @@ PREFIX = "gw"
 PARTITION_PREFIX = "#P/"  # hidden child queues of partitioned queues: "#P/<index>/<parent>"
 GROUP = "g"  # the one consumer group of every queue stream
 RETURNED_CONSUMER = "~r"  # parks requeued entries until a flow claims them
+HOLDING_CONSUMER = "~g"  # message-group queues: entries wait here until their group is free
 
 # name -> template; "{q}" is a queue name, "{n}" a node id, "{c}" a client id (hex),
 # "{s}" a sink name (hex).
@@ -30,6 +31,8 @@ TEMPLATES: dict[str, str] = {
     "queue_wake": f"{PREFIX}:wake:{{{{q}}}}",
     "queue_readers": f"{PREFIX}:q:{{{{q}}}}:readers",
     "queue_parts": f"{PREFIX}:q:{{{{q}}}}:parts",
+    "queue_groups": f"{PREFIX}:q:{{{{q}}}}:groups",
+    "queue_group_held": f"{PREFIX}:q:{{{{q}}}}:gheld",
     "read_queues": f"{PREFIX}:readq",
     "retained": f"{PREFIX}:retained",
     "node_alive": f"{PREFIX}:node:{{n}}",
@@ -95,6 +98,16 @@ def queue_parts(q: str) -> str:
     return _queue_key("queue_parts", q)
 
 
+def queue_groups(q: str) -> str:
+    """Message groups: group -> the flow that holds it."""
+    return _queue_key("queue_groups", q)
+
+
+def queue_group_held(q: str) -> str:
+    """Shared-groups mode: group -> unsettled messages its holder has."""
+    return _queue_key("queue_group_held", q)
+
+
 def partition_queue(parent: str, index: int) -> str:
     """Name of the child queue (and so of its keys) holding one partition."""
     return f"{PARTITION_PREFIX}{index}/{parent}"
@@ -131,6 +144,7 @@ def lua_prelude() -> str:
     lines = [
         f"local GROUP = '{GROUP}'",
         f"local RETURNED = '{RETURNED_CONSUMER}'",
+        f"local HOLDING = '{HOLDING_CONSUMER}'",
         f"local function partition_queue(p, i) return '{PARTITION_PREFIX}' .. i .. '/' .. p end",
     ]
     for name, template in TEMPLATES.items():

@@ -24,6 +24,7 @@ DEAD_MESSAGE_QUEUE = "#DEAD_MSG_QUEUE"
 TEMPORARY_PREFIX = "#tmp/"
 RESERVED_PREFIXES = ("#", "amq.")
 ACCESS_TYPES = ("exclusive", "non-exclusive")
+GROUP_MODES = ("", "default", "shared")
 SYNTAXES = ("smf", "mqtt")
 _FORBIDDEN = set("{}'\"<>*?&;") | {chr(c) for c in range(0x20)} | {"\x7f"}
 
@@ -105,6 +106,8 @@ class QueueConfig:
     partition_count: int = 0
     partition_rebalance_delay_ms: int = 500  # coalesces bursts of binds
     partition_handoff_timeout_ms: int = 3000  # then the old owner's unacked are requeued
+    message_groups: str = ""  # "", "default" or "shared" (Qpid Broker-J semantics)
+    default_group: str = "qpid.no-group"  # shared mode: the group of messages without one
     created_ms: int = field(default=0, compare=False)
 
     def validate(self, *, reserved_ok: bool = False) -> None:
@@ -114,7 +117,7 @@ class QueueConfig:
             value = getattr(self, f.name)
             if f.type == "bool" and not isinstance(value, bool):
                 raise QueueError("invalid", f"{f.name} must be true or false")
-            if f.type == "str | None" and value is not None and not isinstance(value, str):
+            if f.type in ("str", "str | None") and not isinstance(value, str | None):
                 raise QueueError("invalid", f"{f.name} must be a string")
         if self.access_type not in ACCESS_TYPES:
             raise QueueError("invalid", f"access_type must be one of {', '.join(ACCESS_TYPES)}")
@@ -134,6 +137,12 @@ class QueueConfig:
         validate_queue_name(self.dead_message_queue, reserved_ok=True)
         if self.partition_count and self.access_type != "non-exclusive":
             raise QueueError("invalid", "only non-exclusive queues can be partitioned")
+        if self.message_groups not in GROUP_MODES:
+            raise QueueError("invalid", "message_groups must be '', 'default' or 'shared'")
+        if self.message_groups and self.partition_count:
+            raise QueueError("invalid", "message groups are for non-partitioned queues")
+        if not self.default_group:
+            raise QueueError("invalid", "default_group must not be empty")
         if self.partition_count > 1024:
             raise QueueError("invalid", "partition_count must be at most 1024")
         unsupported = {
@@ -168,6 +177,8 @@ class QueueConfig:
             "partition_count": self.partition_count,
             "partition_rebalance_delay_ms": self.partition_rebalance_delay_ms,
             "partition_handoff_timeout_ms": self.partition_handoff_timeout_ms,
+            "message_groups": self.message_groups,
+            "default_group": self.default_group,
             "created_ms": self.created_ms,
         }
         out: list[str] = []
@@ -196,6 +207,8 @@ class QueueConfig:
             partition_count=int(h.get("partition_count", 0)),
             partition_rebalance_delay_ms=int(h.get("partition_rebalance_delay_ms", 500)),
             partition_handoff_timeout_ms=int(h.get("partition_handoff_timeout_ms", 3000)),
+            message_groups=h.get("message_groups", ""),
+            default_group=h.get("default_group", "qpid.no-group"),
             created_ms=int(h.get("created_ms", 0)),
         )
 
@@ -216,7 +229,7 @@ class QueueConfig:
 
 # Fields whose change would alter how existing messages or flows behave: a re-declaration
 # with other values is refused (RabbitMQ's property equivalence).
-EQUIVALENCE_FIELDS = ("access_type", "durable", "partition_count")
+EQUIVALENCE_FIELDS = ("access_type", "durable", "partition_count", "message_groups")
 
 
 def subscription_entry(pattern: str, syntax: str) -> str:

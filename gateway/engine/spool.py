@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 
 import redis.asyncio as aioredis
 
+from gateway.engine.partitions import key_hash
 from gateway.model import Outcome
 
 MAX_BATCH_MESSAGES = 512
@@ -21,21 +22,21 @@ MAX_BATCH_BYTES = 4 * 1024 * 1024
 
 
 class _Pending:
-    __slots__ = ("blob", "direct", "future", "key_hash", "queues", "size")
+    __slots__ = ("blob", "direct", "future", "key", "queues", "size")
 
     def __init__(
         self,
         queues: Iterable[str],
         direct: bool,
         size: int,
-        key_hash: tuple[int, int],
+        key: str | None,
         blob: bytes,
         future: asyncio.Future,
     ) -> None:
         self.queues = queues
         self.direct = direct
         self.size = size
-        self.key_hash = key_hash
+        self.key = key
         self.blob = blob
         self.future = future
 
@@ -63,14 +64,14 @@ class Spooler:
         queues: Iterable[str],
         direct: bool,
         size: int,
-        key_hash: tuple[int, int],
+        key: str | None,
         blob: bytes,
     ) -> asyncio.Future[Outcome]:
         """Queue one message for the next batch; the future carries its Outcome.
-        `key_hash` picks the partition of partitioned queues (partitions.key_hash)."""
+        `key` (the partition key) picks the partition, or the message group."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Outcome] = loop.create_future()
-        self._pending.append(_Pending(queues, direct, size, key_hash, blob, fut))
+        self._pending.append(_Pending(queues, direct, size, key, blob, fut))
         if self._task is None:
             self._task = loop.create_task(self._run())
         return fut
@@ -117,7 +118,8 @@ class Spooler:
             body.extend(idx)
             body.append(1 if p.direct else 0)
             body.append(p.size)
-            body.extend(p.key_hash)
+            body.extend(key_hash(p.key))
+            body.append(p.key or "")
             body.append(p.blob)
         codes = await self._redis.fcall("gw_spool", 0, self._node, len(index), *index.keys(), *body)
         self.batches += 1

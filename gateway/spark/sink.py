@@ -1,11 +1,12 @@
 """The `gateway` sink: publishes DataFrame rows as messages through a Broker's spool path.
 
 Going through `Broker.publish_nowait` (not a raw XADD) means quotas, routing and topic
-subscriptions apply exactly as for a protocol client. Replays are idempotent per
-(sink, batch, Spark partition): a marker in `keys.sink_batches(sink)` is added once that
-partition's messages are spooled, and a replayed partition that finds it publishes
-nothing. Message ids are deterministic, so a crash between spool and marker leaves
-duplicates a consumer can recognise.
+subscriptions apply exactly as for a protocol client. Replays are idempotent: markers in
+`keys.sink_batches(sink)` record each (batch, Spark partition) once its messages are
+spooled, and, for batch writes, the whole batch once the driver commits it (a re-run may
+partition differently); a task that finds either marker publishes nothing. Message ids are
+deterministic, so a crash between spool and marker leaves duplicates a consumer can
+recognise.
 
 Row columns: ``payload`` (binary or string, required); optional ``partition_key``,
 ``properties`` (map of user properties), ``content_type``, ``correlation_id`` and ``id``
@@ -18,10 +19,11 @@ import asyncio
 import hashlib
 import logging
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import islice
 
+import redis
 from pyspark import TaskContext
 from pyspark.sql import Row
 from pyspark.sql.datasource import DataSourceStreamWriter, DataSourceWriter, WriterCommitMessage
@@ -53,7 +55,7 @@ class SinkOptions:
     batch_id: str | None
 
     @classmethod
-    def parse(cls, options: dict[str, str]) -> SinkOptions:
+    def parse(cls, options: Mapping[str, str]) -> SinkOptions:
         topic, queue = options.get("topic"), options.get("queue")
         if bool(topic) == bool(queue):
             raise ValueError("the gateway sink needs exactly one of options 'topic' or 'queue'")
@@ -113,12 +115,14 @@ class RowMapper:
         )
 
 
-async def publish(opts: SinkOptions, marker: str, messages: Iterable[Message]) -> SinkCommit:
-    """Spool `messages` through a Broker unless `marker` says this partition is done."""
+async def publish(
+    opts: SinkOptions, batch: str, marker: str, messages: Iterable[Message]
+) -> SinkCommit:
+    """Spool `messages` through a Broker unless the batch or this partition is done."""
     client = await library.connect(opts.redis_url)
     marks = keys.sink_batches(opts.sink_name)
     try:
-        if await client.sismember(marks, marker):
+        if any(await client.smismember(marks, [batch, marker])):
             return SinkCommit(marker, 0, True)
         broker = Broker(client)
         await broker.start()
@@ -150,7 +154,7 @@ def write_partition(
     partition = ctx.partitionId() if ctx is not None else 0
     marker = f"{batch}:{partition}"
     messages = (mapper.message(row, marker, i) for i, row in enumerate(rows))
-    return asyncio.run(publish(opts, marker, messages))
+    return asyncio.run(publish(opts, batch, marker, messages))
 
 
 def _report(opts: SinkOptions, messages: list[WriterCommitMessage | None], batch: str) -> None:
@@ -176,6 +180,11 @@ class BatchWriter(DataSourceWriter):
         return write_partition(self.opts, self.mapper, self.batch, iterator)
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
+        client = redis.Redis.from_url(self.opts.redis_url)
+        try:
+            client.sadd(keys.sink_batches(self.opts.sink_name), self.batch)
+        finally:
+            client.close()
         _report(self.opts, messages, self.batch)
 
 

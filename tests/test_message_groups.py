@@ -1,0 +1,118 @@
+"""Message groups on non-partitioned queues (Qpid Broker-J default and shared-groups modes)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.broker import Broker
+from gateway.engine.flows import Flow
+from gateway.engine.queues import QueueConfig, QueueError
+from gateway.model import Delivery, Message
+from tests.test_engine import wait_for
+
+
+def grouped(group: str | None, payload: str) -> Message:
+    return Message(destination="g", to_queue=True, payload=payload.encode(), partition_key=group)
+
+
+async def consumer(broker: Broker, window: int = 10) -> tuple[Flow, list[Delivery]]:
+    got: list[Delivery] = []
+    flow = await broker.bind("g", got.append, window=window)
+    return flow, got
+
+
+def groups_of(got: list[Delivery]) -> set[str | None]:
+    return {d.message.partition_key for d in got}
+
+
+async def test_default_mode_keeps_a_group_on_one_consumer(broker: Broker) -> None:
+    await broker.declare_queue(QueueConfig(name="g", message_groups="default"))
+    a, got_a = await consumer(broker, window=4)
+    _b, got_b = await consumer(broker, window=40)
+    for i in range(30):
+        await broker.publish(grouped(f"g{i % 6}", f"{i}"))
+    await wait_for(lambda: len(got_a) == 4 and len(got_b) > 0)
+    await asyncio.sleep(0.2)
+    assert not groups_of(got_a) & groups_of(got_b), "no group reaches two consumers"
+    owner = {g: "a" for g in groups_of(got_a)} | {g: "b" for g in groups_of(got_b)}
+    # acking does not release a group in default mode: a's groups wait for a
+    while len(got_a) + len(got_b) < 30:
+        for d in list(got_a):
+            a.ack(d.entry_id)
+        await asyncio.sleep(0.05)
+    for name, got in (("a", got_a), ("b", got_b)):
+        for d in got:
+            assert owner.setdefault(d.message.partition_key, name) == name
+        for group in groups_of(got):
+            seq = [int(d.message.payload) for d in got if d.message.partition_key == group]
+            assert seq == sorted(seq), "a group's messages arrive in order"
+
+
+async def test_a_closed_consumer_hands_its_groups_on(broker: Broker) -> None:
+    await broker.declare_queue(QueueConfig(name="g", message_groups="default"))
+    a, got_a = await consumer(broker, window=10)
+    for i in range(4):
+        await broker.publish(grouped("G", f"{i}"))
+    await wait_for(lambda: len(got_a) == 4)
+    a.ack(got_a[0].entry_id)
+    _b, got_b = await consumer(broker, window=10)
+    await asyncio.sleep(0.2)
+    assert got_b == [], "G stays with a while a lives"
+    await a.close()
+    await wait_for(lambda: len(got_b) == 3)
+    assert [d.message.payload for d in got_b] == [b"1", b"2", b"3"]
+    assert all(d.redelivered and d.delivery_count == 2 for d in got_b)
+
+
+async def test_messages_without_a_group_go_to_anyone_in_default_mode(broker: Broker) -> None:
+    await broker.declare_queue(QueueConfig(name="g", message_groups="default"))
+    _, got_a = await consumer(broker, window=3)
+    _, got_b = await consumer(broker, window=3)
+    for i in range(6):
+        await broker.publish(grouped(None, f"{i}"))
+    await wait_for(lambda: len(got_a) == 3 and len(got_b) == 3)
+
+
+async def test_shared_mode_frees_a_group_once_settled(broker: Broker) -> None:
+    await broker.declare_queue(QueueConfig(name="g", message_groups="shared"))
+    a, got_a = await consumer(broker, window=1)
+    for i in range(2):
+        await broker.publish(grouped("G", f"{i}"))
+    await broker.publish(grouped(None, "nogroup"))
+    await wait_for(lambda: len(got_a) == 1)
+    _b, got_b = await consumer(broker, window=5)
+    await asyncio.sleep(0.3)
+    # b may not take G while a holds G:0; the message without a group belongs to the
+    # default group, which nobody holds yet
+    assert all(d.message.partition_key != "G" for d in got_b)
+    assert [d.message.payload for d in got_b] == [b"nogroup"]
+    a.ack(got_a[0].entry_id)
+    await wait_for(lambda: len(got_a) + len(got_b) == 3)
+    g_msgs = [d for d in got_a + got_b if d.message.partition_key == "G"]
+    assert [d.message.payload for d in g_msgs] == [b"0", b"1"]
+    info = (await broker.queues.info("g")).to_json()
+    assert info["message_groups"] == "shared" and info["default_group"] == "qpid.no-group"
+
+
+async def test_distinct_groups_never_block_each_other(broker: Broker) -> None:
+    await broker.declare_queue(QueueConfig(name="g", message_groups="shared"))
+    _a, got_a = await consumer(broker, window=1)
+    await broker.publish(grouped("slow", "s0"))
+    await wait_for(lambda: len(got_a) == 1)  # a holds 'slow' and never acks
+    for i in range(5):
+        await broker.publish(grouped("slow", f"s{i + 1}"))
+        await broker.publish(grouped(f"fast{i}", f"f{i}"))
+    _b, got_b = await consumer(broker, window=20)
+    await wait_for(lambda: len(got_b) == 5)
+    assert sorted(d.message.payload for d in got_b) == [b"f%d" % i for i in range(5)]
+
+
+async def test_group_settings_are_validated(broker: Broker) -> None:
+    with pytest.raises(QueueError):
+        await broker.declare_queue(QueueConfig(name="g", message_groups="sticky"))
+    with pytest.raises(QueueError):
+        await broker.declare_queue(
+            QueueConfig(name="g", message_groups="default", partition_count=2)
+        )
