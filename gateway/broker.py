@@ -145,7 +145,12 @@ class Broker:
                 fut.set_result(Outcome.NO_SUBSCRIBERS)
                 return self._retain_after(msg, fut) if msg.retain else fut
         fut = self.spooler.submit(
-            queues, msg.to_queue, len(msg.payload), msg.partition_key, encode(msg)
+            queues,
+            msg.to_queue,
+            len(msg.payload),
+            msg.partition_key,
+            msg.expiration,
+            encode(msg),
         )
         return self._retain_after(msg, fut) if msg.retain and not msg.to_queue else fut
 

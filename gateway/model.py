@@ -30,6 +30,11 @@ FLAG_PERSISTENT = 1
 FLAG_DMQ_ELIGIBLE = 2
 FLAG_RETAIN = 4
 FLAG_TO_QUEUE = 8
+FLAG_DMQ_SET = 16  # the publisher said whether the message is DMQ-eligible
+
+# Annotations on messages delivered from a dead message queue.
+ORIGIN_QUEUE = "x-origin-queue"
+DEAD_LETTER_REASON = "x-dmq-reason"  # expired, max_redelivered or rejected
 
 PropertyValue = str | int | float | bool | bytes | None
 UserProperties = list[tuple[str, PropertyValue]]
@@ -55,7 +60,7 @@ class Message:
     expiration: int | None = None  # epoch ms
     not_before: int | None = None  # epoch ms
     persistent: bool = True
-    dmq_eligible: bool = False
+    dmq_eligible: bool | None = None  # None: the queue's default decides
     content_type: str | None = None
     correlation_id: str | bytes | int | None = None
     reply_to: str | None = None
@@ -119,6 +124,7 @@ def encode(msg: Message) -> bytes:
     flags = (
         (FLAG_PERSISTENT if msg.persistent else 0)
         | (FLAG_DMQ_ELIGIBLE if msg.dmq_eligible else 0)
+        | (FLAG_DMQ_SET if msg.dmq_eligible is not None else 0)
         | (FLAG_RETAIN if msg.retain else 0)
         | (FLAG_TO_QUEUE if msg.to_queue else 0)
     )
@@ -166,7 +172,7 @@ def decode(blob: bytes) -> Message:
             destination=f[2],
             id=f[3] or "",
             persistent=bool(flags & FLAG_PERSISTENT),
-            dmq_eligible=bool(flags & FLAG_DMQ_ELIGIBLE),
+            dmq_eligible=bool(flags & FLAG_DMQ_ELIGIBLE) if flags & FLAG_DMQ_SET else None,
             retain=bool(flags & FLAG_RETAIN),
             to_queue=bool(flags & FLAG_TO_QUEUE),
             priority=DEFAULT_PRIORITY if f[5] is None else f[5],

@@ -41,7 +41,6 @@ max_spool_bytes = 100000000          # 0: last value queue
 max_message_size = 1048576
 """
 
-UNSUPPORTED_FIELDS = ("max_redelivery", "max_ttl_ms", "respect_ttl")
 
 
 def write(tmp_path: Path, text: str, name: str = "gateway.toml") -> str:
@@ -187,35 +186,20 @@ def test_architecture_example_loads(tmp_path: Path) -> None:
     assert spec["subscriptions"] == ["orders/>", "shop/*/created"]
     assert spec["partition_count"] == 4 and spec["respect_ttl"] is True
 
-    # This version refuses the partitioned / redelivery / TTL settings at provisioning time.
+    # The whole example queue is one this version provisions.
     config = QueueConfig.from_json(spec)
-    with pytest.raises(QueueError) as info:
-        config.validate()
-    assert info.value.code == "unsupported"
-    assert info.value.http_status == 400
-
-    # Without them, the same queue is fine.
-    plain = {k: v for k, v in spec.items() if k not in UNSUPPORTED_FIELDS}
-    config = QueueConfig.from_json(plain)
     config.validate()
+    assert config.partition_count == 4 and config.max_redelivery == 3
     assert config.dead_message_queue == "orders.dmq"
     assert config.max_spool_bytes == 100_000_000
     assert config.max_message_size == 1_048_576
 
 
-@pytest.mark.parametrize(
-    ("field", "value"),
-    [
-        ("max_redelivery", 3),
-        ("max_ttl_ms", 60000),
-        ("respect_ttl", True),
-        ("max_spool_bytes", 0),
-    ],
-)
-def test_each_unsupported_queue_setting_is_refused(field: str, value: object) -> None:
-    with pytest.raises(QueueError, match=field) as info:
-        QueueConfig.from_json({"name": "orders", field: value}).validate()
+def test_last_value_queue_setting_is_refused() -> None:
+    with pytest.raises(QueueError, match="max_spool_bytes") as info:
+        QueueConfig.from_json({"name": "orders", "max_spool_bytes": 0}).validate()
     assert info.value.code == "unsupported"
+    assert info.value.http_status == 400
 
 
 # -- errors ---------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ import redis.asyncio as aioredis
 
 from gateway.engine.keys import partition_queue
 from gateway.engine.partitions import PartitionMap, split_window
-from gateway.model import Delivery, decode
+from gateway.model import DEAD_LETTER_REASON, ORIGIN_QUEUE, Delivery, decode
 
 log = logging.getLogger(__name__)
 
@@ -440,17 +440,22 @@ class Dispatcher:
             return
         if flow.closed:
             return  # closed while fetching: its pending unbind returns these entries
-        got = (len(reply) - 1) // 3
+        got = (len(reply) - 2) // 4 + int(reply[1])  # delivered + dead-lettered instead
         queue = fetch.queue
         prefix = "" if fetch.partition is None else f"{fetch.partition}/"
-        for i in range(1, len(reply), 3):
+        for i in range(2, len(reply), 4):
             raw_id = reply[i].decode()
             entry_id = prefix + raw_id
             blob = reply[i + 2]
             flow.unacked[entry_id] = (queue, raw_id, len(blob))
             if flow.credit is not None:
                 flow.credit -= 1
-            delivery = Delivery(queue, entry_id, decode(blob), int(reply[i + 1]), len(blob))
+            message = decode(blob)
+            if reply[i + 3]:  # a dead message queue's entry: where it came from and why
+                origin, _, reason = reply[i + 3].decode().partition("\n")
+                message.annotations[ORIGIN_QUEUE] = origin
+                message.annotations[DEAD_LETTER_REASON] = reason
+            delivery = Delivery(queue, entry_id, message, int(reply[i + 1]), len(blob))
             self.delivered += 1
             try:
                 flow.on_deliver(delivery)

@@ -32,12 +32,16 @@ local function claim_justid(s, consumer, ids)
   return redis.call(unpack(args))
 end
 
-local function entry_blob(fields)
+local function entry_field(fields, name)
   if not fields then return false end
   for i = 1, #fields, 2 do
-    if fields[i] == 'm' then return fields[i + 1] end
+    if fields[i] == name then return fields[i + 1] end
   end
   return false
+end
+
+local function entry_blob(fields)
+  return entry_field(fields, 'm')
 end
 
 local rebalance -- forward declaration: release_flow and rebalance call each other
@@ -254,10 +258,72 @@ rebalance = function(q, now)
   return changed
 end
 
+-- DMQ eligibility: the publisher's flag when it set one (flag bit 16 says so, bit 2 is the
+-- value; see gateway/model.py), else the queue's default.
+-- Redis 7.0's cmsgpack cannot read msgpack bin values, so the flags (5th element: after
+-- version, payload bin, destination str, id str) are found by skipping the first four.
+local function message_flags(blob)
+  local pos = 1
+  local b = string.byte(blob, pos)
+  if not b then return 0 end
+  if b >= 0x90 and b <= 0x9f then pos = pos + 1 elseif b == 0xdc then pos = pos + 3
+  elseif b == 0xdd then pos = pos + 5 else return 0 end
+  local function be(at, n)
+    local v = 0
+    for i = 0, n - 1 do v = v * 256 + string.byte(blob, at + i) end
+    return v
+  end
+  for _ = 1, 4 do
+    b = string.byte(blob, pos)
+    if not b then return 0 end
+    if b < 0x80 then pos = pos + 1  -- positive fixint (the version)
+    elseif b >= 0xa0 and b <= 0xbf then pos = pos + 1 + (b - 0xa0)  -- fixstr
+    elseif b == 0xc4 or b == 0xd9 then pos = pos + 2 + be(pos + 1, 1)
+    elseif b == 0xc5 or b == 0xda then pos = pos + 3 + be(pos + 1, 2)
+    elseif b == 0xc6 or b == 0xdb then pos = pos + 5 + be(pos + 1, 4)
+    else return 0 end
+  end
+  b = string.byte(blob, pos)
+  return (b and b < 0x80) and b or 0
+end
+
+local function dmq_eligible(blob, default)
+  local flags = message_flags(blob)
+  if bit.band(flags, 16) ~= 0 then return bit.band(flags, 2) ~= 0 end
+  return default
+end
+
+-- Take an entry off its queue for good (`reason`: expired, max_redelivered, rejected): to
+-- the queue's dead message queue when `to_dmq`, the message is eligible and that queue
+-- exists, with its origin and reason as entry fields, else discarded. Counted either way.
+local function dead_letter(q, s, id, blob, reason, to_dmq)
+  local c = redis.call('HMGET', k_queue_config(q), 'dead_message_queue', 'dmq_eligible_default')
+  redis.call('XACK', s, GROUP, id)
+  if redis.call('EXISTS', k_queue_readers(q)) == 0 then redis.call('XDEL', s, id) end
+  local st = k_queue_stats(q)
+  redis.call('HINCRBY', st, 'msgs', -1)
+  redis.call('HINCRBY', st, 'bytes', -#blob)
+  redis.call('HINCRBY', st, reason, 1)
+  local dmq = c[1]
+  if to_dmq and dmq and dmq ~= q and dmq_eligible(blob, c[2] == '1')
+      and redis.call('EXISTS', k_queue_config(dmq)) == 1 then
+    redis.call('XADD', k_queue_stream(dmq), '*', 'm', blob, 'o', q, 'r', reason)
+    local dst = k_queue_stats(dmq)
+    redis.call('HINCRBY', dst, 'msgs', 1)
+    redis.call('HINCRBY', dst, 'bytes', #blob)
+    redis.call('HINCRBY', dst, 'spooled', 1)
+    redis.call('PUBLISH', k_queue_wake(dmq), '')
+    redis.call('HINCRBY', st, 'dead_lettered', 1)
+  else
+    redis.call('HINCRBY', st, 'discarded', 1)
+  end
+end
+
 -- Spool state of one queue during a gw_spool call (config and counters read once).
 local function spool_target(name)
   local c = redis.call('HMGET', k_queue_config(name), 'ingress', 'max_message_size',
-    'max_spool_bytes', 'max_messages', 'partition_count', 'parent', 'message_groups')
+    'max_spool_bytes', 'max_messages', 'partition_count', 'parent', 'message_groups',
+    'max_ttl_ms')
   local info = { name = name, added = 0, added_bytes = 0, wake = c[6] or name }
   if not c[1] then
     info.missing = true
@@ -270,6 +336,7 @@ local function spool_target(name)
   info.maxmsgs = tonumber(c[4]) or 0
   info.partitions = tonumber(c[5]) or 0
   info.grouped = c[7] and c[7] ~= ''
+  info.max_ttl = tonumber(c[8]) or 0
   local st = redis.call('HMGET', k_queue_stats(name), 'bytes', 'msgs')
   info.bytes = tonumber(st[1]) or 0
   info.count = tonumber(st[2]) or 0
@@ -279,7 +346,8 @@ end
 -- ARGV: node, nq, queue names..., then per message: k, queue indexes (k)..., direct,
 -- payload size (checked against max_message_size), key hash high and low 32 bits (picks
 -- the partition of a partitioned queue: xxh3_64(key) % partition_count), the key itself
--- ('' for none; kept as field 'k' on message-group queues), blob.
+-- ('' for none; kept as field 'k' on message-group queues), the publisher's expiry (epoch
+-- ms, 0: none; kept as field 'x', shortened to the queue's max_ttl_ms), blob.
 -- Spooled bytes count the stored blob. Returns one outcome code per message; a message is
 -- stored in all its queues or in none.
 redis.register_function('gw_spool', function(_, a)
@@ -299,13 +367,15 @@ redis.register_function('gw_spool', function(_, a)
   local out = {}
   local pos = 3 + nq
   local n = #a
+  local now
   while pos <= n do
     local k = tonumber(a[pos])
     local direct = a[pos + k + 1] == '1'
     local size = tonumber(a[pos + k + 2])
     local hi, lo = tonumber(a[pos + k + 3]), tonumber(a[pos + k + 4])
     local key = a[pos + k + 5]
-    local blob = a[pos + k + 6]
+    local expires = tonumber(a[pos + k + 6])
+    local blob = a[pos + k + 7]
     local code, targets = OK, {}
     for j = 1, k do
       local q = target(named[tonumber(a[pos + j])])
@@ -327,11 +397,21 @@ redis.register_function('gw_spool', function(_, a)
         code = direct and NOT_FOUND or NO_SUBSCRIBERS
       else
         for _, q in ipairs(targets) do
+          local args = { 'XADD', q.stream, '*', 'm', blob }
           if q.grouped and key ~= '' then
-            redis.call('XADD', q.stream, '*', 'm', blob, 'k', key)
-          else
-            redis.call('XADD', q.stream, '*', 'm', blob)
+            args[#args + 1] = 'k'
+            args[#args + 1] = key
           end
+          local x = expires
+          if q.max_ttl > 0 then
+            now = now or now_ms()
+            if x == 0 or now + q.max_ttl < x then x = now + q.max_ttl end
+          end
+          if x > 0 then  -- the smaller of the publisher's and the queue's TTL
+            args[#args + 1] = 'x'
+            args[#args + 1] = x
+          end
+          redis.call(unpack(args))
           q.count = q.count + 1
           q.bytes = q.bytes + #blob
           q.added = q.added + 1
@@ -340,7 +420,7 @@ redis.register_function('gw_spool', function(_, a)
       end
     end
     out[#out + 1] = code
-    pos = pos + k + 7
+    pos = pos + k + 8
   end
   local woken = {}
   for _, q in ipairs(qs) do
@@ -358,15 +438,46 @@ redis.register_function('gw_spool', function(_, a)
   return out
 end)
 
--- ARGV: queue, flow, count, fence. Returns {status, id, delivery_count, blob, ...}
--- status: 'ok', or 'noflow' / 'notowner' / 'egress' / 'noqueue' with no entries.
+-- ARGV: queue, flow, count, fence. Returns {'ok', dead-lettered, then per entry: id,
+-- delivery count, blob, dead-letter origin}, or {'noflow'} / {'notowner'} / {'egress'} / {'noqueue'}. Entries that expired or
+-- passed max_redelivery are dead-lettered instead of delivered (and counted in the reply).
 -- Requeued entries (oldest first) are served before new ones, so order survives failover.
+-- "origin queue\nreason" of a dead-lettered entry ('' for any other), for its consumers.
+local function dead_letter_origin(fields)
+  local o = entry_field(fields, 'o')
+  return o and (o .. '\n' .. (entry_field(fields, 'r') or '')) or ''
+end
+
+-- Limits a fetch applies to each entry before handing it out.
+local function fetch_limits(q)
+  local c = redis.call('HMGET', k_queue_config(q), 'max_redelivery', 'respect_ttl')
+  return { now = now_ms(), max_redelivery = tonumber(c[1]) or 0, respect_ttl = c[2] == '1' }
+end
+
+-- The blob of an entry about to be delivered for the `count`-th time, or false when it
+-- expired (never delivered) or was already delivered max_redelivery + 1 times: then it is
+-- dead-lettered here, atomically with the fetch.
+local function deliverable(q, s, id, fields, count, lim)
+  local blob = entry_blob(fields)
+  if not blob then return false end
+  local x = tonumber(entry_field(fields, 'x'))
+  if x and x <= lim.now then
+    dead_letter(q, s, id, blob, 'expired', lim.respect_ttl)
+    return false
+  end
+  if lim.max_redelivery > 0 and count > lim.max_redelivery + 1 then
+    dead_letter(q, s, id, blob, 'max_redelivered', true)
+    return false
+  end
+  return blob
+end
+
 -- Message-group queues: new entries first move to the holding consumer (delivery count 0);
 -- a flow then takes, oldest first, held entries that are ungrouped or whose group is free or
 -- already its own, so one group never reaches two consumers at once and groups never block
 -- each other. Default mode: a group stays with its consumer while that consumer lives.
 -- Shared mode: a group is free again once its holder settled all its messages.
-local function fetch_grouped(q, s, flow, count, mode, default_group, out)
+local function fetch_grouped(q, s, flow, count, mode, default_group, lim, out)
   local scan = math.max(count * 4, 64)
   local held = redis.call('XPENDING', s, GROUP, '-', '+', scan, HOLDING)
   if #held < scan then
@@ -393,7 +504,8 @@ local function fetch_grouped(q, s, flow, count, mode, default_group, out)
     local owner = g and redis.call('HGET', groups, g)
     if not g or not owner or owner == flow then
       local c = redis.call('XCLAIM', s, GROUP, flow, 0, id, 'RETRYCOUNT', e[4] + 1)
-      local blob = c[1] and entry_blob(c[1][2])
+      local blob = c[1] and deliverable(q, s, id, c[1][2], e[4] + 1, lim)
+      if c[1] and not blob then out[2] = out[2] + 1 end
       if blob then
         if g then
           redis.call('HSET', groups, g, flow)
@@ -402,6 +514,7 @@ local function fetch_grouped(q, s, flow, count, mode, default_group, out)
         out[#out + 1] = id
         out[#out + 1] = e[4] + 1
         out[#out + 1] = blob
+        out[#out + 1] = dead_letter_origin(c[1][2])
         taken = taken + 1
       end
     end
@@ -420,10 +533,22 @@ redis.register_function('gw_fetch', function(_, a)
     if l[1] ~= flow or l[2] ~= fence then return { 'notowner' } end
   end
   local s = k_queue_stream(q)
-  local out = { 'ok' }
+  local lim = fetch_limits(q)
+  local out = { 'ok', 0 }
   if c[3] and c[3] ~= '' then
-    fetch_grouped(q, s, flow, count, c[3], c[4], out)
+    fetch_grouped(q, s, flow, count, c[3], c[4], lim, out)
     return out
+  end
+  local function add(id, n, fields)
+    local blob = deliverable(q, s, id, fields, n, lim)
+    if blob then
+      out[#out + 1] = id
+      out[#out + 1] = n
+      out[#out + 1] = blob
+      out[#out + 1] = dead_letter_origin(fields)
+    else
+      out[2] = out[2] + 1
+    end
   end
   local p = redis.call('XPENDING', s, GROUP, '-', '+', count, RETURNED)
   if #p > 0 then
@@ -433,23 +558,14 @@ redis.register_function('gw_fetch', function(_, a)
       counts[e[1]] = e[4]
     end
     for _, e in ipairs(redis.call('XCLAIM', s, GROUP, flow, 0, unpack(ids))) do
-      local blob = e and entry_blob(e[2])
-      if blob then
-        out[#out + 1] = e[1]
-        out[#out + 1] = counts[e[1]] + 1
-        out[#out + 1] = blob
-      end
+      if e then add(e[1], counts[e[1]] + 1, e[2]) end
     end
   end
-  local want = count - (#out - 1) / 3
+  local want = count - (#out - 2) / 4 - out[2]
   if want > 0 then
     local r = redis.call('XREADGROUP', 'GROUP', GROUP, flow, 'COUNT', want, 'STREAMS', s, '>')
     if r then
-      for _, e in ipairs(r[1][2]) do
-        out[#out + 1] = e[1]
-        out[#out + 1] = 1
-        out[#out + 1] = entry_blob(e[2])
-      end
+      for _, e in ipairs(r[1][2]) do add(e[1], 1, e[2]) end
     end
   end
   return out
@@ -475,9 +591,20 @@ redis.register_function('gw_settle', function(_, a)
       for i = first, pos - 1, 2 do
         local id = a[i]
         local g = shared and entry_group(s, id, gmode, default_group)
-        if mode == 'requeue' or redis.call('XACK', s, GROUP, id) == 1 then
-          mine[#mine + 1] = id
-          bytes = bytes + tonumber(a[i + 1])
+        local settled
+        if mode == 'ack' then
+          settled = redis.call('XACK', s, GROUP, id) == 1
+          if settled then bytes = bytes + tonumber(a[i + 1]) end
+        elseif mode == 'reject' then  -- to the dead message queue, or discarded
+          local e = redis.call('XRANGE', s, id, id)
+          settled = #e > 0 and #redis.call('XPENDING', s, GROUP, id, id, 1, flow) == 1
+          if settled then dead_letter(q, s, id, entry_blob(e[1][2]), 'rejected', true) end
+        else
+          settled = true
+        end
+        if settled then
+          total = total + 1
+          if mode ~= 'reject' then mine[#mine + 1] = id end
           if g and redis.call('HINCRBY', k_queue_group_held(q), g, -1) <= 0 then
             redis.call('HDEL', k_queue_group_held(q), g)  -- the group is free again
             redis.call('HDEL', k_queue_groups(q), g)
@@ -498,9 +625,8 @@ redis.register_function('gw_settle', function(_, a)
           local st = k_queue_stats(q)
           redis.call('HINCRBY', st, 'msgs', -#mine)
           redis.call('HINCRBY', st, 'bytes', -bytes)
-          redis.call('HINCRBY', st, mode == 'ack' and 'acked' or 'rejected', #mine)
+          redis.call('HINCRBY', st, 'acked', #mine)
         end
-        total = total + #mine
       end
     end
   end

@@ -101,8 +101,9 @@ class QueueConfig:
     max_messages: int = 0  # 0: unlimited
     max_redelivery: int = 0  # 0: unlimited
     dead_message_queue: str = DEAD_MESSAGE_QUEUE
-    max_ttl_ms: int = 0
-    respect_ttl: bool = False
+    max_ttl_ms: int = 0  # 0: none; else messages expire this long after spooling at the latest
+    respect_ttl: bool = False  # expired messages go to the DMQ (else they are discarded)
+    dmq_eligible_default: bool = False  # for messages whose publisher did not say
     partition_count: int = 0
     partition_rebalance_delay_ms: int = 500  # coalesces bursts of binds
     partition_handoff_timeout_ms: int = 3000  # then the old owner's unacked are requeued
@@ -147,9 +148,6 @@ class QueueConfig:
             raise QueueError("invalid", "partition_count must be at most 1024")
         unsupported = {
             "max_spool_bytes": self.max_spool_bytes == 0,  # last value queue
-            "max_redelivery": self.max_redelivery != 0,
-            "max_ttl_ms": self.max_ttl_ms != 0,
-            "respect_ttl": self.respect_ttl,
         }
         for name, refused in unsupported.items():
             if refused:
@@ -174,6 +172,7 @@ class QueueConfig:
             "dead_message_queue": self.dead_message_queue,
             "max_ttl_ms": self.max_ttl_ms,
             "respect_ttl": self.respect_ttl,
+            "dmq_eligible_default": self.dmq_eligible_default,
             "partition_count": self.partition_count,
             "partition_rebalance_delay_ms": self.partition_rebalance_delay_ms,
             "partition_handoff_timeout_ms": self.partition_handoff_timeout_ms,
@@ -204,6 +203,7 @@ class QueueConfig:
             dead_message_queue=h.get("dead_message_queue", DEAD_MESSAGE_QUEUE),
             max_ttl_ms=int(h.get("max_ttl_ms", 0)),
             respect_ttl=h.get("respect_ttl", "0") == "1",
+            dmq_eligible_default=h.get("dmq_eligible_default", "0") == "1",
             partition_count=int(h.get("partition_count", 0)),
             partition_rebalance_delay_ms=int(h.get("partition_rebalance_delay_ms", 500)),
             partition_handoff_timeout_ms=int(h.get("partition_handoff_timeout_ms", 3000)),

@@ -22,7 +22,7 @@ MAX_BATCH_BYTES = 4 * 1024 * 1024
 
 
 class _Pending:
-    __slots__ = ("blob", "direct", "future", "key", "queues", "size")
+    __slots__ = ("blob", "direct", "expires", "future", "key", "queues", "size")
 
     def __init__(
         self,
@@ -30,6 +30,7 @@ class _Pending:
         direct: bool,
         size: int,
         key: str | None,
+        expires: int | None,
         blob: bytes,
         future: asyncio.Future,
     ) -> None:
@@ -37,6 +38,7 @@ class _Pending:
         self.direct = direct
         self.size = size
         self.key = key
+        self.expires = expires
         self.blob = blob
         self.future = future
 
@@ -65,13 +67,15 @@ class Spooler:
         direct: bool,
         size: int,
         key: str | None,
+        expires: int | None,
         blob: bytes,
     ) -> asyncio.Future[Outcome]:
         """Queue one message for the next batch; the future carries its Outcome.
-        `key` (the partition key) picks the partition, or the message group."""
+        `key` (the partition key) picks the partition, or the message group; `expires`
+        (epoch ms) is when it may no longer be delivered."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Outcome] = loop.create_future()
-        self._pending.append(_Pending(queues, direct, size, key, blob, fut))
+        self._pending.append(_Pending(queues, direct, size, key, expires, blob, fut))
         if self._task is None:
             self._task = loop.create_task(self._run())
         return fut
@@ -120,6 +124,7 @@ class Spooler:
             body.append(p.size)
             body.extend(key_hash(p.key))
             body.append(p.key or "")
+            body.append(p.expires or 0)
             body.append(p.blob)
         codes = await self._redis.fcall("gw_spool", 0, self._node, len(index), *index.keys(), *body)
         self.batches += 1

@@ -22,6 +22,7 @@ import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import islice
+from typing import Any
 
 import redis
 from pyspark import TaskContext
@@ -93,24 +94,24 @@ class RowMapper:
         self.payload = names.index("payload")
         self.optional = {c: names.index(c) for c in OPTIONAL_COLUMNS if c in names}
 
+    def _get(self, row: Row, name: str) -> Any:
+        index = self.optional.get(name)
+        return None if index is None else row[index]
+
     def message(self, row: Row, batch: str, index: int) -> Message:
-        get = self.optional.get
         payload = row[self.payload]
         if isinstance(payload, str):
             payload = payload.encode()
-        row_id = row[get("id")] if "id" in self.optional else None
+        row_id = self._get(row, "id")
         key = f"id\x00{row_id}" if row_id is not None else f"{batch}\x00{index}"
-        props = row[get("properties")] if "properties" in self.optional else None
         return Message(
             destination=self.opts.destination,
             payload=bytes(payload or b""),
             to_queue=self.opts.to_queue,
-            partition_key=row[get("partition_key")] if "partition_key" in self.optional else None,
-            content_type=row[get("content_type")] if "content_type" in self.optional else None,
-            correlation_id=(
-                row[get("correlation_id")] if "correlation_id" in self.optional else None
-            ),
-            user_properties=sorted((props or {}).items()),
+            partition_key=self._get(row, "partition_key"),
+            content_type=self._get(row, "content_type"),
+            correlation_id=self._get(row, "correlation_id"),
+            user_properties=sorted((self._get(row, "properties") or {}).items()),
             id=message_id(self.opts.sink_name, key),
         )
 
@@ -133,9 +134,10 @@ async def publish(
                 outcomes = await asyncio.gather(*(broker.publish_nowait(m) for m in chunk))
                 for msg, outcome in zip(chunk, outcomes, strict=True):
                     if not outcome.accepted:
+                        spooled = published + sum(o.accepted for o in outcomes)
                         raise SinkRefused(
                             f"gateway refused message {msg.id} to {opts.destination!r}: "
-                            f"{outcome.name} ({published} of this partition were spooled)"
+                            f"{outcome.name} ({spooled} of this task's messages were spooled)"
                         )
                 published += len(chunk)
             await client.sadd(marks, marker)

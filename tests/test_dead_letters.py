@@ -1,0 +1,151 @@
+"""Dead message queues, max redelivery and TTL, against a real redis-server."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from gateway.broker import Broker
+from gateway.engine.queues import DEAD_MESSAGE_QUEUE, QueueConfig
+from gateway.model import DEAD_LETTER_REASON, ORIGIN_QUEUE, Delivery, Message
+from tests.test_engine import wait_for
+
+
+def msg(payload: bytes, **kw) -> Message:
+    return Message(destination="q", to_queue=True, payload=payload, **kw)
+
+
+async def conserved(broker: Broker, published: int) -> None:
+    """Every message is in exactly one place: queued, acked, dead-lettered or discarded."""
+    q = await broker.queues.info("q")
+    dmq = await broker.queues.info(DEAD_MESSAGE_QUEUE)
+    gone = q.counters.get("acked", 0) + q.counters.get("discarded", 0)
+    assert q.messages + dmq.messages + dmq.counters.get("acked", 0) + gone == published
+
+
+async def test_max_redelivery_moves_eligible_messages_to_the_dmq(broker: Broker) -> None:
+    await broker.declare_queue(QueueConfig(name=DEAD_MESSAGE_QUEUE))
+    await broker.declare_queue(QueueConfig(name="q", max_redelivery=2))
+    await broker.publish(msg(b"poison", dmq_eligible=True))
+    await broker.publish(msg(b"plain"))  # not eligible: discarded
+    got: list[Delivery] = []
+    flow = None
+
+    def nack(d: Delivery) -> None:
+        got.append(d)
+        flow.requeue(d.entry_id)
+
+    flow = await broker.bind("q", nack)
+    await wait_for(lambda: len(got) == 6)
+    await asyncio.sleep(0.2)
+    assert len(got) == 6, "each delivered 1 + max_redelivery times, then no more"
+    assert sorted(d.delivery_count for d in got) == [1, 1, 2, 2, 3, 3]
+    info = await broker.queues.info("q")
+    assert info.messages == 0
+    assert info.counters["max_redelivered"] == 2
+    assert info.counters["dead_lettered"] == 1 and info.counters["discarded"] == 1
+    dead: list[Delivery] = []
+    await broker.bind(DEAD_MESSAGE_QUEUE, dead.append)
+    await wait_for(lambda: len(dead) == 1)
+    m = dead[0].message
+    assert m.payload == b"poison"
+    assert m.annotations[ORIGIN_QUEUE] == "q"
+    assert m.annotations[DEAD_LETTER_REASON] == "max_redelivered"
+    await conserved(broker, 2)
+
+
+async def test_expired_messages_are_never_delivered(broker: Broker) -> None:
+    await broker.declare_queue(QueueConfig(name=DEAD_MESSAGE_QUEUE))
+    await broker.declare_queue(
+        QueueConfig(name="q", respect_ttl=True, max_ttl_ms=200, dmq_eligible_default=True)
+    )
+    now = int(time.time() * 1000)
+    await broker.publish(msg(b"already expired", expiration=now - 1))
+    await broker.publish(msg(b"queue ttl"))  # expires 200 ms after spooling
+    await broker.publish(msg(b"not eligible", expiration=now - 1, dmq_eligible=False))
+    await asyncio.sleep(0.3)
+    await broker.publish(msg(b"fresh"))
+    got: list[Delivery] = []
+    await broker.bind("q", got.append)
+    await wait_for(lambda: len(got) == 1)
+    await asyncio.sleep(0.2)
+    assert [d.message.payload for d in got] == [b"fresh"]
+    info = await broker.queues.info("q")
+    assert info.counters["expired"] == 3
+    assert info.counters["dead_lettered"] == 2 and info.counters["discarded"] == 1
+    dead: list[Delivery] = []
+    await broker.bind(DEAD_MESSAGE_QUEUE, dead.append)
+    await wait_for(lambda: len(dead) == 2)
+    assert {d.message.annotations[DEAD_LETTER_REASON] for d in dead} == {"expired"}
+    await conserved(broker, 4)
+
+
+async def test_expiry_without_respect_ttl_discards(broker: Broker) -> None:
+    await broker.declare_queue(QueueConfig(name=DEAD_MESSAGE_QUEUE))
+    await broker.declare_queue(QueueConfig(name="q", dmq_eligible_default=True))
+    await broker.publish(msg(b"old", expiration=int(time.time() * 1000) - 1))
+    got: list[Delivery] = []
+    await broker.bind("q", got.append)
+    await asyncio.sleep(0.3)
+    info = await broker.queues.info("q")
+    assert got == [] and info.counters["discarded"] == 1 and info.messages == 0
+
+
+async def test_rejected_messages_go_to_the_dmq(broker: Broker) -> None:
+    await broker.declare_queue(QueueConfig(name="custom.dmq"))
+    await broker.declare_queue(QueueConfig(name="q", dead_message_queue="custom.dmq"))
+    await broker.publish(msg(b"bad", dmq_eligible=True))
+    got: list[Delivery] = []
+    flow = await broker.bind("q", got.append)
+    await wait_for(lambda: len(got) == 1)
+    flow.reject(got[0].entry_id)
+    dead: list[Delivery] = []
+    await broker.bind("custom.dmq", dead.append)
+    await wait_for(lambda: len(dead) == 1)
+    assert dead[0].message.annotations[DEAD_LETTER_REASON] == "rejected"
+    assert (await broker.queues.info("q")).counters["rejected"] == 1
+
+
+async def test_missing_dmq_discards_and_counts(broker: Broker) -> None:
+    await broker.declare_queue(QueueConfig(name="q", max_redelivery=1))
+    await broker.publish(msg(b"x", dmq_eligible=True))
+    flow = None
+    got: list[Delivery] = []
+
+    def nack(d: Delivery) -> None:
+        got.append(d)
+        flow.requeue(d.entry_id)
+
+    flow = await broker.bind("q", nack)
+    await wait_for(lambda: len(got) == 2)
+    await asyncio.sleep(0.2)
+    info = await broker.queues.info("q")
+    assert info.counters["discarded"] == 1 and info.messages == 0
+
+
+@pytest.mark.parametrize("size", [0, 31, 255, 256, 70_000])
+@pytest.mark.parametrize("eligible", [True, False, None])
+async def test_eligibility_is_read_from_any_message_size(
+    broker: Broker, size: int, eligible: bool | None
+) -> None:
+    """The Lua side reads the publisher's flag past payloads of every msgpack size class."""
+    await broker.declare_queue(QueueConfig(name=DEAD_MESSAGE_QUEUE))
+    await broker.declare_queue(QueueConfig(name="q", dmq_eligible_default=True))
+    long_id = "i" * size  # also pushes the id past the short string forms
+    await broker.publish(
+        Message(
+            destination="q", to_queue=True, payload=b"p" * size, id=long_id, dmq_eligible=eligible
+        )
+    )
+    got: list[Delivery] = []
+    flow = await broker.bind("q", got.append)
+    await wait_for(lambda: len(got) == 1)
+    flow.reject(got[0].entry_id)
+    expected = 1 if eligible in (True, None) else 0  # None: the queue's default (True)
+    for _ in range(50):
+        if (await broker.queues.info(DEAD_MESSAGE_QUEUE)).messages == expected:
+            break
+        await asyncio.sleep(0.02)
+    assert (await broker.queues.info(DEAD_MESSAGE_QUEUE)).messages == expected
