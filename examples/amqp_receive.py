@@ -22,7 +22,9 @@ def main() -> None:
         receiver = conn.create_receiver(args.queue, credit=args.count)
         for _ in range(args.count):
             msg = receiver.receive(timeout=args.timeout)
-            body = msg.body.decode() if isinstance(msg.body, bytes) else msg.body
+            body = msg.body
+            if isinstance(body, bytes | memoryview):
+                body = bytes(body).decode(errors="replace")
             print(f"{msg.address or ''} {body!r} properties={msg.properties}")
             receiver.accept()
     finally:

@@ -1,0 +1,148 @@
+"""proton `Message` <-> gateway `Message`.
+
+| model            | AMQP 1.0                                                         |
+|------------------|------------------------------------------------------------------|
+| destination      | link address, or properties.to on the anonymous relay            |
+| partition_key    | properties.group-id                                              |
+| user_properties  | application-properties (order kept)                              |
+| expiration       | header.ttl / properties.absolute-expiry-time (epoch ms)          |
+| persistent       | header.durable                                                   |
+| priority         | header.priority (0-9; higher AMQP values are clamped to 9)       |
+| correlation_id   | properties.correlation-id                                        |
+| reply_to         | properties.reply-to                                              |
+| message_id       | properties.message-id                                            |
+| subject          | properties.subject                                               |
+| content_type     | properties.content-type                                          |
+| payload          | one data section; amqp-value str (utf-8, text/plain) or binary   |
+|                  | accepted on ingress; egress always sends one data section        |
+| delivery_count   | header.delivery-count = count - 1, first-acquirer = count == 1   |
+
+Egress sets header.ttl to the time left, not the original TTL, as a broker relaying a
+stored message should.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from proton import Message as AmqpMessage
+
+from gateway.model import Delivery, Message, PropertyValue, Publisher
+
+MAX_PRIORITY = 9
+
+
+class BodyError(ValueError):
+    """The message cannot be decoded, or its body is not one the gateway stores as bytes."""
+
+
+@dataclass(slots=True)
+class Ingress:
+    """A decoded client message: `to` and `jms_dest` pick the destination on the relay."""
+
+    message: Message
+    to: str | None
+    jms_dest: int | None  # Qpid JMS annotation x-opt-jms-dest: 0 queue, 1 topic, 2/3 temporary
+
+
+def decode(data: bytes, publisher: Publisher) -> Ingress:
+    """Ingress: the gateway message for an encoded AMQP message (destination left empty).
+
+    Measured against reading the fields through proton's cffi layer: no faster, because
+    converting the body and property sections dominates either way (~12 µs a message)."""
+    amqp = AmqpMessage()
+    try:
+        amqp.decode(data)
+    except Exception as exc:
+        raise BodyError(f"undecodable AMQP message: {exc}") from exc
+    body = amqp.body
+    content_type = _content_type(amqp)
+    if body is None:
+        payload = b""
+    elif isinstance(body, str):
+        payload = body.encode()
+        content_type = content_type or "text/plain"
+    elif isinstance(body, (bytes, memoryview)):
+        payload = bytes(body)  # a view into `amqp`: copy it while that is alive
+    else:
+        raise BodyError(f"unsupported AMQP body type {type(body).__name__}")
+    msg = Message(
+        destination="",
+        payload=payload,
+        partition_key=amqp.group_id or None,
+        priority=min(int(amqp.priority), MAX_PRIORITY),
+        expiration=_expiration(amqp),
+        persistent=bool(amqp.durable),
+        content_type=content_type,
+        correlation_id=_ident(amqp.correlation_id),
+        reply_to=amqp.reply_to or None,
+        message_id=_ident(amqp.id),
+        subject=amqp.subject or None,
+        user_properties=[(str(k), _value(v)) for k, v in (amqp.properties or {}).items()],
+        publisher=publisher,
+    )
+    jms_dest = (amqp.annotations or {}).get("x-opt-jms-dest")
+    return Ingress(msg, amqp.address or None, jms_dest if isinstance(jms_dest, int) else None)
+
+
+def from_delivery(delivery: Delivery) -> AmqpMessage:
+    """Egress: the proton message for one delivery (payload as a single data section)."""
+    msg = delivery.message
+    amqp = AmqpMessage(body=msg.payload, inferred=True)
+    amqp.durable = msg.persistent
+    amqp.priority = msg.priority
+    amqp.delivery_count = delivery.delivery_count - 1
+    amqp.first_acquirer = delivery.delivery_count == 1
+    if msg.expiration is not None:
+        amqp.expiry_time = msg.expiration / 1000
+        amqp.ttl = max(0.001, (msg.expiration - time.time() * 1000) / 1000)
+    amqp.address = msg.destination
+    if msg.partition_key is not None:
+        amqp.group_id = msg.partition_key
+    if msg.content_type is not None:
+        amqp.content_type = msg.content_type
+    if msg.correlation_id is not None:
+        amqp.correlation_id = msg.correlation_id
+    if msg.reply_to is not None:
+        amqp.reply_to = msg.reply_to
+    if msg.message_id is not None:
+        amqp.id = msg.message_id
+    if msg.subject is not None:
+        amqp.subject = msg.subject
+    if msg.user_properties:
+        amqp.properties = dict(msg.user_properties)
+    return amqp
+
+
+def _content_type(amqp: AmqpMessage) -> str | None:
+    # proton 0.40 returns symbol('None') for an absent content-type
+    value = amqp.content_type
+    return str(value) if value and value != "None" else None
+
+
+def _expiration(amqp: AmqpMessage) -> int | None:
+    """Epoch ms: absolute-expiry-time wins over ttl (proton gives both in seconds)."""
+    if amqp.expiry_time:
+        return int(amqp.expiry_time * 1000)
+    if amqp.ttl:
+        return int(time.time() * 1000 + amqp.ttl * 1000)
+    return None
+
+
+def _ident(value: object) -> str | bytes | int | None:
+    """Message / correlation ids: binary stays bytes, uuid and the rest travel as strings."""
+    if value is None or isinstance(value, (str, bytes, int)):
+        return value  # type: ignore[return-value]
+    if isinstance(value, memoryview):
+        return bytes(value)
+    return str(value)
+
+
+def _value(value: object) -> PropertyValue:
+    """Application property values the message model can hold (others become strings)."""
+    if value is None or isinstance(value, (str, bytes, bool, int, float)):
+        return value  # type: ignore[return-value]
+    if isinstance(value, memoryview):
+        return bytes(value)
+    return str(value)

@@ -1,0 +1,163 @@
+"""SASL for the AMQP listener, written in Python (sans-IO).
+
+Why not proton's SASL layer: without Cyrus SASL the proton *server* offers only ANONYMOUS and
+EXTERNAL, and we need PLAIN against the gateway's users. So this class speaks the SASL
+layer itself (protocol header, sasl-mechanisms, sasl-init, sasl-outcome) and then hands the
+bytes that follow to a proton transport that has no SASL layer at all.
+
+A client that skips SASL and sends the plain AMQP header goes straight to proton when
+anonymous access is allowed; anything that is neither header also goes to proton, which
+answers with its own header and the right protocol error.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+from enum import Enum
+
+from proton import UNDESCRIBED, Array, Data, Described, symbol, ubyte, ulong
+
+SASL_HEADER = b"AMQP\x03\x01\x00\x00"
+AMQP_HEADER = b"AMQP\x00\x01\x00\x00"
+SASL_FRAME = 1
+MECHANISMS = 0x40
+INIT = 0x41
+OUTCOME = 0x44
+OK = 0
+AUTH = 1
+MAX_SASL_FRAME = 8192
+
+
+class State(Enum):
+    NEGOTIATING = 0
+    DONE = 1  # hand `rest` to proton
+    FAILED = 2  # write `output`, then close
+
+
+class SaslServer:
+    """Feed it the first bytes of a connection until `state` is DONE or FAILED."""
+
+    def __init__(self, allow_anonymous: bool, password_ok: Callable[[str, str], bool]) -> None:
+        self.allow_anonymous = allow_anonymous
+        self.password_ok = password_ok
+        self.state = State.NEGOTIATING
+        self.user: str | None = None
+        self.output = bytearray()
+        self.rest = b""
+        self._buf = bytearray()
+        self._header_seen = False
+
+    @property
+    def mechanisms(self) -> list[str]:
+        return ["PLAIN", "ANONYMOUS"] if self.allow_anonymous else ["PLAIN"]
+
+    def feed(self, data: bytes) -> None:
+        """Consume `data`; read `output` (bytes to send) and `state` afterwards."""
+        if self.state is not State.NEGOTIATING:
+            raise RuntimeError("SASL negotiation is over")
+        self._buf += data
+        if not self._header_seen:
+            self._header()
+        while self.state is State.NEGOTIATING and self._header_seen:
+            frame = self._frame()
+            if frame is None:
+                return
+            self._handle(frame)
+
+    def _header(self) -> None:
+        head = bytes(self._buf[:8])
+        if SASL_HEADER.startswith(head) and len(head) < 8:
+            return  # could still become the SASL header
+        if head == SASL_HEADER:
+            del self._buf[:8]
+            self._header_seen = True
+            self.output += SASL_HEADER + _frame(
+                Described(ulong(MECHANISMS), [_symbols(self.mechanisms)])
+            )
+        elif head == AMQP_HEADER and not self.allow_anonymous:
+            self.output += SASL_HEADER  # "speak SASL to me", then close
+            self.state = State.FAILED
+        elif AMQP_HEADER.startswith(head) and len(head) < 8:
+            return
+        else:  # the plain AMQP header (anonymous) or garbage: proton answers it
+            self._finish()
+
+    def _frame(self) -> Described | None:
+        if len(self._buf) < 8:
+            return None
+        size, doff, kind = struct.unpack_from(">IBB", self._buf)
+        if size < 8 or size > MAX_SASL_FRAME or doff < 2 or kind != SASL_FRAME:
+            self._fail()
+            return None
+        if len(self._buf) < size:
+            return None
+        body = bytes(self._buf[doff * 4 : size])
+        del self._buf[:size]
+        if not body:
+            return self._frame()  # empty (heartbeat) frame
+        data = Data()
+        try:
+            data.decode(body)
+            data.rewind()
+            data.next()
+            obj = data.get_object()
+        except Exception:
+            obj = None
+        if not isinstance(obj, Described) or not isinstance(obj.value, list):
+            self._fail()
+            return None
+        # binaries decode as views into `data`'s buffer: copy them while it is alive
+        return Described(obj.descriptor, [_owned(v) for v in obj.value])
+
+    def _handle(self, frame: Described) -> None:
+        if frame.descriptor != INIT or not frame.value:
+            self._fail()
+            return
+        mechanism = str(frame.value[0])
+        response = frame.value[1] if len(frame.value) > 1 else None
+        response = response if isinstance(response, bytes) else b""
+        if mechanism == "ANONYMOUS" and self.allow_anonymous:
+            self._succeed(None)
+        elif mechanism == "PLAIN":
+            parts = response.split(b"\x00")
+            if len(parts) == 3:
+                user, password = (
+                    parts[1].decode(errors="replace"),
+                    parts[2].decode(errors="replace"),
+                )
+                if self.password_ok(user, password):
+                    self._succeed(user)
+                    return
+            self._fail()
+        else:
+            self._fail()
+
+    def _succeed(self, user: str | None) -> None:
+        self.user = user
+        self.output += _frame(Described(ulong(OUTCOME), [ubyte(OK)]))
+        self._finish()
+
+    def _finish(self) -> None:
+        self.rest = bytes(self._buf)
+        self._buf.clear()
+        self.state = State.DONE
+
+    def _fail(self) -> None:
+        self.output += _frame(Described(ulong(OUTCOME), [ubyte(AUTH)]))
+        self.state = State.FAILED
+
+
+def _owned(value: object) -> object:
+    return bytes(value) if isinstance(value, memoryview) else value
+
+
+def _symbols(names: list[str]) -> Array:
+    return Array(UNDESCRIBED, Data.SYMBOL, *(symbol(n) for n in names))
+
+
+def _frame(body: Described) -> bytes:
+    data = Data()
+    data.put_object(body)
+    payload = bytes(data.encode())
+    return struct.pack(">IBBH", 8 + len(payload), 2, SASL_FRAME, 0) + payload

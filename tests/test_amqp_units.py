@@ -1,0 +1,170 @@
+"""Sans-IO parts of the AMQP adapter: SASL negotiation, addresses, message mapping."""
+
+from __future__ import annotations
+
+import struct
+import time
+
+import pytest
+from proton import Data, Described, Message, symbol, ulong
+
+from gateway.model import Delivery, Publisher
+from gateway.model import Message as GatewayMessage
+from protocols.amqp import mapping
+from protocols.amqp.links import Address, parse_address
+from protocols.amqp.sasl import AMQP_HEADER, SASL_HEADER, SaslServer, State
+
+USERS = {"alice": "s3cret"}
+
+
+def server(anonymous: bool = True) -> SaslServer:
+    return SaslServer(anonymous, lambda u, p: USERS.get(u) == p)
+
+
+def init_frame(mechanism: str, response: bytes | None) -> bytes:
+    data = Data()
+    data.put_object(Described(ulong(0x41), [symbol(mechanism), response]))
+    body = bytes(data.encode())
+    return struct.pack(">IBBH", 8 + len(body), 2, 1, 0) + body
+
+
+def outcome_code(output: bytes) -> int:
+    """The code of the sasl-outcome frame at the end of `output`."""
+    data = Data()
+    size = struct.unpack_from(">I", output, len(output) - _last_frame_size(output))[0]
+    data.decode(output[-size + 8 :])
+    data.rewind()
+    data.next()
+    return int(data.get_object().value[0])
+
+
+def _last_frame_size(output: bytes) -> int:
+    pos = len(SASL_HEADER) if output.startswith(SASL_HEADER) else 0
+    last = 0
+    while pos < len(output):
+        last = struct.unpack_from(">I", output, pos)[0]
+        pos += last
+    return last
+
+
+def test_plain_fed_byte_by_byte_keeps_pipelined_bytes() -> None:
+    sasl = server(anonymous=False)
+    wire = SASL_HEADER + init_frame("PLAIN", b"\0alice\0s3cret") + AMQP_HEADER + b"more"
+    for i in range(len(wire)):
+        sasl.feed(wire[i : i + 1])
+        if sasl.state is not State.NEGOTIATING:
+            break
+    assert sasl.state is State.DONE
+    assert sasl.user == "alice"
+    assert sasl.output.startswith(SASL_HEADER) and b"PLAIN" in sasl.output
+    assert b"ANONYMOUS" not in sasl.output  # not offered when anonymous is off
+    assert outcome_code(bytes(sasl.output)) == 0
+    remaining = wire[i + 1 :]
+    assert sasl.rest + remaining == AMQP_HEADER + b"more"
+
+
+@pytest.mark.parametrize(
+    ("mechanism", "response"),
+    [("PLAIN", b"\0alice\0wrong"), ("PLAIN", b"garbage"), ("ANONYMOUS", None), ("CRAM", b"")],
+)
+def test_refused_logins(mechanism: str, response: bytes | None) -> None:
+    sasl = server(anonymous=False)
+    sasl.feed(SASL_HEADER + init_frame(mechanism, response))
+    assert sasl.state is State.FAILED
+    assert outcome_code(bytes(sasl.output)) == 1
+
+
+def test_anonymous_and_headers() -> None:
+    sasl = server()
+    sasl.feed(SASL_HEADER + init_frame("ANONYMOUS", b""))
+    assert (sasl.state, sasl.user) == (State.DONE, None)
+    plain = server()
+    plain.feed(AMQP_HEADER[:4])
+    assert plain.state is State.NEGOTIATING
+    plain.feed(AMQP_HEADER[4:] + b"x")
+    assert (plain.state, plain.rest, bytes(plain.output)) == (State.DONE, AMQP_HEADER + b"x", b"")
+    refused = server(anonymous=False)
+    refused.feed(AMQP_HEADER)
+    assert (refused.state, bytes(refused.output)) == (State.FAILED, SASL_HEADER)
+    garbage = server(anonymous=False)
+    garbage.feed(b"GET / HTTP/1.1\r\n")
+    assert garbage.state is State.DONE  # proton answers it with the protocol error
+    oversized = server()
+    oversized.feed(SASL_HEADER + struct.pack(">IBBH", 1 << 20, 2, 1, 0))
+    assert oversized.state is State.FAILED
+
+
+@pytest.mark.parametrize(
+    ("address", "caps", "expected"),
+    [
+        ("orders", frozenset(), Address("orders", True)),
+        ("queue://orders", frozenset(), Address("orders", True)),
+        ("/queues/a%2Fb", frozenset(), Address("a/b", True)),
+        ("topic://a/b", frozenset(), Address("a/b", False)),
+        ("a/b", frozenset({"topic"}), Address("a/b", False)),
+        ("a/b", frozenset({"queue"}), Address("a/b", True)),
+        ("", frozenset(), None),
+        (None, frozenset(), None),
+        ("queue://", frozenset(), None),
+    ],
+)
+def test_parse_address(address: str | None, caps: frozenset[str], expected: Address | None) -> None:
+    assert parse_address(address, caps) == expected
+
+
+def test_ingress_mapping() -> None:
+    amqp = Message(
+        body="héllo",
+        durable=True,
+        priority=200,
+        ttl=10,
+        group_id="key-1",
+        correlation_id=b"\x01\x02",
+        reply_to="replies",
+        id=7,
+        subject="subj",
+        properties={"z": 1, "a": "two", "b": b"\x00"},
+    )
+    amqp.address = "topic://x"
+    amqp.annotations = {symbol("x-opt-jms-dest"): 1}
+    before = int(time.time() * 1000)
+    ingress = mapping.decode(amqp.encode(), Publisher("amqp", "c1"))
+    assert (ingress.to, ingress.jms_dest) == ("topic://x", 1)
+    msg = ingress.message
+    assert msg.payload == "héllo".encode()
+    assert msg.content_type == "text/plain"
+    assert msg.persistent and msg.publisher == Publisher("amqp", "c1")
+    assert msg.priority == 9
+    assert before + 9_000 <= msg.expiration <= before + 11_000
+    assert msg.partition_key == "key-1"
+    assert (msg.correlation_id, msg.reply_to, msg.message_id) == (b"\x01\x02", "replies", 7)
+    assert msg.user_properties == [("z", 1), ("a", "two"), ("b", b"\x00")]
+    with pytest.raises(mapping.BodyError):
+        mapping.decode(Message(body={"a": 1}).encode(), Publisher("amqp"))
+    plain = mapping.decode(Message(body=b"raw", inferred=True).encode(), Publisher("amqp"))
+    assert plain.message.payload == b"raw" and plain.message.content_type is None
+    assert plain.message.expiration is None and plain.message.priority == 4
+
+
+def test_egress_mapping() -> None:
+    expiration = int(time.time() * 1000) + 60_000
+    msg = GatewayMessage(
+        destination="orders",
+        payload=b"\x00bin",
+        priority=7,
+        expiration=expiration,
+        persistent=False,
+        content_type="application/octet-stream",
+        correlation_id="c",
+        partition_key="k",
+        user_properties=[("x", 1), ("y", "z")],
+    )
+    amqp = Message()
+    amqp.decode(mapping.from_delivery(Delivery("orders", "1-0", msg, delivery_count=3)).encode())
+    assert bytes(amqp.body) == b"\x00bin" and amqp.inferred  # a data section
+    assert (amqp.delivery_count, amqp.first_acquirer) == (2, False)
+    assert (amqp.priority, amqp.durable, amqp.group_id) == (7, False, "k")
+    assert amqp.expiry_time == pytest.approx(expiration / 1000)
+    assert 55 < amqp.ttl <= 60
+    assert amqp.correlation_id == "c"
+    assert list(amqp.properties.items()) == [("x", 1), ("y", "z")]
