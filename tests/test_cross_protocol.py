@@ -1,0 +1,139 @@
+"""MQTT 5 <-> AMQP 1.0 through one gateway: the mapping table holds in both directions."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+
+import paho.mqtt.client as paho
+import pytest
+from paho.mqtt.enums import CallbackAPIVersion
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+from proton import Message as AmqpMessage
+from proton.utils import BlockingConnection
+
+from gateway.broker import Broker, QueueConfig
+from gateway.config import Settings
+from protocols.amqp.listener import start as start_amqp
+from protocols.mqtt.listener import start as start_mqtt
+
+TIMEOUT = 10.0
+
+
+@pytest.fixture
+async def ports(broker: Broker) -> AsyncIterator[tuple[int, int]]:
+    settings = Settings(mqtt_port=0, amqp_port=0, host="127.0.0.1")
+    mqtt = await start_mqtt(broker, settings)
+    amqp = await start_amqp(broker, settings)
+    yield mqtt.port, amqp.port
+    await mqtt.close()
+    await amqp.close()
+
+
+def mqtt5_client(port: int, client_id: str) -> paho.Client:
+    client = paho.Client(CallbackAPIVersion.VERSION2, client_id, protocol=paho.MQTTv5)
+    client.connect("127.0.0.1", port)
+    client.loop_start()
+    return client
+
+
+async def test_mqtt5_publish_reaches_amqp_receiver_mapped(
+    broker: Broker, ports: tuple[int, int]
+) -> None:
+    mqtt_port, amqp_port = ports
+    await broker.declare_queue(QueueConfig(name="devices"), [("devices/>", "smf")])
+
+    def publish() -> None:
+        client = mqtt5_client(mqtt_port, "pub-1")
+        props = Properties(PacketTypes.PUBLISH)
+        props.UserProperty = [("site", "north"), ("JMSXGroupId", "dev-7"), ("site", "n2")]
+        props.CorrelationData = b"corr-42"
+        props.ResponseTopic = "replies/pub-1"
+        props.ContentType = "application/json"
+        info = client.publish("devices/dev-7/temp", b'{"t": 21.5}', qos=1, properties=props)
+        info.wait_for_publish(TIMEOUT)
+        client.loop_stop()
+        client.disconnect()
+
+    await asyncio.to_thread(publish)
+
+    def receive() -> AmqpMessage:
+        conn = BlockingConnection(f"amqp://127.0.0.1:{amqp_port}")
+        try:
+            receiver = conn.create_receiver("devices")
+            msg = receiver.receive(timeout=TIMEOUT)
+            receiver.accept()
+            return msg
+        finally:
+            conn.close()
+
+    msg = await asyncio.to_thread(receive)
+    assert bytes(msg.body) == b'{"t": 21.5}'
+    assert msg.group_id == "dev-7"
+    assert bytes(msg.correlation_id) == b"corr-42"
+    assert msg.reply_to == "replies/pub-1"
+    assert msg.content_type == "application/json"
+    assert msg.durable is True
+    props = dict(msg.properties or {})
+    assert props.get("site") in ("north", "n2")  # AMQP maps have unique keys
+    assert "JMSXGroupId" not in props, "the group travels as group-id, not a property"
+
+
+async def test_amqp_send_reaches_mqtt5_subscriber_mapped(
+    broker: Broker, ports: tuple[int, int]
+) -> None:
+    mqtt_port, amqp_port = ports
+    got: list[paho.MQTTMessage] = []
+    arrived = threading.Event()
+    subscribed = threading.Event()
+
+    def on_message(client, userdata, message) -> None:
+        got.append(message)
+        arrived.set()
+
+    def subscribe() -> paho.Client:
+        client = paho.Client(CallbackAPIVersion.VERSION2, "sub-1", protocol=paho.MQTTv5)
+        client.on_message = on_message
+        client.on_subscribe = lambda *a: subscribed.set()
+        client.connect("127.0.0.1", mqtt_port)
+        client.loop_start()
+        client.subscribe("replies/#", qos=1)
+        assert subscribed.wait(TIMEOUT)
+        return client
+
+    client = await asyncio.to_thread(subscribe)
+    try:
+
+        def send() -> None:
+            conn = BlockingConnection(f"amqp://127.0.0.1:{amqp_port}")
+            try:
+                sender = conn.create_sender("topic://replies/pub-1")
+                sender.send(
+                    AmqpMessage(
+                        body=b"pong",
+                        group_id="dev-7",
+                        correlation_id=b"corr-42",
+                        reply_to="devices/dev-7/cmd",
+                        content_type="text/plain",
+                        properties={"attempt": "2"},
+                        durable=True,
+                    )
+                )
+            finally:
+                conn.close()
+
+        await asyncio.to_thread(send)
+        assert await asyncio.to_thread(arrived.wait, TIMEOUT)
+    finally:
+        client.loop_stop()
+        client.disconnect()
+    m = got[0]
+    assert m.topic == "replies/pub-1" and m.payload == b"pong" and m.qos == 1
+    props = m.properties
+    assert props.CorrelationData == b"corr-42"
+    assert props.ResponseTopic == "devices/dev-7/cmd"
+    assert props.ContentType == "text/plain"
+    assert ("attempt", "2") in props.UserProperty
+    assert ("JMSXGroupId", "dev-7") in props.UserProperty
