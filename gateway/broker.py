@@ -12,7 +12,13 @@ Publishing
 
 Consuming
     ``flow = await broker.bind(queue, on_deliver, window=N, credit=None, on_closed=cb)``
-    binds a consumer flow; raises `BindError` ('not_found', 'egress_disabled').
+    binds a consumer flow; raises `BindError` ('not_found', 'egress_disabled',
+    'invalid_selector' with the error position in its message, 'unsupported').
+    ``selector="color = 'red' AND weight > 10"`` (JMS / SQL-92): the flow gets only matching
+    messages; the others stay for other consumers. ``browse=True`` reads the queue oldest to
+    newest without taking anything (AMQP distribution-mode copy; settling only frees the
+    window), ``replay_ms`` limits a browser to messages of the last N ms plus new ones. On a
+    non-destructive queue every consumer browses. Not on partitioned queues.
     ``on_deliver(delivery)`` is called on the event loop for each message, at most `window`
     unsettled at a time (and at most `credit` more, when credit is used, as AMQP does).
     Settle with ``flow.ack(entry_id)``, ``flow.requeue(entry_id)`` (redelivered later with
@@ -240,12 +246,22 @@ class Broker:
         window: int = DEFAULT_WINDOW,
         credit: int | None = None,
         on_closed: ClosedCallback | None = None,
+        selector: str | None = None,
+        browse: bool = False,
+        replay_ms: int = 0,
     ) -> Flow:
         if queue not in self.dispatcher.flows:
             await self.events.watch_queue(queue)  # before the first fetch: no missed wake-up
         try:
             return await self.dispatcher.bind(
-                queue, on_deliver, window=window, credit=credit, on_closed=on_closed
+                queue,
+                on_deliver,
+                window=window,
+                credit=credit,
+                on_closed=on_closed,
+                selector=selector,
+                browse=browse,
+                replay_ms=replay_ms,
             )
         except BindError:
             if queue not in self.dispatcher.flows:

@@ -22,29 +22,44 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import Callable
 
 import redis.asyncio as aioredis
 
 from gateway.engine.keys import partition_queue
 from gateway.engine.partitions import PartitionMap, split_window
+from gateway.engine.selection import matches
 from gateway.model import DEAD_LETTER_REASON, ORIGIN_QUEUE, Delivery, decode
+from gateway.selectors import Selector, SelectorError, compile_selector
 
 log = logging.getLogger(__name__)
 
 FETCH_BATCH = 256
 DEFAULT_WINDOW = 256
+SELECT_SCAN = 1024  # a selector consumer considers this many of the oldest waiting messages
 
 DeliverCallback = Callable[[Delivery], None]
 ClosedCallback = Callable[[str], None]
 
 
 class BindError(Exception):
-    """A refused bind; `code` is 'not_found' or 'egress_disabled'."""
+    """A refused bind; `code`: not_found, egress_disabled, invalid_selector, unsupported."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+BIND_REFUSALS = {
+    "noqueue": ("not_found", "queue does not exist"),
+    "egress": ("egress_disabled", "queue has egress disabled"),
+    "partitioned": (
+        "unsupported",
+        "browsing and selectors are not available on a partitioned queue",
+    ),
+    "grouped": ("unsupported", "selectors are not available on a message-group queue"),
+}
 
 
 class Flow:
@@ -53,8 +68,10 @@ class Flow:
     __slots__ = (
         "_dispatcher",
         "active",
+        "browse",
         "closed",
         "credit",
+        "cursor",
         "exclusive",
         "fence",
         "id",
@@ -64,6 +81,8 @@ class Flow:
         "partitioned",
         "parts",
         "queue",
+        "replay_since",
+        "selector",
         "unacked",
         "window",
     )
@@ -93,6 +112,10 @@ class Flow:
         self.active = True  # exclusive standbys and partitioned flows without partitions: no
         self.fence = ""
         self.closed = False
+        self.selector: Selector | None = None
+        self.browse = False  # reads without taking (AMQP distribution-mode copy)
+        self.cursor = "0-0"  # browsing: the last entry seen
+        self.replay_since = 0  # browsing: epoch ms of the replay period's start (0: all)
 
     @property
     def space(self) -> int:
@@ -115,6 +138,9 @@ class Flow:
     def _settle(self, mode: str, entry_id: str) -> None:
         held = self.unacked.pop(entry_id, None)
         if held is None or self.closed:
+            return
+        if self.browse:  # a browser took nothing: settling only frees its window
+            self._dispatcher.wake(self)
             return
         self._dispatcher.settle(mode, self, *held)
 
@@ -179,6 +205,9 @@ class Dispatcher:
         window: int = DEFAULT_WINDOW,
         credit: int | None = None,
         on_closed: ClosedCallback | None = None,
+        selector: str | None = None,
+        browse: bool = False,
+        replay_ms: int = 0,
     ) -> Flow:
         flow = Flow(
             self,
@@ -189,6 +218,14 @@ class Dispatcher:
             on_deliver,
             on_closed,
         )
+        if selector:
+            try:
+                flow.selector = compile_selector(selector)
+            except SelectorError as exc:
+                raise BindError("invalid_selector", f"invalid selector: {exc}") from None
+        flow.browse = browse
+        if replay_ms > 0:
+            flow.replay_since = int(time.time() * 1000) - replay_ms
         delay = await self._register(flow)
         self.flows.setdefault(queue, []).append(flow)
         if flow.exclusive:
@@ -201,18 +238,22 @@ class Dispatcher:
 
     async def _register(self, flow: Flow) -> float:
         """gw_bind; sets the flow's kind. Returns the queue's rebalance delay (seconds)."""
-        reply = await self._redis.fcall("gw_bind", 0, flow.queue, flow.id, self.node_id)
+        mode = "browse" if flow.browse else "select" if flow.selector else ""
+        reply = await self._redis.fcall("gw_bind", 0, flow.queue, flow.id, self.node_id, mode)
         status = reply[0].decode()
-        if status == "noqueue":
-            raise BindError("not_found", f"queue {flow.queue!r} does not exist")
-        if status == "egress":
-            raise BindError("egress_disabled", f"queue {flow.queue!r} has egress disabled")
-        flow.exclusive = reply[2] == b"exclusive"
+        if status != "ok":
+            code, why = BIND_REFUSALS.get(status, (status, "bind refused"))
+            raise BindError(code, f"{why}: {flow.queue!r}")
+        flow.browse = reply[5] == b"browse"  # every consumer of a non-destructive queue browses
+        flow.exclusive = reply[2] == b"exclusive" and not flow.browse
         flow.partitioned = int(reply[3]) > 0
         flow.active = not (flow.exclusive or flow.partitioned)
         return int(reply[4]) / 1000
 
     async def unbind(self, flow: Flow) -> None:
+        if flow.browse:  # registered nowhere in Redis
+            self._forget(flow)
+            return
         fut = asyncio.get_running_loop().create_future()
         self._unbinds.append((flow, fut))
         self._forget(flow)
@@ -353,14 +394,18 @@ class Dispatcher:
         finally:
             self._task = None
 
-    def _fetches(self) -> list[_Fetch]:
+    def _fetches(self) -> tuple[list[_Fetch], list[Flow]]:
+        """This round's fetches, and the flows with a selector (they peek, then take)."""
         fetches: list[_Fetch] = []
+        selecting: list[Flow] = []
         for flow in list(self._want):
             del self._want[flow]
             space = min(flow.space, FETCH_BATCH)
             if space <= 0 or flow.closed or not flow.active:
                 continue
-            if not flow.partitioned:
+            if flow.selector is not None and not flow.browse:
+                selecting.append(flow)
+            elif not flow.partitioned:
                 fetches.append(_Fetch(flow, flow.queue, None, space))
                 continue
             # a small window cannot serve every partition each round: start with those not
@@ -373,7 +418,7 @@ class Dispatcher:
             for index, count in zip(ready, split_window(space, len(ready)), strict=True):
                 if count > 0:
                     fetches.append(_Fetch(flow, partition_queue(flow.queue, index), index, count))
-        return fetches
+        return fetches, selecting
 
     async def _round(self) -> None:
         self.rounds += 1
@@ -396,10 +441,14 @@ class Dispatcher:
             pipe.fcall("gw_unbind", 0, flow.queue, flow.id)
         for queue in rebalances:
             pipe.fcall("gw_rebalance", 0, queue)
-        fetches = self._fetches()
+        fetches, selecting = self._fetches()
         for f in fetches:
-            fence = flow_fence(f.flow, f.partition)
-            pipe.fcall("gw_fetch", 0, f.queue, f.flow.id, f.count, fence)
+            if f.flow.browse:
+                flow = f.flow
+                pipe.fcall("gw_browse", 0, f.queue, flow.cursor, f.count, flow.replay_since)
+            else:
+                fence = flow_fence(f.flow, f.partition)
+                pipe.fcall("gw_fetch", 0, f.queue, f.flow.id, f.count, fence)
         try:
             replies = await pipe.execute(raise_on_error=False)
         except Exception:
@@ -412,6 +461,8 @@ class Dispatcher:
                 self._rebalances[queue] = 0.0
             for f in fetches:
                 self._want[f.flow] = None
+            for flow in selecting:
+                self._want[flow] = None
             raise
         pos = len(settles)
         for (_, fut), reply in zip(unbinds, replies[pos : pos + len(unbinds)], strict=True):
@@ -426,7 +477,12 @@ class Dispatcher:
                 log.warning("fetch for flow %s failed: %s", f.flow.id, reply)
                 self._want[f.flow] = None
                 continue
-            self._deliver(f, reply)
+            if f.flow.browse:
+                self._deliver_browsed(f, reply)
+            else:
+                self._deliver(f, reply)
+        for flow in selecting:
+            await self._select(flow)
         for queue in lease_checks:
             await self.check_lease(queue)
         for queue in refreshes:
@@ -455,12 +511,7 @@ class Dispatcher:
                 origin, _, reason = reply[i + 3].decode().partition("\n")
                 message.annotations[ORIGIN_QUEUE] = origin
                 message.annotations[DEAD_LETTER_REASON] = reason
-            delivery = Delivery(queue, entry_id, message, int(reply[i + 1]), len(blob))
-            self.delivered += 1
-            try:
-                flow.on_deliver(delivery)
-            except Exception:
-                log.exception("delivery callback of flow %s failed", flow.id)
+            self._hand_over(flow, Delivery(queue, entry_id, message, int(reply[i + 1]), len(blob)))
             if flow.closed:
                 return
         if fetch.partition is not None:
@@ -470,6 +521,59 @@ class Dispatcher:
                 self._want[flow] = None
         elif got >= fetch.count and flow.space > 0:  # a full batch: there may be more
             self._want[flow] = None
+
+    def _deliver_browsed(self, fetch: _Fetch, reply: list) -> None:
+        flow = fetch.flow
+        if reply[0] != b"ok":
+            self._fetch_refused(fetch, reply[0].decode())
+            return
+        if flow.closed:
+            return
+        entries = (len(reply) - 1) // 2
+        for i in range(1, len(reply), 2):
+            entry_id = reply[i].decode()
+            flow.cursor = entry_id
+            blob = reply[i + 1]
+            if not blob:
+                continue  # settled or expired: not on the queue
+            message = decode(blob)
+            if flow.selector is not None and not matches(flow.selector, message, 1):
+                continue
+            flow.unacked[entry_id] = (flow.queue, entry_id, len(blob))
+            if flow.credit is not None:
+                flow.credit -= 1
+            self._hand_over(flow, Delivery(flow.queue, entry_id, message, 1, len(blob)))
+            if flow.closed:
+                return
+        if entries >= fetch.count and flow.space > 0:  # a full page: there may be more
+            self._want[flow] = None
+
+    async def _select(self, flow: Flow) -> None:
+        """Peek at the waiting messages, take the ones the flow's selector matches."""
+        space = min(flow.space, FETCH_BATCH)
+        peeked = await self._redis.fcall("gw_peek", 0, flow.queue, flow.id, SELECT_SCAN)
+        if peeked[0] != b"ok":
+            self._fetch_refused(_Fetch(flow, flow.queue, None, space), peeked[0].decode())
+            return
+        wanted = []
+        for i in range(1, len(peeked), 3):
+            if len(wanted) >= space:
+                break
+            message = decode(peeked[i + 2])
+            if matches(flow.selector, message, int(peeked[i + 1]) + 1):
+                wanted.append(peeked[i])
+        if not wanted or flow.closed:
+            return
+        reply = await self._redis.fcall("gw_take", 0, flow.queue, flow.id, *wanted)
+        fetch = _Fetch(flow, flow.queue, None, len(wanted))
+        self._deliver(fetch, reply)
+
+    def _hand_over(self, flow: Flow, delivery: Delivery) -> None:
+        self.delivered += 1
+        try:
+            flow.on_deliver(delivery)
+        except Exception:
+            log.exception("delivery callback of flow %s failed", flow.id)
 
     def _fetch_refused(self, fetch: _Fetch, status: str) -> None:
         flow = fetch.flow

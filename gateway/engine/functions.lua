@@ -56,10 +56,13 @@ local function group_mode(q)
   return m and m ~= '' and m or false
 end
 
--- Where unsettled entries go back to: the holding consumer on message-group queues (whose
--- fetch picks entries by group), the returned consumer elsewhere.
+-- Where unsettled entries go back to: the holding consumer on message-group and selective
+-- queues (whose fetches pick entries by group or selector), the returned consumer elsewhere.
 local function park_consumer(q)
-  return group_mode(q) and HOLDING or RETURNED
+  if group_mode(q) or redis.call('HGET', k_queue_config(q), 'selective') == '1' then
+    return HOLDING
+  end
+  return RETURNED
 end
 
 -- The message group of a stream entry (nil: ungrouped).
@@ -477,17 +480,16 @@ end
 -- already its own, so one group never reaches two consumers at once and groups never block
 -- each other. Default mode: a group stays with its consumer while that consumer lives.
 -- Shared mode: a group is free again once its holder settled all its messages.
-local function fetch_grouped(q, s, flow, count, mode, default_group, lim, out)
-  local scan = math.max(count * 4, 64)
+-- The oldest `scan` entries waiting in the holding consumer, after moving new entries in
+-- (with their delivery count set to 0: holding is no delivery).
+local function held_entries(s, scan)
   local held = redis.call('XPENDING', s, GROUP, '-', '+', scan, HOLDING)
   if #held < scan then
     local r = redis.call('XREADGROUP', 'GROUP', GROUP, HOLDING, 'COUNT', scan - #held,
       'STREAMS', s, '>')
     if r then
-      local ids = {}
-      for i, e in ipairs(r[1][2]) do ids[i] = e[1] end
       local args = { 'XCLAIM', s, GROUP, HOLDING, 0 }
-      for _, id in ipairs(ids) do args[#args + 1] = id end
+      for _, e in ipairs(r[1][2]) do args[#args + 1] = e[1] end
       args[#args + 1] = 'RETRYCOUNT'
       args[#args + 1] = 0
       args[#args + 1] = 'JUSTID'
@@ -495,12 +497,17 @@ local function fetch_grouped(q, s, flow, count, mode, default_group, lim, out)
       held = redis.call('XPENDING', s, GROUP, '-', '+', scan, HOLDING)
     end
   end
+  return held
+end
+
+local function fetch_grouped(q, s, flow, count, mode, default_group, lim, out)
+  local held = held_entries(s, math.max(count * 4, 64))
   local groups, gheld = k_queue_groups(q), k_queue_group_held(q)
   local taken = 0
   for _, e in ipairs(held) do
     if taken >= count then break end
     local id = e[1]
-    local g = entry_group(s, id, mode, default_group)
+    local g = mode and entry_group(s, id, mode, default_group)
     local owner = g and redis.call('HGET', groups, g)
     if not g or not owner or owner == flow then
       local c = redis.call('XCLAIM', s, GROUP, flow, 0, id, 'RETRYCOUNT', e[4] + 1)
@@ -524,7 +531,7 @@ end
 redis.register_function('gw_fetch', function(_, a)
   local q, flow, count, fence = a[1], a[2], tonumber(a[3]), a[4]
   local c = redis.call('HMGET', k_queue_config(q), 'egress', 'access', 'message_groups',
-    'default_group')
+    'default_group', 'selective')
   if not c[1] then return { 'noqueue' } end
   if c[1] ~= '1' then return { 'egress' } end
   if not redis.call('ZSCORE', k_queue_flows(q), flow) then return { 'noflow' } end
@@ -535,8 +542,8 @@ redis.register_function('gw_fetch', function(_, a)
   local s = k_queue_stream(q)
   local lim = fetch_limits(q)
   local out = { 'ok', 0 }
-  if c[3] and c[3] ~= '' then
-    fetch_grouped(q, s, flow, count, c[3], c[4], lim, out)
+  if (c[3] and c[3] ~= '') or c[5] == '1' then
+    fetch_grouped(q, s, flow, count, c[3] ~= '' and c[3], c[4], lim, out)
     return out
   end
   local function add(id, n, fields)
@@ -566,6 +573,104 @@ redis.register_function('gw_fetch', function(_, a)
     local r = redis.call('XREADGROUP', 'GROUP', GROUP, flow, 'COUNT', want, 'STREAMS', s, '>')
     if r then
       for _, e in ipairs(r[1][2]) do add(e[1], 1, e[2]) end
+    end
+  end
+  return out
+end)
+
+-- ARGV: queue, flow, scan. For a flow with a selector: the oldest `scan` waiting entries
+-- as {'ok', id, delivery count so far, blob, ...}; the flow takes those its selector matches
+-- with gw_take. Expired entries are dead-lettered on the way.
+redis.register_function('gw_peek', function(_, a)
+  local q, flow, scan = a[1], a[2], tonumber(a[3])
+  local c = redis.call('HMGET', k_queue_config(q), 'egress')
+  if not c[1] then return { 'noqueue' } end
+  if c[1] ~= '1' then return { 'egress' } end
+  if not redis.call('ZSCORE', k_queue_flows(q), flow) then return { 'noflow' } end
+  local s = k_queue_stream(q)
+  local now = now_ms()
+  local out = { 'ok' }
+  for _, e in ipairs(held_entries(s, scan)) do
+    local r = redis.call('XRANGE', s, e[1], e[1])
+    if #r > 0 then
+      local x = tonumber(entry_field(r[1][2], 'x'))
+      if x and x <= now then
+        redis.call('XCLAIM', s, GROUP, flow, 0, e[1], 'JUSTID')
+        dead_letter(q, s, e[1], entry_blob(r[1][2]), 'expired',
+          redis.call('HGET', k_queue_config(q), 'respect_ttl') == '1')
+      else
+        out[#out + 1] = e[1]
+        out[#out + 1] = e[4]
+        out[#out + 1] = entry_blob(r[1][2])
+      end
+    end
+  end
+  return out
+end)
+
+-- ARGV: queue, flow, ids... Takes the given entries if they are still waiting (another
+-- flow may have taken one since the peek). Same reply as gw_fetch.
+redis.register_function('gw_take', function(_, a)
+  local q, flow = a[1], a[2]
+  if not redis.call('ZSCORE', k_queue_flows(q), flow) then return { 'noflow' } end
+  local s = k_queue_stream(q)
+  local lim = fetch_limits(q)
+  local out = { 'ok', 0 }
+  for i = 3, #a do
+    local p = redis.call('XPENDING', s, GROUP, a[i], a[i], 1, HOLDING)
+    if #p == 1 then
+      local n = p[1][4] + 1
+      local c = redis.call('XCLAIM', s, GROUP, flow, 0, a[i], 'RETRYCOUNT', n)
+      local blob = c[1] and deliverable(q, s, a[i], c[1][2], n, lim)
+      if blob then
+        out[#out + 1] = a[i]
+        out[#out + 1] = n
+        out[#out + 1] = blob
+        out[#out + 1] = dead_letter_origin(c[1][2])
+      elseif c[1] then
+        out[2] = out[2] + 1
+      end
+    end
+  end
+  return out
+end)
+
+-- ARGV: queue, cursor (an entry id), count, since (epoch ms: replay period start, or 0).
+-- Browsing: up to `count` messages on the queue after `cursor`, oldest first, without
+-- taking them: {'ok', id, blob, ...}. Settled entries kept for stream readers and expired
+-- entries are skipped.
+redis.register_function('gw_browse', function(_, a)
+  local q, cursor, count, since = a[1], a[2], tonumber(a[3]), tonumber(a[4])
+  local c = redis.call('HMGET', k_queue_config(q), 'egress')
+  if not c[1] then return { 'noqueue' } end
+  if c[1] ~= '1' then return { 'egress' } end
+  local s = k_queue_stream(q)
+  if since > 0 and id_less(cursor, since .. '-0') then cursor = since .. '-0' end
+  local kept = redis.call('EXISTS', k_queue_readers(q)) == 1
+  local last
+  if kept then
+    for _, g in ipairs(redis.call('XINFO', 'GROUPS', s)) do
+      for i = 1, #g, 2 do
+        if g[i] == 'last-delivered-id' then last = g[i + 1] end
+      end
+    end
+  end
+  local now = now_ms()
+  local out = { 'ok' }
+  local start = '(' .. cursor
+  if cursor == '0-0' then start = '-' end
+  local entries = redis.call('XRANGE', s, start, '+', 'COUNT', count)
+  for _, e in ipairs(entries) do
+    local on_queue = true
+    if kept and last and not id_less(last, e[1]) then  -- delivered: on the queue if unsettled
+      on_queue = #redis.call('XPENDING', s, GROUP, e[1], e[1], 1) == 1
+    end
+    local x = tonumber(entry_field(e[2], 'x'))
+    out[#out + 1] = e[1]
+    if on_queue and not (x and x <= now) then
+      out[#out + 1] = entry_blob(e[2])
+    else
+      out[#out + 1] = ''  -- not shown, but the cursor moves past it
     end
   end
   return out
@@ -633,19 +738,31 @@ redis.register_function('gw_settle', function(_, a)
   return total
 end)
 
--- ARGV: queue, flow, node. Registers a flow; bind order decides exclusive standby order.
--- Returns {'ok', bind sequence, access type, partition count, rebalance delay ms} or
--- {'noqueue'} / {'egress'}.
+-- ARGV: queue, flow, node, mode ('' | 'select': the flow has a selector | 'browse').
+-- Registers a flow; bind order decides exclusive standby order. A selector makes the queue
+-- selective: new messages wait in the holding consumer until a flow whose selector matches
+-- takes them. Browsers (and every consumer of a non-destructive queue) are not registered.
+-- Returns {'ok', bind sequence, access type, partition count, rebalance delay ms, mode} or
+-- {'noqueue'} / {'egress'} / {'partitioned'} / {'grouped'}.
 redis.register_function('gw_bind', function(_, a)
-  local q, flow, node = a[1], a[2], a[3]
+  local q, flow, node, mode = a[1], a[2], a[3], a[4]
   local c = redis.call('HMGET', k_queue_config(q), 'egress', 'access', 'partition_count',
-    'partition_rebalance_delay_ms')
+    'partition_rebalance_delay_ms', 'message_groups', 'non_destructive')
   if not c[1] then return { 'noqueue' } end
   if c[1] ~= '1' then return { 'egress' } end
+  if c[6] == '1' then mode = 'browse' end  -- every consumer of it browses
+  if mode ~= '' and (tonumber(c[3]) or 0) > 0 then return { 'partitioned' } end
+  if mode == 'browse' then
+    return { 'ok', 0, c[2], 0, 0, 'browse' }  -- browsers take nothing: not registered
+  end
+  if mode == 'select' then
+    if c[5] and c[5] ~= '' then return { 'grouped' } end
+    redis.call('HSET', k_queue_config(q), 'selective', '1')
+  end
   local seq = redis.call('INCR', K_SEQ)
   redis.call('ZADD', k_queue_flows(q), seq, flow)
   redis.call('SADD', k_node_queues(node), q)
-  return { 'ok', seq, c[2], tonumber(c[3]) or 0, tonumber(c[4]) or 0 }
+  return { 'ok', seq, c[2], tonumber(c[3]) or 0, tonumber(c[4]) or 0, mode }
 end)
 
 -- ARGV: queue, flow. Unbinds a flow; its unacked messages go back for redelivery.

@@ -109,6 +109,7 @@ class QueueConfig:
     partition_handoff_timeout_ms: int = 3000  # then the old owner's unacked are requeued
     message_groups: str = ""  # "", "default" or "shared" (Qpid Broker-J semantics)
     default_group: str = "qpid.no-group"  # shared mode: the group of messages without one
+    non_destructive: bool = False  # every consumer browses (Qpid non-destructive consumers)
     created_ms: int = field(default=0, compare=False)
 
     def validate(self, *, reserved_ok: bool = False) -> None:
@@ -140,6 +141,8 @@ class QueueConfig:
             raise QueueError("invalid", "only non-exclusive queues can be partitioned")
         if self.message_groups not in GROUP_MODES:
             raise QueueError("invalid", "message_groups must be '', 'default' or 'shared'")
+        if self.non_destructive and self.partition_count:
+            raise QueueError("invalid", "a partitioned queue cannot be non-destructive")
         if self.message_groups and self.partition_count:
             raise QueueError("invalid", "message groups are for non-partitioned queues")
         if not self.default_group:
@@ -178,6 +181,7 @@ class QueueConfig:
             "partition_handoff_timeout_ms": self.partition_handoff_timeout_ms,
             "message_groups": self.message_groups,
             "default_group": self.default_group,
+            "non_destructive": self.non_destructive,
             "created_ms": self.created_ms,
         }
         out: list[str] = []
@@ -209,6 +213,7 @@ class QueueConfig:
             partition_handoff_timeout_ms=int(h.get("partition_handoff_timeout_ms", 3000)),
             message_groups=h.get("message_groups", ""),
             default_group=h.get("default_group", "qpid.no-group"),
+            non_destructive=h.get("non_destructive", "0") == "1",
             created_ms=int(h.get("created_ms", 0)),
         )
 

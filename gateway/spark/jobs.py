@@ -14,6 +14,7 @@ import sys
 import threading
 from collections.abc import Callable
 
+from pyspark.errors import StreamingQueryException
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
@@ -75,12 +76,12 @@ def archive(
 
 def value_column(value: str) -> Column:
     """`payload` (the payload as a number) or `property:NAME` (a user property)."""
-    if value == "payload":
-        return F.col("payload").cast("string").cast("double")
+    if value == "payload":  # try_cast: a malformed value counts, but stays out of the average
+        return F.col("payload").cast("string").try_cast("double")
     kind, _, name = value.partition(":")
     if kind != "property" or not name:
         raise ValueError("value must be 'payload' or 'property:NAME'")
-    return F.col("properties").getItem(name).cast("double")
+    return F.col("properties").getItem(name).try_cast("double")
 
 
 def aggregates(df: DataFrame, window: str, watermark: str, value: str) -> DataFrame:
@@ -261,18 +262,20 @@ def _run_aggregate(spark: SparkSession, args: argparse.Namespace) -> int:
         value=args.value,
         once=args.once,
     )
-    last = None
+    seen = -1
     try:
-        while not query.awaitTermination(2):
-            progress = query.lastProgress
-            if progress and progress["batchId"] != last:
-                last = progress["batchId"]
-                print(
-                    f"batch {last}: {progress['numInputRows']} rows, "
-                    f"{progress.get('processedRowsPerSecond', 0):.0f} rows/s"
-                )
+        done = False
+        while not done:  # a line per micro-batch; ends with the query (or Ctrl-C)
+            done = query.awaitTermination(2)
+            for progress in query.recentProgress:
+                if progress["batchId"] > seen:
+                    seen = progress["batchId"]
+                    print(f"batch {seen}: {progress['numInputRows']} rows")
     except KeyboardInterrupt:
         query.stop()
+    except StreamingQueryException as exc:
+        print(f"gateway pipeline aggregate: {exc.getCondition()}: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -203,14 +203,16 @@ def properties(msg: Message) -> dict[str, str | None]:
 
 
 def to_batch(parent: str, partition: int | None, queue: str, page: list) -> pa.RecordBatch:
-    """One XRANGE page as an Arrow batch: Spark takes it without per-row conversion."""
+    """One raw XRANGE page as an Arrow batch: Spark takes it without per-row conversion."""
     ids: list[str] = []
     stamps: list[int] = []
     msgs: list[Message] = []
     for entry_id, fields in page:
         try:
-            msg = decode(fields[b"m"])
-        except (KeyError, ValueError) as exc:
+            if fields[0] != b"m":
+                raise ValueError(f"unexpected field {fields[0]!r}")
+            msg = decode(fields[1])
+        except (IndexError, ValueError) as exc:
             log.warning("skipping entry %s of %s: %s", entry_id, queue, exc)
             continue
         eid = entry_id.decode()
@@ -247,6 +249,8 @@ class StreamRange(InputPartition):
 def read_range(opts: Options, part: StreamRange) -> Iterator[pa.RecordBatch]:
     """XRANGE the range page by page; runs on an executor with its own client."""
     client = redis.Redis.from_url(opts.redis_url)
+    # raw [id, [field, value]] replies: redis-py's pairs-to-dict costs ~4 µs per entry
+    client.set_response_callback("XRANGE", lambda response, **_: response)
     try:
         key = keys.queue_stream(part.queue)
         low = "-" if part.start == ZERO else "(" + part.start

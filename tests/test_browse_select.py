@@ -1,0 +1,118 @@
+"""Browsing, non-destructive queues, replay and selectors through the broker API."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.broker import BindError, Broker
+from gateway.engine.queues import QueueConfig
+from gateway.model import Delivery, Message
+from tests.test_engine import wait_for
+
+
+def msg(payload: str, **props) -> Message:
+    return Message(
+        destination="q",
+        to_queue=True,
+        payload=payload.encode(),
+        user_properties=list(props.items()),
+    )
+
+
+def payloads(got: list[Delivery]) -> list[bytes]:
+    return [d.message.payload for d in got]
+
+
+async def test_browser_sees_everything_in_order_and_takes_nothing(broker: Broker) -> None:
+    await broker.declare_queue(QueueConfig(name="q"))
+    for i in range(5):
+        await broker.publish(msg(f"{i}"))
+    consumed: list[Delivery] = []
+    consumer = await broker.bind("q", consumed.append, window=2)  # holds 2, unacked
+    await wait_for(lambda: len(consumed) == 2)
+    consumer.ack(consumed[0].entry_id)  # one gone for good
+    await asyncio.sleep(0.1)
+    seen: list[Delivery] = []
+    browser = await broker.bind("q", seen.append, browse=True, window=2)
+    await wait_for(lambda: len(seen) == 2)
+    for d in seen:
+        browser.ack(d.entry_id)  # frees the browser's window only
+    await wait_for(lambda: len(seen) == 4)
+    assert payloads(seen) == [b"1", b"2", b"3", b"4"], "oldest to newest, unacked included"
+    await broker.publish(msg("5"))
+    for d in seen[2:]:
+        browser.ack(d.entry_id)
+    await wait_for(lambda: len(seen) == 5)
+    await browser.close()
+    assert (await broker.queues.info("q")).messages == 5, "browsing took nothing"
+
+
+async def test_non_destructive_queue_every_consumer_browses(broker: Broker) -> None:
+    await broker.declare_queue(QueueConfig(name="q", non_destructive=True))
+    for i in range(3):
+        await broker.publish(msg(f"{i}"))
+    a: list[Delivery] = []
+    b: list[Delivery] = []
+    await broker.bind("q", a.append)
+    await broker.bind("q", b.append)
+    await wait_for(lambda: len(a) == 3 and len(b) == 3)
+    assert payloads(a) == payloads(b) == [b"0", b"1", b"2"]
+
+
+async def test_replay_period_limits_what_a_browser_sees(broker: Broker) -> None:
+    await broker.declare_queue(QueueConfig(name="q"))
+    await broker.publish(msg("old"))
+    await asyncio.sleep(0.3)
+    await broker.publish(msg("recent"))
+    seen: list[Delivery] = []
+    await broker.bind("q", seen.append, browse=True, replay_ms=150)
+    await wait_for(lambda: len(seen) == 1)
+    await broker.publish(msg("new"))
+    await wait_for(lambda: len(seen) == 2)
+    assert payloads(seen) == [b"recent", b"new"]
+
+
+async def test_selectors_split_messages_and_leave_the_rest(broker: Broker) -> None:
+    await broker.declare_queue(QueueConfig(name="q"))
+    red: list[Delivery] = []
+    heavy: list[Delivery] = []
+    await broker.bind("q", red.append, selector="color = 'red'")
+    await broker.bind("q", heavy.append, selector="weight > 10 AND color <> 'red'")
+    await broker.publish(msg("r1", color="red", weight=1))
+    await broker.publish(msg("b1", color="blue", weight=50))
+    await broker.publish(msg("b2", color="blue", weight=5))  # matches nobody: stays
+    await broker.publish(msg("r2", color="red", weight=99))
+    await wait_for(lambda: len(red) == 2 and len(heavy) == 1)
+    await asyncio.sleep(0.2)
+    assert payloads(red) == [b"r1", b"r2"] and payloads(heavy) == [b"b1"]
+    everyone: list[Delivery] = []
+    await broker.bind("q", everyone.append)  # no selector: takes what is left, in order
+    await wait_for(lambda: len(everyone) == 1)
+    assert payloads(everyone) == [b"b2"]
+    assert (await broker.queues.info("q")).messages == 4  # nothing acked yet
+
+
+async def test_selector_on_headers_and_redelivery(broker: Broker) -> None:
+    await broker.declare_queue(QueueConfig(name="q"))
+    await broker.publish(Message(destination="q", to_queue=True, payload=b"p9", priority=9))
+    await broker.publish(Message(destination="q", to_queue=True, payload=b"p1", priority=1))
+    got: list[Delivery] = []
+    flow = await broker.bind("q", got.append, selector="JMSPriority > 5")
+    await wait_for(lambda: len(got) == 1)
+    flow.requeue(got[0].entry_id)
+    await wait_for(lambda: len(got) == 2)
+    assert payloads(got) == [b"p9", b"p9"] and got[1].redelivered
+
+
+async def test_bad_selectors_and_partitioned_queues_are_refused(broker: Broker) -> None:
+    await broker.declare_queue(QueueConfig(name="q"))
+    with pytest.raises(BindError) as err:
+        await broker.bind("q", lambda d: None, selector="color = 'red' AND")
+    assert err.value.code == "invalid_selector" and "position" in str(err.value)
+    await broker.declare_queue(QueueConfig(name="p", partition_count=2))
+    for kwargs in ({"browse": True}, {"selector": "a = 1"}):
+        with pytest.raises(BindError) as err:
+            await broker.bind("p", lambda d: None, **kwargs)
+        assert err.value.code == "unsupported" and "partitioned" in str(err.value)
