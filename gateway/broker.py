@@ -19,6 +19,8 @@ Consuming
     newest without taking anything (AMQP distribution-mode copy; settling only frees the
     window), ``replay_ms`` limits a browser to messages of the last N ms plus new ones. On a
     non-destructive queue every consumer browses. Not on partitioned queues.
+    ``flow.on_empty = callback`` is called whenever a fetch finds nothing more for the flow
+    (an AMQP drain can complete then).
     ``on_deliver(delivery)`` is called on the event loop for each message, at most `window`
     unsettled at a time (and at most `credit` more, when credit is used, as AMQP does).
     Settle with ``flow.ack(entry_id)``, ``flow.requeue(entry_id)`` (redelivered later with

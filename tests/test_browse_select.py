@@ -116,3 +116,16 @@ async def test_bad_selectors_and_partitioned_queues_are_refused(broker: Broker) 
         with pytest.raises(BindError) as err:
             await broker.bind("p", lambda d: None, **kwargs)
         assert err.value.code == "unsupported" and "partitioned" in str(err.value)
+
+
+async def test_on_empty_reports_an_exhausted_queue(broker: Broker) -> None:
+    await broker.declare_queue(QueueConfig(name="q"))
+    for i in range(3):
+        await broker.publish(msg(f"{i}"))
+    got: list[Delivery] = []
+    empty: list[int] = []
+    flow = await broker.bind("q", got.append, window=10, credit=0)
+    flow.on_empty = lambda: empty.append(len(got))
+    flow.set_credit(10)  # e.g. an AMQP flow with drain: all three, then "nothing more"
+    await wait_for(lambda: empty != [])
+    assert len(got) == 3 and empty[0] == 3

@@ -78,6 +78,7 @@ class Flow:
         "idle",
         "on_closed",
         "on_deliver",
+        "on_empty",
         "partitioned",
         "parts",
         "queue",
@@ -108,6 +109,7 @@ class Flow:
         self.credit = credit
         self.on_deliver = on_deliver
         self.on_closed = on_closed
+        self.on_empty: Callable[[], None] | None = None  # a fetch found nothing more
         self.unacked: dict[str, tuple[str, str, int]] = {}  # entry id -> (queue, id, size)
         self.active = True  # exclusive standbys and partitioned flows without partitions: no
         self.fence = ""
@@ -517,10 +519,24 @@ class Dispatcher:
         if fetch.partition is not None:
             if got < fetch.count:
                 flow.idle.add(fetch.partition)
-            if flow.space > 0 and any(i not in flow.idle for i in flow.parts):
+            if any(i not in flow.idle for i in flow.parts):
+                if flow.space > 0:
+                    self._want[flow] = None
+            else:
+                self._empty(flow)
+        elif got >= fetch.count:  # a full batch: there may be more
+            if flow.space > 0:
                 self._want[flow] = None
-        elif got >= fetch.count and flow.space > 0:  # a full batch: there may be more
-            self._want[flow] = None
+        else:
+            self._empty(flow)
+
+    def _empty(self, flow: Flow) -> None:
+        """Nothing more for the flow right now (AMQP drain answers on this)."""
+        if flow.on_empty is not None:
+            try:
+                flow.on_empty()
+            except Exception:
+                log.exception("on_empty callback of flow %s failed", flow.id)
 
     def _deliver_browsed(self, fetch: _Fetch, reply: list) -> None:
         flow = fetch.flow
@@ -545,8 +561,11 @@ class Dispatcher:
             self._hand_over(flow, Delivery(flow.queue, entry_id, message, 1, len(blob)))
             if flow.closed:
                 return
-        if entries >= fetch.count and flow.space > 0:  # a full page: there may be more
-            self._want[flow] = None
+        if entries >= fetch.count:  # a full page: there may be more
+            if flow.space > 0:
+                self._want[flow] = None
+        else:
+            self._empty(flow)
 
     async def _select(self, flow: Flow) -> None:
         """Peek at the waiting messages, take the ones the flow's selector matches."""
@@ -562,7 +581,10 @@ class Dispatcher:
             message = decode(peeked[i + 2])
             if matches(flow.selector, message, int(peeked[i + 1]) + 1):
                 wanted.append(peeked[i])
-        if not wanted or flow.closed:
+        if flow.closed:
+            return
+        if not wanted:
+            self._empty(flow)
             return
         reply = await self._redis.fcall("gw_take", 0, flow.queue, flow.id, *wanted)
         fetch = _Fetch(flow, flow.queue, None, len(wanted))
