@@ -158,6 +158,7 @@ class Broker:
             len(msg.payload),
             msg.partition_key,
             msg.expiration,
+            self.router.lvq_properties(msg),
             encode(msg),
         )
         return self._retain_after(msg, fut) if msg.retain and not msg.to_queue else fut

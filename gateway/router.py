@@ -1,4 +1,5 @@
-"""Topic routing: which queues a published topic reaches.
+"""Topic routing: which queues a published topic reaches (and which message properties
+last value queues key on).
 
 One trie per node holds every queue's topic subscriptions. It is loaded from Redis in one
 call and reloaded when the shared subscription version moves past the one loaded (the event
@@ -12,6 +13,7 @@ import asyncio
 import redis.asyncio as aioredis
 
 from gateway.engine.queues import parse_subscription_entry
+from gateway.model import Message
 from gateway.topics import SubscriptionTrie
 
 
@@ -20,6 +22,7 @@ class Router:
         self._redis = redis
         self._trie: SubscriptionTrie[str] = SubscriptionTrie()
         self.version = -1
+        self.lvq_keys: frozenset[str] = frozenset()
         self._lock = asyncio.Lock()
 
     def match(self, topic: str) -> frozenset[str]:
@@ -34,15 +37,30 @@ class Router:
             reply = await self._redis.fcall("gw_routes", 0)
             trie: SubscriptionTrie[str] = SubscriptionTrie()
             pos = 1
+            lvq_keys = set()
             while pos < len(reply):
                 queue = reply[pos].decode()
-                count = int(reply[pos + 1])
-                for entry in reply[pos + 2 : pos + 2 + count]:
+                if reply[pos + 1]:
+                    lvq_keys.add(reply[pos + 1].decode())
+                count = int(reply[pos + 2])
+                for entry in reply[pos + 3 : pos + 3 + count]:
                     pattern, syntax = parse_subscription_entry(entry.decode())
                     trie.add(pattern, queue, syntax)
-                pos += 2 + count
+                pos += 3 + count
             self._trie = trie
+            self.lvq_keys = frozenset(lvq_keys)
             self.version = int(reply[0])
+
+    def lvq_properties(self, msg: Message) -> str:
+        """The message's values of the properties some last value queue keys on, as
+        "name\0value\0..." for the spool function ("" almost always)."""
+        if not self.lvq_keys or not msg.user_properties:
+            return ""
+        found: dict[str, str] = {}
+        for name, value in msg.user_properties:
+            if name in self.lvq_keys and name not in found and value is not None:
+                found[name] = value.decode() if isinstance(value, bytes) else str(value)
+        return "".join(f"{k}\0{v}\0" for k, v in found.items())
 
     def subscriptions(self) -> list[tuple[str, str, str]]:
         """(pattern, syntax, queue) for every loaded subscription."""

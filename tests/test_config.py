@@ -195,13 +195,6 @@ def test_architecture_example_loads(tmp_path: Path) -> None:
     assert config.max_message_size == 1_048_576
 
 
-def test_last_value_queue_setting_is_refused() -> None:
-    with pytest.raises(QueueError, match="max_spool_bytes") as info:
-        QueueConfig.from_json({"name": "orders", "max_spool_bytes": 0}).validate()
-    assert info.value.code == "unsupported"
-    assert info.value.http_status == 400
-
-
 # -- errors ---------------------------------------------------------------------------------
 
 

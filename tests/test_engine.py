@@ -298,9 +298,6 @@ async def test_queue_names_and_equivalence(broker: Broker) -> None:
             QueueConfig(name="p", partition_count=4, access_type="exclusive")
         )
     assert err.value.code == "invalid"
-    with pytest.raises(QueueError) as err:
-        await broker.queues.create(QueueConfig(name="p", max_spool_bytes=0))
-    assert err.value.code == "unsupported"
     assert await broker.queues.create(QueueConfig(name="#DEAD_MSG_QUEUE"))
 
 

@@ -131,7 +131,8 @@ end
 local function delete_queue(q)
   if redis.call('EXISTS', k_queue_config(q)) == 0 then return 0 end
   for i = 0, partition_count(q) - 1 do delete_queue(partition_queue(q, i)) end
-  redis.call('DEL', k_queue_parts(q), k_queue_groups(q), k_queue_group_held(q), k_queue_config(q), k_queue_stream(q), k_queue_stats(q), k_queue_subs(q),
+  redis.call('DEL', k_queue_parts(q), k_queue_groups(q), k_queue_group_held(q),
+    k_queue_last_values(q), k_queue_config(q), k_queue_stream(q), k_queue_stats(q), k_queue_subs(q),
     k_queue_flows(q), k_queue_lease(q), k_queue_readers(q))
   redis.call('SREM', K_QUEUES, q)
   redis.call('SREM', K_READ_QUEUES, q)
@@ -322,11 +323,52 @@ local function dead_letter(q, s, id, blob, reason, to_dmq)
   end
 end
 
+-- A property's value from the "name\0value\0..." string the spooler passes along (only
+-- the properties that some queue's lvq_key names).
+local function property_value(props, name)
+  local pos = 1
+  while pos <= #props do
+    local z1 = string.find(props, '\0', pos, true)
+    if not z1 then return nil end
+    local z2 = string.find(props, '\0', z1 + 1, true) or (#props + 1)
+    if string.sub(props, pos, z1 - 1) == name then return string.sub(props, z1 + 1, z2 - 1) end
+    pos = z2 + 1
+  end
+  return nil
+end
+
+-- Last value queues: a new message replaces the previous one of its slot if that one has
+-- not been delivered yet (a delivered one stays with its consumer).
+local function replace_last_value(q, slot, id)
+  local lv = k_queue_last_values(q.name)
+  local old = redis.call('HGET', lv, slot)
+  redis.call('HSET', lv, slot, id)
+  if not old then return end
+  local e = redis.call('XRANGE', q.stream, old, old)
+  if #e == 0 or #redis.call('XPENDING', q.stream, GROUP, old, old, 1) == 1 then return end
+  if not q.delivered_upto then
+    q.delivered_upto = '0-0'
+    for _, g in ipairs(redis.call('XINFO', 'GROUPS', q.stream)) do
+      for i = 1, #g, 2 do
+        if g[i] == 'last-delivered-id' then q.delivered_upto = g[i + 1] end
+      end
+    end
+  end
+  if id_less(q.delivered_upto, old) then
+    redis.call('XDEL', q.stream, old)
+    q.count = q.count - 1
+    q.bytes = q.bytes - #entry_blob(e[1][2])
+    q.added = q.added - 1  -- counters are applied at the end of the call
+    q.added_bytes = q.added_bytes - #entry_blob(e[1][2])
+    q.replaced = (q.replaced or 0) + 1
+  end
+end
+
 -- Spool state of one queue during a gw_spool call (config and counters read once).
 local function spool_target(name)
   local c = redis.call('HMGET', k_queue_config(name), 'ingress', 'max_message_size',
     'max_spool_bytes', 'max_messages', 'partition_count', 'parent', 'message_groups',
-    'max_ttl_ms')
+    'max_ttl_ms', 'lvq_key')
   local info = { name = name, added = 0, added_bytes = 0, wake = c[6] or name }
   if not c[1] then
     info.missing = true
@@ -340,6 +382,12 @@ local function spool_target(name)
   info.partitions = tonumber(c[5]) or 0
   info.grouped = c[7] and c[7] ~= ''
   info.max_ttl = tonumber(c[8]) or 0
+  -- last value queues: Solace's (max_spool_bytes 0: one slot) or Qpid's (by a property)
+  if c[3] == '0' then
+    info.lvq = true
+  elseif c[9] and c[9] ~= '' then
+    info.lvq, info.lvq_key = true, c[9]
+  end
   local st = redis.call('HMGET', k_queue_stats(name), 'bytes', 'msgs')
   info.bytes = tonumber(st[1]) or 0
   info.count = tonumber(st[2]) or 0
@@ -350,7 +398,8 @@ end
 -- payload size (checked against max_message_size), key hash high and low 32 bits (picks
 -- the partition of a partitioned queue: xxh3_64(key) % partition_count), the key itself
 -- ('' for none; kept as field 'k' on message-group queues), the publisher's expiry (epoch
--- ms, 0: none; kept as field 'x', shortened to the queue's max_ttl_ms), blob.
+-- ms, 0: none; kept as field 'x', shortened to the queue's max_ttl_ms), the properties LVQ
+-- keys name ("name\0value\0..."), blob.
 -- Spooled bytes count the stored blob. Returns one outcome code per message; a message is
 -- stored in all its queues or in none.
 redis.register_function('gw_spool', function(_, a)
@@ -378,7 +427,8 @@ redis.register_function('gw_spool', function(_, a)
     local hi, lo = tonumber(a[pos + k + 3]), tonumber(a[pos + k + 4])
     local key = a[pos + k + 5]
     local expires = tonumber(a[pos + k + 6])
-    local blob = a[pos + k + 7]
+    local props = a[pos + k + 7]
+    local blob = a[pos + k + 8]
     local code, targets = OK, {}
     for j = 1, k do
       local q = target(named[tonumber(a[pos + j])])
@@ -414,7 +464,12 @@ redis.register_function('gw_spool', function(_, a)
             args[#args + 1] = 'x'
             args[#args + 1] = x
           end
-          redis.call(unpack(args))
+          local id = redis.call(unpack(args))
+          if q.lvq then
+            local slot = ''
+            if q.lvq_key then slot = property_value(props, q.lvq_key) end
+            if slot then replace_last_value(q, slot, id) end
+          end
           q.count = q.count + 1
           q.bytes = q.bytes + #blob
           q.added = q.added + 1
@@ -423,15 +478,16 @@ redis.register_function('gw_spool', function(_, a)
       end
     end
     out[#out + 1] = code
-    pos = pos + k + 8
+    pos = pos + k + 9
   end
   local woken = {}
   for _, q in ipairs(qs) do
-    if q.added > 0 then
+    if q.added > 0 or q.replaced then
       local st = k_queue_stats(q.name)
       redis.call('HINCRBY', st, 'bytes', q.added_bytes)
       redis.call('HINCRBY', st, 'msgs', q.added)
-      redis.call('HINCRBY', st, 'spooled', q.added)
+      redis.call('HINCRBY', st, 'spooled', q.added + (q.replaced or 0))
+      if q.replaced then redis.call('HINCRBY', st, 'replaced', q.replaced) end
       if not woken[q.wake] then
         woken[q.wake] = true
         redis.call('PUBLISH', k_queue_wake(q.wake), a[1])
@@ -877,6 +933,8 @@ redis.register_function('gw_queue_create', function(_, a)
   init_queue(q)
   for i = 0, partition_count(q) - 1 do create_partition(q, i) end
   redis.call('SADD', K_QUEUES, q)
+  local v = redis.call('INCR', K_SUB_VERSION)  -- nodes learn its routing info (lvq_key)
+  redis.call('PUBLISH', K_EVENTS, 'sub ' .. v)
   for i = 2, #a - 1, 2 do
     if a[i] == 'owner_node' and a[i + 1] ~= '' then
       redis.call('SADD', k_node_queues(a[i + 1]), q)  -- so the reaper finds it
@@ -977,13 +1035,14 @@ redis.register_function('gw_subscription', function(_, a)
   return changed
 end)
 
--- Every queue's topic subscriptions, for a node's routing trie.
--- Returns {version, queue, n, entry..., queue, n, entry..., ...}.
+-- Every queue's topic subscriptions (and LVQ key property), for a node's routing trie.
+-- Returns {version, queue, lvq key, n, entry..., queue, lvq key, n, entry..., ...}.
 redis.register_function('gw_routes', function(_, _)
   local out = { tonumber(redis.call('GET', K_SUB_VERSION) or '0') }
   for _, q in ipairs(redis.call('SMEMBERS', K_QUEUES)) do
     local subs = redis.call('SMEMBERS', k_queue_subs(q))
     out[#out + 1] = q
+    out[#out + 1] = redis.call('HGET', k_queue_config(q), 'lvq_key') or ''
     out[#out + 1] = #subs
     for _, e in ipairs(subs) do out[#out + 1] = e end
   end

@@ -32,6 +32,7 @@ TEMPLATES: dict[str, str] = {
     "queue_readers": f"{PREFIX}:q:{{{{q}}}}:readers",
     "queue_parts": f"{PREFIX}:q:{{{{q}}}}:parts",
     "queue_groups": f"{PREFIX}:q:{{{{q}}}}:groups",
+    "queue_last_values": f"{PREFIX}:q:{{{{q}}}}:lvq",
     "queue_group_held": f"{PREFIX}:q:{{{{q}}}}:gheld",
     "read_queues": f"{PREFIX}:readq",
     "retained": f"{PREFIX}:retained",
@@ -101,6 +102,11 @@ def queue_parts(q: str) -> str:
 def queue_groups(q: str) -> str:
     """Message groups: group -> the flow that holds it."""
     return _queue_key("queue_groups", q)
+
+
+def queue_last_values(q: str) -> str:
+    """Last value queues: key value -> the entry holding its latest message."""
+    return _queue_key("queue_last_values", q)
 
 
 def queue_group_held(q: str) -> str:

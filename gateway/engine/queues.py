@@ -97,7 +97,7 @@ class QueueConfig:
     ingress_enabled: bool = True
     egress_enabled: bool = True
     max_message_size: int = 10_000_000
-    max_spool_bytes: int = 5_000_000_000
+    max_spool_bytes: int = 5_000_000_000  # 0: a last value queue (Solace): one message
     max_messages: int = 0  # 0: unlimited
     max_redelivery: int = 0  # 0: unlimited
     dead_message_queue: str = DEAD_MESSAGE_QUEUE
@@ -110,6 +110,7 @@ class QueueConfig:
     message_groups: str = ""  # "", "default" or "shared" (Qpid Broker-J semantics)
     default_group: str = "qpid.no-group"  # shared mode: the group of messages without one
     non_destructive: bool = False  # every consumer browses (Qpid non-destructive consumers)
+    lvq_key: str = ""  # a last value queue by this user property (Qpid); see max_spool_bytes
     created_ms: int = field(default=0, compare=False)
 
     def validate(self, *, reserved_ok: bool = False) -> None:
@@ -149,15 +150,6 @@ class QueueConfig:
             raise QueueError("invalid", "default_group must not be empty")
         if self.partition_count > 1024:
             raise QueueError("invalid", "partition_count must be at most 1024")
-        unsupported = {
-            "max_spool_bytes": self.max_spool_bytes == 0,  # last value queue
-        }
-        for name, refused in unsupported.items():
-            if refused:
-                raise QueueError(
-                    "unsupported",
-                    f"{name}={getattr(self, name)!r} is not supported by this version",
-                )
 
     def to_redis(self) -> list[str]:
         """Field/value pairs for the config hash (the Lua side reads a few of them)."""
@@ -182,6 +174,7 @@ class QueueConfig:
             "message_groups": self.message_groups,
             "default_group": self.default_group,
             "non_destructive": self.non_destructive,
+            "lvq_key": self.lvq_key,
             "created_ms": self.created_ms,
         }
         out: list[str] = []
@@ -214,6 +207,7 @@ class QueueConfig:
             message_groups=h.get("message_groups", ""),
             default_group=h.get("default_group", "qpid.no-group"),
             non_destructive=h.get("non_destructive", "0") == "1",
+            lvq_key=h.get("lvq_key", ""),
             created_ms=int(h.get("created_ms", 0)),
         )
 

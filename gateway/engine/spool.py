@@ -22,7 +22,7 @@ MAX_BATCH_BYTES = 4 * 1024 * 1024
 
 
 class _Pending:
-    __slots__ = ("blob", "direct", "expires", "future", "key", "queues", "size")
+    __slots__ = ("blob", "direct", "expires", "future", "key", "props", "queues", "size")
 
     def __init__(
         self,
@@ -31,6 +31,7 @@ class _Pending:
         size: int,
         key: str | None,
         expires: int | None,
+        props: str,
         blob: bytes,
         future: asyncio.Future,
     ) -> None:
@@ -39,6 +40,7 @@ class _Pending:
         self.size = size
         self.key = key
         self.expires = expires
+        self.props = props
         self.blob = blob
         self.future = future
 
@@ -68,14 +70,16 @@ class Spooler:
         size: int,
         key: str | None,
         expires: int | None,
+        props: str,
         blob: bytes,
     ) -> asyncio.Future[Outcome]:
         """Queue one message for the next batch; the future carries its Outcome.
         `key` (the partition key) picks the partition, or the message group; `expires`
-        (epoch ms) is when it may no longer be delivered."""
+        (epoch ms) is when it may no longer be delivered; `props` carries the properties
+        last value queues key on (Router.lvq_properties)."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Outcome] = loop.create_future()
-        self._pending.append(_Pending(queues, direct, size, key, expires, blob, fut))
+        self._pending.append(_Pending(queues, direct, size, key, expires, props, blob, fut))
         if self._task is None:
             self._task = loop.create_task(self._run())
         return fut
@@ -125,6 +129,7 @@ class Spooler:
             body.extend(key_hash(p.key))
             body.append(p.key or "")
             body.append(p.expires or 0)
+            body.append(p.props)
             body.append(p.blob)
         codes = await self._redis.fcall("gw_spool", 0, self._node, len(index), *index.keys(), *body)
         self.batches += 1

@@ -1,0 +1,66 @@
+"""Last value queues: Solace's (max_spool_bytes = 0) and Qpid's (by a key property)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from gateway.broker import Broker
+from gateway.engine.partitions import partition_of
+from gateway.engine.queues import QueueConfig
+from gateway.model import Delivery, Message
+from tests.test_engine import wait_for
+
+
+def msg(payload: str, **props) -> Message:
+    return Message(
+        destination="prices/x", payload=payload.encode(), user_properties=list(props.items())
+    )
+
+
+async def browse_all(broker: Broker, queue: str) -> list[bytes]:
+    seen: list[Delivery] = []
+    flow = await broker.bind(queue, seen.append, browse=True)
+    await asyncio.sleep(0.2)
+    await flow.close()
+    return [d.message.payload for d in seen]
+
+
+async def test_solace_lvq_keeps_only_the_last_message(broker: Broker) -> None:
+    await broker.declare_queue(QueueConfig(name="last", max_spool_bytes=0), [("prices/>", "smf")])
+    for i in range(5):
+        assert (await broker.publish(msg(f"v{i}"))).accepted
+    assert await browse_all(broker, "last") == [b"v4"]
+    info = await broker.queues.info("last")
+    assert info.messages == 1 and info.counters["replaced"] == 4
+    got: list[Delivery] = []
+    flow = await broker.bind("last", got.append, window=1)
+    await wait_for(lambda: len(got) == 1)
+    await broker.publish(msg("v5"))  # the delivered one stays with its consumer
+    await broker.publish(msg("v6"))
+    flow.ack(got[0].entry_id)
+    await wait_for(lambda: len(got) == 2)
+    assert [d.message.payload for d in got] == [b"v4", b"v6"]
+
+
+async def test_qpid_lvq_keeps_the_last_message_per_key(broker: Broker) -> None:
+    await broker.declare_queue(QueueConfig(name="ticks", lvq_key="symbol"), [("prices/>", "smf")])
+    await broker.publish(msg("a1", symbol="AAA"))
+    await broker.publish(msg("b1", symbol="BBB"))
+    await broker.publish(msg("a2", symbol="AAA"))
+    await broker.publish(msg("plain"))  # no key: kept as it is
+    await broker.publish(msg("b2", symbol="BBB"))
+    assert await browse_all(broker, "ticks") == [b"a2", b"plain", b"b2"]
+    assert (await broker.queues.info("ticks")).messages == 3
+
+
+async def test_lvq_per_partition(broker: Broker) -> None:
+    await broker.declare_queue(
+        QueueConfig(name="plast", max_spool_bytes=0, partition_count=2), [("prices/>", "smf")]
+    )
+    for i in range(6):
+        m = msg(f"{i}")
+        m.partition_key = f"dev-{i % 3}"
+        await broker.publish(m)
+    info = await broker.queues.info("plast")
+    used = {partition_of(f"dev-{i}", 2) for i in range(3)}
+    assert [p["messages"] for p in info.partitions] == [1 if i in used else 0 for i in range(2)]
