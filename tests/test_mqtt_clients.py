@@ -71,9 +71,28 @@ async def _run(*args: str) -> tuple[int, bytes]:
 async def test_mosquitto_pub_sub(mqtt: Listener, version: str, qos: str) -> None:
     port = str(mqtt.port)
     sub = await asyncio.create_subprocess_exec(
-        "stdbuf", "-oL", "mosquitto_sub", "-h", "127.0.0.1", "-p", port, "-V", version, "-q", qos,
-        "-i", f"msub-{version}", "-t", "mosq/+", "-C", "3", "-W", str(int(WAIT)), "-d",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        "stdbuf",
+        "-oL",
+        "mosquitto_sub",
+        "-h",
+        "127.0.0.1",
+        "-p",
+        port,
+        "-V",
+        version,
+        "-q",
+        qos,
+        "-i",
+        f"msub-{version}",
+        "-t",
+        "mosq/+",
+        "-C",
+        "3",
+        "-W",
+        str(int(WAIT)),
+        "-d",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
     )
     assert sub.stdout is not None
     try:
@@ -82,8 +101,21 @@ async def test_mosquitto_pub_sub(mqtt: Listener, version: str, qos: str) -> None
                 pass
             for i in range(3):
                 rc, out = await _run(
-                    "mosquitto_pub", "-h", "127.0.0.1", "-p", port, "-V", version, "-q", qos,
-                    "-i", f"mpub-{version}", "-t", f"mosq/{i}", "-m", f"hello {i}",
+                    "mosquitto_pub",
+                    "-h",
+                    "127.0.0.1",
+                    "-p",
+                    port,
+                    "-V",
+                    version,
+                    "-q",
+                    qos,
+                    "-i",
+                    f"mpub-{version}",
+                    "-t",
+                    f"mosq/{i}",
+                    "-m",
+                    f"hello {i}",
                 )
                 assert rc == 0, out
             rest = await sub.stdout.read()
@@ -103,8 +135,21 @@ async def test_mosquitto_bad_credentials(broker: Broker) -> None:
     assert listener is not None
     try:
         rc, out = await _run(
-            "mosquitto_pub", "-h", "127.0.0.1", "-p", str(listener.port), "-V", "mqttv311",
-            "-u", "nobody", "-P", "nothing", "-t", "x", "-m", "y",
+            "mosquitto_pub",
+            "-h",
+            "127.0.0.1",
+            "-p",
+            str(listener.port),
+            "-V",
+            "mqttv311",
+            "-u",
+            "nobody",
+            "-P",
+            "nothing",
+            "-t",
+            "x",
+            "-m",
+            "y",
         )
     finally:
         await listener.close()

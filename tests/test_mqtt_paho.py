@@ -43,9 +43,16 @@ async def mqtt(broker: Broker) -> AsyncIterator[Listener]:
 class Client:
     """A connected paho client with synchronous helpers that wait (bounded) for acks."""
 
-    def __init__(self, port: int, version: int, client_id: str = "", clean: bool = True,
-                 username: str | None = None, password: str | None = None,
-                 properties: Properties | None = None) -> None:
+    def __init__(
+        self,
+        port: int,
+        version: int,
+        client_id: str = "",
+        clean: bool = True,
+        username: str | None = None,
+        password: str | None = None,
+        properties: Properties | None = None,
+    ) -> None:
         self.version = version
         self.messages: queue.Queue[paho.MQTTMessage] = queue.Queue()
         self.connected = threading.Event()
@@ -54,8 +61,11 @@ class Client:
         self.reason: object = None
         self.session_present = False
         self.c = paho.Client(
-            CallbackAPIVersion.VERSION2, client_id=client_id, protocol=version,
-            clean_session=None if version == V5 else clean, reconnect_on_failure=False,
+            CallbackAPIVersion.VERSION2,
+            client_id=client_id,
+            protocol=version,
+            clean_session=None if version == V5 else clean,
+            reconnect_on_failure=False,
         )
         if username is not None:
             self.c.username_pw_set(username, password)
@@ -82,8 +92,9 @@ class Client:
         self.c.subscribe(topic, qos)
         return self.subacks.get(timeout=WAIT)
 
-    def publish(self, topic: str, payload: bytes, qos: int,
-                properties: Properties | None = None) -> paho.MQTTMessageInfo:
+    def publish(
+        self, topic: str, payload: bytes, qos: int, properties: Properties | None = None
+    ) -> paho.MQTTMessageInfo:
         info = self.c.publish(topic, payload, qos, properties=properties)
         info.wait_for_publish(WAIT)
         return info
@@ -110,9 +121,7 @@ async def test_pub_sub_each_qos(mqtt: Listener, version: int, qos: int) -> None:
         sub = Client(mqtt.port, version, "sub-1")
         pub = Client(mqtt.port, version, "pub-1")
         try:
-            assert [int(getattr(c, "value", c)) for c in sub.subscribe("room/+/temp", qos)] == [
-                qos
-            ]
+            assert [int(getattr(c, "value", c)) for c in sub.subscribe("room/+/temp", qos)] == [qos]
             for i in range(5):
                 info = pub.publish(f"room/{i}/temp", f"m{i}".encode(), qos)
                 assert info.is_published()
@@ -291,10 +300,10 @@ async def test_v5_connack_properties(mqtt: Listener) -> None:
     assert props.ServerKeepAlive == 3600
     assert props.ReceiveMaximum > 0 and props.MaximumPacketSize > 0
     assert props.TopicAliasMaximum > 0
-    assert props.RetainAvailable == 0
+    assert props.RetainAvailable == 1
     assert props.WildcardSubscriptionAvailable == 1
     assert props.SubscriptionIdentifierAvailable == 1
-    assert props.SharedSubscriptionAvailable == 0
+    assert props.SharedSubscriptionAvailable == 1
 
 
 async def test_will_published_on_abnormal_close(mqtt: Listener) -> None:

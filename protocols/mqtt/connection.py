@@ -1,9 +1,11 @@
 """asyncio glue for one MQTT TCP connection: bytes -> decoder -> session, session -> socket.
 
-Flow control lives here because it is about sockets: reading pauses while the session is
-busy or the spool is behind (several reasons may hold it at once) and while the peer's
-receive side is full; a peer that stops reading is cut off once WRITE_BUFFER_CAP bytes are
-queued for it, so a slow subscriber cannot make the gateway's memory grow without bound.
+Output is gathered per event-loop turn and written once (one send per turn, not one per
+packet: on uvloop each write is a syscall). Flow control lives here because it is about
+sockets: reading pauses while the session is busy or the spool is behind (several reasons
+may hold it at once) and while the peer's receive side is full; a peer that stops reading is
+cut off once WRITE_BUFFER_CAP bytes are queued for it, so a slow subscriber cannot make the
+gateway's memory grow without bound.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class MqttConnection(asyncio.Protocol):
         self.session: Session | None = None
         self._paused: set[str] = set()
         self._dead = False
+        self._out: list[bytes] | None = None  # this turn's output, written by _flush
 
     @property
     def protocol_level(self) -> int | None:
@@ -74,8 +77,16 @@ class MqttConnection(asyncio.Protocol):
     # -- Link ------------------------------------------------------------------------------
 
     def send(self, data: bytes) -> None:
+        if self._out is None:
+            self._out = [data]
+            asyncio.get_running_loop().call_soon(self._flush)
+        else:
+            self._out.append(data)
+
+    def _flush(self) -> None:
+        out, self._out = self._out, None
         transport = self.transport
-        if transport is None or transport.is_closing():
+        if not out or transport is None or transport.is_closing():
             return
         if transport.get_write_buffer_size() > WRITE_BUFFER_CAP:
             log.warning(
@@ -84,12 +95,13 @@ class MqttConnection(asyncio.Protocol):
             )
             transport.abort()
             return
-        transport.write(data)
+        transport.write(b"".join(out))
 
     def close(self) -> None:
         transport = self.transport
         if transport is None or transport.is_closing():
             return
+        self._flush()  # e.g. a refusing CONNACK or a DISCONNECT goes out first
         transport.close()
         if transport.get_write_buffer_size():
             asyncio.get_running_loop().call_later(CLOSE_GRACE, transport.abort)

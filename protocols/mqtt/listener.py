@@ -1,15 +1,14 @@
 """The MQTT listener plugin (`gateway.protocols` entry point) and the node's session table.
 
-`Registry` owns what outlives a connection on this node: the `SessionState` per client id
-(with session takeover), delayed wills and session expiry timers. A persistent session's
-QoS 1/2 subscriptions are also in Redis, as the topic subscriptions of its durable queue
-`#mqtt/<hex client id>`, so a reconnect after a gateway restart recovers them from there.
-That queue is exclusive: if the same client id is connected to two nodes at once, one of
-them consumes and the other stands by (session takeover itself is per node).
-Follow-ups that need shared state in Redis: QoS 0 subscriptions, QoS 2 packet ids and
-subscription options of a persistent session survive only while this node runs, and the
-expiry of a session whose node stopped is not enforced (its queue stays until the client
-reconnects with a clean start).
+`Registry` attaches connections to sessions. A session's state lives in Redis
+(`broker.clients`, saved on every change; see state.py), so it survives a gateway restart
+and follows the client to another node: `broker.claim_client` makes the connection that held
+the client id, on any node, disconnect (MQTT 5: 0x8E) and leave the state alone. The expiry
+clock runs in Redis (`expire` at disconnect); a session found gone at its next connect has
+its durable queue `#mqtt/<hex client id>` deleted, as does a local timer when the session
+expires while this node runs. While connected, a session with a finite expiry holds a lease
+(its expiry + LEASE_S, renewed every LEASE_S / 2), so the session of a node that died still
+expires. Delayed wills are node memory only.
 """
 
 from __future__ import annotations
@@ -26,14 +25,15 @@ from gateway.config import Settings
 from gateway.model import Message, Publisher
 from gateway.topics import MQTT
 from protocols.mqtt import mapping
-from protocols.mqtt.codec import SubscriptionOptions
 from protocols.mqtt.connection import MqttConnection
-from protocols.mqtt.session import NEVER_EXPIRES, Session, SessionState
+from protocols.mqtt.session import NEVER_EXPIRES, Session
+from protocols.mqtt.state import SessionState, shared_queue_name
 
 log = logging.getLogger(__name__)
 
 QUEUE_PREFIX = "#mqtt/"
 CLOSE_TIMEOUT = 5.0
+LEASE_S = 60  # how long a connected session outlives its node, beyond its expiry
 
 
 def queue_name(client_id: str) -> str:
@@ -44,18 +44,20 @@ def queue_name(client_id: str) -> str:
 
 
 class Registry:
-    """Sessions, wills and expiry timers of this node's MQTT clients."""
+    """Connected sessions, wills and expiry timers of this node's MQTT clients."""
 
     def __init__(self, broker: Broker, settings: Settings) -> None:
         self.broker = broker
         self.settings = settings
-        self.states: dict[str, SessionState] = {}
+        self.sessions: dict[str, Session] = {}  # client id -> its attached session here
         self.connections: set[MqttConnection] = set()
         self.counters: dict[str, int] = {}
         self._locks: dict[str, list[Any]] = {}  # client id -> [lock, users]
         self._wills: dict[str, tuple[asyncio.TimerHandle, Message]] = {}
         self._expiry: dict[str, asyncio.TimerHandle] = {}
+        self._unsaved: set[Session] = set()
         self._tasks: set[asyncio.Task] = set()
+        self._renewer = asyncio.get_running_loop().create_task(self._renew_leases())
 
     def count(self, name: str) -> None:
         self.counters[name] = self.counters.get(name, 0) + 1
@@ -73,26 +75,29 @@ class Registry:
     # -- attach / detach -------------------------------------------------------------------
 
     async def attach(
-        self, session: Session, client_id: str, clean_start: bool, expiry: int
+        self, session: Session, clean_start: bool, expiry: int
     ) -> tuple[SessionState, bool]:
         """Give `session` the client's state; True if an existing session was resumed."""
+        client_id = session.client_id
         entry = self._locks.setdefault(client_id, [asyncio.Lock(), 0])
         entry[1] += 1
         try:
             async with entry[0]:
-                return await self._attach(session, client_id, clean_start, expiry)
+                return await self._attach(session, clean_start, expiry)
         finally:
             entry[1] -= 1
             if not entry[1]:
                 del self._locks[client_id]
 
     async def _attach(
-        self, session: Session, client_id: str, clean_start: bool, expiry: int
+        self, session: Session, clean_start: bool, expiry: int
     ) -> tuple[SessionState, bool]:
-        state = self.states.get(client_id)
-        if state is not None and state.session is not None:
-            await state.session.take_over()
-            state = self.states.get(client_id)
+        client_id = session.client_id
+        old = self.sessions.get(client_id)
+        session.claim = await self.broker.claim_client(client_id, session.take_over)
+        if old is not None:  # here: wait until it is torn down (elsewhere: it stops writing)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(old.detached), CLOSE_TIMEOUT)
         pending = self._wills.pop(client_id, None)
         if pending is not None:  # a new connection to the session cancels a delayed will
             pending[0].cancel()
@@ -101,63 +106,104 @@ class Registry:
         timer = self._expiry.pop(client_id, None)
         if timer is not None:
             timer.cancel()
-        if clean_start:
-            if state is not None:
-                await self._end(state)
-            elif await self.broker.queues.exists(queue_name(client_id)):
-                await self._delete_queue(queue_name(client_id))
-            state = None
-        elif state is None:
-            state = await self._recover(client_id)
+        state = None if clean_start else await self._load(client_id)
         present = state is not None
         if state is None:
+            await self._forget(client_id)
             state = SessionState(client_id)
         state.expiry = expiry
         state.persistent = expiry > 0
-        state.session = session
-        self.states[client_id] = state
+        session.state = state
+        self.sessions[client_id] = session
+        if state.persistent:
+            await self._hold(state)
+            await self.save(session)
         return state, present
 
-    async def _recover(self, client_id: str) -> SessionState | None:
-        """A persistent session from its durable queue (after a gateway restart).
-
-        The queue keeps the filters but not their QoS: they come back as QoS 1."""
-        name = queue_name(client_id)
-        try:
-            info = await self.broker.queues.info(name)
-        except QueueError:
+    async def _load(self, client_id: str) -> SessionState | None:
+        raw = await self.broker.clients.load(client_id)
+        if raw is None:
             return None
-        state = SessionState(client_id, queue=name)
-        for pattern, syntax in info.subscriptions:
-            if syntax == MQTT:
-                state.set_subscription(pattern, SubscriptionOptions(qos=1))
+        state = SessionState.loads(client_id, raw)
+        state.qos2_in = {int(pid) for pid in await self.broker.clients.received(client_id)}
         return state
+
+    async def _forget(self, client_id: str) -> None:
+        """No session to resume: drop what an ended or expired one left in Redis."""
+        await self.broker.clients.delete(client_id)
+        name = queue_name(client_id)
+        if await self.broker.queues.exists(name):
+            await self._delete_queue(name)
+
+    async def save(self, session: Session) -> None:
+        """Store a persistent session's state (with its lease while it is connected)."""
+        self._unsaved.discard(session)
+        state = session.state
+        if state is not None and state.persistent and not session.taken_over:
+            await self.broker.clients.save(session.client_id, state.dumps(), _lease(state))
+
+    async def _hold(self, state: SessionState) -> None:
+        """Stop the expiry clock of a connected session, up to its lease."""
+        lease = _lease(state)
+        if lease is None:
+            await self.broker.clients.persist(state.client_id)
+        else:
+            await self.broker.clients.expire(state.client_id, lease)
+
+    async def _renew_leases(self) -> None:
+        while True:
+            await asyncio.sleep(LEASE_S / 2)
+            for session in list(self.sessions.values()):
+                state = session.state
+                if state is not None and state.persistent and not session.taken_over:
+                    try:
+                        await self._hold(state)
+                    except Exception:  # Redis away: the next round tries again
+                        log.warning("MQTT session lease not renewed", exc_info=True)
+
+    def save_soon(self, session: Session) -> None:
+        """Save once this turn's changes are in (e.g. QoS 2 PUBREL ids)."""
+        if session.state is not None and session.state.persistent and session not in self._unsaved:
+            self._unsaved.add(session)
+            self.spawn(self.save(session))
 
     async def detach(self, session: Session) -> None:
         """The connection of `session` is gone: will, then end or keep the session."""
         state = session.state
         assert state is not None
-        state.session = None
+        client_id = session.client_id
+        if self.sessions.get(client_id) is session:
+            del self.sessions[client_id]
+        if session.claim is not None:
+            self.broker.release_client(client_id, session.claim)
         if session.will is not None:
             self._schedule_will(session, state)
+        if session.taken_over:  # the state is the new connection's now
+            if not state.persistent and state.queue is not None:
+                await self._delete_queue(state.queue)
+            return
         if state.expiry == 0:
-            await self._end(state)
-        elif state.expiry != NEVER_EXPIRES:
-            self._expiry[state.client_id] = asyncio.get_running_loop().call_later(
-                state.expiry, self._expire, state
+            await self.broker.clients.delete(client_id)
+            if state.queue is not None:
+                await self._delete_queue(state.queue)
+            return
+        await self.save(session)
+        if state.expiry != NEVER_EXPIRES:
+            await self.broker.clients.expire(client_id, state.expiry)
+            self._expiry[client_id] = asyncio.get_running_loop().call_later(
+                state.expiry + 1, self._expired, client_id
             )
 
-    def _expire(self, state: SessionState) -> None:
-        self._expiry.pop(state.client_id, None)
-        if self.states.get(state.client_id) is state and state.session is None:
-            self.spawn(self._end(state))
+    def _expired(self, client_id: str) -> None:
+        self._expiry.pop(client_id, None)
+        if client_id not in self.sessions:
+            self.spawn(self._drop_if_expired(client_id))
 
-    async def _end(self, state: SessionState) -> None:
-        if self.states.get(state.client_id) is state:
-            del self.states[state.client_id]
-        if state.queue is not None:
-            await self._delete_queue(state.queue)
-            state.queue = None
+    async def _drop_if_expired(self, client_id: str) -> None:
+        if await self.broker.clients.load(client_id) is None and client_id not in self.sessions:
+            name = queue_name(client_id)
+            if await self.broker.queues.exists(name):
+                await self._delete_queue(name)
 
     async def _delete_queue(self, name: str) -> None:
         with contextlib.suppress(QueueError):  # already gone
@@ -168,11 +214,19 @@ class Registry:
         if not state.persistent:
             return await self.broker.create_temporary_queue(owner=state.client_id)
         name = queue_name(state.client_id)
-        # exclusive: should the client id also be connected to another node, one consumes
+        # exclusive: during a takeover the old connection's flow drains before the new one
         config = QueueConfig(
             name=name, durable=True, owner=state.client_id, access_type="exclusive"
         )
         await self.broker.queues.create(config, reserved_ok=True)
+        return name
+
+    async def shared_queue(self, group: str, topic_filter: str) -> str:
+        """The durable non-exclusive queue of a shared subscription group (idempotent)."""
+        name = shared_queue_name(group, topic_filter)
+        config = QueueConfig(name=name, durable=True, access_type="non-exclusive")
+        await self.broker.queues.create(config, reserved_ok=True)
+        await self.broker.subscribe_queue(name, [topic_filter], MQTT)
         return name
 
     # -- wills -----------------------------------------------------------------------------
@@ -205,6 +259,7 @@ class Registry:
 
     async def close(self) -> None:
         """Disconnect every client, release their flows, publish pending wills now."""
+        self._renewer.cancel()
         for conn in list(self.connections):
             if conn.session is not None:
                 conn.session.shutdown()
@@ -221,6 +276,11 @@ class Registry:
         for client_id in list(self._wills):
             self._wills[client_id][0].cancel()
             self._fire_will(client_id)
+
+
+def _lease(state: SessionState) -> int | None:
+    """Seconds a connected session's state is kept should its node die; None: for ever."""
+    return None if state.expiry == NEVER_EXPIRES else state.expiry + LEASE_S
 
 
 def _log_will_outcome(fut: asyncio.Future[Outcome]) -> None:

@@ -2,15 +2,17 @@
 
 A `Session` receives decoded packets in order and answers through a `Link` (the asyncio
 connection). Packets are handled one at a time: PUBLISH and the acks are handled on the spot,
-while CONNECT, SUBSCRIBE and UNSUBSCRIBE await Redis, and later packets wait in a backlog
-(input paused) so that e.g. a PUBLISH after a SUBSCRIBE is routed to the new subscription.
+while CONNECT, SUBSCRIBE, UNSUBSCRIBE, QoS 2 PUBLISH and PUBREL await Redis, and later
+packets wait in a backlog (input paused) so that e.g. a PUBLISH after a SUBSCRIBE is routed
+to the new subscription and a QoS 2 id is recorded before the next packet reuses it.
 
-What outlives the connection (subscriptions, the per-client queue, QoS 2 packet ids) is in
-`SessionState`, kept by the node's `Registry` (listener.py). QoS 1/2 subscriptions feed one
-queue per client (durable for persistent sessions, temporary otherwise), so a message that
-matches several of them is delivered once at the highest granted QoS; QoS 0 subscriptions
-are direct (not spooled). QoS 2 state (inbound ids awaiting PUBREL, outbound ids awaiting
-PUBCOMP) is node memory only: surviving a gateway restart is a follow-up.
+What outlives the connection is `SessionState` (state.py), saved in Redis by the node's
+`Registry` (listener.py) whenever it changes. QoS 1/2 subscriptions feed one queue per
+client (durable for persistent sessions, temporary otherwise), so a message that matches
+several of them is delivered once at the highest granted QoS; QoS 0 subscriptions are
+direct (not spooled). A shared subscription `$share/<group>/<filter>` binds one more flow,
+on the group's durable non-exclusive queue, so the group's members split its messages.
+Retained messages go out after the SUBACK, as retain handling asks.
 """
 
 from __future__ import annotations
@@ -20,13 +22,12 @@ import logging
 import os
 from collections import deque
 from collections.abc import Coroutine, Iterable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from gateway.broker import BindError, Flow, Outcome, QueueError
 from gateway.config import Settings
 from gateway.model import Delivery, Message, Publisher
-from gateway.topics import MQTT, SubscriptionTrie, TopicError, parse_pattern, pattern_matches
+from gateway.topics import MQTT, TopicError, parse_pattern, pattern_matches
 from protocols.mqtt import mapping
 from protocols.mqtt.codec import (
     Connack,
@@ -51,6 +52,7 @@ from protocols.mqtt.codec import (
     Will,
     encode,
 )
+from protocols.mqtt.state import SessionState, shared_filter
 
 if TYPE_CHECKING:
     from protocols.mqtt.listener import Registry
@@ -63,9 +65,14 @@ SERVER_RECEIVE_MAXIMUM = 256  # inbound QoS 1/2 publishes a v5 client may have u
 TOPIC_ALIAS_MAXIMUM = 64
 MAX_KEEP_ALIVE = 3600  # v5 clients asking for more are told this (server keep alive)
 CONNECT_TIMEOUT = 10.0
-DEFAULT_WINDOW = 32  # outbound unacked QoS 1/2 messages for v3/v4 clients
+# Outbound unacked QoS 1/2 messages for v3/v4 clients (they announce no receive maximum):
+# enough to keep a subscriber busy while acks and the next reads cross Redis.
+DEFAULT_WINDOW = 256
 MAX_WINDOW = 1024  # cap on a v5 client's receive maximum, to bound memory per client
 MAX_PENDING_PUBLISHES = 1024  # publishes awaiting the spool before input is paused
+# Window of a flow on a shared group's queue: the engine fills a flow's window from what is
+# spooled, so a small one spreads a burst over the group's members instead of one taking all.
+SHARED_WINDOW = 8
 
 # Refused spool outcomes -> MQTT 5 PUBACK/PUBREC reason codes. PUBACK cannot carry 0x95
 # (packet too large is not in its table, MQTT 5 §3.4.2.1), so TOO_LARGE is a quota refusal.
@@ -77,54 +84,15 @@ _REFUSAL_CODES = {
     Outcome.NOT_FOUND: ReasonCode.UNSPECIFIED_ERROR,
 }
 # Failure reason codes a CONNACK may carry (MQTT 5 §3.2.2.2).
-_CONNACK_CODES = frozenset(
-    {
-        0x80,
-        0x81,
-        0x82,
-        0x83,
-        0x84,
-        0x85,
-        0x86,
-        0x87,
-        0x88,
-        0x89,
-        0x8A,
-        0x8C,
-        0x90,
-        0x95,
-        0x97,
-        0x99,
-        0x9A,
-        0x9B,
-        0x9C,
-        0x9D,
-        0x9F,
-    }
-)
+_CONNACK_CODES = frozenset({
+    0x80, 0x81, 0x82, 0x83, 0x84, 0x85, 0x86, 0x87, 0x88, 0x89, 0x8A, 0x8C, 0x90, 0x95,
+    0x97, 0x99, 0x9A, 0x9B, 0x9C, 0x9D, 0x9F
+})  # fmt: skip
 # Reason codes a server may put in DISCONNECT; others become protocol errors.
-_DISCONNECT_CODES = frozenset(
-    {
-        0x80,
-        0x81,
-        0x82,
-        0x83,
-        0x87,
-        0x89,
-        0x8B,
-        0x8D,
-        0x8E,
-        0x90,
-        0x93,
-        0x94,
-        0x95,
-        0x97,
-        0x98,
-        0x99,
-        0x9A,
-        0x9B,
-    }
-)
+_DISCONNECT_CODES = frozenset({
+    0x80, 0x81, 0x82, 0x83, 0x87, 0x89, 0x8B, 0x8D, 0x8E, 0x90, 0x93, 0x94, 0x95, 0x97,
+    0x98, 0x99, 0x9A, 0x9B
+})  # fmt: skip
 
 
 class Link(Protocol):
@@ -137,31 +105,6 @@ class Link(Protocol):
     def close(self) -> None: ...
     def pause_input(self, reason: str) -> None: ...
     def resume_input(self, reason: str) -> None: ...
-
-
-@dataclass(slots=True)
-class SessionState:
-    """What MQTT keeps between connections of one client id (on this node)."""
-
-    client_id: str
-    persistent: bool = False
-    expiry: int = 0  # session expiry interval, seconds
-    subscriptions: dict[str, SubscriptionOptions] = field(default_factory=dict)
-    subscription_ids: dict[str, int] = field(default_factory=dict)
-    trie: SubscriptionTrie[str] = field(default_factory=lambda: SubscriptionTrie(64))
-    queue: str | None = None
-    qos2_in: set[int] = field(default_factory=set)  # received, PUBREL not yet seen
-    pubrel_out: set[int] = field(default_factory=set)  # PUBREL sent, PUBCOMP not yet seen
-    session: Session | None = None  # the attached connection
-
-    def set_subscription(self, pattern: str, options: SubscriptionOptions) -> None:
-        self.subscriptions[pattern] = options
-        self.trie.add(pattern, pattern, MQTT)
-
-    def drop_subscription(self, pattern: str) -> None:
-        del self.subscriptions[pattern]
-        self.subscription_ids.pop(pattern, None)
-        self.trie.remove(pattern, pattern, MQTT)
 
 
 def _covered(patterns: list[str], topic: str) -> bool:
@@ -192,6 +135,8 @@ class Session:
         self.state: SessionState | None = None
         self.connected = False
         self.closing = False
+        self.taken_over = False  # another connection holds the client id now
+        self.claim: int | None = None  # from broker.claim_client, while attached
         self.detached: asyncio.Future[None] = self.loop.create_future()
         self._connect_seen = False
         self._backlog: deque[Packet | MqttProtocolError] = deque()
@@ -200,10 +145,12 @@ class Session:
         self._acks: deque[tuple[asyncio.Future[Outcome] | None, int, int, int]] = deque()
         self._qos1_in = 0
         self._spooling = 0
-        self._inflight: dict[int, tuple[str, int]] = {}  # packet id -> (entry id, qos)
+        # packet id -> (queue, entry id, qos); queue None: not from a queue (retained)
+        self._inflight: dict[int, tuple[str | None, str | None, int]] = {}
         self._next_pid = 1
         self._aliases: dict[int, str] = {}
-        self._flow: Flow | None = None
+        self._flows: dict[str, Flow] = {}  # queue -> this session's flow on it
+        self._shared: dict[str, str] = {}  # shared queue -> its `$share/...` filter
         self._window = DEFAULT_WINDOW
         self._direct: dict[str, int] = {}
         self._last_direct = ""
@@ -266,7 +213,7 @@ class Session:
             case Pubrec():
                 self._on_pubrec(item)
             case Pubrel():
-                self._on_pubrel(item)
+                return self._on_pubrel(item)
             case Pubcomp():
                 self._on_pubcomp(item)
             case Subscribe():
@@ -309,8 +256,6 @@ class Session:
             self._refuse_connect(ReasonCode.BAD_AUTHENTICATION_METHOD)
             return
         refusal = self._authenticate(p)
-        if self.level == 5 and p.will is not None and p.will.retain:
-            refusal = ReasonCode.RETAIN_NOT_SUPPORTED  # retain_available is 0
         if refusal is not None:
             self._refuse_connect(refusal)
             return
@@ -326,9 +271,7 @@ class Session:
             keep_alive = p.keep_alive
         if self.will is not None and _covered(self._deny_publish, self.will.topic):
             self.will = None
-        self.state, present = await self.registry.attach(
-            self, self.client_id, p.clean_start, expiry
-        )
+        self.state, present = await self.registry.attach(self, p.clean_start, expiry)
         if self.closing:  # the client went away while we waited
             return
         ack_props = None
@@ -339,10 +282,10 @@ class Session:
                 receive_maximum=SERVER_RECEIVE_MAXIMUM,
                 maximum_packet_size=MAX_PACKET_SIZE,
                 topic_alias_maximum=TOPIC_ALIAS_MAXIMUM,
-                retain_available=0,
+                retain_available=1,
                 wildcard_subscription_available=1,
                 subscription_identifier_available=1,
-                shared_subscription_available=0,
+                shared_subscription_available=1,
             )
         self._send(Connack(present, 0, ack_props))
         self.connected = True
@@ -376,38 +319,49 @@ class Session:
         """Re-establish a (possibly resumed) session's deliveries after CONNACK."""
         state = self.state
         assert state is not None
-        for pattern, options in state.subscriptions.items():
-            if options.qos == 0:
+        for pattern, options in list(state.subscriptions.items()):
+            shared = shared_filter(pattern)
+            if shared is not None:
+                try:
+                    await self._bind_shared(pattern, *shared)
+                except (QueueError, BindError) as exc:
+                    log.warning("MQTT client %r: %s not resumed: %s", self.client_id, pattern, exc)
+            elif options.qos == 0:
                 self._direct[pattern] = self.broker.subscribe_direct(pattern, MQTT, self._on_direct)
         for pid in sorted(state.pubrel_out):
             self._send(Pubrel(pid))
         if state.queue is not None:
             await self._bind(state.queue)
 
-    async def _bind(self, queue: str) -> None:
+    async def _bind(self, queue: str) -> bool:
+        """Bind a flow on `queue` (the client's own, or a shared group's); False if gone."""
         try:
-            self._flow = await self.broker.bind(
+            flow = await self.broker.bind(
                 queue,
                 self._on_delivery,
-                window=self._flow_window(),
-                on_closed=self._flow_closed,
+                window=self._flow_window(queue),
+                on_closed=lambda reason: self._flow_closed(queue, reason),
             )
         except BindError as exc:
             log.warning("MQTT client %r: cannot bind %s: %s", self.client_id, queue, exc)
-            if self.state is not None:
+            if self.state is not None and self.state.queue == queue:
                 self.state.queue = None
-            return
+            return False
         if self.closing:  # lost while binding: the cleanup ran before the flow existed
-            await self._flow.close()
+            await flow.close()
+            return False
+        self._flows[queue] = flow
+        return True
 
-    def _flow_window(self) -> int:
+    def _flow_window(self, queue: str) -> int:
         pending = len(self.state.pubrel_out) if self.state is not None else 0
-        return max(1, self._window - pending)
+        window = max(1, self._window - pending)
+        return min(window, SHARED_WINDOW) if queue in self._shared else window
 
-    def _flow_closed(self, reason: str) -> None:
-        log.info("MQTT client %r: queue flow closed (%s)", self.client_id, reason)
-        self._flow = None
-        if self.state is not None:
+    def _flow_closed(self, queue: str, reason: str) -> None:
+        log.info("MQTT client %r: flow on %s closed (%s)", self.client_id, queue, reason)
+        self._flows.pop(queue, None)
+        if self.state is not None and self.state.queue == queue:
             self.state.queue = None
 
     # -- keep alive ------------------------------------------------------------------------
@@ -470,20 +424,27 @@ class Session:
         if self._spooling >= MAX_PENDING_PUBLISHES:
             self.link.pause_input("spool")
         fut.add_done_callback(self._spooled)
+        if p.qos == 2:
+            state.qos2_in.add(pid)
+            fut = asyncio.ensure_future(self._mark_received(fut, pid))
+        elif p.qos:
+            self._qos1_in += 1
         if p.qos:
-            if p.qos == 2:
-                state.qos2_in.add(pid)
-            else:
-                self._qos1_in += 1
             self._acks.append((fut, p.qos, pid, ReasonCode.SUCCESS))
             fut.add_done_callback(self._flush_acks)
+
+    async def _mark_received(self, spooled: asyncio.Future[Outcome], pid: int) -> Outcome:
+        """QoS 2: record the id in Redis once the message is stored, before the PUBREC, so a
+        resend after a reconnect (on any node, after a restart) is not stored again. A crash
+        between the two stores a resend twice: never lost, at worst duplicated."""
+        outcome = await spooled
+        if outcome.accepted:
+            await self.broker.clients.mark_received(self.client_id, pid)
+        return outcome
 
     def _check_v5_publish(self, p: Publish) -> bool:
         """Topic aliases and what a v5 client may not send; False if the client was failed."""
         props = p.properties
-        if p.retain:
-            self.fail(ReasonCode.RETAIN_NOT_SUPPORTED)
-            return False
         if props is None:
             return True
         if props.subscription_identifiers:
@@ -550,10 +511,12 @@ class Session:
     def _send_pub_ack(self, qos: int, pid: int, rc: int) -> None:
         self._send(Puback(pid, rc) if qos == 1 else Pubrec(pid, rc))
 
-    def _on_pubrel(self, p: Pubrel) -> None:
+    async def _on_pubrel(self, p: Pubrel) -> None:
+        """Forget the id in Redis before the PUBCOMP lets the client reuse it."""
         state = self.state
         assert state is not None
         if p.packet_id in state.qos2_in:
+            await self.broker.clients.release_received(self.client_id, p.packet_id)
             state.qos2_in.discard(p.packet_id)
             self._send(Pubcomp(p.packet_id))
         else:
@@ -567,64 +530,95 @@ class Session:
         if self.closing or msg.id == self._last_direct:
             return
         self._last_direct = msg.id
-        self._deliver(msg, None, False)
+        self._deliver(msg, None, None, False)
 
     def _on_delivery(self, delivery: Delivery) -> None:
-        self._deliver(delivery.message, delivery.entry_id, delivery.redelivered)
+        self._deliver(delivery.message, delivery.queue, delivery.entry_id, delivery.redelivered)
 
-    def _deliver(self, msg: Message, entry_id: str | None, dup: bool) -> None:
+    def _deliver(self, msg: Message, queue: str | None, entry_id: str | None, dup: bool) -> None:
         """Send one message; `entry_id` None: a direct (QoS 0, not spooled) message."""
         state = self.state
         if state is None or self.closing:
             return
-        topic = msg.destination
+        shared = self._shared.get(queue) if queue is not None else None
+        if shared is not None:  # a shared group's queue: that one subscription
+            filters: list[str] = [shared] if shared in state.subscriptions else []
+        else:
+            filters = self._own_filters(state, msg, entry_id is None)
+        options = [state.subscriptions[f] for f in filters]
+        if not options or _covered(self._deny_subscribe, msg.destination):
+            self._settle(queue, entry_id)
+            return
+        self._send_message(
+            msg,
+            queue,
+            entry_id,
+            qos=min(mapping.message_qos(msg), max(o.qos for o in options)),
+            dup=dup,
+            retain=msg.retain and any(o.retain_as_published for o in options),
+            sub_ids=sorted(
+                {state.subscription_ids[f] for f in filters if f in state.subscription_ids}
+            ),
+        )
+
+    def _own_filters(self, state: SessionState, msg: Message, direct: bool) -> list[str]:
+        """The client's non-shared filters that take `msg` (from its queue, or direct)."""
+        matched: Iterable[str] = state.trie.match(msg.destination)
         pub = msg.publisher
-        matched: Iterable[str] = state.trie.match(topic)
         if pub is not None and pub.protocol == "mqtt" and pub.client_id == self.client_id:
             matched = [f for f in matched if not state.subscriptions[f].no_local]
         queued = [f for f in matched if state.subscriptions[f].qos > 0]
-        if entry_id is None:
-            if queued:  # the queue delivers it, once, at the highest granted QoS
-                return
-            filters = list(matched)
-        else:
-            filters = queued
-        options = [state.subscriptions[f] for f in filters]
+        if direct:  # if a queued filter matches too, the queue delivers it at its QoS
+            return [] if queued else list(matched)
+        return queued
+
+    def _send_message(
+        self,
+        msg: Message,
+        queue: str | None,
+        entry_id: str | None,
+        *,
+        qos: int,
+        dup: bool,
+        retain: bool,
+        sub_ids: list[int],
+    ) -> None:
         expiry = mapping.remaining_expiry(msg, mapping.now_ms())
-        if not options or expiry == 0 or _covered(self._deny_subscribe, topic):
-            self._settle(entry_id)
+        if expiry == 0:
+            self._settle(queue, entry_id)
             return
-        qos = min(mapping.message_qos(msg), max(o.qos for o in options))
         pid = self._allocate_pid() if qos else None
         if qos and pid is None:  # cannot happen while the window is below 65535
-            if entry_id is not None and self._flow is not None:
-                self._flow.requeue(entry_id)
+            flow = self._flows.get(queue) if queue is not None else None
+            if flow is not None and entry_id is not None:
+                flow.requeue(entry_id)
             return
         data = mapping.encode_delivery(
             msg,
             qos=qos,
             packet_id=pid,
             dup=dup and qos > 0,
-            retain=msg.retain and any(o.retain_as_published for o in options),
-            subscription_ids=sorted(
-                {state.subscription_ids[f] for f in filters if f in state.subscription_ids}
-            ),
+            retain=retain,
+            subscription_ids=sub_ids,
             expiry=expiry,
             level=self.level,
         )
         if self._max_out is not None and len(data) > self._max_out:
             log.info("MQTT client %r: message over its maximum packet size dropped", self.client_id)
-            self._settle(entry_id)
+            self._settle(queue, entry_id)
             return
-        if pid is not None and entry_id is not None:
-            self._inflight[pid] = (entry_id, qos)
+        if pid is not None:
+            self._inflight[pid] = (queue, entry_id, qos)
         else:
-            self._settle(entry_id)
+            self._settle(queue, entry_id)
         self.link.send(data)
 
-    def _settle(self, entry_id: str | None) -> None:
-        if entry_id is not None and self._flow is not None:
-            self._flow.ack(entry_id)
+    def _settle(self, queue: str | None, entry_id: str | None) -> None:
+        if queue is None or entry_id is None:
+            return
+        flow = self._flows.get(queue)
+        if flow is not None:
+            flow.ack(entry_id)
 
     def _allocate_pid(self) -> int | None:
         pubrel = self.state.pubrel_out if self.state is not None else set()
@@ -638,7 +632,7 @@ class Session:
     def _on_puback(self, p: Puback) -> None:
         item = self._inflight.pop(p.packet_id, None)
         if item is not None:
-            self._settle(item[0])
+            self._settle(item[0], item[1])
 
     def _on_pubrec(self, p: Pubrec) -> None:
         """QoS 2 out: the message is settled in the queue at PUBREC (the client owns it
@@ -647,10 +641,10 @@ class Session:
         assert state is not None
         item = self._inflight.pop(p.packet_id, None)
         if item is not None:
-            self._settle(item[0])
+            self._settle(item[0], item[1])
             if p.reason_code < 0x80:
                 state.pubrel_out.add(p.packet_id)
-                self._update_window()
+                self._pubrel_changed()
                 self._send(Pubrel(p.packet_id))
         elif p.packet_id in state.pubrel_out:
             self._send(Pubrel(p.packet_id))
@@ -662,12 +656,14 @@ class Session:
         assert state is not None
         if p.packet_id in state.pubrel_out:
             state.pubrel_out.discard(p.packet_id)
-            self._update_window()
+            self._pubrel_changed()
 
-    def _update_window(self) -> None:
-        """PUBREL-pending messages count against the client's receive maximum."""
-        if self._flow is not None:
-            self._flow.set_window(self._flow_window())
+    def _pubrel_changed(self) -> None:
+        """PUBREL-pending messages count against the client's receive maximum, and a
+        persistent session resends its PUBRELs after a restart."""
+        for queue, flow in self._flows.items():
+            flow.set_window(self._flow_window(queue))
+        self.registry.save_soon(self)
 
     # -- SUBSCRIBE / UNSUBSCRIBE -----------------------------------------------------------
 
@@ -678,53 +674,94 @@ class Session:
         if p.properties is not None and p.properties.subscription_identifiers:
             sub_id = p.properties.subscription_identifiers[0]
         codes: list[int] = []
-        to_queue: list[str] = []
-        from_queue: list[str] = []
+        retained: list[tuple[str, SubscriptionOptions]] = []
         for pattern, options in p.subscriptions:
+            previous = state.subscriptions.get(pattern)
             rc = self._check_filter(pattern)
             if rc is None:
-                rc = options.qos
-                previous = state.subscriptions.get(pattern)
-                if options.qos == 0:
-                    if previous is not None and previous.qos > 0:
-                        from_queue.append(pattern)
-                    if pattern not in self._direct:
-                        self._direct[pattern] = self.broker.subscribe_direct(
-                            pattern, MQTT, self._on_direct
-                        )
-                else:
-                    if pattern in self._direct:
-                        self.broker.unsubscribe_direct(self._direct.pop(pattern))
-                    to_queue.append(pattern)
-                state.set_subscription(pattern, options)
+                try:
+                    rc = await self._subscribe(pattern, options, previous)
+                except (QueueError, BindError) as exc:
+                    log.error("MQTT client %r: subscribe failed: %s", self.client_id, exc)
+                    rc = ReasonCode.UNSPECIFIED_ERROR
+            if rc >= 0x80:
+                if previous is not None:
+                    state.set_subscription(pattern, previous)
+                elif pattern in state.subscriptions:
+                    state.drop_subscription(pattern)
+            else:
                 if sub_id is not None:
                     state.subscription_ids[pattern] = sub_id
                 else:
                     state.subscription_ids.pop(pattern, None)
+                handling = options.retain_handling
+                if shared_filter(pattern) is None and (
+                    handling == 0 or (handling == 1 and previous is None)
+                ):
+                    retained.append((pattern, options))
             codes.append(rc)
-        try:
-            if from_queue and state.queue is not None:
-                await self.broker.unsubscribe_queue(state.queue, from_queue, MQTT)
-            if to_queue:
-                queue = await self._ensure_queue()
-                await self.broker.subscribe_queue(queue, to_queue, MQTT)
-        except (QueueError, BindError) as exc:
-            log.error("MQTT client %r: subscribe failed: %s", self.client_id, exc)
-            for i, (pattern, _) in enumerate(p.subscriptions):
-                if pattern in to_queue:
-                    codes[i] = ReasonCode.UNSPECIFIED_ERROR
-                    state.drop_subscription(pattern)
+        await self.registry.save(self)
         self._send(Suback(p.packet_id, codes))
+        for pattern, options in retained:
+            await self._send_retained(pattern, options)
+
+    async def _subscribe(
+        self, pattern: str, options: SubscriptionOptions, previous: SubscriptionOptions | None
+    ) -> int:
+        """Route `pattern` to this session as `options` ask; returns the granted QoS."""
+        state = self.state
+        assert state is not None
+        state.set_subscription(pattern, options)
+        shared = shared_filter(pattern)
+        if shared is not None:
+            if previous is None:
+                await self._bind_shared(pattern, *shared)
+            return options.qos
+        if options.qos == 0:
+            if previous is not None and previous.qos > 0 and state.queue is not None:
+                await self.broker.unsubscribe_queue(state.queue, [pattern], MQTT)
+            if pattern not in self._direct:
+                self._direct[pattern] = self.broker.subscribe_direct(pattern, MQTT, self._on_direct)
+            return 0
+        if pattern in self._direct:
+            self.broker.unsubscribe_direct(self._direct.pop(pattern))
+        queue = await self._ensure_queue()
+        await self.broker.subscribe_queue(queue, [pattern], MQTT)
+        return options.qos
+
+    async def _bind_shared(self, pattern: str, group: str, topic_filter: str) -> None:
+        """Join the group: its durable non-exclusive queue, and one flow of ours on it."""
+        queue = await self.registry.shared_queue(group, topic_filter)
+        self._shared[queue] = pattern
+        if not await self._bind(queue):
+            del self._shared[queue]
+            raise BindError("not_found", f"shared queue {queue!r} is gone")
+
+    async def _send_retained(self, pattern: str, options: SubscriptionOptions) -> None:
+        """The retained messages for a new subscription, flagged RETAIN=1."""
+        state = self.state
+        assert state is not None
+        sub_id = state.subscription_ids.get(pattern)
+        for msg in await self.broker.retained.matching(pattern, MQTT):
+            if self.closing:
+                return
+            if _covered(self._deny_subscribe, msg.destination):
+                continue
+            qos = min(mapping.message_qos(msg), options.qos)
+            sub_ids = [] if sub_id is None else [sub_id]
+            self._send_message(msg, None, None, qos=qos, dup=False, retain=True, sub_ids=sub_ids)
 
     def _check_filter(self, pattern: str) -> int | None:
         """None if `pattern` may be subscribed, else the SUBACK failure code."""
-        if pattern.startswith("$share/"):
-            return ReasonCode.SHARED_SUBSCRIPTIONS_NOT_SUPPORTED
+        shared = shared_filter(pattern)
+        topic_filter = pattern if shared is None else shared[1]
+        if shared is not None and (not shared[0] or any(c in shared[0] for c in "+#")):
+            return ReasonCode.TOPIC_FILTER_INVALID
         try:
-            parse_pattern(pattern, MQTT)
+            parse_pattern(topic_filter, MQTT)
         except TopicError:
             return ReasonCode.TOPIC_FILTER_INVALID
-        if _covered(self._deny_subscribe, pattern):
+        if _covered(self._deny_subscribe, topic_filter):
             log.info("MQTT client %r may not subscribe to %r", self.client_id, pattern)
             return ReasonCode.NOT_AUTHORIZED
         return None
@@ -735,7 +772,7 @@ class Session:
         assert state is not None
         if state.queue is None:
             state.queue = await self.registry.create_queue(state)
-        if self._flow is None and not self.closing:
+        if state.queue not in self._flows and not self.closing:
             await self._bind(state.queue)
         return state.queue
 
@@ -753,11 +790,22 @@ class Session:
             state.drop_subscription(pattern)
             if pattern in self._direct:
                 self.broker.unsubscribe_direct(self._direct.pop(pattern))
-            if options.qos > 0:
+            if shared_filter(pattern) is not None:
+                await self._leave_shared(pattern)
+            elif options.qos > 0:
                 from_queue.append(pattern)
         if from_queue and state.queue is not None:
             await self.broker.unsubscribe_queue(state.queue, from_queue, MQTT)
+        await self.registry.save(self)
         self._send(Unsuback(p.packet_id, codes))
+
+    async def _leave_shared(self, pattern: str) -> None:
+        for queue, shared in list(self._shared.items()):
+            if shared == pattern:
+                del self._shared[queue]
+                flow = self._flows.pop(queue, None)
+                if flow is not None:
+                    await flow.close()
 
     # -- DISCONNECT and teardown -----------------------------------------------------------
 
@@ -787,10 +835,11 @@ class Session:
             self.closing = True
             self.link.close()
 
-    async def take_over(self) -> None:
-        """Another connection claims this client id: disconnect (0x8E) and wait for teardown."""
+    def take_over(self) -> None:
+        """Another connection (on any node) claims this client id: disconnect with 0x8E and
+        leave the session's state in Redis to the new connection."""
+        self.taken_over = True
         self.fail(ReasonCode.SESSION_TAKEN_OVER)
-        await asyncio.shield(self.detached)
 
     def shutdown(self) -> None:
         self.fail(ReasonCode.SERVER_SHUTTING_DOWN)
@@ -808,13 +857,18 @@ class Session:
         try:
             if self._busy is not None:
                 await asyncio.wait({self._busy})
+            # QoS 2 ids are marked in Redis once spooled: let those land before the session
+            # is handed on, so a resend on the next connection is known as a duplicate
+            spooling = {f for f, *_ in self._acks if f is not None and not f.done()}
+            if spooling:
+                await asyncio.wait(spooling, timeout=CONNECT_TIMEOUT)
             for token in self._direct.values():
                 self.broker.unsubscribe_direct(token)
             self._direct.clear()
-            if self._flow is not None:
-                flow, self._flow = self._flow, None
+            flows, self._flows = list(self._flows.values()), {}
+            for flow in flows:
                 await flow.close()
-            if self.state is not None and self.state.session is self:
+            if self.state is not None:
                 await self.registry.detach(self)
         finally:
             if not self.detached.done():

@@ -1,0 +1,89 @@
+"""What MQTT keeps between connections of one client id, and its form in Redis.
+
+The blob saved with `broker.clients.save` holds the session expiry, the subscriptions with
+all their options (QoS 0 ones too, and shared ones) and the outbound QoS 2 packet ids
+awaiting PUBCOMP. Inbound QoS 2 ids are not in it: they are the client's exactly-once set
+(`broker.clients.mark_received`), so a duplicate is recognised on any node, after a restart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+from gateway.topics import MQTT, SubscriptionTrie
+from protocols.mqtt.codec import SubscriptionOptions
+
+SHARE_PREFIX = "$share/"
+SHARED_QUEUE_PREFIX = "#share/"
+STATE_VERSION = 1
+
+
+def shared_filter(pattern: str) -> tuple[str, str] | None:
+    """(group, filter) of a `$share/<group>/<filter>` subscription, else None."""
+    if not pattern.startswith(SHARE_PREFIX):
+        return None
+    group, _, topic_filter = pattern[len(SHARE_PREFIX) :].partition("/")
+    return group, topic_filter
+
+
+def shared_queue_name(group: str, topic_filter: str) -> str:
+    """The group's queue: hex parts keep queue-name rules; hashed if that would not fit."""
+    tail = f"{group.encode().hex()}/{topic_filter.encode().hex()}"
+    if len(SHARED_QUEUE_PREFIX) + len(tail) > 255:
+        digest = hashlib.sha256(f"{group}\0{topic_filter}".encode()).hexdigest()
+        tail = f"{group.encode().hex()[:64]}/h{digest}"
+    return SHARED_QUEUE_PREFIX + tail
+
+
+@dataclass(slots=True)
+class SessionState:
+    """One client's session; `trie` indexes the non-shared filters for delivery."""
+
+    client_id: str
+    persistent: bool = False
+    expiry: int = 0  # session expiry interval, seconds
+    subscriptions: dict[str, SubscriptionOptions] = field(default_factory=dict)
+    subscription_ids: dict[str, int] = field(default_factory=dict)
+    trie: SubscriptionTrie[str] = field(default_factory=lambda: SubscriptionTrie(64))
+    queue: str | None = None
+    qos2_in: set[int] = field(default_factory=set)  # mirror of the Redis exactly-once set
+    pubrel_out: set[int] = field(default_factory=set)  # PUBREL sent, PUBCOMP not yet seen
+
+    def set_subscription(self, pattern: str, options: SubscriptionOptions) -> None:
+        self.subscriptions[pattern] = options
+        if shared_filter(pattern) is None:
+            self.trie.add(pattern, pattern, MQTT)
+
+    def drop_subscription(self, pattern: str) -> None:
+        del self.subscriptions[pattern]
+        self.subscription_ids.pop(pattern, None)
+        if shared_filter(pattern) is None:
+            self.trie.remove(pattern, pattern, MQTT)
+
+    def dumps(self) -> bytes:
+        subs = [
+            [p, o.qos, o.no_local, o.retain_as_published, o.retain_handling,
+             self.subscription_ids.get(p)]
+            for p, o in self.subscriptions.items()
+        ]  # fmt: skip
+        blob = {
+            "v": STATE_VERSION,
+            "expiry": self.expiry,
+            "queue": self.queue,
+            "subs": subs,
+            "pubrel": sorted(self.pubrel_out),
+        }
+        return json.dumps(blob, separators=(",", ":")).encode()
+
+    @classmethod
+    def loads(cls, client_id: str, raw: bytes) -> SessionState:
+        blob = json.loads(raw)
+        state = cls(client_id, persistent=True, expiry=int(blob["expiry"]), queue=blob["queue"])
+        for pattern, qos, no_local, rap, handling, sub_id in blob["subs"]:
+            state.set_subscription(pattern, SubscriptionOptions(qos, no_local, rap, handling))
+            if sub_id is not None:
+                state.subscription_ids[pattern] = sub_id
+        state.pubrel_out = set(blob["pubrel"])
+        return state

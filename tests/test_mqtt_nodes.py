@@ -1,0 +1,153 @@
+"""MQTT sessions across `gateway serve` processes: restarts and takeover between nodes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+
+from protocols.mqtt.codec import (
+    Disconnect,
+    Properties,
+    Puback,
+    Pubcomp,
+    Publish,
+    Pubrec,
+    Pubrel,
+    Suback,
+    Subscribe,
+    SubscriptionOptions,
+    encode,
+)
+from tests.processes import GATEWAY, Proc, node_env
+from tests.test_mqtt_protocol import Raw
+
+KEEP = Properties(session_expiry_interval=300)
+
+
+@asynccontextmanager
+async def serve(*where: str) -> AsyncIterator[tuple[Proc, int]]:
+    """One `gateway serve` node (`where`: --redis-url or --data-dir); yields it and its MQTT
+    port; stopped with SIGTERM at the end."""
+    argv = [*GATEWAY, "serve", *where, "--mqtt-port", "0", "--admin-port", "0",
+            "--amqp-port", "0"]  # fmt: skip
+    proc = await Proc.start(argv, node_env())
+    try:
+        ready = await proc.wait_event("ready", timeout=30)
+        yield proc, ready["mqtt_port"]
+    finally:
+        assert await proc.stop() == 0
+
+
+async def test_persistent_session_survives_serve_restart(redis_url: str) -> None:
+    async with serve("--redis-url", redis_url) as (_, port):
+        keeper, _ = await Raw.connected(port, 5, client_id="keeper", properties=KEEP)
+        await keeper.send(Subscribe(1, [("k0/#", SubscriptionOptions(qos=0))],
+                                    Properties(subscription_identifiers=[5])))  # fmt: skip
+        await keeper.send(Subscribe(2, [("k2/#", SubscriptionOptions(qos=2))]))
+        assert [await keeper.recv() for _ in range(2)] == [Suback(1, [0]), Suback(2, [2])]
+        await keeper.send(Disconnect())
+        await keeper.closed()
+        pub, _ = await Raw.connected(port, 4, client_id="pub2", clean_start=False)
+        await pub.send(Publish("k2/a", b"once", qos=2, packet_id=9))
+        assert await pub.recv() == Pubrec(9)  # stored; the PUBREL is lost with the node
+    async with serve("--redis-url", redis_url) as (_, port):
+        pub, ack = await Raw.connected(port, 4, client_id="pub2", clean_start=False)
+        assert ack.session_present
+        await pub.send(Publish("k2/a", b"once", qos=2, packet_id=9, dup=True))
+        assert await pub.recv() == Pubrec(9)  # a duplicate: acknowledged, not stored
+        await pub.send(Pubrel(9))
+        assert await pub.recv() == Pubcomp(9)
+        keeper, ack = await Raw.connected(port, 5, client_id="keeper", clean_start=False,
+                                          properties=KEEP)  # fmt: skip
+        assert ack.session_present
+        got = await keeper.recv()
+        assert isinstance(got, Publish) and (got.payload, got.qos) == (b"once", 2)
+        pid = got.packet_id
+        await keeper.send(Pubrec(pid))  # type: ignore[arg-type]
+        assert await keeper.recv() == Pubrel(pid)  # type: ignore[arg-type]
+        await pub.send(Publish("k0/x", b"direct"))  # the QoS 0 subscription came back too
+        direct = await keeper.recv()
+        assert isinstance(direct, Publish) and direct.payload == b"direct"
+        assert direct.properties is not None
+        assert direct.properties.subscription_identifiers == [5]
+        await keeper.ping()
+        assert keeper.pending == []  # "once" was stored once
+        pub.close()  # the keeper's PUBCOMP is still due when the node stops
+    async with serve("--redis-url", redis_url) as (_, port):
+        keeper, ack = await Raw.connected(port, 5, client_id="keeper", clean_start=False,
+                                          properties=KEEP)  # fmt: skip
+        assert ack.session_present
+        assert await keeper.recv() == Pubrel(pid)  # type: ignore[arg-type]
+        await keeper.send(Pubcomp(pid))  # type: ignore[arg-type]
+        await keeper.ping()
+        assert keeper.pending == []
+        keeper.close()
+
+
+async def test_session_takeover_across_nodes(redis_url: str) -> None:
+    async with (
+        serve("--redis-url", redis_url) as (_, port_a),
+        serve("--redis-url", redis_url) as (_, port_b),
+    ):
+        first, _ = await Raw.connected(port_a, 5, client_id="roamer", properties=KEEP)
+        await first.send(Subscribe(1, [("roam/#", SubscriptionOptions(qos=1))]))
+        assert await first.recv() == Suback(1, [1])
+        second, ack = await Raw.connected(port_b, 5, client_id="roamer", clean_start=False,
+                                          properties=KEEP)  # fmt: skip
+        assert ack.session_present
+        assert await first.closed() == [Disconnect(0x8E)]
+        pub, _ = await Raw.connected(port_a, 4, client_id="roam-pub")
+        await pub.send(Publish("roam/1", b"moved", qos=1, packet_id=1))
+        await pub.recv()
+        got = await second.recv()
+        assert isinstance(got, Publish) and got.payload == b"moved"
+        second.close()
+        pub.close()
+
+
+@pytest.mark.slow
+async def test_nothing_lost_across_sigterm_restart(tmp_path: Path) -> None:
+    """10,000 QoS 1 messages to an offline clean_session=0 client; the node is restarted
+    (SIGTERM, same data dir) before the client comes back: each arrives, once."""
+    n = 10_000
+    data_dir = ("--data-dir", str(tmp_path / "data"))
+    async with serve(*data_dir) as (_, port):
+        sub, _ = await Raw.connected(port, 4, client_id="offline", clean_start=False)
+        await sub.send(Subscribe(1, [("bulk/#", SubscriptionOptions(qos=1))]))
+        assert await sub.recv() == Suback(1, [1])
+        await sub.send(Disconnect())
+        await sub.closed()
+        pub, _ = await Raw.connected(port, 4, client_id="bulk-pub")
+        for start in range(0, n, 500):
+            for i in range(start, start + 500):
+                pub.writer.write(encode_publish(f"bulk/{i % 10}", f"{i}", i % 65535 + 1))
+            await pub.writer.drain()
+        acks = {(await pub.recv(10)).packet_id for _ in range(n)}  # type: ignore[union-attr]
+        assert len(acks) == n
+        pub.close()
+    async with serve(*data_dir) as (_, port):
+        sub, ack = await Raw.connected(port, 4, client_id="offline", clean_start=False)
+        assert ack.session_present
+        got: list[int] = []
+        while len(got) < n:
+            msg = await sub.recv(10)
+            assert isinstance(msg, Publish)
+            got.append(int(msg.payload))
+            await sub.send(Puback(msg.packet_id))  # type: ignore[arg-type]
+        assert sorted(got) == list(range(n))
+        await sub.send(Disconnect())
+        await sub.closed()
+        sub, ack = await Raw.connected(port, 4, client_id="offline", clean_start=False)
+        assert ack.session_present
+        await asyncio.sleep(0.5)
+        await sub.ping()
+        assert sub.pending == []  # acked: never delivered again
+        sub.close()
+
+
+def encode_publish(topic: str, payload: str, packet_id: int) -> bytes:
+    return encode(Publish(topic, payload.encode(), qos=1, packet_id=packet_id), 4)

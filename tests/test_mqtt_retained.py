@@ -1,0 +1,119 @@
+"""Retained messages through the MQTT adapter: paho 3.1.1 / 5 and mosquitto_sub."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import AsyncIterator
+
+import pytest
+from paho.mqtt.subscribeoptions import SubscribeOptions
+
+from gateway.broker import Broker
+from gateway.config import Settings
+from protocols.mqtt.codec import Publish, Suback, Subscribe, SubscriptionOptions, Will
+from protocols.mqtt.listener import Listener, start
+from tests.test_mqtt_paho import V5, V311, WAIT, Client
+from tests.test_mqtt_protocol import Raw
+
+
+@pytest.fixture
+async def mqtt(broker: Broker) -> AsyncIterator[Listener]:
+    listener = await start(broker, Settings(mqtt_port=0, host="127.0.0.1"))
+    assert listener is not None
+    yield listener
+    await listener.close()
+
+
+@pytest.mark.parametrize("version", [V311, V5], ids=["v311", "v5"])
+async def test_retained_sent_to_new_subscriptions(mqtt: Listener, version: int) -> None:
+    def scenario() -> None:
+        pub = Client(mqtt.port, version, "r-pub")
+        pub.c.publish("r/a", b"A", 1, retain=True).wait_for_publish(WAIT)
+        pub.c.publish("r/b", b"B", 0, retain=True).wait_for_publish(WAIT)
+        pub.c.publish("r/gone", b"G", 1, retain=True).wait_for_publish(WAIT)
+        pub.c.publish("r/gone", b"", 1, retain=True).wait_for_publish(WAIT)  # clears it
+        sub = Client(mqtt.port, version, "r-sub")
+        try:
+            sub.subscribe("r/#", 1)
+            got = sorted(sub.receive(2), key=lambda m: m.topic)
+            assert [(m.topic, m.payload, m.qos, m.retain) for m in got] == [
+                ("r/a", b"A", 1, True),
+                ("r/b", b"B", 0, True),
+            ]
+            pub.c.publish("r/a", b"A2", 1, retain=True).wait_for_publish(WAIT)
+            (live,) = sub.receive(1)  # to an existing subscription: RETAIN 0
+            assert (live.payload, live.retain) == (b"A2", False)
+            assert sub.nothing_more()
+        finally:
+            sub.close()
+            pub.close()
+
+    await asyncio.to_thread(scenario)
+
+
+async def test_v5_retain_handling_and_retain_as_published(mqtt: Listener) -> None:
+    def scenario() -> None:
+        pub = Client(mqtt.port, V5, "rh-pub")
+        pub.c.publish("rh/x", b"kept", 1, retain=True).wait_for_publish(WAIT)
+        sub = Client(mqtt.port, V5, "rh-sub")
+
+        def subscribe(topic: str, handling: int, rap: bool = False) -> None:
+            opts = SubscribeOptions(qos=1, retainHandling=handling, retainAsPublished=rap)
+            sub.c.subscribe(topic, options=opts)
+            sub.subacks.get(timeout=WAIT)
+
+        try:
+            subscribe("rh/+", 1)  # 1: only for a new subscription
+            assert [m.payload for m in sub.receive(1)] == [b"kept"]
+            subscribe("rh/+", 1)
+            assert sub.nothing_more()
+            subscribe("rh/#", 2)  # 2: never
+            assert sub.nothing_more()
+            subscribe("rh/+", 0)  # 0: at every subscribe
+            (again,) = sub.receive(1)
+            assert again.retain
+            subscribe("rh/x", 2, rap=True)  # RAP: a live retained message keeps RETAIN 1
+            pub.c.publish("rh/x", b"new", 1, retain=True).wait_for_publish(WAIT)
+            (live,) = sub.receive(1)  # one delivery although three filters match
+            assert (live.payload, live.retain) == (b"new", True)
+            assert sub.nothing_more()
+        finally:
+            sub.close()
+            pub.close()
+
+    await asyncio.to_thread(scenario)
+
+
+@pytest.mark.skipif(shutil.which("mosquitto_sub") is None, reason="mosquitto clients missing")
+@pytest.mark.parametrize("version", ["mqttv311", "mqttv5"])
+async def test_mosquitto_sub_retained_only(mqtt: Listener, version: str) -> None:
+    port = str(mqtt.port)
+    for topic, payload in (("ms/1", "one"), ("ms/2", "two")):
+        pub = await asyncio.create_subprocess_exec(
+            "mosquitto_pub", "-h", "127.0.0.1", "-p", port, "-V", version, "-q", "1",
+            "-r", "-t", topic, "-m", payload,
+        )  # fmt: skip
+        assert await asyncio.wait_for(pub.wait(), WAIT) == 0
+    sub = await asyncio.create_subprocess_exec(
+        "mosquitto_sub", "-h", "127.0.0.1", "-p", port, "-V", version, "-q", "1",
+        "-t", "ms/#", "--retained-only", "-C", "2", "-W", "5", "-v",
+        stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, _ = await asyncio.wait_for(sub.communicate(), WAIT * 2)
+    assert sub.returncode == 0
+    assert sorted(out.decode().splitlines()) == ["ms/1 one", "ms/2 two"]
+
+
+async def test_retained_will(mqtt: Listener) -> None:
+    raw, _ = await Raw.connected(
+        mqtt.port, 5, client_id="dies", will=Will("st/dies", b"offline", 1, retain=True)
+    )
+    raw.writer.transport.abort()  # abnormal: the will is published, and retained
+    await asyncio.sleep(0.3)
+    late, _ = await Raw.connected(mqtt.port, 5, client_id="late")
+    await late.send(Subscribe(1, [("st/+", SubscriptionOptions(qos=1))]))
+    assert await late.recv() == Suback(1, [1])
+    got = await late.recv()
+    assert isinstance(got, Publish) and (got.payload, got.retain) == (b"offline", True)
+    late.close()
