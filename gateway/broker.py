@@ -159,6 +159,7 @@ class Broker:
             msg.partition_key,
             msg.expiration,
             self.router.lvq_properties(msg),
+            min(max(msg.priority, 0), 9),
             encode(msg),
         )
         return self._retain_after(msg, fut) if msg.retain and not msg.to_queue else fut

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import redis.asyncio as aioredis
 
-from gateway.engine.keys import partition_queue
+from gateway.engine.keys import partition_queue, priority_queue
 from gateway.engine.partitions import PartitionMap, split_window
 from gateway.engine.selection import matches
 from gateway.model import DEAD_LETTER_REASON, ORIGIN_QUEUE, Delivery, decode
@@ -59,6 +59,7 @@ BIND_REFUSALS = {
         "browsing and selectors are not available on a partitioned queue",
     ),
     "grouped": ("unsupported", "selectors are not available on a message-group queue"),
+    "prioritised": ("unsupported", "browsing and selectors are not available on a priority queue"),
 }
 
 
@@ -81,6 +82,7 @@ class Flow:
         "on_empty",
         "partitioned",
         "parts",
+        "prioritised",
         "queue",
         "replay_since",
         "selector",
@@ -103,6 +105,7 @@ class Flow:
         self.queue = queue
         self.exclusive = False
         self.partitioned = False
+        self.prioritised = False  # a priority queue: entry ids carry the level ("9/1700-0")
         self.parts: dict[int, str] = {}  # partition index -> fence, while this flow owns it
         self.idle: set[int] = set()  # owned partitions found empty since the last wake-up
         self.window = window
@@ -249,6 +252,7 @@ class Dispatcher:
         flow.browse = reply[5] == b"browse"  # every consumer of a non-destructive queue browses
         flow.exclusive = reply[2] == b"exclusive" and not flow.browse
         flow.partitioned = int(reply[3]) > 0
+        flow.prioritised = reply[6] == 1
         flow.active = not (flow.exclusive or flow.partitioned)
         return int(reply[4]) / 1000
 
@@ -307,10 +311,14 @@ class Dispatcher:
 
     async def check_lease(self, queue: str) -> None:
         """Ask Redis who holds an exclusive queue; promote or demote local flows."""
-        fence, holder = await self._redis.fcall("gw_lease", 0, queue)
+        fence, holder, *bound = await self._redis.fcall("gw_lease", 0, queue)
         holder = holder.decode()
-        for flow in self.flows.get(queue, ()):
+        bound_ids = {f.decode() for f in bound}
+        for flow in list(self.flows.get(queue, ())):
             if not flow.exclusive:
+                continue
+            if flow.id not in bound_ids and not flow.closed:
+                self._lost(flow)  # a standby released while our node was presumed dead
                 continue
             was = flow.active
             flow.active = flow.id == holder
@@ -505,6 +513,9 @@ class Dispatcher:
             raw_id = reply[i].decode()
             entry_id = prefix + raw_id
             blob = reply[i + 2]
+            if flow.prioritised:  # "level/id": the level's stream holds the entry
+                level, _, raw_id = raw_id.partition("/")
+                queue = priority_queue(flow.queue, int(level))
             flow.unacked[entry_id] = (queue, raw_id, len(blob))
             if flow.credit is not None:
                 flow.credit -= 1

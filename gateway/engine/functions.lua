@@ -50,6 +50,18 @@ local function partition_count(q)
   return tonumber(redis.call('HGET', k_queue_config(q), 'partition_count') or '0') or 0
 end
 
+-- The hidden child queues that hold a queue's messages: its partitions, or its priority
+-- levels (highest first). Empty for a plain queue.
+local function children(q)
+  local c = redis.call('HMGET', k_queue_config(q), 'partition_count', 'priorities')
+  local out = {}
+  for i = 0, (tonumber(c[1]) or 0) - 1 do out[#out + 1] = partition_queue(q, i) end
+  if c[2] == '1' then
+    for p = PRIORITY_LEVELS - 1, 0, -1 do out[#out + 1] = priority_queue(q, p) end
+  end
+  return out
+end
+
 -- Message-group mode of a queue: false, 'default' or 'shared'.
 local function group_mode(q)
   local m = redis.call('HGET', k_queue_config(q), 'message_groups')
@@ -118,19 +130,16 @@ local function release_flow(q, flow, no_rebalance)
     redis.call('PUBLISH', K_EVENTS, 'lease ' .. q)
   end
   if moved > 0 then wake(q) end
-  local n = partition_count(q)
-  if n > 0 then
-    for i = 0, n - 1 do
-      moved = moved + release_flow(partition_queue(q, i), flow, true)
-    end
-    if not no_rebalance then rebalance(q, now_ms()) end
+  for _, child in ipairs(children(q)) do
+    moved = moved + release_flow(child, flow, true)
   end
+  if partition_count(q) > 0 and not no_rebalance then rebalance(q, now_ms()) end
   return moved
 end
 
 local function delete_queue(q)
   if redis.call('EXISTS', k_queue_config(q)) == 0 then return 0 end
-  for i = 0, partition_count(q) - 1 do delete_queue(partition_queue(q, i)) end
+  for _, child in ipairs(children(q)) do delete_queue(child) end
   redis.call('DEL', k_queue_parts(q), k_queue_groups(q), k_queue_group_held(q),
     k_queue_last_values(q), k_queue_config(q), k_queue_stream(q), k_queue_stats(q), k_queue_subs(q),
     k_queue_flows(q), k_queue_lease(q), k_queue_readers(q))
@@ -264,14 +273,15 @@ end
 
 -- DMQ eligibility: the publisher's flag when it set one (flag bit 16 says so, bit 2 is the
 -- value; see gateway/model.py), else the queue's default.
--- Redis 7.0's cmsgpack cannot read msgpack bin values, so the flags (5th element: after
--- version, payload bin, destination str, id str) are found by skipping the first four.
+-- Redis 7.0's cmsgpack cannot read msgpack bin values, so the flags and the priority (5th
+-- and 6th elements: after version, payload bin, destination str, id str) are found by
+-- skipping the first four. Returns flags, priority.
 local function message_flags(blob)
   local pos = 1
   local b = string.byte(blob, pos)
-  if not b then return 0 end
+  if not b then return 0, 4 end
   if b >= 0x90 and b <= 0x9f then pos = pos + 1 elseif b == 0xdc then pos = pos + 3
-  elseif b == 0xdd then pos = pos + 5 else return 0 end
+  elseif b == 0xdd then pos = pos + 5 else return 0, 4 end
   local function be(at, n)
     local v = 0
     for i = 0, n - 1 do v = v * 256 + string.byte(blob, at + i) end
@@ -279,16 +289,18 @@ local function message_flags(blob)
   end
   for _ = 1, 4 do
     b = string.byte(blob, pos)
-    if not b then return 0 end
+    if not b then return 0, 4 end
     if b < 0x80 then pos = pos + 1  -- positive fixint (the version)
     elseif b >= 0xa0 and b <= 0xbf then pos = pos + 1 + (b - 0xa0)  -- fixstr
     elseif b == 0xc4 or b == 0xd9 then pos = pos + 2 + be(pos + 1, 1)
     elseif b == 0xc5 or b == 0xda then pos = pos + 3 + be(pos + 1, 2)
     elseif b == 0xc6 or b == 0xdb then pos = pos + 5 + be(pos + 1, 4)
-    else return 0 end
+    else return 0, 4 end
   end
   b = string.byte(blob, pos)
-  return (b and b < 0x80) and b or 0
+  local flags = (b and b < 0x80) and b or 0
+  local p = string.byte(blob, pos + 1)  -- the priority: a fixint, or nil (0xc0): default 4
+  return flags, (p and p < 10) and p or 4
 end
 
 local function dmq_eligible(blob, default)
@@ -311,12 +323,20 @@ local function dead_letter(q, s, id, blob, reason, to_dmq)
   local dmq = c[1]
   if to_dmq and dmq and dmq ~= q and dmq_eligible(blob, c[2] == '1')
       and redis.call('EXISTS', k_queue_config(dmq)) == 1 then
-    redis.call('XADD', k_queue_stream(dmq), '*', 'm', blob, 'o', q, 'r', reason)
+    local origin = redis.call('HGET', k_queue_config(q), 'parent') or q
+    local d = redis.call('HMGET', k_queue_config(dmq), 'partition_count', 'priorities')
+    if (tonumber(d[1]) or 0) > 0 then
+      dmq = partition_queue(dmq, 0)  -- the key's hash is not known here: partition 0
+    elseif d[2] == '1' then
+      local _, priority = message_flags(blob)
+      dmq = priority_queue(dmq, priority)
+    end
+    redis.call('XADD', k_queue_stream(dmq), '*', 'm', blob, 'o', origin, 'r', reason)
     local dst = k_queue_stats(dmq)
     redis.call('HINCRBY', dst, 'msgs', 1)
     redis.call('HINCRBY', dst, 'bytes', #blob)
     redis.call('HINCRBY', dst, 'spooled', 1)
-    redis.call('PUBLISH', k_queue_wake(dmq), '')
+    wake(dmq)
     redis.call('HINCRBY', st, 'dead_lettered', 1)
   else
     redis.call('HINCRBY', st, 'discarded', 1)
@@ -368,7 +388,7 @@ end
 local function spool_target(name)
   local c = redis.call('HMGET', k_queue_config(name), 'ingress', 'max_message_size',
     'max_spool_bytes', 'max_messages', 'partition_count', 'parent', 'message_groups',
-    'max_ttl_ms', 'lvq_key')
+    'max_ttl_ms', 'lvq_key', 'priorities')
   local info = { name = name, added = 0, added_bytes = 0, wake = c[6] or name }
   if not c[1] then
     info.missing = true
@@ -380,6 +400,7 @@ local function spool_target(name)
   info.maxbytes = tonumber(c[3]) or 0
   info.maxmsgs = tonumber(c[4]) or 0
   info.partitions = tonumber(c[5]) or 0
+  info.prioritised = c[10] == '1'
   info.grouped = c[7] and c[7] ~= ''
   info.max_ttl = tonumber(c[8]) or 0
   -- last value queues: Solace's (max_spool_bytes 0: one slot) or Qpid's (by a property)
@@ -399,7 +420,7 @@ end
 -- the partition of a partitioned queue: xxh3_64(key) % partition_count), the key itself
 -- ('' for none; kept as field 'k' on message-group queues), the publisher's expiry (epoch
 -- ms, 0: none; kept as field 'x', shortened to the queue's max_ttl_ms), the properties LVQ
--- keys name ("name\0value\0..."), blob.
+-- keys name ("name\0value\0..."), priority (0-9: the level of a priority queue), blob.
 -- Spooled bytes count the stored blob. Returns one outcome code per message; a message is
 -- stored in all its queues or in none.
 redis.register_function('gw_spool', function(_, a)
@@ -428,13 +449,16 @@ redis.register_function('gw_spool', function(_, a)
     local key = a[pos + k + 5]
     local expires = tonumber(a[pos + k + 6])
     local props = a[pos + k + 7]
-    local blob = a[pos + k + 8]
+    local priority = tonumber(a[pos + k + 8])
+    local blob = a[pos + k + 9]
     local code, targets = OK, {}
     for j = 1, k do
       local q = target(named[tonumber(a[pos + j])])
       if not q.missing and q.partitions > 0 then
         local np = q.partitions
         q = target(partition_queue(q.name, ((hi % np) * (4294967296 % np) + lo % np) % np))
+      elseif not q.missing and q.prioritised then
+        q = target(priority_queue(q.name, priority))
       end
       if q.missing then
         if direct then code = NOT_FOUND end
@@ -478,7 +502,7 @@ redis.register_function('gw_spool', function(_, a)
       end
     end
     out[#out + 1] = code
-    pos = pos + k + 9
+    pos = pos + k + 10
   end
   local woken = {}
   for _, q in ipairs(qs) do
@@ -584,28 +608,13 @@ local function fetch_grouped(q, s, flow, count, mode, default_group, lim, out)
   end
 end
 
-redis.register_function('gw_fetch', function(_, a)
-  local q, flow, count, fence = a[1], a[2], tonumber(a[3]), a[4]
-  local c = redis.call('HMGET', k_queue_config(q), 'egress', 'access', 'message_groups',
-    'default_group', 'selective')
-  if not c[1] then return { 'noqueue' } end
-  if c[1] ~= '1' then return { 'egress' } end
-  if not redis.call('ZSCORE', k_queue_flows(q), flow) then return { 'noflow' } end
-  if c[2] == 'exclusive' then
-    local l = redis.call('HMGET', k_queue_lease(q), 'flow', 'fence')
-    if l[1] ~= flow or l[2] ~= fence then return { 'notowner' } end
-  end
-  local s = k_queue_stream(q)
-  local lim = fetch_limits(q)
-  local out = { 'ok', 0 }
-  if (c[3] and c[3] ~= '') or c[5] == '1' then
-    fetch_grouped(q, s, flow, count, c[3] ~= '' and c[3], c[4], lim, out)
-    return out
-  end
+-- Returned entries (oldest first) and then new ones of one stream, into `out`; each id is
+-- prefixed with `prefix` (a priority queue's level) so the settlement finds its stream.
+local function fetch_stream(q, s, flow, count, lim, out, prefix)
   local function add(id, n, fields)
     local blob = deliverable(q, s, id, fields, n, lim)
     if blob then
-      out[#out + 1] = id
+      out[#out + 1] = prefix .. id
       out[#out + 1] = n
       out[#out + 1] = blob
       out[#out + 1] = dead_letter_origin(fields)
@@ -624,19 +633,46 @@ redis.register_function('gw_fetch', function(_, a)
       if e then add(e[1], counts[e[1]] + 1, e[2]) end
     end
   end
-  local want = count - (#out - 2) / 4 - out[2]
+  local want = count - #p
   if want > 0 then
     local r = redis.call('XREADGROUP', 'GROUP', GROUP, flow, 'COUNT', want, 'STREAMS', s, '>')
     if r then
       for _, e in ipairs(r[1][2]) do add(e[1], 1, e[2]) end
     end
   end
+end
+
+redis.register_function('gw_fetch', function(_, a)
+  local q, flow, count, fence = a[1], a[2], tonumber(a[3]), a[4]
+  local c = redis.call('HMGET', k_queue_config(q), 'egress', 'access', 'message_groups',
+    'default_group', 'selective', 'priorities')
+  if not c[1] then return { 'noqueue' } end
+  if c[1] ~= '1' then return { 'egress' } end
+  if not redis.call('ZSCORE', k_queue_flows(q), flow) then return { 'noflow' } end
+  if c[2] == 'exclusive' then
+    local l = redis.call('HMGET', k_queue_lease(q), 'flow', 'fence')
+    if l[1] ~= flow or l[2] ~= fence then return { 'notowner' } end
+  end
+  local s = k_queue_stream(q)
+  local lim = fetch_limits(q)
+  local out = { 'ok', 0 }
+  if (c[3] and c[3] ~= '') or c[5] == '1' then
+    fetch_grouped(q, s, flow, count, c[3] ~= '' and c[3], c[4], lim, out)
+    return out
+  end
+  if c[6] == '1' then  -- a priority queue: highest level first, FIFO within a level
+    for p = PRIORITY_LEVELS - 1, 0, -1 do
+      local want = count - (#out - 2) / 4 - out[2]
+      if want <= 0 then break end
+      local child = priority_queue(q, p)
+      fetch_stream(child, k_queue_stream(child), flow, want, lim, out, p .. '/')
+    end
+    return out
+  end
+  fetch_stream(q, s, flow, count, lim, out, '')
   return out
 end)
 
--- ARGV: queue, flow, scan. For a flow with a selector: the oldest `scan` waiting entries
--- as {'ok', id, delivery count so far, blob, ...}; the flow takes those its selector matches
--- with gw_take. Expired entries are dead-lettered on the way.
 redis.register_function('gw_peek', function(_, a)
   local q, flow, scan = a[1], a[2], tonumber(a[3])
   local c = redis.call('HMGET', k_queue_config(q), 'egress')
@@ -798,8 +834,9 @@ end)
 -- Registers a flow; bind order decides exclusive standby order. A selector makes the queue
 -- selective: new messages wait in the holding consumer until a flow whose selector matches
 -- takes them. Browsers (and every consumer of a non-destructive queue) are not registered.
--- Returns {'ok', bind sequence, access type, partition count, rebalance delay ms, mode} or
--- {'noqueue'} / {'egress'} / {'partitioned'} / {'grouped'}.
+-- Returns {'ok', bind sequence, access type, partition count, rebalance delay ms, mode,
+-- 1 for a priority queue} or {'noqueue'} / {'egress'} / {'partitioned'} / {'grouped'} /
+-- {'prioritised'}.
 redis.register_function('gw_bind', function(_, a)
   local q, flow, node, mode = a[1], a[2], a[3], a[4]
   local c = redis.call('HMGET', k_queue_config(q), 'egress', 'access', 'partition_count',
@@ -808,8 +845,10 @@ redis.register_function('gw_bind', function(_, a)
   if c[1] ~= '1' then return { 'egress' } end
   if c[6] == '1' then mode = 'browse' end  -- every consumer of it browses
   if mode ~= '' and (tonumber(c[3]) or 0) > 0 then return { 'partitioned' } end
+  local prioritised = redis.call('HGET', k_queue_config(q), 'priorities') == '1'
+  if mode ~= '' and prioritised then return { 'prioritised' } end
   if mode == 'browse' then
-    return { 'ok', 0, c[2], 0, 0, 'browse' }  -- browsers take nothing: not registered
+    return { 'ok', 0, c[2], 0, 0, 'browse', 0 }  -- browsers take nothing: not registered
   end
   if mode == 'select' then
     if c[5] and c[5] ~= '' then return { 'grouped' } end
@@ -818,7 +857,11 @@ redis.register_function('gw_bind', function(_, a)
   local seq = redis.call('INCR', K_SEQ)
   redis.call('ZADD', k_queue_flows(q), seq, flow)
   redis.call('SADD', k_node_queues(node), q)
-  return { 'ok', seq, c[2], tonumber(c[3]) or 0, tonumber(c[4]) or 0, mode }
+  if prioritised then  -- it settles on the levels' streams
+    for _, child in ipairs(children(q)) do redis.call('ZADD', k_queue_flows(child), seq, flow) end
+  end
+  return { 'ok', seq, c[2], tonumber(c[3]) or 0, tonumber(c[4]) or 0, mode,
+    prioritised and 1 or 0 }
 end)
 
 -- ARGV: queue, flow. Unbinds a flow; its unacked messages go back for redelivery.
@@ -828,16 +871,18 @@ end)
 
 -- ARGV: queue. Exclusive access: the earliest-bound flow on a live node is active. Dead
 -- nodes' flows met on the way are released first, so their messages are redelivered in order.
--- Returns {fence, active flow} or {0, ''} with no live flow.
+-- Returns {fence, active flow, every bound flow...} or {0, ''} with no live flow.
 redis.register_function('gw_lease', function(_, a)
   local q = a[1]
   local active = false
+  local live = {}
   for _, flow in ipairs(redis.call('ZRANGE', k_queue_flows(q), 0, -1)) do
-    if redis.call('EXISTS', k_node_alive(node_of(flow))) == 1 then
-      active = flow
-      break
+    if active or redis.call('EXISTS', k_node_alive(node_of(flow))) == 1 then
+      active = active or flow
+      live[#live + 1] = flow
+    else
+      release_flow(q, flow)
     end
-    release_flow(q, flow)
   end
   local lease = k_queue_lease(q)
   if not active then
@@ -845,11 +890,15 @@ redis.register_function('gw_lease', function(_, a)
     return { 0, '' }
   end
   local cur = redis.call('HMGET', lease, 'flow', 'fence')
-  if cur[1] == active then return { tonumber(cur[2]), active } end
-  local fence = redis.call('INCR', K_SEQ)
-  redis.call('HSET', lease, 'flow', active, 'fence', fence)
-  redis.call('PUBLISH', K_EVENTS, 'lease ' .. q)
-  return { fence, active }
+  local fence = tonumber(cur[2])
+  if cur[1] ~= active then
+    fence = redis.call('INCR', K_SEQ)
+    redis.call('HSET', lease, 'flow', active, 'fence', fence)
+    redis.call('PUBLISH', K_EVENTS, 'lease ' .. q)
+  end
+  local out = { fence, active }
+  for _, flow in ipairs(live) do out[#out + 1] = flow end
+  return out
 end)
 
 -- ARGV: node, ttl_ms. Registers a node and its liveness key.
@@ -907,15 +956,18 @@ end
 
 -- A partition copies its parent's settings but is exclusive (one owner flow at a time)
 -- and hidden from the queue list.
-local function partition_settings(q, child)
+-- Children copy their parent's settings. A partition is exclusive (one owner flow at a
+-- time); a priority level is read by every flow of the parent, under the parent's lease.
+local function child_settings(q, child)
   redis.call('HSET', k_queue_config(child), unpack(redis.call('HGETALL', k_queue_config(q))))
-  redis.call('HSET', k_queue_config(child), 'access', 'exclusive', 'partition_count', 0,
-    'parent', q)
+  local access = partition_count(q) > 0 and 'exclusive' or 'non-exclusive'
+  redis.call('HSET', k_queue_config(child), 'access', access, 'partition_count', 0,
+    'priorities', 0, 'parent', q)
 end
 
 local function create_partition(q, i)
   local child = partition_queue(q, i)
-  partition_settings(q, child)
+  child_settings(q, child)
   init_queue(child)
 end
 
@@ -932,6 +984,13 @@ redis.register_function('gw_queue_create', function(_, a)
   redis.call('HSET', cfg, unpack(a, 2))
   init_queue(q)
   for i = 0, partition_count(q) - 1 do create_partition(q, i) end
+  if redis.call('HGET', cfg, 'priorities') == '1' then
+    for p = 0, PRIORITY_LEVELS - 1 do
+      local child = priority_queue(q, p)
+      child_settings(q, child)
+      init_queue(child)
+    end
+  end
   redis.call('SADD', K_QUEUES, q)
   local v = redis.call('INCR', K_SUB_VERSION)  -- nodes learn its routing info (lvq_key)
   redis.call('PUBLISH', K_EVENTS, 'sub ' .. v)
@@ -950,7 +1009,7 @@ redis.register_function('gw_queue_update', function(_, a)
   local cfg = k_queue_config(q)
   if redis.call('EXISTS', cfg) == 0 then return 0 end
   redis.call('HSET', cfg, unpack(a, 2))
-  for i = 0, partition_count(q) - 1 do partition_settings(q, partition_queue(q, i)) end
+  for _, child in ipairs(children(q)) do child_settings(q, child) end
   redis.call('PUBLISH', K_EVENTS, 'qcfg ' .. q)
   redis.call('PUBLISH', k_queue_wake(q), '')
   return 1

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 PREFIX = "gw"
 PARTITION_PREFIX = "#P/"  # hidden child queues of partitioned queues: "#P/<index>/<parent>"
+PRIORITY_PREFIX = "#R/"  # hidden child queues of priority queues: "#R/<priority>/<parent>"
+PRIORITY_LEVELS = 10  # priorities 0-9
 GROUP = "g"  # the one consumer group of every queue stream
 RETURNED_CONSUMER = "~r"  # parks requeued entries until a flow claims them
 HOLDING_CONSUMER = "~g"  # message-group queues: entries wait here until their group is free
@@ -119,6 +121,11 @@ def partition_queue(parent: str, index: int) -> str:
     return f"{PARTITION_PREFIX}{index}/{parent}"
 
 
+def priority_queue(parent: str, priority: int) -> str:
+    """Name of the child queue holding one priority level of a priority queue."""
+    return f"{PRIORITY_PREFIX}{priority}/{parent}"
+
+
 def node_alive(n: str) -> str:
     return _node_key("node_alive", n)
 
@@ -152,6 +159,8 @@ def lua_prelude() -> str:
         f"local RETURNED = '{RETURNED_CONSUMER}'",
         f"local HOLDING = '{HOLDING_CONSUMER}'",
         f"local function partition_queue(p, i) return '{PARTITION_PREFIX}' .. i .. '/' .. p end",
+        f"local function priority_queue(p, i) return '{PRIORITY_PREFIX}' .. i .. '/' .. p end",
+        f"local PRIORITY_LEVELS = {PRIORITY_LEVELS}",
     ]
     for name, template in TEMPLATES.items():
         if "{{q}}" in template:

@@ -111,6 +111,7 @@ class QueueConfig:
     default_group: str = "qpid.no-group"  # shared mode: the group of messages without one
     non_destructive: bool = False  # every consumer browses (Qpid non-destructive consumers)
     lvq_key: str = ""  # a last value queue by this user property (Qpid); see max_spool_bytes
+    priorities: bool = False  # deliver by message priority (9 first), FIFO within a priority
     created_ms: int = field(default=0, compare=False)
 
     def validate(self, *, reserved_ok: bool = False) -> None:
@@ -142,6 +143,8 @@ class QueueConfig:
             raise QueueError("invalid", "only non-exclusive queues can be partitioned")
         if self.message_groups not in GROUP_MODES:
             raise QueueError("invalid", "message_groups must be '', 'default' or 'shared'")
+        if self.priorities and (self.partition_count or self.message_groups):
+            raise QueueError("invalid", "a priority queue cannot be partitioned or grouped")
         if self.non_destructive and self.partition_count:
             raise QueueError("invalid", "a partitioned queue cannot be non-destructive")
         if self.message_groups and self.partition_count:
@@ -175,6 +178,7 @@ class QueueConfig:
             "default_group": self.default_group,
             "non_destructive": self.non_destructive,
             "lvq_key": self.lvq_key,
+            "priorities": self.priorities,
             "created_ms": self.created_ms,
         }
         out: list[str] = []
@@ -208,6 +212,7 @@ class QueueConfig:
             default_group=h.get("default_group", "qpid.no-group"),
             non_destructive=h.get("non_destructive", "0") == "1",
             lvq_key=h.get("lvq_key", ""),
+            priorities=h.get("priorities", "0") == "1",
             created_ms=int(h.get("created_ms", 0)),
         )
 
@@ -228,7 +233,7 @@ class QueueConfig:
 
 # Fields whose change would alter how existing messages or flows behave: a re-declaration
 # with other values is refused (RabbitMQ's property equivalence).
-EQUIVALENCE_FIELDS = ("access_type", "durable", "partition_count", "message_groups")
+EQUIVALENCE_FIELDS = ("access_type", "durable", "partition_count", "message_groups", "priorities")
 
 
 def subscription_entry(pattern: str, syntax: str) -> str:
@@ -379,6 +384,9 @@ class QueueStore:
         partitions: list[dict[str, Any]] = []
         if config.partition_count:
             partitions = await self._partitions(name, config.partition_count, counters)
+        elif config.priorities:
+            levels = [keys.priority_queue(name, p) for p in range(keys.PRIORITY_LEVELS)]
+            await self._add_counters(levels, counters)
         return QueueInfo(
             config=config,
             subscriptions=[parse_subscription_entry(e.decode()) for e in subs],
@@ -417,6 +425,15 @@ class QueueStore:
                 }
             )
         return out
+
+    async def _add_counters(self, queues: list[str], totals: dict[str, int]) -> None:
+        """Add the counters of child queues (a priority queue's levels) into `totals`."""
+        pipe = self._redis.pipeline(transaction=False)
+        for queue in queues:
+            pipe.hgetall(keys.queue_stats(queue))
+        for raw in await pipe.execute():
+            for k, v in raw.items():
+                totals[k.decode()] = totals.get(k.decode(), 0) + int(v)
 
     async def repartition(self, name: str, partition_count: int) -> int:
         """Change the partition count (0: not partitioned); egress must be disabled.

@@ -22,7 +22,17 @@ MAX_BATCH_BYTES = 4 * 1024 * 1024
 
 
 class _Pending:
-    __slots__ = ("blob", "direct", "expires", "future", "key", "props", "queues", "size")
+    __slots__ = (
+        "blob",
+        "direct",
+        "expires",
+        "future",
+        "key",
+        "priority",
+        "props",
+        "queues",
+        "size",
+    )
 
     def __init__(
         self,
@@ -32,6 +42,7 @@ class _Pending:
         key: str | None,
         expires: int | None,
         props: str,
+        priority: int,
         blob: bytes,
         future: asyncio.Future,
     ) -> None:
@@ -41,6 +52,7 @@ class _Pending:
         self.key = key
         self.expires = expires
         self.props = props
+        self.priority = priority
         self.blob = blob
         self.future = future
 
@@ -71,15 +83,19 @@ class Spooler:
         key: str | None,
         expires: int | None,
         props: str,
+        priority: int,
         blob: bytes,
     ) -> asyncio.Future[Outcome]:
         """Queue one message for the next batch; the future carries its Outcome.
         `key` (the partition key) picks the partition, or the message group; `expires`
         (epoch ms) is when it may no longer be delivered; `props` carries the properties
-        last value queues key on (Router.lvq_properties)."""
+        last value queues key on (Router.lvq_properties); `priority` (0-9) picks the level
+        of a priority queue."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Outcome] = loop.create_future()
-        self._pending.append(_Pending(queues, direct, size, key, expires, props, blob, fut))
+        self._pending.append(
+            _Pending(queues, direct, size, key, expires, props, priority, blob, fut)
+        )
         if self._task is None:
             self._task = loop.create_task(self._run())
         return fut
@@ -130,6 +146,7 @@ class Spooler:
             body.append(p.key or "")
             body.append(p.expires or 0)
             body.append(p.props)
+            body.append(p.priority)
             body.append(p.blob)
         codes = await self._redis.fcall("gw_spool", 0, self._node, len(index), *index.keys(), *body)
         self.batches += 1

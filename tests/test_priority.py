@@ -1,0 +1,77 @@
+"""Priority queues: highest priority first, FIFO within a priority."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.broker import BindError, Broker
+from gateway.engine.queues import DEAD_MESSAGE_QUEUE, QueueConfig, QueueError
+from gateway.model import Delivery, Message
+from tests.test_engine import wait_for
+
+
+def msg(payload: str, priority: int, **kw) -> Message:
+    return Message(
+        destination="pq", to_queue=True, payload=payload.encode(), priority=priority, **kw
+    )
+
+
+async def test_highest_priority_first_fifo_within(broker: Broker) -> None:
+    await broker.declare_queue(QueueConfig(name="pq", priorities=True))
+    for payload, priority in [("a4", 4), ("b9", 9), ("c0", 0), ("d9", 9), ("e4", 4)]:
+        await broker.publish(msg(payload, priority))
+    assert (await broker.queues.info("pq")).messages == 5
+    got: list[Delivery] = []
+    flow = await broker.bind("pq", got.append, window=10)
+    await wait_for(lambda: len(got) == 5)
+    assert [d.message.payload for d in got] == [b"b9", b"d9", b"a4", b"e4", b"c0"]
+    flow.requeue(got[2].entry_id)
+    await wait_for(lambda: len(got) == 6)  # a requeued message returns to its level
+    assert got[5].message.payload == b"a4" and got[5].redelivered
+    for d in got[:2] + got[3:]:
+        flow.ack(d.entry_id)
+    await asyncio.sleep(0.1)
+    assert (await broker.queues.info("pq")).messages == 0
+
+
+async def test_a_small_window_still_takes_the_highest_first(broker: Broker) -> None:
+    await broker.declare_queue(QueueConfig(name="pq", priorities=True))
+    for i in range(3):
+        await broker.publish(msg(f"low{i}", 1))
+    got: list[Delivery] = []
+    flow = await broker.bind("pq", got.append, window=1)
+    await wait_for(lambda: len(got) == 1)
+    await broker.publish(msg("urgent", 8))
+    flow.ack(got[0].entry_id)
+    await wait_for(lambda: len(got) == 2)
+    assert got[1].message.payload == b"urgent"
+
+
+async def test_priority_queue_dead_letters_keep_their_origin(broker: Broker) -> None:
+    await broker.declare_queue(QueueConfig(name=DEAD_MESSAGE_QUEUE))
+    await broker.declare_queue(QueueConfig(name="pq", priorities=True, max_redelivery=1))
+    await broker.publish(msg("x", 7, dmq_eligible=True))
+    got: list[Delivery] = []
+    flow = None
+
+    def nack(d: Delivery) -> None:
+        got.append(d)
+        flow.requeue(d.entry_id)
+
+    flow = await broker.bind("pq", nack)
+    await wait_for(lambda: len(got) == 2)
+    dead: list[Delivery] = []
+    await broker.bind(DEAD_MESSAGE_QUEUE, dead.append)
+    await wait_for(lambda: len(dead) == 1)
+    assert dead[0].message.annotations["x-origin-queue"] == "pq"
+
+
+async def test_priority_queue_limits(broker: Broker) -> None:
+    with pytest.raises(QueueError):
+        await broker.declare_queue(QueueConfig(name="x", priorities=True, partition_count=2))
+    await broker.declare_queue(QueueConfig(name="pq", priorities=True))
+    with pytest.raises(BindError) as err:
+        await broker.bind("pq", lambda d: None, selector="a = 1")
+    assert err.value.code == "unsupported"
