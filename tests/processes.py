@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -17,27 +18,34 @@ NODE_DRIVER = [sys.executable, str(Path(__file__).with_name("node_driver.py"))]
 class Proc:
     """A child whose stdout carries one JSON object per line."""
 
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+    def __init__(self, proc: asyncio.subprocess.Process, log: Path) -> None:
         self.proc = proc
+        self.log = log  # its stderr, for failure reports
         self.lines: list[dict[str, Any]] = []
 
     @classmethod
     async def start(cls, argv: list[str], env: dict[str, str] | None = None) -> Proc:
-        proc = await asyncio.create_subprocess_exec(
-            *argv,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            env={**os.environ, **(env or {})},
-            cwd=ROOT,
-        )
-        return cls(proc)
+        fd, name = tempfile.mkstemp(prefix="gw-proc-", suffix=".log")
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=fd,
+                env={**os.environ, **(env or {})},
+                cwd=ROOT,
+            )
+        finally:
+            os.close(fd)
+        return cls(proc, Path(name))
+
+    def stderr_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
     async def next_line(self, timeout: float = 20.0) -> dict[str, Any]:
         assert self.proc.stdout is not None
         raw = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
         if not raw:
-            err = await self.proc.stderr.read() if self.proc.stderr else b""
-            raise AssertionError(f"process ended: {err.decode(errors='replace')[-2000:]}")
+            raise AssertionError(f"process ended: {self.stderr_tail()}")
         line = json.loads(raw)
         self.lines.append(line)
         return line

@@ -84,7 +84,8 @@ async def test_exclusive_queue_fails_over_to_other_node_in_order(
             for i in range(n)
         ]
     )
-    active = await start_consumer(redis_url, "excl", window=10, ack_delay=0.005)
+    # the active flow acks 300 messages, then hangs holding a full window
+    active = await start_consumer(redis_url, "excl", window=10, ack_limit=300)
     assert active.lines[-1]["active"] is True
     standby = await start_consumer(redis_url, "excl", window=10)
     assert standby.lines[-1]["active"] is False
@@ -92,8 +93,8 @@ async def test_exclusive_queue_fails_over_to_other_node_in_order(
     got_a, got_b = got["a"], got["b"]
     everything = {f"{i:04d}" for i in range(n)}
     try:
-        await collect({"a": active}, got, lambda: len(got_a) >= 300, 30)
-        assert len(got_a) >= 300
+        await collect({"a": active}, got, lambda: len(got_a) >= 310, 30)
+        assert len(got_a) == 310
         active.kill()  # SIGKILL: no clean shutdown, its flow must be reaped
         await active.proc.wait()
         seen = {d["payload"] for d in got_a}
@@ -106,7 +107,8 @@ async def test_exclusive_queue_fails_over_to_other_node_in_order(
     a_seq = [int(d["payload"]) for d in got_a]
     b_seq = [int(d["payload"]) for d in got_b]
     assert a_seq == list(range(len(a_seq))), "the active flow got the queue in order"
-    assert b_seq, "the standby took over"
+    info = await broker.queues.info("excl")
+    assert b_seq, f"the standby took over ({info}); its log:\n{standby.stderr_tail()}"
     assert b_seq == list(range(b_seq[0], n)), "the standby continues in order, nothing lost"
     assert b_seq[0] <= a_seq[-1] + 1, "no gap between the two flows"
     for d in got_b:
