@@ -423,3 +423,13 @@ async def test_stream_readers_keep_settled_entries_until_they_pass(
 
 async def test_tests_run_on_uvloop() -> None:
     assert type(asyncio.get_running_loop()).__module__.startswith("uvloop")
+
+
+async def test_competing_flows_share_a_backlog(broker: Broker) -> None:
+    await broker.queues.create(QueueConfig(name="q"))
+    got: dict[int, list[Delivery]] = {0: [], 1: [], 2: []}
+    for i in range(3):
+        await broker.bind("q", got[i].append, window=1024)
+    await asyncio.gather(*[broker.publish_nowait(to_queue("q", b"%d" % i)) for i in range(300)])
+    await wait_for(lambda: sum(len(v) for v in got.values()) == 300)
+    assert all(len(v) >= 50 for v in got.values()), {k: len(v) for k, v in got.items()}

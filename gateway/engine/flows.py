@@ -415,8 +415,13 @@ class Dispatcher:
                 continue
             if flow.selector is not None and not flow.browse:
                 selecting.append(flow)
-            elif not flow.partitioned:
-                fetches.append(_Fetch(flow, flow.queue, None, space))
+                continue
+            if not flow.partitioned:
+                # competing flows of one queue take turns: a big window does not grab the
+                # whole backlog in one fetch (each is wanted again after its batch)
+                sharing = sum(1 for f in self.flows.get(flow.queue, ()) if f.active)
+                count = min(space, max(1, FETCH_BATCH // max(1, sharing)))
+                fetches.append(_Fetch(flow, flow.queue, None, count))
                 continue
             # a small window cannot serve every partition each round: start with those not
             # yet found empty, in turn, so each gets its share

@@ -20,8 +20,8 @@ from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 
 from gateway.engine.queues import DEAD_MESSAGE_QUEUE
+from gateway.spark import DEFAULT_REDIS_URL
 from gateway.spark.session import activate, build_session
-from gateway.spark.source import DEFAULT_REDIS_URL
 
 ORIGIN_PROPERTY = "x-origin-queue"
 REASON_PROPERTY = "x-dmq-reason"
@@ -55,14 +55,14 @@ def archive(
     """Write the queue's messages to Parquet under `path` (partitions queue=/date=).
 
     With a checkpoint the archive is incremental (Trigger.AvailableNow, committed offsets
-    under reader name ``archive``, so the engine keeps entries until they are archived);
+    under reader name ``archive:<path>``, so the engine keeps entries until archived);
     without one it is a one-shot snapshot of what is spooled now.
     """
     if checkpoint is None:
         df = with_date(read_queue(spark, redis_url, queue))
         df.write.mode("append").partitionBy("queue", "date").parquet(path)
         return
-    df = with_date(stream_queue(spark, redis_url, queue, readerName="archive"))
+    df = with_date(stream_queue(spark, redis_url, queue, readerName=f"archive:{path}"))
     query = (
         df.writeStream.format("parquet")
         .option("path", path)
@@ -120,13 +120,17 @@ def aggregate(
     window: str = "1 minute",
     watermark: str = "10 seconds",
     value: str = "payload",
-    reader_name: str = "aggregate",
+    reader_name: str | None = None,
     once: bool = False,
     processing_time: str = "1 second",
 ) -> StreamingQuery:
-    """Start the windowed aggregate; `once` processes what is spooled now and stops."""
+    """Start the windowed aggregate; `once` processes what is spooled now and stops.
+
+    Its committed offsets go under `reader_name` (default ``aggregate:<topic>``).
+    """
+    name = reader_name or f"aggregate:{topic}"
     rows = aggregates(
-        stream_queue(spark, redis_url, queue, readerName=reader_name), window, watermark, value
+        stream_queue(spark, redis_url, queue, readerName=name), window, watermark, value
     )
     writer = (
         rows.writeStream.format("gateway")
@@ -209,6 +213,12 @@ def add_pipeline_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
         "--master", help="Spark master (default local[*]; spark-submit's own when under it)"
     )
     parser.add_argument("--redis-url", default=DEFAULT_REDIS_URL, help="the gateway's Redis")
+    parser.add_argument(
+        "--shuffle-partitions",
+        type=int,
+        default=8,
+        help="spark.sql.shuffle.partitions (fixed in an aggregate's checkpoint at its start)",
+    )
     jobs = parser.add_subparsers(dest="pipeline_command", required=True)
 
     arch = jobs.add_parser("archive", help="archive a queue to Parquet (queue=/date=)")
@@ -232,7 +242,9 @@ def add_pipeline_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
 
 
 def run_pipeline(args: argparse.Namespace) -> int:
-    spark = build_session(f"gateway-{args.pipeline_command}", args.master)
+    spark = build_session(
+        f"gateway-{args.pipeline_command}", args.master, shuffle_partitions=args.shuffle_partitions
+    )
     spark.sparkContext.setLogLevel("WARN")
     try:
         if args.pipeline_command == "archive":

@@ -21,7 +21,7 @@ import logging
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from itertools import islice
+from itertools import chain, islice
 from typing import Any
 
 import redis
@@ -33,7 +33,7 @@ from pyspark.sql.types import StructType
 from gateway.broker import Broker
 from gateway.engine import keys, library
 from gateway.model import Message
-from gateway.spark.source import DEFAULT_REDIS_URL
+from gateway.spark import DEFAULT_REDIS_URL
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +155,11 @@ def write_partition(
     ctx = TaskContext.get()
     partition = ctx.partitionId() if ctx is not None else 0
     marker = f"{batch}:{partition}"
-    messages = (mapper.message(row, marker, i) for i, row in enumerate(rows))
+    rows = iter(rows)
+    first = next(rows, None)
+    if first is None:  # stateful queries run many empty tasks: no client, no Broker
+        return SinkCommit(marker, 0, False)
+    messages = (mapper.message(row, marker, i) for i, row in enumerate(chain([first], rows)))
     return asyncio.run(publish(opts, batch, marker, messages))
 
 

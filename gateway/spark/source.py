@@ -35,6 +35,8 @@ from pyspark.sql.types import StructType
 from gateway.engine import keys
 from gateway.engine.queues import stream_queues
 from gateway.model import Message, PropertyValue, decode
+from gateway.spark import DEFAULT_REDIS_URL
+from gateway.spark.sink import BatchWriter, SinkOptions, StreamWriter
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +56,6 @@ ARROW_SCHEMA = pa.schema(
         ("payload", pa.binary()),
     ]
 )
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 PAGE = 5000  # XRANGE COUNT per round trip
 ZERO = "0-0"
 
@@ -319,13 +320,12 @@ class GatewayDataSource(DataSource):
         return StreamReader(Options.parse(self.options))
 
     def writer(self, schema: StructType, overwrite: bool) -> DataSourceWriter:
-        from gateway.spark.sink import BatchWriter, SinkOptions
-
+        if overwrite:  # published messages cannot be taken back
+            raise ValueError("the gateway sink publishes messages: use mode 'append'")
         return BatchWriter(SinkOptions.parse(self.options), schema)
 
     def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamWriter:
-        from gateway.spark.sink import SinkOptions, StreamWriter
-
+        # complete mode arrives as overwrite: each batch publishes the whole result table
         return StreamWriter(SinkOptions.parse(self.options), schema)
 
 
