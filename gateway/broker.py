@@ -160,6 +160,7 @@ class Broker:
             msg.expiration,
             self.router.lvq_properties(msg),
             min(max(msg.priority, 0), 9),
+            msg.not_before,
             encode(msg),
         )
         return self._retain_after(msg, fut) if msg.retain and not msg.to_queue else fut

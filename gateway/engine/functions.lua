@@ -141,7 +141,7 @@ local function delete_queue(q)
   if redis.call('EXISTS', k_queue_config(q)) == 0 then return 0 end
   for _, child in ipairs(children(q)) do delete_queue(child) end
   redis.call('DEL', k_queue_parts(q), k_queue_groups(q), k_queue_group_held(q),
-    k_queue_last_values(q), k_queue_config(q), k_queue_stream(q), k_queue_stats(q), k_queue_subs(q),
+    k_queue_last_values(q), k_queue_timed(q), k_queue_config(q), k_queue_stream(q), k_queue_stats(q), k_queue_subs(q),
     k_queue_flows(q), k_queue_lease(q), k_queue_readers(q))
   redis.call('SREM', K_QUEUES, q)
   redis.call('SREM', K_READ_QUEUES, q)
@@ -420,7 +420,8 @@ end
 -- the partition of a partitioned queue: xxh3_64(key) % partition_count), the key itself
 -- ('' for none; kept as field 'k' on message-group queues), the publisher's expiry (epoch
 -- ms, 0: none; kept as field 'x', shortened to the queue's max_ttl_ms), the properties LVQ
--- keys name ("name\0value\0..."), priority (0-9: the level of a priority queue), blob.
+-- keys name ("name\0value\0..."), priority (0-9: the level of a priority queue), the
+-- delivery time (epoch ms, 0: now; kept as field 'h'), blob.
 -- Spooled bytes count the stored blob. Returns one outcome code per message; a message is
 -- stored in all its queues or in none.
 redis.register_function('gw_spool', function(_, a)
@@ -450,7 +451,8 @@ redis.register_function('gw_spool', function(_, a)
     local expires = tonumber(a[pos + k + 6])
     local props = a[pos + k + 7]
     local priority = tonumber(a[pos + k + 8])
-    local blob = a[pos + k + 9]
+    local not_before = tonumber(a[pos + k + 9])
+    local blob = a[pos + k + 10]
     local code, targets = OK, {}
     for j = 1, k do
       local q = target(named[tonumber(a[pos + j])])
@@ -488,6 +490,10 @@ redis.register_function('gw_spool', function(_, a)
             args[#args + 1] = 'x'
             args[#args + 1] = x
           end
+          if not_before > 0 then  -- held until then (invisible to consumers)
+            args[#args + 1] = 'h'
+            args[#args + 1] = not_before
+          end
           local id = redis.call(unpack(args))
           if q.lvq then
             local slot = ''
@@ -502,7 +508,7 @@ redis.register_function('gw_spool', function(_, a)
       end
     end
     out[#out + 1] = code
-    pos = pos + k + 10
+    pos = pos + k + 11
   end
   local woken = {}
   for _, q in ipairs(qs) do
@@ -537,12 +543,20 @@ local function fetch_limits(q)
   return { now = now_ms(), max_redelivery = tonumber(c[1]) or 0, respect_ttl = c[2] == '1' }
 end
 
--- The blob of an entry about to be delivered for the `count`-th time, or false when it
--- expired (never delivered) or was already delivered max_redelivery + 1 times: then it is
--- dead-lettered here, atomically with the fetch.
+-- The blob of an entry about to be delivered for the `count`-th time, or false when it is
+-- held until a later delivery time (parked in the timed consumer), expired (never
+-- delivered) or was already delivered max_redelivery + 1 times: then it is dead-lettered
+-- here, atomically with the fetch.
 local function deliverable(q, s, id, fields, count, lim)
   local blob = entry_blob(fields)
   if not blob then return false end
+  local h = tonumber(entry_field(fields, 'h'))
+  if h and h > lim.now then  -- not due yet: park it, undelivered, until the sweep returns it
+    redis.call('XCLAIM', s, GROUP, TIMED, 0, id, 'RETRYCOUNT', count - 1, 'JUSTID')
+    redis.call('ZADD', k_queue_timed(q), h, id)
+    redis.call('SADD', K_TIMED_QUEUES, q)
+    return false
+  end
   local x = tonumber(entry_field(fields, 'x'))
   if x and x <= lim.now then
     dead_letter(q, s, id, blob, 'expired', lim.respect_ttl)
@@ -936,6 +950,20 @@ local function trim_read_queue(q)
   return redis.call('XTRIM', s, 'MINID', floor)
 end
 
+-- Messages whose delivery time came: back to the queue (before newer ones, in id order).
+local function release_due(q, now)
+  local timed = k_queue_timed(q)
+  local due = redis.call('ZRANGEBYSCORE', timed, '-inf', now, 'LIMIT', 0, 1000)
+  if #due > 0 then
+    if redis.call('EXISTS', k_queue_config(q)) == 1 then
+      claim_justid(k_queue_stream(q), park_consumer(q), due)
+      wake(q)
+    end
+    redis.call('ZREM', timed, unpack(due))
+  end
+  if redis.call('ZCARD', timed) == 0 then redis.call('SREM', K_TIMED_QUEUES, q) end
+end
+
 -- Reap every node whose liveness key expired. Returns the number of flows released.
 -- Also trims the queues that stream readers hold open (see trim_read_queue).
 redis.register_function('gw_reap', function(_, _)
@@ -944,6 +972,8 @@ redis.register_function('gw_reap', function(_, _)
     if redis.call('EXISTS', k_node_alive(n)) == 0 then released = released + reap_node(n) end
   end
   for _, q in ipairs(redis.call('SMEMBERS', K_READ_QUEUES)) do trim_read_queue(q) end
+  local now = now_ms()
+  for _, q in ipairs(redis.call('SMEMBERS', K_TIMED_QUEUES)) do release_due(q, now) end
   return released
 end)
 

@@ -15,6 +15,7 @@ PRIORITY_LEVELS = 10  # priorities 0-9
 GROUP = "g"  # the one consumer group of every queue stream
 RETURNED_CONSUMER = "~r"  # parks requeued entries until a flow claims them
 HOLDING_CONSUMER = "~g"  # message-group queues: entries wait here until their group is free
+TIMED_CONSUMER = "~t"  # messages held until their delivery time
 
 # name -> template; "{q}" is a queue name, "{n}" a node id, "{c}" a client id (hex),
 # "{s}" a sink name (hex).
@@ -35,6 +36,8 @@ TEMPLATES: dict[str, str] = {
     "queue_parts": f"{PREFIX}:q:{{{{q}}}}:parts",
     "queue_groups": f"{PREFIX}:q:{{{{q}}}}:groups",
     "queue_last_values": f"{PREFIX}:q:{{{{q}}}}:lvq",
+    "queue_timed": f"{PREFIX}:q:{{{{q}}}}:timed",
+    "timed_queues": f"{PREFIX}:timedq",
     "queue_group_held": f"{PREFIX}:q:{{{{q}}}}:gheld",
     "read_queues": f"{PREFIX}:readq",
     "retained": f"{PREFIX}:retained",
@@ -61,6 +64,7 @@ events = TEMPLATES["events"]
 sub_version = TEMPLATES["sub_version"]
 retained = TEMPLATES["retained"]
 read_queues = TEMPLATES["read_queues"]
+timed_queues = TEMPLATES["timed_queues"]
 
 
 def queue_config(q: str) -> str:
@@ -111,6 +115,11 @@ def queue_last_values(q: str) -> str:
     return _queue_key("queue_last_values", q)
 
 
+def queue_timed(q: str) -> str:
+    """Messages held until their delivery time: entry id scored by that time (epoch ms)."""
+    return _queue_key("queue_timed", q)
+
+
 def queue_group_held(q: str) -> str:
     """Shared-groups mode: group -> unsettled messages its holder has."""
     return _queue_key("queue_group_held", q)
@@ -158,6 +167,7 @@ def lua_prelude() -> str:
         f"local GROUP = '{GROUP}'",
         f"local RETURNED = '{RETURNED_CONSUMER}'",
         f"local HOLDING = '{HOLDING_CONSUMER}'",
+        f"local TIMED = '{TIMED_CONSUMER}'",
         f"local function partition_queue(p, i) return '{PARTITION_PREFIX}' .. i .. '/' .. p end",
         f"local function priority_queue(p, i) return '{PRIORITY_PREFIX}' .. i .. '/' .. p end",
         f"local PRIORITY_LEVELS = {PRIORITY_LEVELS}",

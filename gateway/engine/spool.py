@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
@@ -21,40 +22,20 @@ MAX_BATCH_MESSAGES = 512
 MAX_BATCH_BYTES = 4 * 1024 * 1024
 
 
+@dataclass(slots=True)
 class _Pending:
-    __slots__ = (
-        "blob",
-        "direct",
-        "expires",
-        "future",
-        "key",
-        "priority",
-        "props",
-        "queues",
-        "size",
-    )
+    """One message waiting for the next batch (see `Spooler.submit` for the fields)."""
 
-    def __init__(
-        self,
-        queues: Iterable[str],
-        direct: bool,
-        size: int,
-        key: str | None,
-        expires: int | None,
-        props: str,
-        priority: int,
-        blob: bytes,
-        future: asyncio.Future,
-    ) -> None:
-        self.queues = queues
-        self.direct = direct
-        self.size = size
-        self.key = key
-        self.expires = expires
-        self.props = props
-        self.priority = priority
-        self.blob = blob
-        self.future = future
+    queues: Iterable[str]
+    direct: bool
+    size: int
+    key: str | None
+    expires: int | None
+    props: str
+    priority: int
+    not_before: int | None
+    blob: bytes
+    future: asyncio.Future
 
 
 class Spooler:
@@ -84,17 +65,18 @@ class Spooler:
         expires: int | None,
         props: str,
         priority: int,
+        not_before: int | None,
         blob: bytes,
     ) -> asyncio.Future[Outcome]:
         """Queue one message for the next batch; the future carries its Outcome.
         `key` (the partition key) picks the partition, or the message group; `expires`
         (epoch ms) is when it may no longer be delivered; `props` carries the properties
         last value queues key on (Router.lvq_properties); `priority` (0-9) picks the level
-        of a priority queue."""
+        of a priority queue; `not_before` (epoch ms) holds it invisible until then."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Outcome] = loop.create_future()
         self._pending.append(
-            _Pending(queues, direct, size, key, expires, props, priority, blob, fut)
+            _Pending(queues, direct, size, key, expires, props, priority, not_before, blob, fut)
         )
         if self._task is None:
             self._task = loop.create_task(self._run())
@@ -147,6 +129,7 @@ class Spooler:
             body.append(p.expires or 0)
             body.append(p.props)
             body.append(p.priority)
+            body.append(p.not_before or 0)
             body.append(p.blob)
         codes = await self._redis.fcall("gw_spool", 0, self._node, len(index), *index.keys(), *body)
         self.batches += 1
