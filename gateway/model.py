@@ -84,6 +84,7 @@ class Outcome(IntEnum):
     TOO_LARGE = 4  # over the queue's max_message_size
     QUOTA_EXCEEDED = 5  # queue byte quota (max_spool_bytes)
     QUEUE_FULL = 6  # queue message-count limit (max_messages)
+    FLOW_CONTROLLED = 7  # full, overflow = flow_control: the spooler retries (ack withheld)
 
     @property
     def accepted(self) -> bool:

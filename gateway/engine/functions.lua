@@ -5,7 +5,7 @@
 -- {{PRELUDE}}
 
 local OK, NO_SUBSCRIBERS, NOT_FOUND, INGRESS_DISABLED = 0, 1, 2, 3
-local TOO_LARGE, QUOTA_EXCEEDED, QUEUE_FULL = 4, 5, 6
+local TOO_LARGE, QUOTA_EXCEEDED, QUEUE_FULL, FLOW_CONTROLLED = 4, 5, 6, 7
 
 local function node_of(flow)
   return string.match(flow, '^([^.]+)%.')
@@ -388,7 +388,7 @@ end
 local function spool_target(name)
   local c = redis.call('HMGET', k_queue_config(name), 'ingress', 'max_message_size',
     'max_spool_bytes', 'max_messages', 'partition_count', 'parent', 'message_groups',
-    'max_ttl_ms', 'lvq_key', 'priorities')
+    'max_ttl_ms', 'lvq_key', 'priorities', 'overflow', 'resume_percent')
   local info = { name = name, added = 0, added_bytes = 0, wake = c[6] or name }
   if not c[1] then
     info.missing = true
@@ -409,10 +409,51 @@ local function spool_target(name)
   elseif c[9] and c[9] ~= '' then
     info.lvq, info.lvq_key = true, c[9]
   end
-  local st = redis.call('HMGET', k_queue_stats(name), 'bytes', 'msgs')
+  local st = redis.call('HMGET', k_queue_stats(name), 'bytes', 'msgs', 'blocked')
   info.bytes = tonumber(st[1]) or 0
   info.count = tonumber(st[2]) or 0
+  info.overflow = c[11] or 'reject'
+  if st[3] == '1' then  -- producer flow control: blocked until below the resume level
+    local resume = (tonumber(c[12]) or 80) / 100
+    if (info.maxmsgs > 0 and info.count >= info.maxmsgs * resume)
+        or (info.maxbytes > 0 and info.bytes >= info.maxbytes * resume) then
+      info.blocked = true
+    else
+      redis.call('HDEL', k_queue_stats(name), 'blocked')
+    end
+  end
+  info.dropped, info.dropped_bytes = 0, 0
   return info
+end
+
+local function over_quota(q, size)
+  return (q.maxbytes > 0 and q.bytes + size > q.maxbytes)
+    or (q.maxmsgs > 0 and q.count + 1 > q.maxmsgs)
+end
+
+-- Ring overflow: drop the oldest messages not yet delivered until `size` more fits.
+-- False when only delivered (unsettled) messages are left to drop.
+local function drop_oldest(q, size)
+  if not q.delivered_upto then
+    q.delivered_upto = '0-0'
+    for _, g in ipairs(redis.call('XINFO', 'GROUPS', q.stream)) do
+      for i = 1, #g, 2 do
+        if g[i] == 'last-delivered-id' then q.delivered_upto = g[i + 1] end
+      end
+    end
+  end
+  while over_quota(q, size) do
+    local e = redis.call('XRANGE', q.stream, '(' .. q.delivered_upto, '+', 'COUNT', 1)
+    if #e == 0 then return false end
+    local blob = entry_blob(e[1][2]) or ''
+    redis.call('XDEL', q.stream, e[1][1])
+    q.delivered_upto = e[1][1]
+    q.count = q.count - 1
+    q.bytes = q.bytes - #blob
+    q.dropped = q.dropped + 1
+    q.dropped_bytes = q.dropped_bytes + #blob
+  end
+  return true
 end
 
 -- ARGV: node, nq, queue names..., then per message: k, queue indexes (k)..., direct,
@@ -466,8 +507,16 @@ redis.register_function('gw_spool', function(_, a)
         if direct then code = NOT_FOUND end
       elseif not q.ingress then code = INGRESS_DISABLED
       elseif q.maxsize > 0 and size > q.maxsize then code = TOO_LARGE
-      elseif q.maxbytes > 0 and q.bytes + #blob > q.maxbytes then code = QUOTA_EXCEEDED
-      elseif q.maxmsgs > 0 and q.count + 1 > q.maxmsgs then code = QUEUE_FULL
+      elseif q.blocked then code = FLOW_CONTROLLED
+      elseif over_quota(q, #blob) then
+        if q.overflow == 'ring' and drop_oldest(q, #blob) then
+          targets[#targets + 1] = q
+        elseif q.overflow == 'flow_control' then
+          code = FLOW_CONTROLLED
+          q.blocked = true
+          redis.call('HSET', k_queue_stats(q.name), 'blocked', '1')
+        elseif q.maxbytes > 0 and q.bytes + #blob > q.maxbytes then code = QUOTA_EXCEEDED
+        else code = QUEUE_FULL end
       else targets[#targets + 1] = q end
       if code ~= OK then break end
     end
@@ -512,10 +561,11 @@ redis.register_function('gw_spool', function(_, a)
   end
   local woken = {}
   for _, q in ipairs(qs) do
-    if q.added > 0 or q.replaced then
+    if q.added > 0 or q.replaced or q.dropped > 0 then
       local st = k_queue_stats(q.name)
-      redis.call('HINCRBY', st, 'bytes', q.added_bytes)
-      redis.call('HINCRBY', st, 'msgs', q.added)
+      redis.call('HINCRBY', st, 'bytes', q.added_bytes - q.dropped_bytes)
+      redis.call('HINCRBY', st, 'msgs', q.added - q.dropped)
+      if q.dropped > 0 then redis.call('HINCRBY', st, 'dropped', q.dropped) end
       redis.call('HINCRBY', st, 'spooled', q.added + (q.replaced or 0))
       if q.replaced then redis.call('HINCRBY', st, 'replaced', q.replaced) end
       if not woken[q.wake] then

@@ -25,6 +25,7 @@ TEMPORARY_PREFIX = "#tmp/"
 RESERVED_PREFIXES = ("#", "amq.")
 ACCESS_TYPES = ("exclusive", "non-exclusive")
 GROUP_MODES = ("", "default", "shared")
+OVERFLOW_POLICIES = ("reject", "ring", "flow_control")
 SYNTAXES = ("smf", "mqtt")
 _FORBIDDEN = set("{}'\"<>*?&;") | {chr(c) for c in range(0x20)} | {"\x7f"}
 
@@ -112,6 +113,8 @@ class QueueConfig:
     non_destructive: bool = False  # every consumer browses (Qpid non-destructive consumers)
     lvq_key: str = ""  # a last value queue by this user property (Qpid); see max_spool_bytes
     priorities: bool = False  # deliver by message priority (9 first), FIFO within a priority
+    overflow: str = "reject"  # when full: reject (NACK), ring (drop oldest), flow_control
+    resume_percent: int = 80  # flow control: publishers resume below this share of the limit
     created_ms: int = field(default=0, compare=False)
 
     def validate(self, *, reserved_ok: bool = False) -> None:
@@ -143,6 +146,10 @@ class QueueConfig:
             raise QueueError("invalid", "only non-exclusive queues can be partitioned")
         if self.message_groups not in GROUP_MODES:
             raise QueueError("invalid", "message_groups must be '', 'default' or 'shared'")
+        if self.overflow not in OVERFLOW_POLICIES:
+            raise QueueError("invalid", f"overflow must be one of {', '.join(OVERFLOW_POLICIES)}")
+        if not 1 <= self.resume_percent <= 100:
+            raise QueueError("invalid", "resume_percent must be from 1 to 100")
         if self.priorities and (self.partition_count or self.message_groups):
             raise QueueError("invalid", "a priority queue cannot be partitioned or grouped")
         if self.non_destructive and self.partition_count:
@@ -179,6 +186,8 @@ class QueueConfig:
             "non_destructive": self.non_destructive,
             "lvq_key": self.lvq_key,
             "priorities": self.priorities,
+            "overflow": self.overflow,
+            "resume_percent": self.resume_percent,
             "created_ms": self.created_ms,
         }
         out: list[str] = []
@@ -213,6 +222,8 @@ class QueueConfig:
             non_destructive=h.get("non_destructive", "0") == "1",
             lvq_key=h.get("lvq_key", ""),
             priorities=h.get("priorities", "0") == "1",
+            overflow=h.get("overflow", "reject"),
+            resume_percent=int(h.get("resume_percent", 80)),
             created_ms=int(h.get("created_ms", 0)),
         )
 
@@ -337,6 +348,8 @@ class QueueStore:
     async def update(self, name: str, changes: dict[str, Any]) -> QueueConfig:
         """Change run-time settings (ingress / egress switches, limits)."""
         allowed = {
+            "overflow",
+            "resume_percent",
             "ingress_enabled",
             "egress_enabled",
             "max_message_size",

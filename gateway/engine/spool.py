@@ -20,6 +20,7 @@ from gateway.model import Outcome
 
 MAX_BATCH_MESSAGES = 512
 MAX_BATCH_BYTES = 4 * 1024 * 1024
+FLOW_CONTROL_RETRY = 0.05  # seconds between offers of flow-controlled messages
 
 
 @dataclass(slots=True)
@@ -55,6 +56,8 @@ class Spooler:
         self.batches = 0
         self.messages = 0  # stored (outcome OK)
         self.refused: dict[str, int] = {}  # outcome name (or redis_error) -> count
+        self._held: list[_Pending] = []  # refused by producer flow control, retried
+        self.flow_controlled = 0
 
     def submit(
         self,
@@ -134,8 +137,12 @@ class Spooler:
         codes = await self._redis.fcall("gw_spool", 0, self._node, len(index), *index.keys(), *body)
         self.batches += 1
         stored: set[str] = set()
+        held: list[_Pending] = []
         for p, code in zip(batch, codes, strict=False):
             outcome = Outcome(code)
+            if outcome is Outcome.FLOW_CONTROLLED:
+                held.append(p)  # the publisher's ack waits until the queue drains
+                continue
             if outcome is Outcome.OK:
                 stored.update(p.queues)
                 self.messages += 1
@@ -146,3 +153,14 @@ class Spooler:
                 p.future.set_result(outcome)
         if stored and self._on_spooled is not None:
             self._on_spooled(stored)
+        if held:
+            self.flow_controlled += len(held)
+            if not self._held:
+                asyncio.get_running_loop().call_later(FLOW_CONTROL_RETRY, self._retry_held)
+            self._held.extend(held)
+
+    def _retry_held(self) -> None:
+        """Offer flow-controlled messages again, ahead of newer ones (order per publisher)."""
+        self._pending[:0], self._held = self._held, []
+        if self._task is None and self._pending:
+            self._task = asyncio.get_running_loop().create_task(self._run())
