@@ -389,7 +389,8 @@ local function spool_target(name)
   local c = redis.call('HMGET', k_queue_config(name), 'ingress', 'max_message_size',
     'max_spool_bytes', 'max_messages', 'partition_count', 'parent', 'message_groups',
     'max_ttl_ms', 'lvq_key', 'priorities', 'overflow', 'resume_percent')
-  local info = { name = name, added = 0, added_bytes = 0, wake = c[6] or name }
+  local info = { name = name, added = 0, added_bytes = 0, dropped = 0, dropped_bytes = 0,
+    wake = c[6] or name }
   if not c[1] then
     info.missing = true
     return info
@@ -422,7 +423,6 @@ local function spool_target(name)
       redis.call('HDEL', k_queue_stats(name), 'blocked')
     end
   end
-  info.dropped, info.dropped_bytes = 0, 0
   return info
 end
 
