@@ -1,6 +1,6 @@
 """Receive messages from a gateway queue with a stock Qpid Proton client.
 
-    python examples/amqp_receive.py orders [--url amqp://127.0.0.1:5672] [--count 1]
+python examples/amqp_receive.py orders [--url amqp://127.0.0.1:5672] [--count 1]
 """
 
 from __future__ import annotations

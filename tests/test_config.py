@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from gateway.config import AclRule, ConfigError, Settings, User, load_settings
-from gateway.engine.queues import QueueConfig, QueueError
+from gateway.engine.queues import QueueConfig
 
 # The example from ARCHITECTURE.md, section "Configuration and operation", verbatim.
 ARCHITECTURE_EXAMPLE = """\
@@ -40,7 +40,6 @@ respect_ttl = true
 max_spool_bytes = 100000000          # 0: last value queue
 max_message_size = 1048576
 """
-
 
 
 def write(tmp_path: Path, text: str, name: str = "gateway.toml") -> str:
