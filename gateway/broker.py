@@ -13,7 +13,11 @@ Publishing
 Consuming
     ``flow = await broker.bind(queue, on_deliver, window=N, credit=None, on_closed=cb)``
     binds a consumer flow; raises `BindError` ('not_found', 'egress_disabled',
-    'invalid_selector' with the error position in its message, 'unsupported').
+    'invalid_selector' with the error position in its message, 'unsupported',
+    'unauthorized', 'resource_locked'). Pass the client's ``user=`` (and ``connection=``
+    id) so ownership, permissions and RabbitMQ-exclusive queues are enforced; calls
+    without them are the operator's. ``delete_queue`` / ``subscribe_queue`` take ``user=``
+    too (QueueError 'unauthorized').
     ``selector="color = 'red' AND weight > 10"`` (JMS / SQL-92): the flow gets only matching
     messages; the others stay for other consumers. ``browse=True`` reads the queue oldest to
     newest without taking anything (AMQP distribution-mode copy; settling only frees the
@@ -75,6 +79,7 @@ from gateway.engine.flows import (
     Flow,
 )
 from gateway.engine.leases import NodeLiveness, new_node_id
+from gateway.engine.permissions import BROWSE, CONSUME, DELETE, MODIFY_TOPIC, allowed
 from gateway.engine.queues import (
     QueueConfig,
     QueueError,
@@ -254,7 +259,11 @@ class Broker:
         selector: str | None = None,
         browse: bool = False,
         replay_ms: int = 0,
+        user: str | None = None,
+        connection: str | None = None,
     ) -> Flow:
+        if user is not None or connection is not None:
+            await self._check_access(queue, user, connection, BROWSE if browse else CONSUME)
         if queue not in self.dispatcher.flows:
             await self.events.watch_queue(queue)  # before the first fetch: no missed wake-up
         try:
@@ -277,6 +286,29 @@ class Broker:
         self._spawn(self.events.unwatch_queue(queue))
 
     # -- provisioning ----------------------------------------------------------------------
+
+    async def _require(self, queue: str, user: str | None, needed: str) -> None:
+        """Raise QueueError 'unauthorized' unless `user` has the level (None: operator)."""
+        if user is None:
+            return
+        config = await self.queues.config(queue)
+        if not allowed(config.owner, config.permission, user, needed):
+            raise QueueError("unauthorized", f"user {user!r} may not {needed} queue {queue!r}")
+
+    async def _check_access(
+        self, queue: str, user: str | None, connection: str | None, needed: str
+    ) -> None:
+        """Ownership, permission and RabbitMQ-exclusive checks for a client's request."""
+        try:
+            config = await self.queues.config(queue)
+        except QueueError as exc:
+            raise BindError("not_found", str(exc)) from None
+        if config.owner_connection and connection != config.owner_connection:
+            raise BindError(
+                "resource_locked", f"queue {queue!r} is exclusive to another connection"
+            )
+        if not allowed(config.owner, config.permission, user, needed):
+            raise BindError("unauthorized", f"user {user!r} may not {needed} queue {queue!r}")
 
     async def declare_queue(
         self, config: QueueConfig, subscriptions: Iterable[tuple[str, str]] = ()
@@ -302,8 +334,9 @@ class Broker:
         return name
 
     async def subscribe_queue(
-        self, queue: str, patterns: Iterable[str], syntax: str = "smf"
+        self, queue: str, patterns: Iterable[str], syntax: str = "smf", user: str | None = None
     ) -> int:
+        await self._require(queue, user, MODIFY_TOPIC)
         changed = await self.queues.change_subscriptions(
             queue, "add", [(p, syntax) for p in patterns]
         )
@@ -311,15 +344,17 @@ class Broker:
         return changed
 
     async def unsubscribe_queue(
-        self, queue: str, patterns: Iterable[str], syntax: str = "smf"
+        self, queue: str, patterns: Iterable[str], syntax: str = "smf", user: str | None = None
     ) -> int:
+        await self._require(queue, user, MODIFY_TOPIC)
         changed = await self.queues.change_subscriptions(
             queue, "remove", [(p, syntax) for p in patterns]
         )
         await self.router.reload()
         return changed
 
-    async def delete_queue(self, queue: str) -> None:
+    async def delete_queue(self, queue: str, user: str | None = None) -> None:
+        await self._require(queue, user, DELETE)
         await self.queues.delete(queue)
         await self.router.reload()
 

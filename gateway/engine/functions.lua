@@ -45,6 +45,7 @@ local function entry_blob(fields)
 end
 
 local rebalance -- forward declaration: release_flow and rebalance call each other
+local delete_queue -- forward declaration: release_flow deletes auto-delete queues
 
 local function partition_count(q)
   return tonumber(redis.call('HGET', k_queue_config(q), 'partition_count') or '0') or 0
@@ -134,10 +135,14 @@ local function release_flow(q, flow, no_rebalance)
     moved = moved + release_flow(child, flow, true)
   end
   if partition_count(q) > 0 and not no_rebalance then rebalance(q, now_ms()) end
+  local c = redis.call('HMGET', k_queue_config(q), 'auto_delete', 'parent')
+  if c[1] == '1' and not c[2] and redis.call('ZCARD', k_queue_flows(q)) == 0 then
+    delete_queue(q)  -- its last consumer went (RabbitMQ auto-delete)
+  end
   return moved
 end
 
-local function delete_queue(q)
+delete_queue = function(q)
   if redis.call('EXISTS', k_queue_config(q)) == 0 then return 0 end
   for _, child in ipairs(children(q)) do delete_queue(child) end
   redis.call('DEL', k_queue_parts(q), k_queue_groups(q), k_queue_group_held(q),

@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 
 from gateway.engine import keys
 from gateway.engine.partitions import PartitionMap
+from gateway.engine.permissions import LEVELS
 from gateway.topics import TopicError, parse_pattern
 
 MAX_NAME_BYTES = 255
@@ -39,6 +40,7 @@ class QueueError(Exception):
         "exists": 409,
         "precondition_failed": 409,
         "unsupported": 400,
+        "unauthorized": 403,
     }
 
     def __init__(self, code: str, message: str) -> None:
@@ -113,6 +115,9 @@ class QueueConfig:
     non_destructive: bool = False  # every consumer browses (Qpid non-destructive consumers)
     lvq_key: str = ""  # a last value queue by this user property (Qpid); see max_spool_bytes
     priorities: bool = False  # deliver by message priority (9 first), FIFO within a priority
+    permission: str = "delete"  # what users other than the owner may do (permissions.LEVELS)
+    auto_delete: bool = False  # deleted when its last consumer goes (RabbitMQ)
+    owner_connection: str = ""  # RabbitMQ exclusive: only this connection may use it
     overflow: str = "reject"  # when full: reject (NACK), ring (drop oldest), flow_control
     resume_percent: int = 80  # flow control: publishers resume below this share of the limit
     created_ms: int = field(default=0, compare=False)
@@ -146,6 +151,8 @@ class QueueConfig:
             raise QueueError("invalid", "only non-exclusive queues can be partitioned")
         if self.message_groups not in GROUP_MODES:
             raise QueueError("invalid", "message_groups must be '', 'default' or 'shared'")
+        if self.permission not in LEVELS:
+            raise QueueError("invalid", f"permission must be one of {', '.join(LEVELS)}")
         if self.overflow not in OVERFLOW_POLICIES:
             raise QueueError("invalid", f"overflow must be one of {', '.join(OVERFLOW_POLICIES)}")
         if not 1 <= self.resume_percent <= 100:
@@ -186,6 +193,9 @@ class QueueConfig:
             "non_destructive": self.non_destructive,
             "lvq_key": self.lvq_key,
             "priorities": self.priorities,
+            "permission": self.permission,
+            "auto_delete": self.auto_delete,
+            "owner_connection": self.owner_connection,
             "overflow": self.overflow,
             "resume_percent": self.resume_percent,
             "created_ms": self.created_ms,
@@ -222,6 +232,9 @@ class QueueConfig:
             non_destructive=h.get("non_destructive", "0") == "1",
             lvq_key=h.get("lvq_key", ""),
             priorities=h.get("priorities", "0") == "1",
+            permission=h.get("permission", "delete"),
+            auto_delete=h.get("auto_delete", "0") == "1",
+            owner_connection=h.get("owner_connection", ""),
             overflow=h.get("overflow", "reject"),
             resume_percent=int(h.get("resume_percent", 80)),
             created_ms=int(h.get("created_ms", 0)),
@@ -233,7 +246,11 @@ class QueueConfig:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> QueueConfig:
         """Build from user input (TOML table, JSON body); unknown fields are an error."""
-        known = {f.name for f in dataclasses.fields(cls)} - {"owner_node", "created_ms"}
+        known = {f.name for f in dataclasses.fields(cls)} - {
+            "owner_node",
+            "created_ms",
+            "owner_connection",
+        }
         unknown = sorted(set(data) - known - {"subscriptions"})
         if unknown:
             raise QueueError("invalid", f"unknown queue properties: {', '.join(unknown)}")
@@ -348,6 +365,7 @@ class QueueStore:
     async def update(self, name: str, changes: dict[str, Any]) -> QueueConfig:
         """Change run-time settings (ingress / egress switches, limits)."""
         allowed = {
+            "permission",
             "overflow",
             "resume_percent",
             "ingress_enabled",
