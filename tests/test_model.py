@@ -273,6 +273,7 @@ ACCEPTED = {
     Outcome.TOO_LARGE: False,
     Outcome.QUOTA_EXCEEDED: False,
     Outcome.QUEUE_FULL: False,
+    Outcome.FLOW_CONTROLLED: False,  # never reaches a publisher: the spooler retries
 }
 
 
@@ -295,6 +296,7 @@ def test_outcome_codes_are_stable() -> None:
         ("TOO_LARGE", 4),
         ("QUOTA_EXCEEDED", 5),
         ("QUEUE_FULL", 6),
+        ("FLOW_CONTROLLED", 7),
     ]
 
 
