@@ -9,30 +9,43 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import shutil
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
 from proton import (
+    Connection,
     ConnectionException,
+    Described,
     Disposition,
     Message,
     Terminus,
     Timeout,
+    Transport,
     symbol,
     ubyte,
+    ulong,
 )
 from proton.handlers import MessagingHandler
-from proton.reactor import AtMostOnce, Container, LinkOption, Selector
+from proton.reactor import (
+    AtMostOnce,
+    Container,
+    DurableSubscription,
+    Filter,
+    LinkOption,
+    Selector,
+)
 from proton.utils import BlockingConnection, LinkDetached
 
 from gateway.broker import Broker, QueueConfig
 from gateway.config import Settings, User
+from gateway.model import Message as GatewayMessage
 from protocols.amqp import connection
 from protocols.amqp.listener import Listener, start
 from protocols.amqp.sasl import AMQP_HEADER, SASL_HEADER
@@ -47,6 +60,29 @@ async def amqp(broker: Broker) -> AsyncIterator[Listener]:
     assert listener is not None
     yield listener
     await listener.close()
+
+
+async def queued(broker: Broker, queue: str, expected: int) -> int:
+    """The queue's message count once it equals `expected` (or at the deadline): acks and
+    unbinds reach Redis a little after a client has returned."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + TIMEOUT
+    while (count := (await broker.queues.info(queue)).messages) != expected:
+        if loop.time() > deadline:
+            break
+        await asyncio.sleep(0.02)
+    return count
+
+
+async def durable_queues(broker: Broker, expected: int) -> list[str]:
+    """The durable subscription queues, once there are `expected` of them (or at the deadline)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + TIMEOUT
+    while True:
+        names = [n for n in await broker.queues.names() if n.startswith("#dts/")]
+        if len(names) == expected or loop.time() > deadline:
+            return names
+        await asyncio.sleep(0.02)
 
 
 def url(listener: Listener, user: str | None = None, password: str | None = None) -> str:
@@ -310,27 +346,119 @@ async def test_dynamic_reply_to(broker: Broker, amqp: Listener) -> None:
     assert addr and not await broker.queues.exists(addr[0])  # deleted with its link
 
 
-async def test_drain(broker: Broker, amqp: Listener) -> None:
+async def test_drain_is_exact(broker: Broker, amqp: Listener) -> None:
     await broker.queues.create(QueueConfig(name="d"))
 
-    def client() -> tuple[list[bytes], int]:
+    def client() -> tuple[list[bytes], int, bool]:
         conn = BlockingConnection(url(amqp), timeout=TIMEOUT)
         try:
             snd = conn.create_sender("d")
             for i in range(2):
                 snd.send(Message(body=f"{i}".encode()))
             rcv = conn.create_receiver("d", credit=0)
+            fetched = rcv.fetcher
             rcv.link.drain(10)
-            conn.wait(lambda: not rcv.link.draining(), timeout=TIMEOUT)
+            conn.wait(lambda: fetched.has_message == 2 and not rcv.link.draining(), timeout=TIMEOUT)
             credit = rcv.link.credit  # the gateway gave back the 8 it could not use
-            messages = [rcv.receive(TIMEOUT) for _ in range(2)]
+            messages = [fetched.pop() for _ in range(2)]
             bodies = [bytes(m.body) for m in messages]  # a body is a view into its message
             rcv.accept()
-            return bodies, credit
+            rcv.accept()
+            snd.send(Message(body=b"after the drain"))  # no credit left: must stay queued
+            with contextlib.suppress(Timeout):
+                conn.wait(lambda: fetched.has_message > 0, timeout=0.3)
+            return bodies, credit, fetched.has_message > 0
         finally:
             conn.close()
 
-    assert await asyncio.to_thread(client) == ([b"0", b"1"], 0)
+    assert await asyncio.to_thread(client) == ([b"0", b"1"], 0, False)
+    assert await queued(broker, "d", 1) == 1
+
+
+async def test_drain_on_exclusive_standby(broker: Broker, amqp: Listener) -> None:
+    """A standby cannot fetch, so nothing would report it empty: its drain ends at once."""
+    await broker.queues.create(QueueConfig(name="ex", access_type="exclusive"))
+
+    def client() -> tuple[int, bytes]:
+        conn = BlockingConnection(url(amqp), timeout=TIMEOUT)
+        try:
+            conn.create_sender("ex").send(Message(body=b"for the active one"))
+            active = conn.create_receiver("ex", name="active", credit=0)
+            standby = conn.create_receiver("ex", name="standby", credit=0)
+            standby.link.drain(5)
+            conn.wait(lambda: not standby.link.draining(), timeout=TIMEOUT)
+            msg = active.receive(TIMEOUT)
+            active.accept()
+            return standby.link.credit, bytes(msg.body)
+        finally:
+            conn.close()
+
+    assert await asyncio.to_thread(client) == (0, b"for the active one")
+
+
+class Drainer(MessagingHandler):
+    """Container client that only ever drains: `link.drain(3)` until a drain comes back
+    short (credit used up by transfers, or handed back by the gateway's drained flow)."""
+
+    def __init__(self, url: str, queue: str) -> None:
+        super().__init__(prefetch=0)
+        self.url, self.queue = url, queue
+        self.received: list[bytes] = []
+        self.drains = 0
+        self.draining = False
+        self.error: str | None = None
+
+    def on_start(self, event) -> None:
+        self.conn = event.container.connect(self.url)
+        event.container.create_receiver(self.conn, self.queue)
+        self.timer = event.container.schedule(TIMEOUT, self)
+
+    def on_link_opened(self, event) -> None:
+        self._drain(event.receiver)
+
+    def _drain(self, link) -> None:
+        self.draining = True
+        link.drain(3)
+
+    def on_message(self, event) -> None:
+        self.received.append(bytes(event.message.body))
+        self._check(event.receiver)
+
+    def on_link_flow(self, event) -> None:
+        if event.receiver is not None:
+            self._check(event.receiver)
+
+    def _check(self, link) -> None:
+        if not self.draining or link.draining() or link.credit or link.queued:
+            return
+        self.draining = False
+        self.drains += 1
+        if self.drains < 10 and len(self.received) == 3 * self.drains:
+            self._drain(link)  # the last drain came back full: there may be more
+        else:
+            self.timer.cancel()
+            link.connection.close()
+
+    def on_timer_task(self, event) -> None:
+        self.error = "timed out"
+        self.conn.close()
+
+
+async def test_container_drain_until_empty(broker: Broker, amqp: Listener) -> None:
+    await broker.queues.create(QueueConfig(name="drained"))
+    for i in range(7):
+        await broker.publish(GatewayMessage("drained", f"{i}".encode(), to_queue=True))
+    handler = Drainer(url(amqp), "drained")
+
+    def run() -> None:
+        container = Container(handler)
+        container.timeout = TIMEOUT
+        container.run()
+
+    await asyncio.wait_for(asyncio.to_thread(run), TIMEOUT * 2)
+    assert handler.error is None
+    assert handler.received == [f"{i}".encode() for i in range(7)]
+    assert handler.drains == 3  # 3 + 3 + 1: the third drain ended early, exactly
 
 
 async def test_heartbeats_keep_an_idle_client(broker: Broker, amqp: Listener) -> None:
@@ -754,29 +882,238 @@ class Browse(LinkOption):
         link.source.distribution_mode = Terminus.DIST_MODE_COPY
 
 
-async def test_unsupported_source_features_are_not_pretended(
-    broker: Broker, amqp: Listener
-) -> None:
-    await broker.queues.create(QueueConfig(name="plain"))
+def echoed_filter(rcv) -> dict:
+    """The filter map the gateway echoed on attach (the filters it applies)."""
+    data = rcv.link.remote_source.filter
+    data.rewind()
+    return data.get_object() if data.next() else {}
 
-    def client() -> tuple[str, bool]:
+
+JMS_SELECTOR_CODE = ulong(0x0000468C00000004)
+
+
+async def test_selectors_symbolic_and_numeric_descriptor(broker: Broker, amqp: Listener) -> None:
+    await broker.queues.create(QueueConfig(name="paint"))
+
+    def client() -> tuple[list[str], list[str], dict, dict, str]:
         conn = BlockingConnection(url(amqp), timeout=TIMEOUT)
         try:
-            with pytest.raises(LinkDetached) as info:
-                conn.create_receiver("plain", options=Browse())
-            # a new link name: proton sends this attach before the refused link's detach
-            rcv = conn.create_receiver(
-                "plain", name="selecting", credit=1, options=Selector("colour = 'red'")
+            snd = conn.create_sender("paint")
+            for i, colour in enumerate(["red", "blue", "red", "green", "blue"]):
+                snd.send(Message(body=f"{colour}{i}".encode(), properties={"colour": colour}))
+            reds = conn.create_receiver(
+                "paint", name="reds", credit=10, options=Selector("colour = 'red'")
             )
-            filters = rcv.link.remote_source.filter
-            filters.rewind()
-            return str(info.value), filters.next() is None
+            jms = {symbol("jms-selector"): Described(JMS_SELECTOR_CODE, "colour = 'blue'")}
+            blues = conn.create_receiver("paint", name="blues", credit=10, options=Filter(jms))
+            got = []
+            for rcv in (reds, blues):
+                messages = [rcv.receive(TIMEOUT) for _ in range(2)]
+                got.append([bytes(m.body).decode() for m in messages])
+                rcv.accept()
+                rcv.accept()
+            with pytest.raises(LinkDetached) as info:
+                conn.create_receiver("paint", name="bad", options=Selector("colour = = 'x'"))
+            return got[0], got[1], echoed_filter(reds), echoed_filter(blues), str(info.value)
         finally:
             conn.close()
 
-    refused, no_filter = await asyncio.to_thread(client)
-    assert "amqp:not-implemented" in refused  # browsing would consume the messages
-    assert no_filter  # the selector is not echoed, so the client knows it is not applied
+    reds, blues, red_filter, blue_filter, refused = await asyncio.to_thread(client)
+    assert reds == ["red0", "red2"] and blues == ["blue1", "blue4"]
+    assert red_filter == {
+        symbol("selector"): Described(symbol("apache.org:selector-filter:string"), "colour = 'red'")
+    }
+    assert blue_filter == {symbol("jms-selector"): Described(JMS_SELECTOR_CODE, "colour = 'blue'")}
+    assert "amqp:invalid-field" in refused and "position" in refused
+    assert await queued(broker, "paint", 1) == 1  # green: left for others
+
+
+async def test_browse_takes_nothing(broker: Broker, amqp: Listener) -> None:
+    await broker.queues.create(QueueConfig(name="shelf"))
+
+    def client() -> tuple[list[bytes], int, list[bytes]]:
+        conn = BlockingConnection(url(amqp), timeout=TIMEOUT)
+        try:
+            snd = conn.create_sender("shelf")
+            for i in range(4):
+                snd.send(Message(body=f"b{i}".encode()))
+            browser = conn.create_receiver("shelf", name="browser", credit=10, options=Browse())
+            mode = browser.link.remote_source.distribution_mode
+            seen = [browser.receive(TIMEOUT) for _ in range(4)]
+            for _ in seen:
+                browser.accept()  # settling a browsed message only frees the window
+            browsed = [bytes(m.body) for m in seen]
+            browser.close()
+            consumer = conn.create_receiver("shelf", name="consumer", credit=10)
+            taken = [consumer.receive(TIMEOUT) for _ in range(4)]
+            for _ in taken:
+                consumer.accept()
+            return browsed, mode, [bytes(m.body) for m in taken]
+        finally:
+            conn.close()
+
+    browsed, mode, taken = await asyncio.to_thread(client)
+    expected = [f"b{i}".encode() for i in range(4)]
+    assert browsed == expected and taken == expected
+    assert mode == Terminus.DIST_MODE_COPY  # echoed: the client knows it browses
+    assert await queued(broker, "shelf", 0) == 0
+
+
+async def test_durable_topic_subscription(broker: Broker, amqp: Listener) -> None:
+    def subscribe_then_detach() -> bytes:
+        conn = BlockingConnection(url(amqp), timeout=TIMEOUT, container_id="jms-client-1")
+        try:
+            sub = conn.create_receiver(
+                "topic://news/>", name="sub1", credit=10, options=DurableSubscription()
+            )
+            conn.create_sender("topic://news/a").send(Message(body=b"while attached"))
+            msg = sub.receive(TIMEOUT)
+            sub.accept()
+            sub.link.detach()  # detach without closing: the subscription stays
+            return bytes(msg.body)
+        finally:
+            conn.close()
+
+    def publish(body: bytes) -> None:
+        conn = BlockingConnection(url(amqp), timeout=TIMEOUT)
+        try:
+            conn.create_sender("topic://news/b").send(Message(body=body))
+        finally:
+            conn.close()
+
+    def resume_then_close() -> list[bytes]:
+        conn = BlockingConnection(url(amqp), timeout=TIMEOUT, container_id="jms-client-1")
+        try:
+            sub = conn.create_receiver(
+                "topic://news/>", name="sub1", credit=10, options=DurableSubscription()
+            )
+            messages = [sub.receive(TIMEOUT) for _ in range(2)]
+            sub.accept()
+            sub.accept()
+            sub.close()  # closing the link ends the subscription (JMS unsubscribe)
+            return [bytes(m.body) for m in messages]
+        finally:
+            conn.close()
+
+    assert await asyncio.to_thread(subscribe_then_detach) == b"while attached"
+    [queue] = await durable_queues(broker, 1)
+    assert (await broker.queues.config(queue)).durable
+    await asyncio.to_thread(publish, b"missed 1")
+    await asyncio.to_thread(publish, b"missed 2")
+    assert (await broker.queues.info(queue)).messages == 2  # kept while nobody is attached
+    assert await asyncio.to_thread(resume_then_close) == [b"missed 1", b"missed 2"]
+    assert await durable_queues(broker, 0) == []
+
+
+async def test_durable_subscription_unsubscribe_by_lookup(broker: Broker, amqp: Listener) -> None:
+    """Qpid JMS unsubscribe: attach the subscription's link name with a null source address,
+    then close the link. A bad selector leaves no subscription behind."""
+
+    def client() -> tuple[str, str, int, str]:
+        conn = BlockingConnection(url(amqp), timeout=TIMEOUT, container_id="jms-client-2")
+        try:
+            with pytest.raises(LinkDetached) as bad:
+                conn.create_receiver(
+                    "topic://x/y",
+                    name="bad",
+                    options=[DurableSubscription(), Selector("a = = 1")],
+                )
+            sub = conn.create_receiver(  # Qpid JMS style: a bare name marked as a topic
+                "x/y", name="sub2", credit=10, options=[DurableSubscription(), Capability("topic")]
+            )
+            sub.link.detach()
+            with pytest.raises(LinkDetached) as missing:
+                conn.create_receiver(None, name="never-subscribed")
+            lookup = conn.create_receiver(None, name="sub2", credit=0)
+            source = lookup.link.remote_source
+            found = source.address, source.durability
+            lookup.close()
+            return *found, str(bad.value) + str(missing.value)
+        finally:
+            conn.close()
+
+    address, durability, refusals = await asyncio.to_thread(client)
+    assert (address, durability) == ("topic://x/y", Terminus.DELIVERIES)
+    assert "amqp:invalid-field" in refusals and "amqp:not-found" in refusals
+    assert await durable_queues(broker, 0) == []
+
+
+async def test_dead_lettered_message_annotations(broker: Broker, amqp: Listener) -> None:
+    await broker.declare_queue(QueueConfig(name="#DEAD_MSG_QUEUE"))
+    await broker.queues.create(QueueConfig(name="q", dmq_eligible_default=True))
+    await broker.queues.create(QueueConfig(name="q2"))
+
+    def client() -> tuple[dict, dict, bytes]:
+        conn = BlockingConnection(url(amqp), timeout=TIMEOUT)
+        try:
+            conn.create_sender("q").send(Message(body=b"poison"))
+            eligible = Message(body=b"opted in")
+            eligible.annotations = {symbol("x-opt-dmq-eligible"): True}
+            conn.create_sender("q2").send(eligible)
+            received = {}
+            for queue in ("q", "q2"):
+                rcv = conn.create_receiver(queue, credit=1)
+                received[queue] = rcv.receive(TIMEOUT)
+                assert received[queue].annotations[symbol("x-opt-jms-dest")] == 0
+                rcv.reject()
+            dmq = conn.create_receiver("#DEAD_MSG_QUEUE", credit=10)
+            dead = {}
+            for _ in range(2):
+                msg = dmq.receive(TIMEOUT)
+                dmq.accept()
+                dead[msg.annotations[symbol("x-origin-queue")]] = msg
+            return (
+                {str(k): v for k, v in dead["q"].annotations.items()},
+                {str(k): v for k, v in dead["q2"].annotations.items()},
+                bytes(dead["q"].body),
+            )
+        finally:
+            conn.close()
+
+    first, second, body = await asyncio.to_thread(client)
+    assert first["x-origin-queue"] == "q" and first["x-dmq-reason"] == "rejected"
+    assert second["x-origin-queue"] == "q2" and second["x-dmq-reason"] == "rejected"
+    assert body == b"poison"
+
+
+async def test_topic_egress_says_topic(broker: Broker, amqp: Listener) -> None:
+    def client() -> tuple[str, int]:
+        conn = BlockingConnection(url(amqp), timeout=TIMEOUT)
+        try:
+            sub = conn.create_receiver("topic://t/x", credit=1)
+            conn.create_sender("topic://t/x").send(Message(body=b"news"))
+            msg = sub.receive(TIMEOUT)
+            sub.accept()
+            return msg.address, msg.annotations[symbol("x-opt-jms-dest")]
+        finally:
+            conn.close()
+
+    assert await asyncio.to_thread(client) == ("topic://t/x", 1)
+
+
+async def test_receiver_without_credit_holds_nothing(broker: Broker, amqp: Listener) -> None:
+    await broker.queues.create(QueueConfig(name="stingy"))
+
+    def client() -> list[bytes]:
+        conn = BlockingConnection(url(amqp), timeout=TIMEOUT)
+        try:
+            idle = conn.create_receiver("stingy", name="idle", credit=0)
+            snd = conn.create_sender("stingy")
+            for i in range(3):
+                snd.send(Message(body=f"s{i}".encode()))
+            with contextlib.suppress(Timeout):
+                conn.wait(lambda: idle.fetcher.has_message > 0, timeout=0.3)
+            assert idle.fetcher.has_message == 0
+            worker = conn.create_receiver("stingy", name="worker", credit=10)
+            messages = [worker.receive(TIMEOUT) for _ in range(3)]
+            for _ in messages:
+                worker.accept()
+            return [bytes(m.body) for m in messages]
+        finally:
+            conn.close()
+
+    assert await asyncio.to_thread(client) == [b"s0", b"s1", b"s2"]
+    assert await queued(broker, "stingy", 0) == 0
 
 
 async def test_relay_honours_jms_destination_annotation(broker: Broker, amqp: Listener) -> None:
@@ -798,3 +1135,58 @@ async def test_relay_honours_jms_destination_annotation(broker: Broker, amqp: Li
     assert as_topic == (Disposition.ACCEPTED, None)
     assert as_queue == (Disposition.REJECTED, "amqp:not-found")  # no queue of that name
     assert (await broker.queues.info("jms-topic-sub")).messages == 1
+
+
+async def test_client_vanishing_mid_transfer(
+    broker: Broker, amqp: Listener, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A sans-IO proton client sends half of a multi-frame message, then drops the socket."""
+    await broker.queues.create(QueueConfig(name="halfway"))
+    conn, transport = Connection(), Transport()
+    transport.bind(conn)
+    conn.open()
+    session = conn.session()
+    session.open()
+    snd = session.sender("halfway-sender")
+    snd.target.address = "halfway"
+    snd.open()
+    reader, writer = await asyncio.open_connection("127.0.0.1", amqp.port)
+
+    async def exchange_until(done: Callable[[], bool]) -> None:
+        deadline = asyncio.get_running_loop().time() + TIMEOUT
+        while not done():
+            if (pending := transport.pending()) > 0:
+                writer.write(transport.peek(pending))
+                transport.pop(pending)
+            timeout = deadline - asyncio.get_running_loop().time()
+            transport.push(await asyncio.wait_for(reader.read(65536), max(timeout, 0.01)))
+
+    await exchange_until(lambda: snd.credit > 0)
+    assert transport.remote_max_frame_size < 100_000  # so the message takes many frames
+    snd.delivery(b"1")
+    snd.send(Message(body=b"x" * 300_000).encode())
+    snd.advance()
+    wire = b""
+    while (pending := transport.pending()) > 0:
+        wire += transport.peek(pending)
+        transport.pop(pending)
+    assert len(wire) > 300_000
+    writer.write(wire[: len(wire) // 2])  # a few whole transfer frames, then a cut one
+    await writer.drain()
+    writer.transport.abort()  # gone without a detach, a close or the rest of the message
+    transport.unbind()
+
+    def other_client() -> bytes:
+        conn = BlockingConnection(url(amqp), timeout=TIMEOUT)
+        try:
+            conn.create_sender("halfway").send(Message(body=b"whole"))
+            rcv = conn.create_receiver("halfway", credit=10)
+            msg = rcv.receive(TIMEOUT)
+            rcv.accept()
+            return bytes(msg.body)
+        finally:
+            conn.close()
+
+    assert await asyncio.to_thread(other_client) == b"whole"  # the half message never landed
+    assert await queued(broker, "halfway", 0) == 0
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

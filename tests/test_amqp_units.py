@@ -6,11 +6,13 @@ import struct
 import time
 
 import pytest
-from proton import Data, Described, Message, symbol, ulong
+from proton import Connection, Data, Described, Link, Message, Terminus, symbol, ulong
+from proton.reactor import DurableSubscription, Filter, LinkOption, Selector
 
+from gateway.broker import QueueConfig
 from gateway.model import Delivery, Publisher
 from gateway.model import Message as GatewayMessage
-from protocols.amqp import mapping
+from protocols.amqp import mapping, terminus
 from protocols.amqp.links import Address, parse_address
 from protocols.amqp.sasl import AMQP_HEADER, SASL_HEADER, SaslServer, State
 
@@ -168,3 +170,64 @@ def test_egress_mapping() -> None:
     assert 55 < amqp.ttl <= 60
     assert amqp.correlation_id == "c"
     assert list(amqp.properties.items()) == [("x", 1), ("y", "z")]
+
+
+def receiver(*options: LinkOption) -> Link:
+    """A receiver link with `options` applied (its terminus is only valid while it lives)."""
+    link = Connection().session().receiver("r")
+    for option in options:
+        option.apply(link)
+    return link
+
+
+def test_selector_is_found_by_descriptor_not_key() -> None:
+    jms = {symbol("jms-selector"): Described(terminus.SELECTOR_CODE, "b > 2")}
+    no_local = {symbol("selector"): Described(symbol("apache.org:no-local-filter:list"), [])}
+    proton_style, jms_style, other, plain = (
+        receiver(Selector("a = 1")),
+        receiver(Filter(jms)),
+        receiver(Filter(no_local)),
+        receiver(),
+    )
+    found = terminus.selector(proton_style.source)
+    assert found is not None and found.text == "a = 1"
+    found = terminus.selector(jms_style.source)
+    assert found is not None and found.text == "b > 2"
+    assert terminus.selector(other.source) is None
+    assert terminus.selector(plain.source) is None
+    found.echo(plain.source)
+    plain.source.filter.rewind()
+    plain.source.filter.next()
+    assert plain.source.filter.get_object() == jms
+
+
+def test_durable_source_and_subscription_queue_name() -> None:
+    durable, plain, configured = receiver(DurableSubscription()), receiver(), receiver()
+    configured.source.durability = Terminus.CONFIGURATION
+    assert terminus.is_durable(durable.source) and terminus.is_durable(configured.source)
+    assert not terminus.is_durable(plain.source)
+    name = terminus.durable_queue_name("client-1", "sub")
+    assert name == f"#dts/{b'client-1'.hex()}/{b'sub'.hex()}"
+    long_name = terminus.durable_queue_name("c" * 200, "s")
+    assert long_name.startswith("#dts/h/") and len(long_name) <= 255
+    assert long_name != terminus.durable_queue_name("c" * 200, "t")
+    for queue in (name, long_name):
+        QueueConfig(name=queue).validate(reserved_ok=True)
+
+
+def test_annotations_both_ways() -> None:
+    amqp = Message(body=b"x")
+    amqp.annotations = {
+        symbol("x-opt-dmq-eligible"): True,
+        symbol("x-opt-delivery-time"): 1_900_000_000_000,
+    }
+    msg = mapping.decode(amqp.encode(), Publisher("amqp")).message
+    assert (msg.dmq_eligible, msg.not_before) == (True, 1_900_000_000_000)
+    assert (
+        mapping.decode(Message(body=b"x").encode(), Publisher("amqp")).message.dmq_eligible is None
+    )
+    dead = GatewayMessage(destination="a/b", annotations={"x-origin-queue": "q"})
+    out = Message()
+    out.decode(mapping.from_delivery(Delivery("#DEAD_MSG_QUEUE", "1-0", dead)).encode())
+    assert out.annotations == {symbol("x-origin-queue"): "q", symbol("x-opt-jms-dest"): 1}
+    assert out.address == "topic://a/b"

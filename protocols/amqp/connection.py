@@ -43,7 +43,8 @@ from proton import (
 from gateway.broker import QueueError
 from gateway.model import Publisher
 from protocols.amqp.links import Endpoint as LinkEndpoint
-from protocols.amqp.links import Inbound, Outbound
+from protocols.amqp.links import Inbound
+from protocols.amqp.outbound import Outbound
 from protocols.amqp.sasl import SaslServer, State
 
 if TYPE_CHECKING:
@@ -247,7 +248,9 @@ class AmqpConnection(asyncio.Protocol):
                 endpoint.on_flow()
         elif kind == Event.LINK_REMOTE_OPEN:
             self._attach(event.link)
-        elif kind in (Event.LINK_REMOTE_CLOSE, Event.LINK_REMOTE_DETACH):
+        elif kind == Event.LINK_REMOTE_CLOSE:
+            self._detach(event.link, ended=True)
+        elif kind == Event.LINK_REMOTE_DETACH:
             self._detach(event.link)
         elif kind == Event.SESSION_REMOTE_OPEN:
             event.session.open()
@@ -285,20 +288,22 @@ class AmqpConnection(asyncio.Protocol):
         if not endpoint.live:
             await endpoint.close()
 
-    def _detach(self, link: Link) -> None:
+    def _detach(self, link: Link, ended: bool = False) -> None:
+        """The client detached the link (`ended`: closed it, so its durable state goes too);
+        session and connection ends only detach. Answered in kind, then the link is freed at
+        once: proton would hand a detached (not closed) link object to a re-attach of the
+        same name, and churn would leak."""
         endpoint = self.endpoints.pop(_key(link), None)
+        if endpoint is None:
+            return  # released already: its session or connection ended first
+        endpoint.closed = True  # from now on nothing may be sent on it
         if not link.state & Endpoint.LOCAL_CLOSED:
-            link.close()
-        if endpoint is not None:
-            endpoint.closed = True  # from now on nothing may be sent on it
-            self.spawn(self._release(endpoint))
-
-    async def _release(self, endpoint: LinkEndpoint) -> None:
-        """Free the proton link once the broker let go of it, so link churn does not leak."""
-        await endpoint.close()
-        if not self.closed:
-            endpoint.link.free()
-            self.wake()
+            if ended:
+                link.close()
+            else:
+                link.detach()
+        link.free()
+        self.spawn(endpoint.close(ended))
 
 
 def _key(link: Link) -> int:

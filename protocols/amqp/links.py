@@ -1,4 +1,4 @@
-"""Link logic: addresses, inbound links (client -> gateway), outbound links (gateway -> client).
+"""Link logic shared by both directions, addresses, and inbound links (client -> gateway).
 
 Addresses: a bare name, ``queue://name`` or ``/queues/<name>`` (RabbitMQ 4) is a queue;
 ``topic://a/b`` is a topic (publish to it, or subscribe with a temporary queue); a bare name
@@ -12,26 +12,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
 from urllib.parse import unquote
 
-from proton import Condition, Data, Delivery, Disposition, Link, Terminus
+from proton import Condition, Delivery, Disposition, Link, Terminus
 
-from gateway.broker import BindError, Broker, Flow, Outcome, QueueError
-from gateway.model import Delivery as GatewayDelivery
+from gateway.broker import Broker, Outcome, QueueError
 from gateway.model import Publisher
 from protocols.amqp import mapping
+from protocols.amqp.terminus import capabilities
 
 log = logging.getLogger(__name__)
 
 CREDIT = 500  # credit granted to publishing clients
-WINDOW = 500  # most unsettled deliveries per outbound link
 MAX_MESSAGE_SIZE = 16 * 1024 * 1024  # advertised on inbound links
-DRAIN_QUIET = 0.02  # seconds without a delivery after which a drain is answered
 
 NOT_FOUND = "amqp:not-found"
 RESOURCE_LIMIT = "amqp:resource-limit-exceeded"
@@ -70,17 +67,6 @@ def _checked(name: str, is_queue: bool) -> Address | None:
     return Address(name, is_queue) if name else None
 
 
-def capabilities(terminus: Terminus) -> frozenset[str]:
-    """The symbols of a terminus' capabilities (a single symbol or an array)."""
-    data: Data = terminus.capabilities
-    data.rewind()
-    if not data.next():
-        return frozenset()
-    obj = data.get_object()
-    values = obj.elements if hasattr(obj, "elements") else [obj]
-    return frozenset(str(v) for v in values)
-
-
 class Host(Protocol):
     """What a link needs from its connection."""
 
@@ -105,16 +91,20 @@ class Endpoint:
         return not (self.closed or self.host.closed)
 
     def refuse(self, name: str, description: str) -> None:
-        """Answer the attach with a null terminus and a detach carrying the error."""
+        """Answer the attach with a null terminus (the client's target, or source) and a
+        detach carrying the error, as the spec asks of a refused link."""
         if self.live:
             self.closed = True
-            self.link.condition = Condition(name, description)
-            self.link.open()
-            self.link.close()
+            link = self.link
+            (link.target if link.is_receiver else link.source).type = Terminus.UNSPECIFIED
+            link.condition = Condition(name, description)
+            link.open()
+            link.close()
             self.host.wake()
 
-    async def close(self) -> None:
-        """Release what the link holds in the broker (the proton link is closed by the caller)."""
+    async def close(self, ended: bool = False) -> None:
+        """Release what the link holds in the broker (the proton link is closed by the caller).
+        `ended`: the client closed the link rather than detached it (durable state goes)."""
         self.closed = True
         if self.temporary is not None:
             name, self.temporary = self.temporary, None
@@ -240,136 +230,3 @@ class Inbound(Endpoint):
         missing = target - self.link.credit
         if missing > 0 and (missing >= CREDIT // 4 or self.link.credit == 0):
             self.link.flow(missing)
-
-
-class Outbound(Endpoint):
-    """A link the client receives on: a broker flow whose credit is the link credit."""
-
-    def __init__(self, host: Host, link: Link) -> None:
-        super().__init__(host, link)
-        self.flow: Flow | None = None
-        self.presettled = False
-        self.unsettled: dict[str, str] = {}  # delivery tag -> stream entry id
-        self._tags = itertools.count(1)
-        self._sent_since_check = False
-        self._drain_timer: asyncio.TimerHandle | None = None
-
-    async def attach(self) -> None:
-        link, broker = self.link, self.host.broker
-        remote = link.remote_source
-        if remote.dynamic:
-            self.temporary = await broker.create_temporary_queue(owner=self.host.publisher.user)
-            queue = self.temporary
-        else:
-            address = parse_address(remote.address, capabilities(remote))
-            if address is None:
-                self.refuse(NOT_FOUND, f"invalid source address {remote.address!r}")
-                return
-            queue = address.name
-            if address.is_queue and remote.distribution_mode == Terminus.DIST_MODE_COPY:
-                self.refuse("amqp:not-implemented", "browsing (distribution-mode copy)")
-                return
-            if not address.is_queue:
-                self.temporary = await broker.create_temporary_queue(
-                    owner=self.host.publisher.user, subscriptions=[(address.name, "smf")]
-                )
-                queue = self.temporary
-        if not self.live:
-            return
-        try:
-            flow = await broker.bind(
-                queue, self._on_deliver, window=WINDOW, credit=0, on_closed=self._on_flow_closed
-            )
-        except BindError as exc:
-            code = NOT_FOUND if exc.code == "not_found" else "amqp:precondition-failed"
-            self.refuse(code, str(exc))
-            return
-        self.flow = flow
-        if not self.live:
-            return  # the caller's close() unbinds it
-        link.source.copy(remote)
-        link.source.filter.clear()  # selectors are not applied: say so, as the spec asks
-        link.target.copy(link.remote_target)
-        if self.temporary is not None and remote.dynamic:
-            link.source.address = self.temporary
-        self.presettled = link.remote_snd_settle_mode == Link.SND_SETTLED
-        link.snd_settle_mode = link.remote_snd_settle_mode
-        link.open()
-        self.on_flow()
-        self.host.wake()
-
-    def _on_flow_closed(self, reason: str) -> None:
-        if self.live:
-            self.closed = True
-            self.link.condition = Condition("amqp:resource-deleted", reason)
-            self.link.close()
-            self.host.wake()
-
-    def _on_deliver(self, delivery: GatewayDelivery) -> None:
-        if not self.live or self.flow is None:
-            return  # unsettled in the flow: redelivered once the flow closes
-        link, flow = self.link, self.flow
-        body = mapping.from_delivery(delivery).encode()
-        limit = link.remote_max_message_size
-        if limit and len(body) > limit:
-            log.warning(
-                "message %s exceeds the client's max-message-size; rejected", delivery.entry_id
-            )
-            flow.reject(delivery.entry_id)
-            return
-        tag = str(next(self._tags))
-        dlv = link.delivery(tag)
-        link.send(body)
-        link.advance()
-        self._sent_since_check = True
-        if self.presettled:
-            dlv.settle()
-            flow.ack(delivery.entry_id)
-        else:
-            self.unsettled[tag] = delivery.entry_id
-        self.host.wake()
-
-    def on_flow(self) -> None:
-        """FLOW event: the link credit is the flow's credit; answer a drain when idle."""
-        if not self.live or self.flow is None:
-            return
-        self.flow.set_credit(max(0, self.link.credit))
-        if self.link.drain_mode and self.link.credit > 0 and self._drain_timer is None:
-            self._sent_since_check = False
-            self._drain_timer = asyncio.get_running_loop().call_later(DRAIN_QUIET, self._drain)
-
-    def _drain(self) -> None:
-        self._drain_timer = None
-        if not self.live or self.flow is None or not self.link.drain_mode:
-            return
-        if self._sent_since_check and self.link.credit > 0:  # still delivering: wait more
-            self._sent_since_check = False
-            self._drain_timer = asyncio.get_running_loop().call_later(DRAIN_QUIET, self._drain)
-            return
-        self.link.drained()
-        self.flow.set_credit(0)
-        self.host.wake()
-
-    def on_disposition(self, dlv: Delivery) -> None:
-        """DELIVERY event on our sender: the client's outcome for one message."""
-        if self.flow is None or not (dlv.settled or dlv.remote_state):
-            return
-        entry_id = self.unsettled.pop(dlv.tag, None)
-        state = dlv.remote_state
-        if entry_id is not None:
-            if state == Disposition.REJECTED:
-                self.flow.reject(entry_id)
-            elif state in (Disposition.RELEASED, Disposition.MODIFIED):
-                self.flow.requeue(entry_id)
-            else:  # accepted, or settled with no outcome
-                self.flow.ack(entry_id)
-        dlv.settle()
-
-    async def close(self) -> None:
-        self.closed = True
-        if self._drain_timer is not None:
-            self._drain_timer.cancel()
-        if self.flow is not None:
-            flow, self.flow = self.flow, None
-            await flow.close()
-        await super().close()

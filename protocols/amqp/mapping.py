@@ -2,7 +2,9 @@
 
 | model            | AMQP 1.0                                                         |
 |------------------|------------------------------------------------------------------|
-| destination      | link address, or properties.to on the anonymous relay            |
+| destination      | ingress: link address, or properties.to on the anonymous relay;  |
+|                  | egress: properties.to (``topic://`` prefixed for a topic) and    |
+|                  | message-annotation x-opt-jms-dest (0 queue, 1 topic, Qpid JMS)   |
 | partition_key    | properties.group-id                                              |
 | user_properties  | application-properties (order kept)                              |
 | expiration       | header.ttl / properties.absolute-expiry-time (epoch ms)          |
@@ -16,6 +18,11 @@
 | payload          | one data section; amqp-value str (utf-8, text/plain) or binary   |
 |                  | accepted on ingress; egress always sends one data section        |
 | delivery_count   | header.delivery-count = count - 1, first-acquirer = count == 1   |
+| dmq_eligible     | message-annotation x-opt-dmq-eligible (bool, ingress)            |
+| not_before       | message-annotation x-opt-delivery-time / x-qpid-not-valid-before |
+|                  | (epoch ms, ingress; stored only: the engine does not hold yet)   |
+| annotations      | message-annotations on egress (x-origin-queue, x-dmq-reason on   |
+|                  | messages from a dead message queue)                              |
 
 Egress sets header.ttl to the time left, not the original TTL, as a broker relaying a
 stored message should.
@@ -27,10 +34,14 @@ import time
 from dataclasses import dataclass
 
 from proton import Message as AmqpMessage
+from proton import byte, symbol
 
 from gateway.model import Delivery, Message, PropertyValue, Publisher
 
 MAX_PRIORITY = 9
+JMS_DEST = symbol("x-opt-jms-dest")
+JMS_QUEUE, JMS_TOPIC = byte(0), byte(1)
+NOT_BEFORE = ("x-opt-delivery-time", "x-qpid-not-valid-before")
 
 
 class BodyError(ValueError):
@@ -82,7 +93,14 @@ def decode(data: bytes, publisher: Publisher) -> Ingress:
         user_properties=[(str(k), _value(v)) for k, v in (amqp.properties or {}).items()],
         publisher=publisher,
     )
-    jms_dest = (amqp.annotations or {}).get("x-opt-jms-dest")
+    annotations = amqp.annotations or {}
+    eligible = annotations.get("x-opt-dmq-eligible")
+    if isinstance(eligible, bool):
+        msg.dmq_eligible = eligible
+    not_before = next((annotations[k] for k in NOT_BEFORE if k in annotations), None)
+    if isinstance(not_before, int) and not isinstance(not_before, bool):
+        msg.not_before = int(not_before)
+    jms_dest = annotations.get("x-opt-jms-dest")
     return Ingress(msg, amqp.address or None, jms_dest if isinstance(jms_dest, int) else None)
 
 
@@ -97,7 +115,10 @@ def from_delivery(delivery: Delivery) -> AmqpMessage:
     if msg.expiration is not None:
         amqp.expiry_time = msg.expiration / 1000
         amqp.ttl = max(0.001, (msg.expiration - time.time() * 1000) / 1000)
-    amqp.address = msg.destination
+    amqp.address = msg.destination if msg.to_queue else f"topic://{msg.destination}"
+    annotations: dict[symbol, object] = {symbol(k): v for k, v in msg.annotations.items()}
+    annotations[JMS_DEST] = JMS_QUEUE if msg.to_queue else JMS_TOPIC
+    amqp.annotations = annotations
     if msg.partition_key is not None:
         amqp.group_id = msg.partition_key
     if msg.content_type is not None:
