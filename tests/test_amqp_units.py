@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import struct
 import time
 
@@ -141,8 +142,6 @@ def test_ingress_mapping() -> None:
     assert msg.partition_key == "key-1"
     assert (msg.correlation_id, msg.reply_to, msg.message_id) == (b"\x01\x02", "replies", 7)
     assert msg.user_properties == [("z", 1), ("a", "two"), ("b", b"\x00")]
-    with pytest.raises(mapping.BodyError):
-        mapping.decode(Message(body={"a": 1}).encode(), Publisher("amqp"))
     plain = mapping.decode(Message(body=b"raw", inferred=True).encode(), Publisher("amqp"))
     assert plain.message.payload == b"raw" and plain.message.content_type is None
     assert plain.message.expiration is None and plain.message.priority == 4
@@ -231,3 +230,13 @@ def test_annotations_both_ways() -> None:
     out.decode(mapping.from_delivery(Delivery("#DEAD_MSG_QUEUE", "1-0", dead)).encode())
     assert out.annotations == {symbol("x-origin-queue"): "q", symbol("x-opt-jms-dest"): 1}
     assert out.address == "topic://a/b"
+
+
+def test_other_amqp_values_are_kept_for_amqp_and_json_for_others() -> None:
+    value = {"sequence": 7, "tags": ["a", "b"], symbol("k"): 1.5}
+    msg = mapping.decode(Message(body=value).encode(), Publisher("amqp")).message
+    assert json.loads(msg.payload) == {"sequence": 7, "tags": ["a", "b"], "k": 1.5}
+    assert msg.content_type == "application/json"
+    out = mapping.from_delivery(Delivery("q", "1-0", msg))
+    assert out.body == value, "AMQP consumers get the value the publisher sent"
+    assert "x-amqp-value" not in (out.annotations or {})

@@ -16,7 +16,10 @@
 | subject          | properties.subject                                               |
 | content_type     | properties.content-type                                          |
 | payload          | one data section; amqp-value str (utf-8, text/plain) or binary   |
-|                  | accepted on ingress; egress always sends one data section        |
+|                  | accepted on ingress; egress sends one data section               |
+|                  | other amqp-values (map, list...): JSON payload for other         |
+|                  | protocols, the value itself kept (annotation x-amqp-value) and   |
+|                  | sent back as that amqp-value to AMQP consumers                   |
 | delivery_count   | header.delivery-count = count - 1, first-acquirer = count == 1   |
 | dmq_eligible     | message-annotation x-opt-dmq-eligible (bool, ingress)            |
 | not_before       | message-annotation x-opt-delivery-time / x-qpid-not-valid-before |
@@ -30,16 +33,18 @@ stored message should.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 
+from proton import Data, byte, symbol
 from proton import Message as AmqpMessage
-from proton import byte, symbol
 
 from gateway.model import Delivery, Message, PropertyValue, Publisher
 
 MAX_PRIORITY = 9
 JMS_DEST = symbol("x-opt-jms-dest")
+AMQP_VALUE = "x-amqp-value"  # annotation keeping an amqp-value body that is not str or bytes
 JMS_QUEUE, JMS_TOPIC = byte(0), byte(1)
 NOT_BEFORE = ("x-opt-delivery-time", "x-qpid-not-valid-before")
 
@@ -69,6 +74,7 @@ def decode(data: bytes, publisher: Publisher) -> Ingress:
         raise BodyError(f"undecodable AMQP message: {exc}") from exc
     body = amqp.body
     content_type = _content_type(amqp)
+    amqp_value: bytes | None = None
     if body is None:
         payload = b""
     elif isinstance(body, str):
@@ -76,8 +82,14 @@ def decode(data: bytes, publisher: Publisher) -> Ingress:
         content_type = content_type or "text/plain"
     elif isinstance(body, (bytes, memoryview)):
         payload = bytes(body)  # a view into `amqp`: copy it while that is alive
-    else:
-        raise BodyError(f"unsupported AMQP body type {type(body).__name__}")
+    else:  # another AMQP value (map, list, number...): kept exactly for AMQP consumers,
+        # and as JSON in the payload for everyone else (MQTT subscribers)
+        try:
+            payload = json.dumps(_json_ready(body), default=str).encode()
+            amqp_value = _encode_value(body)
+        except Exception as exc:
+            raise BodyError(f"unsupported AMQP body {type(body).__name__}: {exc}") from exc
+        content_type = content_type or "application/json"
     msg = Message(
         destination="",
         payload=payload,
@@ -93,6 +105,8 @@ def decode(data: bytes, publisher: Publisher) -> Ingress:
         user_properties=[(str(k), _value(v)) for k, v in (amqp.properties or {}).items()],
         publisher=publisher,
     )
+    if amqp_value is not None:
+        msg.annotations[AMQP_VALUE] = amqp_value
     annotations = amqp.annotations or {}
     eligible = annotations.get("x-opt-dmq-eligible")
     if isinstance(eligible, bool):
@@ -107,7 +121,11 @@ def decode(data: bytes, publisher: Publisher) -> Ingress:
 def from_delivery(delivery: Delivery) -> AmqpMessage:
     """Egress: the proton message for one delivery (payload as a single data section)."""
     msg = delivery.message
-    amqp = AmqpMessage(body=msg.payload, inferred=True)
+    kept = msg.annotations.get(AMQP_VALUE)
+    if isinstance(kept, bytes):  # the publisher's AMQP value, as it sent it
+        amqp = AmqpMessage(body=_decode_value(kept))
+    else:
+        amqp = AmqpMessage(body=msg.payload, inferred=True)
     amqp.durable = msg.persistent
     amqp.priority = msg.priority
     amqp.delivery_count = delivery.delivery_count - 1
@@ -116,7 +134,9 @@ def from_delivery(delivery: Delivery) -> AmqpMessage:
         amqp.expiry_time = msg.expiration / 1000
         amqp.ttl = max(0.001, (msg.expiration - time.time() * 1000) / 1000)
     amqp.address = msg.destination if msg.to_queue else f"topic://{msg.destination}"
-    annotations: dict[symbol, object] = {symbol(k): v for k, v in msg.annotations.items()}
+    annotations: dict[symbol, object] = {
+        symbol(k): v for k, v in msg.annotations.items() if k != AMQP_VALUE
+    }
     annotations[JMS_DEST] = JMS_QUEUE if msg.to_queue else JMS_TOPIC
     amqp.annotations = annotations
     if msg.partition_key is not None:
@@ -134,6 +154,30 @@ def from_delivery(delivery: Delivery) -> AmqpMessage:
     if msg.user_properties:
         amqp.properties = dict(msg.user_properties)
     return amqp
+
+
+def _encode_value(value: object) -> bytes:
+    data = Data()
+    data.put_object(value)
+    return bytes(data.encode())
+
+
+def _decode_value(encoded: bytes) -> object:
+    data = Data()
+    data.decode(encoded)
+    data.next()
+    return data.get_object()
+
+
+def _json_ready(value: object) -> object:
+    """JSON has string keys only; bytes become text where they can."""
+    if isinstance(value, dict):
+        return {str(k): _json_ready(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_ready(v) for v in value]
+    if isinstance(value, bytes | memoryview):
+        return bytes(value).decode("utf-8", "replace")
+    return value
 
 
 def _content_type(amqp: AmqpMessage) -> str | None:
