@@ -15,6 +15,7 @@ from gateway.config import APPENDFSYNC, ConfigError, load_settings
 from gateway.engine.library import RedisTooOld
 from gateway.logs import setup_logging
 from gateway.redis_server import EmbeddedRedis, RedisStartError
+from gateway.spark.cli import add_pipeline_parser
 
 DEFAULT_ADMIN_URL = "http://127.0.0.1:8080"
 
@@ -29,10 +30,21 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--mqtt-port", type=int, help="MQTT listener port (default 1883)")
     serve.add_argument("--amqp-port", type=int, help="AMQP 1.0 listener port (default 5672)")
     serve.add_argument("--admin-port", type=int, help="admin HTTP port (default 8080)")
+    serve.add_argument("--mqtt-tls-port", type=int, help="MQTT over TLS port (default 8883)")
+    serve.add_argument("--amqp-tls-port", type=int, help="AMQP over TLS port (default 5671)")
+    serve.add_argument(
+        "--mqtt-ws-port",
+        type=int,
+        help="MQTT over WebSocket port, path /mqtt (default 8000, -1: off)",
+    )
+    serve.add_argument("--tls-cert", help="PEM certificate chain: enables the TLS listeners")
+    serve.add_argument("--tls-key", help="PEM private key of --tls-cert")
     serve.add_argument("--data-dir", help="embedded Redis data directory (.gateway-data)")
     serve.add_argument("--redis-url", help="use this Redis (7.0+) instead of an embedded one")
     serve.add_argument("--appendfsync", choices=APPENDFSYNC, help="embedded Redis AOF fsync")
     serve.add_argument("--log-level", help="DEBUG, INFO, WARNING ...")
+
+    add_pipeline_parser(sub)
 
     queue = sub.add_parser("queue", help="manage queues through the admin API")
     queue.add_argument("--admin-url", default=DEFAULT_ADMIN_URL, help="admin API base URL")
@@ -63,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return serve(args)
+    if args.command == "pipeline":
+        return pipeline(args)
     return queue_command(args)
 
 
@@ -72,6 +86,11 @@ def serve(args: argparse.Namespace) -> int:
         "mqtt_port": args.mqtt_port,
         "amqp_port": args.amqp_port,
         "admin_port": args.admin_port,
+        "mqtt_tls_port": args.mqtt_tls_port,
+        "amqp_tls_port": args.amqp_tls_port,
+        "mqtt_ws_port": args.mqtt_ws_port,
+        "tls_cert": args.tls_cert,
+        "tls_key": args.tls_key,
         "data_dir": args.data_dir,
         "redis_url": args.redis_url,
         "appendfsync": args.appendfsync,
@@ -108,6 +127,20 @@ def serve(args: argparse.Namespace) -> int:
         if embedded is not None:
             embedded.stop()
     return 0
+
+
+def pipeline(args: argparse.Namespace) -> int:
+    """Spark jobs: imported only here, as they need the optional [spark] extra."""
+    try:
+        from gateway.spark.jobs import run_pipeline
+    except ImportError as exc:
+        print(
+            f"gateway: the pipeline needs the [spark] extra ({exc.name} is missing): "
+            "pip install 'protocol-gateway[spark]'",
+            file=sys.stderr,
+        )
+        return 2
+    return run_pipeline(args)
 
 
 def queue_command(args: argparse.Namespace) -> int:

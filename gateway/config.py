@@ -40,6 +40,11 @@ class Settings:
     mqtt_port: int = 1883
     amqp_port: int = 5672
     admin_port: int = 8080
+    mqtt_tls_port: int = 8883  # TLS listeners start only with tls_cert and tls_key
+    amqp_tls_port: int = 5671
+    mqtt_ws_port: int = 8000  # MQTT over WebSocket (path /mqtt, subprotocol mqtt); -1: off
+    tls_cert: str | None = None  # PEM certificate chain
+    tls_key: str | None = None  # PEM private key
     data_dir: str = ".gateway-data"
     redis_url: str | None = None  # None: run an embedded redis-server under data_dir
     appendfsync: str = "everysec"
@@ -52,10 +57,18 @@ class Settings:
     queues: list[dict[str, Any]] = field(default_factory=list)
 
     def validate(self) -> None:
-        for name in ("mqtt_port", "amqp_port", "admin_port"):
+        for name in ("mqtt_port", "amqp_port", "admin_port", "mqtt_tls_port", "amqp_tls_port"):
             port = getattr(self, name)
             if not 0 <= port <= 65535:
                 raise ConfigError(f"{name} must be a port number (0-65535), not {port}")
+        if not -1 <= self.mqtt_ws_port <= 65535:
+            raise ConfigError("mqtt_ws_port must be a port number, or -1 for none")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("tls_cert and tls_key go together")
+        for name in ("tls_cert", "tls_key"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ConfigError(f"{name}: {path} is not a file")
         if self.appendfsync not in APPENDFSYNC:
             raise ConfigError(f"appendfsync must be one of {', '.join(APPENDFSYNC)}")
         if self.redis_url is not None and not self.redis_url.startswith(

@@ -11,6 +11,7 @@ import redis.asyncio as aioredis
 from gateway.engine import keys
 
 MIN_REDIS = (7, 0)
+LIBRARY = "gw"  # the name in functions.lua's shebang line
 
 
 class RedisTooOld(RuntimeError):
@@ -58,8 +59,12 @@ def client_for(url: str) -> aioredis.Redis:
     return aioredis.Redis(connection_pool=pool)
 
 
-async def connect(url: str) -> aioredis.Redis:
-    """A client with the library loaded; raises RedisTooOld before touching any data."""
+async def connect(url: str, *, replace: bool = True) -> aioredis.Redis:
+    """A client with the library loaded; raises RedisTooOld before touching any data.
+
+    A gateway node replaces the library with its own version; other clients (Spark
+    executors, which may run an older package) pass replace=False and load it only if
+    it is missing."""
     client = client_for(url)
     try:
         info = await client.info("server")
@@ -68,7 +73,9 @@ async def connect(url: str) -> aioredis.Redis:
             raise RedisTooOld(
                 f"Redis {version} at {url} is too old: the gateway needs Redis 7.0 or newer"
             )
-        await client.execute_command("FUNCTION", "LOAD", "REPLACE", library_source())
+        loaded = await client.execute_command("FUNCTION", "LIST", "LIBRARYNAME", LIBRARY)
+        if replace or not loaded:
+            await client.execute_command("FUNCTION", "LOAD", "REPLACE", library_source())
     except BaseException:
         await client.aclose()
         raise

@@ -25,13 +25,14 @@ def build_session(
     *,
     shuffle_partitions: int | None = None,
     ui: bool = True,
-    extra: dict[str, str] | None = None,
 ) -> SparkSession:
     """A session with the `gateway` data source registered."""
     builder = SparkSession.builder.appName(app_name)
     if not under_spark_submit():
-        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-        os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+        # workers must import `gateway`: the interpreter that has it installed is this one
+        os.environ["PYSPARK_PYTHON"] = sys.executable
+        os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
+        os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"  # every listener on loopback, no warning
         builder = (
             builder.master(master or "local[*]")
             .config("spark.driver.host", "127.0.0.1")
@@ -43,8 +44,6 @@ def build_session(
         builder = builder.config("spark.ui.enabled", "false")
     if shuffle_partitions is not None:
         builder = builder.config("spark.sql.shuffle.partitions", str(shuffle_partitions))
-    for key, value in (extra or {}).items():
-        builder = builder.config(key, value)
     spark = builder.getOrCreate()
     spark.dataSource.register(GatewayDataSource)
     return spark

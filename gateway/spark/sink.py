@@ -120,7 +120,7 @@ async def publish(
     opts: SinkOptions, batch: str, marker: str, messages: Iterable[Message]
 ) -> SinkCommit:
     """Spool `messages` through a Broker unless the batch or this partition is done."""
-    client = await library.connect(opts.redis_url)
+    client = await library.connect(opts.redis_url, replace=False)
     marks = keys.sink_batches(opts.sink_name)
     try:
         if any(await client.smismember(marks, [batch, marker])):

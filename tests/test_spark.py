@@ -1,0 +1,314 @@
+"""The PySpark data source, sink and jobs against a real redis-server and a local Spark.
+
+One local[2] session serves the module; Spark actions run in a thread so the test's
+Broker keeps its heartbeat while a job blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+pyspark = pytest.importorskip("pyspark")
+
+from pyspark.sql import SparkSession  # noqa: E402
+
+from gateway.broker import Broker  # noqa: E402
+from gateway.engine import keys  # noqa: E402
+from gateway.engine.partitions import partition_of  # noqa: E402
+from gateway.engine.queues import QueueConfig, stream_queues  # noqa: E402
+from gateway.model import Delivery, Message, Outcome, decode  # noqa: E402
+from gateway.spark import jobs  # noqa: E402
+from gateway.spark.session import activate, build_session  # noqa: E402
+
+pytestmark = pytest.mark.spark
+
+
+@pytest.fixture(scope="module")
+def spark() -> Iterator[SparkSession]:
+    session = build_session("gateway-tests", "local[2]", shuffle_partitions=2, ui=False)
+    yield session
+    session.stop()
+
+
+def in_thread(spark: SparkSession, action: Callable[[], object]) -> Callable[[], object]:
+    """`action` for asyncio.to_thread: Spark needs the session active in that thread."""
+
+    def run() -> object:
+        activate(spark)
+        return action()
+
+    return run
+
+
+async def make_partitioned_queue(broker: Broker, name: str, count: int) -> list[str]:
+    """A partitioned queue; returns its child queues in partition order."""
+    await broker.declare_queue(QueueConfig(name=name, partition_count=count))
+    return [child for _, child in stream_queues(name, count)]
+
+
+async def publish_to(broker: Broker, queue: str, payloads: list[bytes], **fields) -> None:
+    for payload in payloads:
+        msg = Message(destination=queue, payload=payload, to_queue=True, **fields)
+        assert await broker.publish(msg) is Outcome.OK
+
+
+def read(spark: SparkSession, redis_url: str, queue: str, **options: str):
+    return (
+        (spark.read.format("gateway").option("redis_url", redis_url).option("queue", queue))
+        .options(**options)
+        .load()
+    )
+
+
+async def test_batch_read_of_partitioned_queue_returns_every_message_once(
+    spark: SparkSession, broker: Broker, redis_url: str
+) -> None:
+    await make_partitioned_queue(broker, "p", 4)
+    sent: dict[bytes, int] = {}
+    for n in range(200):
+        key = f"k{n % 16}"
+        payload = f"m{n}".encode()
+        sent[payload] = partition_of(key, 4)
+        msg = Message(
+            destination="p",
+            payload=payload,
+            to_queue=True,
+            partition_key=key,
+            content_type="text/plain",
+            user_properties=[("n", n), ("even", n % 2 == 0)],
+        )
+        assert await broker.publish(msg) is Outcome.OK
+    assert set(sent.values()) == {0, 1, 2, 3}
+    df = read(spark, redis_url, "p")
+    assert df.rdd.getNumPartitions() == 4
+    rows = await asyncio.to_thread(df.collect)
+    assert len(rows) == 200
+    assert {r.payload: r.partition for r in rows} == sent
+    assert len({(r.partition, r.entry_id) for r in rows}) == 200
+    row = next(r for r in rows if r.payload == b"m9")
+    assert (row.queue, row.topic, row.partition_key) == ("p", "p", "k9")
+    assert row.properties["n"] == "9" and row.properties["even"] == "false"
+    assert row.properties["content_type"] == "text/plain" and row.properties["priority"] == "4"
+    assert row.ingest_ts.year >= 2024
+
+
+async def test_sink_publishes_through_the_spool_and_replays_idempotently(
+    spark: SparkSession, broker: Broker, redis_url: str
+) -> None:
+    await broker.declare_queue(QueueConfig(name="out"), [("events/>", "smf")])
+    got: list[Message] = []
+    done = asyncio.Event()
+
+    def on_deliver(delivery: Delivery) -> None:
+        got.append(delivery.message)
+        flow.ack(delivery.entry_id)
+        if len(got) == 50:
+            done.set()
+
+    flow = await broker.bind("out", on_deliver)
+    df = spark.createDataFrame(
+        [(f"v{i}", f"k{i % 3}", {"i": str(i)}) for i in range(50)],
+        "payload string, partition_key string, properties map<string,string>",
+    )
+
+    def save(frame, **options: str) -> Callable[[], object]:
+        writer = frame.write.format("gateway").mode("append").option("redis_url", redis_url)
+        return in_thread(spark, writer.options(**options).save)
+
+    await asyncio.to_thread(save(df.repartition(3), topic="events/new", batchId="b1"))
+    await asyncio.wait_for(done.wait(), 10)
+    assert sorted(m.payload for m in got) == sorted(f"v{i}".encode() for i in range(50))
+    m7 = next(m for m in got if m.payload == b"v7")
+    assert (m7.destination, m7.partition_key, m7.user_properties) == (
+        "events/new",
+        "k1",
+        [("i", "7")],
+    )
+    assert len({m.id for m in got}) == 50
+    # three partition markers, then the batch marker from the driver's commit
+    assert await broker.redis.scard(keys.sink_batches("topic:events/new")) == 4
+
+    # the same batch again, partitioned otherwise: nothing is published twice
+    await asyncio.to_thread(save(df.repartition(5), topic="events/new", batchId="b1"))
+    await asyncio.sleep(0.5)
+    assert len(got) == 50
+    await flow.close()
+
+    with pytest.raises(Exception, match=r"refused .*NOT_FOUND"):
+        await asyncio.to_thread(save(df, queue="missing"))
+
+
+async def test_streaming_aggregate_restarted_from_checkpoint_reads_only_new_entries(
+    spark: SparkSession, broker: Broker, redis_url: str, tmp_path: Path
+) -> None:
+    await broker.declare_queue(QueueConfig(name="metrics"))
+    await broker.declare_queue(QueueConfig(name="aggs"), [("stats/>", "smf")])
+    checkpoint = str(tmp_path / "checkpoint")
+
+    async def run_once() -> int:
+        query = jobs.aggregate(
+            spark,
+            redis_url,
+            "metrics",
+            "stats/metrics",
+            checkpoint,
+            window="1 second",
+            watermark="0 seconds",
+            once=True,
+        )
+        await asyncio.to_thread(query.awaitTermination, 60)
+        assert query.exception() is None
+        return sum(p["numInputRows"] for p in query.recentProgress)
+
+    for key, value in [("a", 1), ("a", 2), ("a", 3), ("b", 10)]:
+        await publish_to(broker, "metrics", [str(value).encode()], partition_key=key)
+    assert await run_once() == 4
+    await asyncio.sleep(1.2)  # the next entries fall in a later window: the watermark moves
+    await publish_to(broker, "metrics", [b"100"], partition_key="a")
+    assert await run_once() == 1
+
+    entries = await broker.redis.xrange(keys.queue_stream("metrics"))
+    committed = await broker.redis.hget(keys.queue_readers("metrics"), "aggregate:stats/metrics")
+    assert committed == entries[-1][0]
+    assert await broker.redis.sismember(keys.read_queues, "metrics")
+
+    raw = await broker.redis.xrange(keys.queue_stream("aggs"))
+    results = [json.loads(decode(fields[b"m"]).payload) for _, fields in raw]
+    per_key: dict[str, tuple[int, float]] = {}
+    for r in results:
+        count, total = per_key.get(r["key"], (0, 0.0))
+        per_key[r["key"]] = (count + r["count"], total + r["count"] * r["avg"])
+    assert per_key == {"a": (3, 6.0), "b": (1, 10.0)}
+
+
+async def stream_available_now(
+    spark: SparkSession, redis_url: str, queue: str, checkpoint: Path, **options: str
+) -> list[list[bytes]]:
+    """Payloads of each micro-batch of one Trigger.AvailableNow run of a streaming read."""
+    batches: list[list[bytes]] = []
+
+    def run() -> None:
+        activate(spark)
+        query = (
+            jobs.stream_queue(spark, redis_url, queue, **options)
+            .writeStream.foreachBatch(
+                lambda frame, _: batches.append([r.payload for r in frame.collect()])
+            )
+            .option("checkpointLocation", str(checkpoint))
+            .trigger(availableNow=True)
+            .start()
+        )
+        query.awaitTermination(60)
+        assert query.exception() is None
+
+    await asyncio.to_thread(run)
+    return batches
+
+
+async def test_stream_caps_batches_and_commits_reader_offsets(
+    spark: SparkSession, broker: Broker, redis_url: str, tmp_path: Path
+) -> None:
+    children = await make_partitioned_queue(broker, "s", 2)
+    for n in range(10):
+        await publish_to(broker, "s", [f"m{n}".encode()], partition_key=f"k{n}")
+    batches = await stream_available_now(
+        spark, redis_url, "s", tmp_path, maxEntriesPerBatch="4", readerName="cap"
+    )
+    sizes = [len(b) for b in batches if b]
+    assert max(sizes) <= 4 and len(sizes) >= 3
+    assert sorted(p for b in batches for p in b) == sorted(f"m{n}".encode() for n in range(10))
+    # Spark hands a batch's end to commit() when it plans the next one: the last lags
+    for child in children:
+        ids = [entry_id for entry_id, _ in await broker.redis.xrange(keys.queue_stream(child))]
+        assert await broker.redis.hget(keys.queue_readers(child), "cap") in [b"0-0", *ids]
+        assert await broker.redis.sismember(keys.read_queues, child)
+
+
+async def test_registered_reader_sees_entries_consumers_acked(
+    spark: SparkSession, broker: Broker, redis_url: str, tmp_path: Path
+) -> None:
+    await broker.declare_queue(QueueConfig(name="acked"))
+    first = await stream_available_now(spark, redis_url, "acked", tmp_path, readerName="r")
+    assert not any(first)  # registers the reader: retention starts here
+    assert await broker.redis.hget(keys.queue_readers("acked"), "r") == b"0-0"
+
+    await publish_to(broker, "acked", [f"a{n}".encode() for n in range(5)])
+    acked = asyncio.Event()
+    count = 0
+
+    def on_deliver(delivery: Delivery) -> None:
+        nonlocal count
+        flow.ack(delivery.entry_id)
+        count += 1
+        if count == 5:
+            acked.set()
+
+    flow = await broker.bind("acked", on_deliver)
+    await asyncio.wait_for(acked.wait(), 10)
+    for _ in range(100):  # acks are batched: wait until the engine has settled all five
+        if await broker.redis.hget(keys.queue_stats("acked"), "acked") == b"5":
+            break
+        await asyncio.sleep(0.05)
+    assert await broker.redis.hget(keys.queue_stats("acked"), "acked") == b"5"
+    await flow.close()
+
+    batches = await stream_available_now(spark, redis_url, "acked", tmp_path, readerName="r")
+    assert [p for b in batches for p in b] == [f"a{n}".encode() for n in range(5)]
+
+
+async def test_fail_on_data_loss_detects_trimmed_and_deleted_ranges(
+    spark: SparkSession, broker: Broker, redis_url: str
+) -> None:
+    await broker.declare_queue(QueueConfig(name="t"))
+    await publish_to(broker, "t", [f"x{i}".encode() for i in range(10)])
+    ids = [e[0].decode() for e in await broker.redis.xrange(keys.queue_stream("t"))]
+    await broker.redis.xtrim(keys.queue_stream("t"), maxlen=5, approximate=False)
+
+    behind = json.dumps({"t": ids[2]})
+    with pytest.raises(Exception, match=r"data loss in queue 't'.*trimmed past"):
+        await asyncio.to_thread(
+            lambda: read(spark, redis_url, "t", startingOffsets=behind).collect()
+        )
+    lenient = read(spark, redis_url, "t", startingOffsets=behind, failOnDataLoss="false")
+    assert len(await asyncio.to_thread(lenient.collect)) == 5
+    ahead = read(spark, redis_url, "t", startingOffsets=json.dumps({"t": ids[6]}))
+    assert [r.payload for r in await asyncio.to_thread(ahead.collect)] == [b"x7", b"x8", b"x9"]
+
+    await broker.redis.xdel(keys.queue_stream("t"), ids[8])  # a hole after the start
+    again = read(spark, redis_url, "t", startingOffsets=json.dumps({"t": ids[6]}))
+    with pytest.raises(Exception, match=r"entries after .* were deleted"):
+        await asyncio.to_thread(again.collect)
+
+
+async def test_archive_and_dmq_report(
+    spark: SparkSession, broker: Broker, redis_url: str, tmp_path: Path
+) -> None:
+    dmq = "#DEAD_MSG_QUEUE"
+    await broker.declare_queue(QueueConfig(name=dmq))
+    dead = [("orders", "max-redelivery")] * 3 + [("orders", "ttl")] * 2
+    for origin, reason in dead:
+        props = [("x-origin-queue", origin), ("x-dmq-reason", reason)]
+        await publish_to(broker, dmq, [b"d"], user_properties=props)
+    annotated = {"x-origin-queue": "billing", "x-dmq-reason": "ttl"}
+    await publish_to(broker, dmq, [b"d"], annotations=annotated)
+
+    report = await asyncio.to_thread(lambda: jobs.dmq_report(spark, redis_url, dmq).collect())
+    assert [(r.origin_queue, r.reason, r.messages) for r in report] == [
+        ("orders", "max-redelivery", 3),
+        ("orders", "ttl", 2),
+        ("billing", "ttl", 1),
+    ]
+
+    path = str(tmp_path / "archive")
+    await asyncio.to_thread(jobs.archive, spark, redis_url, dmq, path, str(tmp_path / "ck"))
+    await publish_to(broker, dmq, [b"late"])
+    await asyncio.to_thread(jobs.archive, spark, redis_url, dmq, path, str(tmp_path / "ck"))
+    archived = await asyncio.to_thread(lambda: spark.read.parquet(path).collect())
+    assert len(archived) == 7  # incremental: the second run added only the new entry
+    assert {r.queue for r in archived} == {dmq}
+    assert {str(r.date) for r in archived} == {str(archived[0].ingest_ts.date())}
