@@ -434,3 +434,16 @@ async def test_competing_flows_share_a_backlog(broker: Broker) -> None:
     await wait_for(lambda: sum(len(v) for v in got.values()) == 300)
     counts = {k: len(v) for k, v in got.items()}
     assert all(0 < n <= 200 for n in counts.values()), counts  # none takes the whole backlog
+
+
+async def test_forgetting_a_stream_reader_lets_trimming_resume(
+    redis_url: str, broker: Broker
+) -> None:
+    await broker.declare_queue(QueueConfig(name="q"))
+    client = aioredis.Redis.from_url(redis_url)
+    await client.hset(keys.queue_readers("q"), "old-job", "0-0")
+    await client.sadd(keys.read_queues, "q")
+    assert await broker.queues.forget_reader("q", "old-job") == 1
+    assert await broker.queues.forget_reader("q", "old-job") == 0
+    assert not await client.sismember(keys.read_queues, "q")
+    await client.aclose()

@@ -69,6 +69,10 @@ class AdminApi:
                 return Response(204)
         if len(rest) == 3 and rest[0] == "queues" and rest[2] == "subscriptions":
             return await self._subscriptions(rest[1], req)
+        if len(rest) == 4 and rest[0] == "queues" and rest[2] == "readers" and m == "DELETE":
+            if not await self.broker.queues.forget_reader(rest[1], rest[3]):
+                raise HttpError(404, f"no reader {rest[3]!r} on queue {rest[1]!r}")
+            return Response(204)
         if len(rest) == 3 and rest[0] == "queues" and rest[2] == "messages" and m == "POST":
             return await self._publish({**_object(req), "queue": rest[1]})
         if len(rest) == 3 and rest[0] == "queues" and rest[2] == "get" and m == "POST":

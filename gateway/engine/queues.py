@@ -466,6 +466,21 @@ class QueueStore:
             for k, v in raw.items():
                 totals[k.decode()] = totals.get(k.decode(), 0) + int(v)
 
+    async def forget_reader(self, name: str, reader: str) -> int:
+        """Drop a stream reader's committed offsets (e.g. a retired Spark query), so its
+        retention stops holding settled messages. Returns the streams it was registered on."""
+        config = await self.config(name)
+        dropped = 0
+        for _, queue in stream_queues(name, config.partition_count):
+            pipe = self._redis.pipeline(transaction=True)
+            pipe.hdel(keys.queue_readers(queue), reader)
+            pipe.hlen(keys.queue_readers(queue))
+            removed, left = await pipe.execute()
+            dropped += removed
+            if not left:
+                await self._redis.srem(keys.read_queues, queue)
+        return dropped
+
     async def repartition(self, name: str, partition_count: int) -> int:
         """Change the partition count (0: not partitioned); egress must be disabled.
         Every flow is unbound. Returns how many messages the removed partitions held."""

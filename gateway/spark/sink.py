@@ -38,6 +38,7 @@ from gateway.spark import DEFAULT_REDIS_URL
 log = logging.getLogger(__name__)
 
 CHUNK = 1000  # publishes in flight per gather: bounds memory, still group-committed
+MARK_TTL_S = 7 * 24 * 3600  # replays of batches older than a week are not recognised
 OPTIONAL_COLUMNS = ("partition_key", "properties", "content_type", "correlation_id", "id")
 BATCH_ID_PROPERTY = "streaming.sql.batchId"  # local properties Spark sets per micro-batch
 QUERY_ID_PROPERTY = "sql.streaming.queryId"
@@ -141,6 +142,7 @@ async def publish(
                         )
                 published += len(chunk)
             await client.sadd(marks, marker)
+            await client.expire(marks, MARK_TTL_S)
         finally:
             await broker.stop()
         return SinkCommit(marker, published, False)
@@ -188,7 +190,9 @@ class BatchWriter(DataSourceWriter):
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
         client = redis.Redis.from_url(self.opts.redis_url)
         try:
-            client.sadd(keys.sink_batches(self.opts.sink_name), self.batch)
+            marks = keys.sink_batches(self.opts.sink_name)
+            client.sadd(marks, self.batch)
+            client.expire(marks, MARK_TTL_S)
         finally:
             client.close()
         _report(self.opts, messages, self.batch)
