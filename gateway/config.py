@@ -42,7 +42,7 @@ class Settings:
     admin_port: int = 8080
     mqtt_tls_port: int = 8883  # TLS listeners start only with tls_cert and tls_key
     amqp_tls_port: int = 5671
-    mqtt_ws_port: int = 8000  # MQTT over WebSocket (path /mqtt, subprotocol mqtt); -1: off
+    mqtt_ws_port: int = -1  # MQTT over WebSocket (path /mqtt, subprotocol mqtt); -1: off
     tls_cert: str | None = None  # PEM certificate chain
     tls_key: str | None = None  # PEM private key
     data_dir: str = ".gateway-data"
