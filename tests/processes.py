@@ -15,6 +15,23 @@ GATEWAY = [sys.executable, "-m", "gateway.cli"]
 NODE_DRIVER = [sys.executable, str(Path(__file__).with_name("node_driver.py"))]
 
 
+def serve_argv(data_dir: Path, *extra: str) -> list[str]:
+    """`gateway serve` with its embedded Redis under `data_dir`, every port picked free."""
+    return [
+        *GATEWAY,
+        "serve",
+        "--data-dir",
+        str(data_dir),
+        "--admin-port",
+        "0",
+        "--mqtt-port",
+        "0",
+        "--amqp-port",
+        "0",
+        *extra,
+    ]
+
+
 class Proc:
     """A child whose stdout carries one JSON object per line."""
 

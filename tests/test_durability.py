@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.processes import GATEWAY, Proc
+from tests.processes import Proc, serve_argv
 
 pytestmark = pytest.mark.slow
 
@@ -48,18 +48,7 @@ class Admin:
 
 
 async def start_gateway(data_dir: Path) -> tuple[Proc, Admin]:
-    argv = [
-        *GATEWAY,
-        "serve",
-        "--data-dir",
-        str(data_dir),
-        "--admin-port",
-        "0",
-        "--mqtt-port",
-        "0",
-        "--amqp-port",
-        "0",
-    ]
+    argv = serve_argv(data_dir)
     proc = await Proc.start(argv)
     ready = await proc.wait_event("ready", timeout=30)
     return proc, Admin(ready["admin_port"])

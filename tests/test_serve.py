@@ -11,29 +11,14 @@ from pathlib import Path
 import pytest
 
 from gateway.engine.library import MIN_REDIS, parse_version
-from tests.processes import GATEWAY, Proc
+from tests.processes import GATEWAY, Proc, serve_argv
 
 pytestmark = pytest.mark.slow
 
 
 async def test_sigint_stops_node_and_embedded_redis(tmp_path: Path) -> None:
     data_dir = tmp_path / "d"
-    gw = await Proc.start(
-        [
-            *GATEWAY,
-            "serve",
-            "--data-dir",
-            str(data_dir),
-            "--admin-port",
-            "0",
-            "--mqtt-port",
-            "0",
-            "--amqp-port",
-            "0",
-            "--appendfsync",
-            "always",
-        ]
-    )
+    gw = await Proc.start(serve_argv(data_dir, "--appendfsync", "always"))
     ready = await gw.wait_event("ready")
     assert ready["redis_url"].startswith("unix://")
     redis_pid = int((data_dir / "redis.pid").read_text())
@@ -47,22 +32,7 @@ async def test_sigint_stops_node_and_embedded_redis(tmp_path: Path) -> None:
 
 async def test_external_redis_url(tmp_path: Path, redis_url: str) -> None:
     data_dir = tmp_path / "unused"
-    gw = await Proc.start(
-        [
-            *GATEWAY,
-            "serve",
-            "--redis-url",
-            redis_url,
-            "--data-dir",
-            str(data_dir),
-            "--admin-port",
-            "0",
-            "--mqtt-port",
-            "0",
-            "--amqp-port",
-            "0",
-        ]
-    )
+    gw = await Proc.start(serve_argv(data_dir, "--redis-url", redis_url))
     ready = await gw.wait_event("ready")
     assert ready["redis_url"] == redis_url
     assert not data_dir.exists(), "no embedded Redis with --redis-url"
