@@ -267,6 +267,28 @@ async def test_topic_alias(mqtt: Listener) -> None:
     assert await raw.closed() == [Disconnect(0x82)]
 
 
+async def test_outbound_topic_aliases(mqtt: Listener) -> None:
+    raw, _ = await Raw.connected(
+        mqtt.port, 5, client_id="aliased", properties=Properties(topic_alias_maximum=2)
+    )
+    await raw.send(Subscribe(1, [("oa/#", SubscriptionOptions(qos=0))]))
+    await raw.recv()
+    pub, _ = await Raw.connected(mqtt.port, 5, client_id="aliaser")
+    for topic in ("oa/a", "oa/a", "oa/b", "oa/c", "oa/b"):
+        await pub.send(Publish(topic, topic.encode()))
+    got = [await raw.recv() for _ in range(5)]
+    seen = [(p.topic, p.properties.topic_alias if p.properties else None, p.payload) for p in got]
+    assert seen == [
+        ("oa/a", 1, b"oa/a"),
+        ("", 1, b"oa/a"),  # the alias stands for the topic
+        ("oa/b", 2, b"oa/b"),
+        ("oa/c", None, b"oa/c"),  # past the client's topic alias maximum
+        ("", 2, b"oa/b"),
+    ]
+    pub.close()
+    raw.close()
+
+
 async def test_slow_reader_is_disconnected(mqtt: Listener) -> None:
     slow = await Raw.open(mqtt.port, 4, rcvbuf=4096)
     await slow.send(Connect(protocol_level=4, client_id="slow"))

@@ -134,7 +134,15 @@ def encode_delivery(
     subscription_ids: list[int],
     expiry: int | None,
     level: int,
+    alias: tuple[int, bool] | None = None,
 ) -> bytes:
-    """Wire bytes of the PUBLISH that delivers `msg` to a subscriber."""
+    """Wire bytes of the PUBLISH that delivers `msg` to a subscriber. `alias` (v5): the
+    topic alias to use, and whether the client knows it already (then the topic is left out)."""
     props = egress_properties(msg, expiry, subscription_ids) if level == 5 else None
-    return encode_publish(msg.destination, msg.payload, qos, retain, dup, packet_id, props, level)
+    topic = msg.destination
+    if alias is not None:
+        props = props or Properties()
+        props.topic_alias = alias[0]
+        if alias[1]:
+            topic = ""
+    return encode_publish(topic, msg.payload, qos, retain, dup, packet_id, props, level)

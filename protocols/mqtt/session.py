@@ -157,6 +157,8 @@ class Session:
         self._deny_publish: list[str] = []
         self._deny_subscribe: list[str] = []
         self._max_out: int | None = None
+        self._out_alias_max = 0  # topic aliases the client accepts from us
+        self._out_aliases: dict[str, int] = {}
         self._keep_alive = 0.0
         self._last_rx = self.loop.time()
         self._timer: asyncio.TimerHandle | None = self.loop.call_later(
@@ -265,6 +267,7 @@ class Session:
             expiry = props.session_expiry_interval or 0
             self._window = min(props.receive_maximum or 65535, MAX_WINDOW)
             self._max_out = props.maximum_packet_size
+            self._out_alias_max = props.topic_alias_maximum or 0
             keep_alive = min(p.keep_alive, MAX_KEEP_ALIVE)
         else:
             expiry = 0 if p.clean_start else NEVER_EXPIRES
@@ -602,6 +605,7 @@ class Session:
             subscription_ids=sub_ids,
             expiry=expiry,
             level=self.level,
+            alias=self._alias_for(msg.destination),
         )
         if self._max_out is not None and len(data) > self._max_out:
             log.info("MQTT client %r: message over its maximum packet size dropped", self.client_id)
@@ -612,6 +616,17 @@ class Session:
         else:
             self._settle(queue, entry_id)
         self.link.send(data)
+
+    def _alias_for(self, topic: str) -> tuple[int, bool] | None:
+        """Outbound topic aliases: the first topics (up to the client's topic alias maximum)
+        get one; later PUBLISHes on them leave the topic out."""
+        alias = self._out_aliases.get(topic)
+        if alias is not None:
+            return alias, True
+        if len(self._out_aliases) < self._out_alias_max:
+            alias = self._out_aliases[topic] = len(self._out_aliases) + 1
+            return alias, False
+        return None
 
     def _settle(self, queue: str | None, entry_id: str | None) -> None:
         if queue is None or entry_id is None:
