@@ -149,3 +149,27 @@ async def test_eligibility_is_read_from_any_message_size(
             break
         await asyncio.sleep(0.02)
     assert (await broker.queues.info(DEAD_MESSAGE_QUEUE)).messages == expected
+
+
+async def test_partitioned_dmq_places_by_key(broker: Broker) -> None:
+    from gateway.engine.partitions import partition_of
+
+    await broker.declare_queue(QueueConfig(name="pdmq", partition_count=4))
+    await broker.declare_queue(QueueConfig(name="q", dead_message_queue="pdmq"))
+    for key in ("a", "b", "c", None):
+        await broker.publish(msg(b"x", dmq_eligible=True, partition_key=key))
+    got: list[Delivery] = []
+    flow = await broker.bind("q", got.append)
+    await wait_for(lambda: len(got) == 4)
+    for d in got:
+        flow.reject(d.entry_id)
+    expected = [0, 0, 0, 0]
+    for key in ("a", "b", "c"):
+        expected[partition_of(key, 4)] += 1
+    expected[0] += 1  # no key: partition 0
+    for _ in range(50):
+        info = await broker.queues.info("pdmq")
+        if info.messages == 4:
+            break
+        await asyncio.sleep(0.02)
+    assert [p["messages"] for p in info.partitions] == expected

@@ -319,6 +319,8 @@ end
 -- exists, with its origin and reason as entry fields, else discarded. Counted either way.
 local function dead_letter(q, s, id, blob, reason, to_dmq)
   local c = redis.call('HMGET', k_queue_config(q), 'dead_message_queue', 'dmq_eligible_default')
+  local e = redis.call('XRANGE', s, id, id)
+  local kh = #e > 0 and entry_field(e[1][2], 'kh')
   redis.call('XACK', s, GROUP, id)
   if redis.call('EXISTS', k_queue_readers(q)) == 0 then redis.call('XDEL', s, id) end
   local st = k_queue_stats(q)
@@ -330,8 +332,14 @@ local function dead_letter(q, s, id, blob, reason, to_dmq)
       and redis.call('EXISTS', k_queue_config(dmq)) == 1 then
     local origin = redis.call('HGET', k_queue_config(q), 'parent') or q
     local d = redis.call('HMGET', k_queue_config(dmq), 'partition_count', 'priorities')
-    if (tonumber(d[1]) or 0) > 0 then
-      dmq = partition_queue(dmq, 0)  -- the key's hash is not known here: partition 0
+    local np = tonumber(d[1]) or 0
+    if np > 0 then  -- by the key's hash, like the spool; partition 0 without a key
+      local index = 0
+      if kh then
+        local hi, lo = string.match(kh, '^(%d+):(%d+)$')
+        index = ((tonumber(hi) % np) * (4294967296 % np) + tonumber(lo) % np) % np
+      end
+      dmq = partition_queue(dmq, index)
     elseif d[2] == '1' then
       local _, priority = message_flags(blob)
       dmq = priority_queue(dmq, priority)
@@ -531,9 +539,13 @@ redis.register_function('gw_spool', function(_, a)
       else
         for _, q in ipairs(targets) do
           local args = { 'XADD', q.stream, '*', 'm', blob }
-          if q.grouped and key ~= '' then
-            args[#args + 1] = 'k'
-            args[#args + 1] = key
+          if key ~= '' then
+            if q.grouped then
+              args[#args + 1] = 'k'
+              args[#args + 1] = key
+            end
+            args[#args + 1] = 'kh'  -- places it in a partitioned dead message queue
+            args[#args + 1] = hi .. ':' .. lo
           end
           local x = expires
           if q.max_ttl > 0 then
