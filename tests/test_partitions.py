@@ -189,3 +189,45 @@ async def test_admin_api_shows_and_scales_partitions(broker: Broker) -> None:
         assert reply.body["messages"] == 10 - gone
     finally:
         await server.close()
+
+
+async def test_http_publish_keys_and_active_flow_metrics(broker: Broker) -> None:
+    import urllib.request
+
+    from gateway.admin.api import AdminApi
+    from gateway.admin.http import HttpServer
+
+    await make_queue(broker, name="hq", partition_count=1)
+    got: list[Delivery] = []
+    flows = [await broker.bind("hq", got.append) for _ in range(2)]
+    await wait_for(lambda: owned(flows) == [0, 1])
+    server = HttpServer(AdminApi(broker))
+    port = await server.start("127.0.0.1", 0)
+    try:
+
+        def publish() -> int:
+            req = urllib.request.Request(
+                f"http://127.0.0.1:{port}/api/v1/queues/hq/messages",
+                data=b'{"payload": "x"}',
+                method="POST",
+                headers={
+                    "Solace-User-Property-JMSXGroupID": "device-9",
+                    "Solace-User-Property-site": "north",
+                },
+            )
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                return resp.status
+
+        def metrics() -> str:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+                return r.read().decode()
+
+        assert await asyncio.to_thread(publish) == 200
+        await wait_for(lambda: len(got) == 1)
+        assert got[0].message.partition_key == "device-9"
+        assert ("site", "north") in got[0].message.user_properties
+        text = await asyncio.to_thread(metrics)
+        assert 'gateway_queue_flows{queue="hq",state="active"} 1' in text
+        assert 'gateway_queue_flows{queue="hq",state="inactive"} 1' in text
+    finally:
+        await server.close()

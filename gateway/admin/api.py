@@ -28,6 +28,7 @@ OUTCOME_STATUS = {
     Outcome.QUEUE_FULL: 507,
 }
 MAX_GET = 1000
+USER_PROPERTY_HEADER = "solace-user-property-"  # header names arrive lower-cased
 
 
 class AdminApi:
@@ -74,11 +75,11 @@ class AdminApi:
                 raise HttpError(404, f"no reader {rest[3]!r} on queue {rest[1]!r}")
             return Response(204)
         if len(rest) == 3 and rest[0] == "queues" and rest[2] == "messages" and m == "POST":
-            return await self._publish({**_object(req), "queue": rest[1]})
+            return await self._publish({**_object(req), "queue": rest[1]}, req.headers)
         if len(rest) == 3 and rest[0] == "queues" and rest[2] == "get" and m == "POST":
             return await self._get(rest[1], _object(req))
         if rest == ["messages"] and m == "POST":
-            return await self._publish(_object(req))
+            return await self._publish(_object(req), req.headers)
         raise HttpError(
             405 if rest and rest[0] == "queues" else 404, f"no route for {m} /{'/'.join(p)}"
         )
@@ -136,8 +137,16 @@ class AdminApi:
         await self.broker.router.reload()
         return Response.json({"changed": changed})
 
-    async def _publish(self, body: dict[str, Any]) -> Response:
+    async def _publish(self, body: dict[str, Any], headers: dict[str, str]) -> Response:
         msg = _message(body)
+        # Solace REST messaging headers: user properties, JMSXGroupID as the partition key
+        for name, value in headers.items():
+            if name.startswith(USER_PROPERTY_HEADER):
+                prop = name[len(USER_PROPERTY_HEADER) :]
+                if prop == "jmsxgroupid":
+                    msg.partition_key = value
+                else:
+                    msg.user_properties.append((prop, value))
         outcome = await self.broker.publish(msg)
         status = OUTCOME_STATUS.get(outcome, 200)
         result = {"outcome": outcome.name.lower(), "id": msg.id}

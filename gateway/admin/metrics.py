@@ -30,8 +30,13 @@ async def render_metrics(broker: Broker) -> str:
         queue_lines.setdefault("gateway_queue_spooled_bytes", []).append(
             f'gateway_queue_spooled_bytes{{queue="{q}"}} {info.spooled_bytes}'
         )
-        queue_lines.setdefault("gateway_queue_flows", []).append(
-            f'gateway_queue_flows{{queue="{q}"}} {len(info.flows)}'
+        flows = info.to_json()["flows"]
+        active = sum(1 for f in flows if f["active"])
+        queue_lines.setdefault("gateway_queue_flows", []).extend(
+            [
+                f'gateway_queue_flows{{queue="{q}",state="active"}} {active}',
+                f'gateway_queue_flows{{queue="{q}",state="inactive"}} {len(flows) - active}',
+            ]
         )
         for counter, value in sorted(info.counters.items()):
             metric = f"gateway_queue_{counter}_total"
