@@ -149,9 +149,10 @@ def encode(msg: Message) -> bytes:
         msg.annotations or None,
         (pub.protocol, pub.client_id, pub.user) if pub is not None else None,
     ]
-    while fields[-1] is None:
-        fields.pop()
-    return _packer.pack(fields)
+    end = len(fields)
+    while fields[end - 1] is None:
+        end -= 1
+    return _packer.pack(fields[:end] if end < len(fields) else fields)
 
 
 def decode(blob: bytes) -> Message:
@@ -168,26 +169,26 @@ def decode(blob: bytes) -> Message:
     try:
         flags = f[4] or 0
         pub = f[16]
-        return Message(
-            payload=f[1],
-            destination=f[2],
-            id=f[3] or "",
-            persistent=bool(flags & FLAG_PERSISTENT),
-            dmq_eligible=bool(flags & FLAG_DMQ_ELIGIBLE) if flags & FLAG_DMQ_SET else None,
-            retain=bool(flags & FLAG_RETAIN),
-            to_queue=bool(flags & FLAG_TO_QUEUE),
-            priority=DEFAULT_PRIORITY if f[5] is None else f[5],
-            partition_key=f[6],
-            expiration=f[7],
-            not_before=f[8],
-            content_type=f[9],
-            correlation_id=f[10],
-            reply_to=f[11],
-            message_id=f[12],
-            subject=f[13],
-            user_properties=[(k, v) for k, v in f[14]] if f[14] else [],
-            annotations=dict(f[15]) if f[15] else {},
-            publisher=Publisher(pub[0], pub[1], pub[2]) if pub else None,
+        return Message(  # positional, in field order: measurably faster on the hot path
+            f[2],  # destination
+            f[1],  # payload
+            f[6],  # partition_key
+            DEFAULT_PRIORITY if f[5] is None else f[5],
+            f[7],  # expiration
+            f[8],  # not_before
+            bool(flags & FLAG_PERSISTENT),
+            bool(flags & FLAG_DMQ_ELIGIBLE) if flags & FLAG_DMQ_SET else None,
+            f[9],  # content_type
+            f[10],  # correlation_id
+            f[11],  # reply_to
+            f[12],  # message_id
+            f[13],  # subject
+            [(k, v) for k, v in f[14]] if f[14] else [],
+            dict(f[15]) if f[15] else {},
+            Publisher(pub[0], pub[1], pub[2]) if pub else None,
+            bool(flags & FLAG_RETAIN),
+            bool(flags & FLAG_TO_QUEUE),
+            f[3] or "",  # id
         )
     except (TypeError, ValueError, IndexError, KeyError) as exc:
         raise ValueError(f"stream entry has malformed fields: {exc}") from exc

@@ -469,6 +469,35 @@ local function drop_oldest(q, size)
   return true
 end
 
+-- XADD arguments of a message with extra fields: its key (message groups; 'kh' places it
+-- in a partitioned dead message queue), expiry 'x' (the smaller of the publisher's and the
+-- queue's TTL) and delivery time 'h' (held invisible until then).
+local function entry_args(q, blob, key, hi, lo, expires, not_before)
+  local args = { 'XADD', q.stream, '*', 'm', blob }
+  if key ~= '' then
+    if q.grouped then
+      args[#args + 1] = 'k'
+      args[#args + 1] = key
+    end
+    args[#args + 1] = 'kh'
+    args[#args + 1] = hi .. ':' .. lo
+  end
+  local x = expires
+  if q.max_ttl > 0 then
+    local now = now_ms()
+    if x == 0 or now + q.max_ttl < x then x = now + q.max_ttl end
+  end
+  if x > 0 then
+    args[#args + 1] = 'x'
+    args[#args + 1] = x
+  end
+  if not_before > 0 then
+    args[#args + 1] = 'h'
+    args[#args + 1] = not_before
+  end
+  return args
+end
+
 -- ARGV: node, nq, queue names..., then per message: k, queue indexes (k)..., direct,
 -- payload size (checked against max_message_size), key hash high and low 32 bits (picks
 -- the partition of a partitioned queue: xxh3_64(key) % partition_count), the key itself
@@ -495,7 +524,6 @@ redis.register_function('gw_spool', function(_, a)
   local out = {}
   local pos = 3 + nq
   local n = #a
-  local now
   while pos <= n do
     local k = tonumber(a[pos])
     local direct = a[pos + k + 1] == '1'
@@ -538,29 +566,12 @@ redis.register_function('gw_spool', function(_, a)
         code = direct and NOT_FOUND or NO_SUBSCRIBERS
       else
         for _, q in ipairs(targets) do
-          local args = { 'XADD', q.stream, '*', 'm', blob }
-          if key ~= '' then
-            if q.grouped then
-              args[#args + 1] = 'k'
-              args[#args + 1] = key
-            end
-            args[#args + 1] = 'kh'  -- places it in a partitioned dead message queue
-            args[#args + 1] = hi .. ':' .. lo
+          local id
+          if key == '' and expires == 0 and not_before == 0 and q.max_ttl == 0 then
+            id = redis.call('XADD', q.stream, '*', 'm', blob)  -- the common, plain message
+          else
+            id = redis.call(unpack(entry_args(q, blob, key, hi, lo, expires, not_before)))
           end
-          local x = expires
-          if q.max_ttl > 0 then
-            now = now or now_ms()
-            if x == 0 or now + q.max_ttl < x then x = now + q.max_ttl end
-          end
-          if x > 0 then  -- the smaller of the publisher's and the queue's TTL
-            args[#args + 1] = 'x'
-            args[#args + 1] = x
-          end
-          if not_before > 0 then  -- held until then (invisible to consumers)
-            args[#args + 1] = 'h'
-            args[#args + 1] = not_before
-          end
-          local id = redis.call(unpack(args))
           if q.lvq then
             local slot = ''
             if q.lvq_key then slot = property_value(props, q.lvq_key) end
@@ -849,6 +860,38 @@ redis.register_function('gw_browse', function(_, a)
   return out
 end)
 
+-- Acks for entries of one flow in one XACK, the common case. If some were settled before
+-- (the count comes back short), deleting them one by one tells which were still there.
+local function ack_batch(q, s, a, first, n)
+  local ids, bytes = {}, 0
+  for i = first, first + 2 * n - 1, 2 do
+    ids[#ids + 1] = a[i]
+    bytes = bytes + tonumber(a[i + 1])
+  end
+  local acked = redis.call('XACK', s, GROUP, unpack(ids))
+  local kept = redis.call('EXISTS', k_queue_readers(q)) == 1
+  if acked < n and not kept then
+    acked, bytes = 0, 0
+    for i = first, first + 2 * n - 1, 2 do
+      if redis.call('XDEL', s, a[i]) == 1 then
+        acked = acked + 1
+        bytes = bytes + tonumber(a[i + 1])
+      end
+    end
+  elseif not kept then
+    redis.call('XDEL', s, unpack(ids))
+  elseif acked < n then
+    bytes = math.floor(bytes * acked / n)  -- kept for readers: the sizes of which are unknown
+  end
+  if acked > 0 then
+    local st = k_queue_stats(q)
+    redis.call('HINCRBY', st, 'msgs', -acked)
+    redis.call('HINCRBY', st, 'bytes', -bytes)
+    redis.call('HINCRBY', st, 'acked', acked)
+  end
+  return acked
+end
+
 -- Settle entries a flow holds. ARGV: mode ('ack' | 'reject' | 'requeue'), then groups of
 -- queue, flow, n, then n pairs of entry id, size. A flow that is no longer bound (released
 -- after its node was presumed dead: its entries went back to the queue) settles nothing;
@@ -866,7 +909,10 @@ redis.register_function('gw_settle', function(_, a)
       local shared = gmode == 'shared'
       local default_group = shared and redis.call('HGET', k_queue_config(q), 'default_group')
       local mine, bytes = {}, 0
-      for i = first, pos - 1, 2 do
+      if mode == 'ack' and not shared then
+        total = total + ack_batch(q, s, a, first, n)
+      end
+      for i = first, ((mode == 'ack' and not shared) and first - 1 or pos - 1), 2 do
         local id = a[i]
         local g = shared and entry_group(s, id, gmode, default_group)
         local settled

@@ -124,16 +124,18 @@ class Spooler:
                     i = index[q] = len(index) + 1
                 idx.append(i)
             body.append(len(idx))
-            body.extend(idx)
-            body.append(1 if p.direct else 0)
-            body.append(p.size)
-            body.extend(key_hash(p.key))
-            body.append(p.key or "")
-            body.append(p.expires or 0)
-            body.append(p.props)
-            body.append(p.priority)
-            body.append(p.not_before or 0)
-            body.append(p.blob)
+            body += idx
+            body += (
+                1 if p.direct else 0,
+                p.size,
+                *key_hash(p.key),
+                p.key or "",
+                p.expires or 0,
+                p.props,
+                p.priority,
+                p.not_before or 0,
+                p.blob,
+            )
         codes = await self._redis.fcall("gw_spool", 0, self._node, len(index), *index.keys(), *body)
         self.batches += 1
         stored: set[str] = set()
