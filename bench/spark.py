@@ -5,7 +5,7 @@ Spools --messages messages of --size bytes into one queue of a private redis-ser
   batch read   rows/s of a full read of the queue through the `gateway` data source
                (every payload materialised), best of --runs after one warm-up;
   archive      rows/s of the archive job (Parquet, partitioned by queue and date);
-  aggregate    latency from publishing the message that closes a window to the window's
+  aggregate    latency from an MQTT publish of the message that closes a window to the window's
                aggregate arriving in a gateway topic (windowed aggregate with a watermark,
                streaming, 100 ms trigger): median and max over --samples windows.
 
@@ -23,16 +23,20 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+import paho.mqtt.client as paho
+from paho.mqtt.enums import CallbackAPIVersion
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
 from gateway.broker import Broker
+from gateway.config import Settings
 from gateway.engine import library
 from gateway.engine.queues import QueueConfig
 from gateway.model import Delivery, Message
 from gateway.redis_server import EmbeddedRedis
 from gateway.spark import jobs
 from gateway.spark.session import build_session
+from protocols.mqtt.listener import start as start_mqtt
 
 CHUNK = 2000
 
@@ -84,8 +88,12 @@ def archive_rate(spark: SparkSession, url: str, queue: str, n: int, runs: int, t
 async def aggregate_latency(
     spark: SparkSession, broker: Broker, url: str, tmp: Path, samples: int
 ) -> list[float]:
-    """Seconds from publishing into window i+1 to window i's aggregate reaching a topic."""
-    await broker.declare_queue(QueueConfig(name="readings"))
+    """Seconds from an MQTT publish into window i+1 to window i's aggregate reaching a topic."""
+    await broker.declare_queue(QueueConfig(name="readings"), [("readings/>", "smf")])
+    mqtt = await start_mqtt(broker, Settings(mqtt_port=0, host="127.0.0.1"))
+    device = paho.Client(CallbackAPIVersion.VERSION2, "bench-device", protocol=paho.MQTTv311)
+    device.connect("127.0.0.1", mqtt.port)
+    device.loop_start()
     await broker.declare_queue(QueueConfig(name="results"), [("bench/agg", "smf")])
     arrived: dict[int, float] = {}  # window start (epoch s) -> arrival
 
@@ -114,7 +122,8 @@ async def aggregate_latency(
         for _ in range(samples + 1):
             await asyncio.sleep(1.05 - time.time() % 1)  # early in the next window
             second, start = int(time.time()), time.perf_counter()
-            await broker.publish(Message(destination="readings", payload=b"1", to_queue=True))
+            info = device.publish("readings/d1", b"1", qos=1)
+            await asyncio.to_thread(info.wait_for_publish, 10)
             published.append((second, start))
         for _ in range(300):
             if all(s in arrived for s, _ in published[:-1]):
@@ -123,6 +132,9 @@ async def aggregate_latency(
     finally:
         query.stop()
         await flow.close()
+        device.loop_stop()
+        device.disconnect()
+        await mqtt.close()
     closing = [(published[i][0], published[i + 1][1]) for i in range(samples)]
     return [arrived[second] - t for second, t in closing if second in arrived]
 

@@ -30,7 +30,7 @@ PROTOCOL_GROUP = "gateway.protocols"
 
 class Listener(Protocol):
     name: str
-    port: int
+    port: int  # the plain listener; `extra_ports` (optional) names others, e.g. mqtt_tls_port
 
     async def close(self) -> None: ...
 
@@ -79,6 +79,7 @@ async def run_node(
             "admin_port": admin_port,
             "redis_url": redis_url,
             **{f"{lst.name}_port": lst.port for lst in listeners},
+            **{k: v for lst in listeners for k, v in getattr(lst, "extra_ports", {}).items()},
         }
         print(json.dumps(ready), flush=True)
         log.info("gateway node %s ready", broker.node_id)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import subprocess
 import threading
 import urllib.error
@@ -21,20 +22,45 @@ password = "s3cret"
 """
 
 
+def make_cert(directory: Path) -> Path:
+    """A self-signed certificate for 127.0.0.1 and localhost (key.pem beside it)."""
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    argv = [
+        "openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+        "-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost",
+        "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost",
+    ]  # fmt: skip
+    subprocess.run(argv, check=True, capture_output=True, timeout=60)
+    return cert
+
+
+def free_port() -> int:
+    """A free loopback port: the ready line names only the plain ports, so the TLS ports
+    are chosen here."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class Gateway:
-    """One gateway node on loopback with ephemeral ports, read from its JSON ready line."""
+    """One gateway node on loopback with ephemeral ports (the plain ones read from its JSON
+    ready line) and TLS listeners with a certificate made for the run (`cert`)."""
 
     def __init__(self, repo: Path, workdir: Path) -> None:
         self.repo = repo
         self.workdir = workdir
         self.proc: subprocess.Popen[bytes] | None = None
         self.ports: dict[str, int] = {}
+        self.cert = workdir / "tls" / "cert.pem"
 
     def start(self, timeout: float = 30.0) -> None:
         data = self.workdir / "data"
         shutil.rmtree(data, ignore_errors=True)  # a fresh spool every run
         config = self.workdir / "gateway.toml"
         config.write_text(CONFIG)
+        self.cert.parent.mkdir(exist_ok=True)
+        make_cert(self.cert.parent)
+        tls_ports = {"mqtt_tls_port": free_port(), "amqp_tls_port": free_port()}
         argv = [
             str(self.repo / ".venv/bin/gateway"),
             "serve",
@@ -48,6 +74,16 @@ class Gateway:
             "0",
             "--admin-port",
             "0",
+            "--mqtt-ws-port",
+            "-1",
+            "--tls-cert",
+            str(self.cert),
+            "--tls-key",
+            str(self.cert.parent / "key.pem"),
+            "--mqtt-tls-port",
+            str(tls_ports["mqtt_tls_port"]),
+            "--amqp-tls-port",
+            str(tls_ports["amqp_tls_port"]),
             "--config",
             str(config),
         ]
@@ -59,6 +95,7 @@ class Gateway:
         if ready.get("event") != "ready":
             raise RuntimeError(f"gateway did not start: {line!r}")
         self.ports = {k: ready[k] for k in ("mqtt_port", "amqp_port", "admin_port")}
+        self.ports.update(tls_ports)
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:

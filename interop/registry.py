@@ -75,6 +75,7 @@ CLIENTS = [
             "pubsub_presettled": "send.c always sends unsettled",
             "partitioned": "send.c sets no group-id",
             "request_reply": "receive.c has no dynamic receiver; send.c no reply-to",
+            "tls": "send.c / receive.c take HOST PORT ADDRESS COUNT only: no TLS option",
             "cross_publish": "send.c's body is a fixed AMQP map {sequence: n}, no payload or"
             " properties to compare",
         },

@@ -15,15 +15,20 @@ import pytest
 
 pyspark = pytest.importorskip("pyspark")
 
+from proton import Message as AmqpMessage  # noqa: E402
+from proton import Timeout  # noqa: E402
+from proton.utils import BlockingConnection  # noqa: E402
 from pyspark.sql import SparkSession  # noqa: E402
 
 from gateway.broker import Broker  # noqa: E402
+from gateway.config import Settings  # noqa: E402
 from gateway.engine import keys  # noqa: E402
 from gateway.engine.partitions import partition_of  # noqa: E402
 from gateway.engine.queues import QueueConfig, stream_queues  # noqa: E402
 from gateway.model import Delivery, Message, Outcome, decode  # noqa: E402
 from gateway.spark import jobs  # noqa: E402
 from gateway.spark.session import activate, build_session  # noqa: E402
+from protocols.amqp.listener import start as start_amqp  # noqa: E402
 
 pytestmark = pytest.mark.spark
 
@@ -101,16 +106,7 @@ async def test_sink_publishes_through_the_spool_and_replays_idempotently(
     spark: SparkSession, broker: Broker, redis_url: str
 ) -> None:
     await broker.declare_queue(QueueConfig(name="out"), [("events/>", "smf")])
-    got: list[Message] = []
-    done = asyncio.Event()
-
-    def on_deliver(delivery: Delivery) -> None:
-        got.append(delivery.message)
-        flow.ack(delivery.entry_id)
-        if len(got) == 50:
-            done.set()
-
-    flow = await broker.bind("out", on_deliver)
+    amqp = await start_amqp(broker, Settings(amqp_port=0, host="127.0.0.1"))
     df = spark.createDataFrame(
         [(f"v{i}", f"k{i % 3}", {"i": str(i)}) for i in range(50)],
         "payload string, partition_key string, properties map<string,string>",
@@ -120,24 +116,40 @@ async def test_sink_publishes_through_the_spool_and_replays_idempotently(
         writer = frame.write.format("gateway").mode("append").option("redis_url", redis_url)
         return in_thread(spark, writer.options(**options).save)
 
-    await asyncio.to_thread(save(df.repartition(3), topic="events/new", batchId="b1"))
-    await asyncio.wait_for(done.wait(), 10)
-    assert sorted(m.payload for m in got) == sorted(f"v{i}".encode() for i in range(50))
-    m7 = next(m for m in got if m.payload == b"v7")
-    assert (m7.destination, m7.partition_key, m7.user_properties) == (
-        "events/new",
-        "k1",
-        [("i", "7")],
-    )
-    assert len({m.id for m in got}) == 50
-    # three partition markers, then the batch marker from the driver's commit
-    assert await broker.redis.scard(keys.sink_batches("topic:events/new")) == 4
+    def receive(count: int, timeout: float) -> list[AmqpMessage]:
+        """A stock Qpid Proton receiver on the gateway's AMQP port."""
+        conn = BlockingConnection(f"amqp://127.0.0.1:{amqp.port}", timeout=10)
+        got: list[AmqpMessage] = []
+        try:
+            receiver = conn.create_receiver("out", credit=count)
+            while len(got) < count:
+                try:
+                    got.append(receiver.receive(timeout=timeout))
+                except Timeout:
+                    break
+                receiver.accept()
+        finally:
+            conn.close()
+        return got
 
-    # the same batch again, partitioned otherwise: nothing is published twice
-    await asyncio.to_thread(save(df.repartition(5), topic="events/new", batchId="b1"))
-    await asyncio.sleep(0.5)
-    assert len(got) == 50
-    await flow.close()
+    try:
+        await asyncio.to_thread(save(df.repartition(3), topic="events/new", batchId="b1"))
+        got = await asyncio.to_thread(receive, 50, 10)
+        assert sorted(bytes(m.body) for m in got) == sorted(f"v{i}".encode() for i in range(50))
+        m7 = next(m for m in got if bytes(m.body) == b"v7")
+        assert (m7.address, m7.group_id, dict(m7.properties)) == (
+            "topic://events/new",
+            "k1",
+            {"i": "7"},
+        )
+        # three partition markers, then the batch marker from the driver's commit
+        assert await broker.redis.scard(keys.sink_batches("topic:events/new")) == 4
+
+        # the same batch again, partitioned otherwise: nothing is published twice
+        await asyncio.to_thread(save(df.repartition(5), topic="events/new", batchId="b1"))
+        assert await asyncio.to_thread(receive, 1, 1.0) == []
+    finally:
+        await amqp.close()
 
     with pytest.raises(Exception, match=r"refused .*NOT_FOUND"):
         await asyncio.to_thread(save(df, queue="missing"))

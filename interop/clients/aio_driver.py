@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import ssl
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -34,6 +35,8 @@ def client(a: dict[str, Any], will: dict[str, Any] | None = None) -> Any:
             kwargs["properties"] = session_props()
     else:
         kwargs["clean_session"] = a.get("clean", True)
+    if a.get("ca"):
+        kwargs["tls_context"] = ssl.create_default_context(cafile=a["ca"])
     if will:
         kwargs["will"] = lib.Will(
             will["topic"], unb64(will["payload"]), will["qos"], will["retain"]

@@ -12,7 +12,8 @@ from common import args, b64, emit, ready, unb64
 
 def uri(a: dict[str, Any]) -> str:
     creds = f"{a['username']}:{a['password']}@" if a.get("username") else ""
-    return f"mqtt://{creds}{a['host']}:{a['port']}"
+    scheme = "mqtts" if a.get("ca") else "mqtt"
+    return f"{scheme}://{creds}{a['host']}:{a['port']}"
 
 
 async def main(a: dict[str, Any]) -> None:
@@ -28,7 +29,7 @@ async def main(a: dict[str, Any]) -> None:
     client = MQTTClient(client_id=a["client_id"], config=config)
     try:
         async with asyncio.timeout(a["timeout"]):
-            await client.connect(uri(a), cleansession=a.get("clean", True))
+            await client.connect(uri(a), cleansession=a.get("clean", True), cafile=a.get("ca"))
     except Exception as exc:  # ConnectError carries the CONNACK return code
         emit({"ok": False, "rc": f"{type(exc).__name__}: {exc}"})
         return

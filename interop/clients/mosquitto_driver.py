@@ -24,6 +24,8 @@ def base(a: dict[str, Any], client_id: str | None = None) -> list[str]:
     ]
     if a.get("username"):
         argv += ["-u", a["username"], "-P", a["password"]]
+    if a.get("ca"):
+        argv += ["--cafile", a["ca"]]
     return argv
 
 

@@ -48,7 +48,8 @@ if (a.action === "will") {
   options.will = { topic: w.topic, payload: Buffer.from(w.payload, "base64"), qos: w.qos,
     retain: w.retain };
 }
-const client = mqtt.connect(`mqtt://${a.host}:${a.port}`, options);
+if (a.ca) options.ca = require("fs").readFileSync(a.ca);
+const client = mqtt.connect(`${a.ca ? "mqtts" : "mqtt"}://${a.host}:${a.port}`, options);
 const got = [];
 const timer = setTimeout(() => finish({ ok: a.action === "subscribe", messages: got }),
   a.timeout * 1000);

@@ -35,6 +35,8 @@ def connect(a: dict[str, Any], will: dict[str, Any] | None = None) -> tuple[mqtt
     if not v5:
         kwargs["clean_session"] = a.get("clean", True)
     client = mqtt.Client(CallbackAPIVersion.VERSION2, a["client_id"], **kwargs)
+    if a.get("ca"):
+        client.tls_set(ca_certs=a["ca"])
     if a.get("username"):
         client.username_pw_set(a["username"], a.get("password"))
     if will:

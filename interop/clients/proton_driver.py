@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from common import args, b64, emit, ready, unb64
-from proton import Message
+from proton import Message, SSLDomain
 from proton.reactor import AtMostOnce
 from proton.utils import BlockingConnection
 
@@ -13,8 +13,15 @@ PROPS = ("correlation_id", "reply_to", "content_type", "group_id", "subject")
 
 
 def connect(a: dict[str, Any]) -> BlockingConnection:
-    url = f"amqp://{a['host']}:{a['port']}"
     kwargs: dict[str, Any] = {"timeout": a["timeout"]}
+    scheme = "amqp"
+    if a.get("ca"):  # proton matches DNS names only, hence server_name for 127.0.0.1
+        scheme = "amqps"
+        domain = SSLDomain(SSLDomain.MODE_CLIENT)
+        domain.set_trusted_ca_db(a["ca"])
+        domain.set_peer_authentication(SSLDomain.VERIFY_PEER_NAME)
+        kwargs.update(ssl_domain=domain, virtual_host=a["server_name"])
+    url = f"{scheme}://{a['host']}:{a['port']}"
     if a.get("username"):
         kwargs.update(
             user=a["username"],

@@ -33,6 +33,7 @@ function toJson(msg) {
 const container = rhea.create_container({ id: a.client_id });
 const options = { host: a.host, port: a.port, reconnect: false };
 if (a.username) Object.assign(options, { username: a.username, password: a.password });
+if (a.ca) Object.assign(options, { transport: "tls", ca: [require("fs").readFileSync(a.ca)] });
 const timer = setTimeout(() => done({ ok: a.action === "receive", messages: got }),
   a.timeout * 1000);
 const got = [];

@@ -12,6 +12,7 @@ from proton import Condition
 from gateway.broker import Broker
 from gateway.config import Settings
 from protocols.amqp.connection import AmqpConnection
+from protocols.tls import tls_context
 
 log = logging.getLogger(__name__)
 
@@ -55,26 +56,44 @@ class Registry:
 
 
 class Listener:
-    """A bound AMQP server socket; `port` is the actual port (settings may ask for 0)."""
+    """The AMQP server sockets (plain, and TLS with a certificate) sharing one registry.
+
+    `port` is the plain port; `extra_ports` holds `amqp_tls_port` when it listens (the
+    actual port when settings asked for 0).
+    """
 
     name = "amqp"
 
-    def __init__(self, server: asyncio.Server, registry: Registry) -> None:
-        self._server = server
+    def __init__(self, servers: dict[str, asyncio.Server], registry: Registry) -> None:
+        self._servers = servers
         self.registry = registry
-        self.port: int = server.sockets[0].getsockname()[1]
+        ports = {key: server.sockets[0].getsockname()[1] for key, server in servers.items()}
+        self.port: int = ports.pop("amqp_port")
+        self.extra_ports: dict[str, int] = ports
 
     async def close(self) -> None:
-        self._server.close()
+        for server in self._servers.values():
+            server.close()
         await self.registry.close()
-        await self._server.wait_closed()
+        for server in self._servers.values():
+            await server.wait_closed()
 
 
 async def start(broker: Broker, settings: Settings) -> Listener | None:
-    """Plugin entry point: listen on settings.host:settings.amqp_port."""
+    """Plugin entry point: listen on amqp_port, and on amqp_tls_port with a certificate."""
     registry = Registry(broker, settings)
-    server = await asyncio.get_running_loop().create_server(
-        lambda: AmqpConnection(registry), settings.host, settings.amqp_port
-    )
-    log.info("AMQP listening on %s:%d", settings.host, server.sockets[0].getsockname()[1])
-    return Listener(server, registry)
+    loop = asyncio.get_running_loop()
+    host = settings.host
+    servers = {
+        "amqp_port": await loop.create_server(
+            lambda: AmqpConnection(registry), host, settings.amqp_port
+        )
+    }
+    context = tls_context(settings)
+    if context is not None:
+        servers["amqp_tls_port"] = await loop.create_server(
+            lambda: AmqpConnection(registry), host, settings.amqp_tls_port, ssl=context
+        )
+    for key, server in servers.items():
+        log.info("AMQP %s: %s:%d", key, host, server.sockets[0].getsockname()[1])
+    return Listener(servers, registry)

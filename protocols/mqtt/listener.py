@@ -28,6 +28,8 @@ from protocols.mqtt import mapping
 from protocols.mqtt.connection import MqttConnection
 from protocols.mqtt.session import NEVER_EXPIRES, Session
 from protocols.mqtt.state import SessionState, shared_queue_name
+from protocols.mqtt.websocket import WebSocketConnection
+from protocols.tls import tls_context
 
 log = logging.getLogger(__name__)
 
@@ -293,26 +295,49 @@ def _log_will_outcome(fut: asyncio.Future[Outcome]) -> None:
 
 
 class Listener:
-    """A bound MQTT server socket; `port` is the actual port (settings may ask for 0)."""
+    """The MQTT server sockets (plain, TLS, WebSocket) sharing one session registry.
+
+    `port` is the plain port; `extra_ports` holds the others under their ready-line keys
+    (`mqtt_tls_port`, `mqtt_ws_port`), actual ports when settings asked for 0.
+    """
 
     name = "mqtt"
 
-    def __init__(self, server: asyncio.Server, registry: Registry) -> None:
-        self._server = server
+    def __init__(self, servers: dict[str, asyncio.Server], registry: Registry) -> None:
+        self._servers = servers
         self.registry = registry
-        self.port: int = server.sockets[0].getsockname()[1]
+        ports = {key: server.sockets[0].getsockname()[1] for key, server in servers.items()}
+        self.port: int = ports.pop("mqtt_port")
+        self.extra_ports: dict[str, int] = ports
 
     async def close(self) -> None:
-        self._server.close()
+        for server in self._servers.values():
+            server.close()
         await self.registry.close()
-        await self._server.wait_closed()
+        for server in self._servers.values():
+            await server.wait_closed()
 
 
 async def start(broker: Broker, settings: Settings) -> Listener | None:
-    """Plugin entry point: listen on settings.host:settings.mqtt_port."""
+    """Plugin entry point: listen on mqtt_port, mqtt_tls_port (with a certificate) and
+    mqtt_ws_port (unless -1), all at settings.host."""
     registry = Registry(broker, settings)
-    server = await asyncio.get_running_loop().create_server(
-        lambda: MqttConnection(registry), settings.host, settings.mqtt_port
-    )
-    log.info("MQTT listening on %s:%d", settings.host, server.sockets[0].getsockname()[1])
-    return Listener(server, registry)
+    loop = asyncio.get_running_loop()
+    host = settings.host
+    servers = {
+        "mqtt_port": await loop.create_server(
+            lambda: MqttConnection(registry), host, settings.mqtt_port
+        )
+    }
+    context = tls_context(settings)
+    if context is not None:
+        servers["mqtt_tls_port"] = await loop.create_server(
+            lambda: MqttConnection(registry), host, settings.mqtt_tls_port, ssl=context
+        )
+    if settings.mqtt_ws_port != -1:
+        servers["mqtt_ws_port"] = await loop.create_server(
+            lambda: WebSocketConnection(MqttConnection(registry)), host, settings.mqtt_ws_port
+        )
+    for key, server in servers.items():
+        log.info("MQTT %s: %s:%d", key, host, server.sockets[0].getsockname()[1])
+    return Listener(servers, registry)

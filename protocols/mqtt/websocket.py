@@ -1,0 +1,249 @@
+"""MQTT over WebSocket (RFC 6455): the HTTP upgrade and the framing, nothing else.
+
+`WebSocketConnection` is the asyncio protocol of the socket. After the upgrade it hands
+the MQTT connection a `FramedTransport`, so the MQTT code is the same for every listener:
+binary frame payloads (fragments too; MQTT is a byte stream, so they need no reassembly)
+go to its `data_received`, its writes go out as binary frames. Pings are answered, a
+close frame is echoed; anything else a client must not send closes with 1002.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import logging
+import struct
+from typing import cast
+
+from protocols.mqtt.session import MAX_PACKET_SIZE
+
+log = logging.getLogger(__name__)
+
+PATH = "/mqtt"
+SUBPROTOCOLS = ("mqtt", "mqttv3.1")
+GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+MAX_REQUEST = 8192  # bytes of HTTP upgrade request
+MAX_FRAME = MAX_PACKET_SIZE + 16  # bytes of one frame's payload (the decoder caps packets)
+HANDSHAKE_TIMEOUT = 10.0  # seconds a new socket has to complete the upgrade request
+CLOSE_WAIT = 1.0  # seconds to wait for the client's close frame before closing the socket
+CONTINUATION, TEXT, BINARY, CLOSE, PING, PONG = 0x0, 0x1, 0x2, 0x8, 0x9, 0xA
+PROTOCOL_ERROR, UNSUPPORTED_DATA, TOO_BIG = 1002, 1003, 1009
+
+
+def frame(opcode: int, payload: bytes) -> bytes:
+    """An unmasked, final server frame."""
+    n = len(payload)
+    if n < 126:
+        head = struct.pack("!BB", 0x80 | opcode, n)
+    elif n < 0x10000:
+        head = struct.pack("!BBH", 0x80 | opcode, 126, n)
+    else:
+        head = struct.pack("!BBQ", 0x80 | opcode, 127, n)
+    return head + payload
+
+
+def unmask(data: bytes, key: bytes) -> bytes:
+    n = len(data)
+    pad = (key * (n // 4 + 1))[:n]
+    return (int.from_bytes(data, "big") ^ int.from_bytes(pad, "big")).to_bytes(n, "big")
+
+
+def accept_key(key: str) -> str:
+    return base64.b64encode(hashlib.sha1(key.encode() + GUID).digest()).decode()
+
+
+class FramedTransport:
+    """What the MQTT connection writes to: its bytes leave as binary frames."""
+
+    def __init__(self, socket: asyncio.Transport) -> None:
+        self.socket = socket
+        self.close_sent = False
+
+    def write(self, data: bytes) -> None:
+        if not self.close_sent:
+            self.socket.write(frame(BINARY, data))
+
+    def close(self) -> None:
+        """Start the closing handshake: the socket closes at the client's answer (which
+        spares the client a write to a closed socket) or after CLOSE_WAIT."""
+        if not self.close_sent:
+            self.close_sent = True
+            self.socket.write(frame(CLOSE, struct.pack("!H", 1000)))
+            asyncio.get_running_loop().call_later(CLOSE_WAIT, self.socket.close)
+
+    def fail(self, code: int) -> None:
+        """The client broke the protocol: say why and close at once."""
+        if not self.close_sent:
+            self.close_sent = True
+            self.socket.write(frame(CLOSE, struct.pack("!H", code)))
+        self.socket.close()
+
+    def abort(self) -> None:
+        self.socket.abort()
+
+    def is_closing(self) -> bool:
+        return self.close_sent or self.socket.is_closing()
+
+    def get_write_buffer_size(self) -> int:
+        return self.socket.get_write_buffer_size()
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        self.socket.set_write_buffer_limits(high, low)
+
+    def pause_reading(self) -> None:
+        self.socket.pause_reading()
+
+    def resume_reading(self) -> None:
+        self.socket.resume_reading()
+
+
+class WebSocketConnection(asyncio.Protocol):
+    """One WebSocket client socket carrying an MQTT connection (`inner`)."""
+
+    def __init__(self, inner: asyncio.Protocol) -> None:
+        self.inner = inner
+        self.socket: asyncio.Transport | None = None
+        self.framed: FramedTransport | None = None  # set once upgraded
+        self._buf = bytearray()
+        self._in_message = False  # a fragmented binary message awaits continuations
+        self._timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.socket = cast(asyncio.Transport, transport)
+        self._timer = asyncio.get_running_loop().call_later(HANDSHAKE_TIMEOUT, self._too_slow)
+
+    def _too_slow(self) -> None:
+        """No upgrade in time: drop the socket (an idle one must not be held for ever)."""
+        if self.framed is None and self.socket is not None:
+            self.socket.close()
+
+    def data_received(self, data: bytes) -> None:
+        self._buf += data
+        if self.framed is None:
+            self._handshake()
+        while self.framed is not None and not self.framed.socket.is_closing() and self._frame():
+            pass
+
+    def eof_received(self) -> bool:
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        if self.framed is not None:
+            self.inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        if self.framed is not None:
+            self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self.framed is not None:
+            self.inner.resume_writing()
+
+    # -- upgrade ---------------------------------------------------------------------------
+
+    def _handshake(self) -> None:
+        end = self._buf.find(b"\r\n\r\n")
+        if end < 0:
+            if len(self._buf) > MAX_REQUEST:
+                self._refuse(431, "Request Header Fields Too Large")
+            return
+        head = bytes(self._buf[:end]).decode("latin-1").split("\r\n")
+        del self._buf[: end + 4]
+        parts = head[0].split(" ")
+        headers: dict[str, str] = {}
+        for line in head[1:]:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+        if len(parts) != 3 or parts[0] != "GET":
+            self._refuse(400, "Bad Request")
+            return
+        if parts[1].split("?", 1)[0] != PATH:
+            self._refuse(404, "Not Found")
+            return
+        offered = [p.strip() for p in headers.get("sec-websocket-protocol", "").split(",")]
+        chosen = next((p for p in offered if p in SUBPROTOCOLS), None)
+        key = headers.get("sec-websocket-key")
+        if (
+            chosen is None
+            or key is None
+            or headers.get("upgrade", "").lower() != "websocket"
+            or headers.get("sec-websocket-version") != "13"
+        ):
+            self._refuse(400, "Bad Request")
+            return
+        assert self.socket is not None
+        self.socket.write(
+            "HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            f"Sec-WebSocket-Accept: {accept_key(key)}\r\n"
+            f"Sec-WebSocket-Protocol: {chosen}\r\n\r\n".encode()
+        )
+        if self._timer is not None:
+            self._timer.cancel()
+        self.framed = FramedTransport(self.socket)
+        self.inner.connection_made(cast(asyncio.Transport, self.framed))
+
+    def _refuse(self, status: int, reason: str) -> None:
+        assert self.socket is not None
+        body = f"{status} {reason}\n".encode()
+        self.socket.write(
+            f"HTTP/1.1 {status} {reason}\r\nContent-Type: text/plain\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+            + body
+        )
+        self.socket.close()
+
+    # -- frames ----------------------------------------------------------------------------
+
+    def _frame(self) -> bool:
+        """Handle one complete frame from the buffer; False when it holds none."""
+        assert self.framed is not None
+        buf = self._buf
+        if len(buf) < 2:
+            return False
+        fin, opcode = buf[0] & 0x80, buf[0] & 0x0F
+        masked, size = buf[1] & 0x80, buf[1] & 0x7F
+        offset = 2
+        if size == 126:
+            if len(buf) < 4:
+                return False
+            size, offset = struct.unpack_from("!H", buf, 2)[0], 4
+        elif size == 127:
+            if len(buf) < 10:
+                return False
+            size, offset = struct.unpack_from("!Q", buf, 2)[0], 10
+        if not masked or buf[0] & 0x70:
+            self.framed.fail(PROTOCOL_ERROR)
+            return False
+        if size > MAX_FRAME:
+            self.framed.fail(TOO_BIG)
+            return False
+        if len(buf) < offset + 4 + size:
+            return False
+        key = bytes(buf[offset : offset + 4])
+        payload = unmask(bytes(buf[offset + 4 : offset + 4 + size]), key)
+        del buf[: offset + 4 + size]
+        self._dispatch(bool(fin), opcode, payload)
+        return True
+
+    def _dispatch(self, fin: bool, opcode: int, payload: bytes) -> None:
+        assert self.framed is not None
+        if opcode >= CLOSE and (not fin or len(payload) > 125):
+            self.framed.fail(PROTOCOL_ERROR)
+        elif opcode == CLOSE:  # the client's answer, or its own close: we answer
+            self.framed.close()
+            self.framed.socket.close()
+        elif opcode == PING:
+            self.framed.socket.write(frame(PONG, payload))
+        elif opcode == PONG:
+            pass
+        elif opcode == TEXT:
+            self.framed.fail(UNSUPPORTED_DATA)
+        elif opcode == (CONTINUATION if self._in_message else BINARY):
+            self._in_message = not fin
+            if payload and not self.framed.close_sent:
+                self.inner.data_received(payload)
+        else:  # an unknown opcode, or a continuation out of place
+            self.framed.fail(PROTOCOL_ERROR)

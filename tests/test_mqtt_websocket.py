@@ -1,0 +1,240 @@
+"""MQTT over WebSocket: paho-mqtt and MQTT.js as clients, plus a hand-written client for
+the framing cases they never produce (fragments, pings, refused upgrades, bad frames).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import queue
+import shutil
+import struct
+import subprocess
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import paho.mqtt.client as paho
+import pytest
+from paho.mqtt.enums import CallbackAPIVersion
+
+from gateway.broker import Broker
+from gateway.config import Settings
+from protocols.mqtt import websocket
+from protocols.mqtt.listener import Listener, start
+from protocols.mqtt.websocket import BINARY, CLOSE, CONTINUATION, PING, PONG, TEXT, accept_key
+
+TIMEOUT = 10.0
+CONNECT = bytes.fromhex("100c00044d5154540402003c0000")  # MQTT 3.1.1 CONNECT, empty id
+CONNACK = bytes.fromhex("20020000")
+PINGREQ, PINGRESP = b"\xc0\x00", b"\xd0\x00"
+KEY = base64.b64encode(b"0123456789abcdef").decode()
+MQTT_JS = """
+const mqtt = require("mqtt");
+const c = mqtt.connect(process.env.MQTT_URL, {reconnectPeriod: 0, connectTimeout: 10000});
+c.on("error", (e) => { console.error(String(e)); process.exit(2); });
+c.on("connect", () => c.subscribe("ws/js", {qos: 1}, () =>
+  c.publish("ws/js", "from js", {qos: 1})));
+c.on("message", (t, p) => { console.log(JSON.stringify({topic: t, payload: String(p)}));
+  c.end(); });
+"""
+
+
+@pytest.fixture
+async def mqtt(broker: Broker) -> AsyncIterator[Listener]:
+    listener = await start(broker, Settings(host="127.0.0.1", mqtt_port=0, mqtt_ws_port=0))
+    assert listener is not None
+    yield listener
+    await listener.close()
+
+
+def ws_url(listener: Listener) -> str:
+    return f"ws://127.0.0.1:{listener.extra_ports['mqtt_ws_port']}/mqtt"
+
+
+class RawClient:
+    """A minimal WebSocket client over asyncio streams; every frame it sends is masked."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+
+    @classmethod
+    async def upgrade(
+        cls, listener: Listener, path: str = "/mqtt", protocol: str | None = "mqtt"
+    ) -> tuple[RawClient, bytes]:
+        """Connect and send the upgrade request; the client and the response head."""
+        port = listener.extra_ports["mqtt_ws_port"]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        lines = [
+            f"GET {path} HTTP/1.1",
+            f"Host: 127.0.0.1:{port}",
+            "Upgrade: websocket",
+            "Connection: Upgrade",
+            f"Sec-WebSocket-Key: {KEY}",
+            "Sec-WebSocket-Version: 13",
+        ]
+        if protocol is not None:
+            lines.append(f"Sec-WebSocket-Protocol: {protocol}")
+        writer.write(("\r\n".join(lines) + "\r\n\r\n").encode())
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), TIMEOUT)
+        return cls(reader, writer), head
+
+    def send(self, opcode: int, payload: bytes, fin: bool = True, masked: bool = True) -> None:
+        mask = b"\x37\xfa\x21\x3d"
+        n = len(payload)
+        bit = 0x80 if masked else 0
+        length = struct.pack("!BH", 126 | bit, n) if n >= 126 else bytes([n | bit])
+        body = bytes(b ^ mask[i % 4] for i, b in enumerate(payload)) if masked else payload
+        first = (0x80 if fin else 0) | opcode
+        self.writer.write(bytes([first]) + length + (mask if masked else b"") + body)
+
+    async def receive(self) -> tuple[int, bytes]:
+        """The next frame from the server (server frames are never masked)."""
+        head = await asyncio.wait_for(self.reader.readexactly(2), TIMEOUT)
+        assert not head[1] & 0x80
+        n = head[1] & 0x7F
+        if n == 126:
+            n = struct.unpack("!H", await self.reader.readexactly(2))[0]
+        elif n == 127:
+            n = struct.unpack("!Q", await self.reader.readexactly(8))[0]
+        return head[0] & 0x0F, await self.reader.readexactly(n)
+
+    async def close(self) -> None:
+        self.writer.close()
+        await self.writer.wait_closed()
+
+
+def paho_roundtrip(url_port: int) -> bytes:
+    """paho over WebSocket: subscribe and publish at QoS 1; the payload received."""
+    received: queue.Queue[bytes] = queue.Queue()
+    subscribed: queue.Queue[int] = queue.Queue()
+    client = paho.Client(CallbackAPIVersion.VERSION2, transport="websockets")
+    client.ws_set_options(path="/mqtt")
+    client.on_message = lambda c, u, msg: received.put(msg.payload)
+    client.on_subscribe = lambda c, u, mid, codes, props: subscribed.put(mid)
+    client.connect("127.0.0.1", url_port, keepalive=30)
+    client.loop_start()
+    try:
+        client.subscribe("ws/paho", qos=1)
+        subscribed.get(timeout=TIMEOUT)
+        client.publish("ws/paho", b"over websocket", qos=1).wait_for_publish(TIMEOUT)
+        return received.get(timeout=TIMEOUT)
+    finally:
+        client.disconnect()
+        client.loop_stop()
+
+
+async def test_paho_pub_sub_over_websocket(mqtt: Listener) -> None:
+    port = mqtt.extra_ports["mqtt_ws_port"]
+    assert await asyncio.to_thread(paho_roundtrip, port) == b"over websocket"
+
+
+@pytest.fixture(scope="session")
+def mqtt_js(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """node_modules with MQTT.js, installed with npm into a temporary prefix."""
+    if shutil.which("node") is None or shutil.which("npm") is None:
+        pytest.skip("node / npm are not installed")
+    prefix = tmp_path_factory.mktemp("mqttjs")
+    try:
+        subprocess.run(
+            ["npm", "install", "--no-audit", "--no-fund", "--prefix", str(prefix), "mqtt@5"],
+            check=True,
+            capture_output=True,
+            timeout=180,
+        )
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+        pytest.skip(f"npm could not install mqtt: {exc}")
+    return prefix / "node_modules"
+
+
+async def test_mqtt_js_over_websocket(mqtt: Listener, mqtt_js: Path) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        "node", "-e", MQTT_JS,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env={**os.environ, "NODE_PATH": str(mqtt_js), "MQTT_URL": ws_url(mqtt)},
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 0, err
+    assert json.loads(out) == {"topic": "ws/js", "payload": "from js"}
+
+
+async def test_upgrade_answers_subprotocol_and_accept_key(mqtt: Listener) -> None:
+    client, head = await RawClient.upgrade(mqtt, protocol="mqttv3.1")
+    assert head.startswith(b"HTTP/1.1 101 ")
+    assert f"Sec-WebSocket-Accept: {accept_key(KEY)}".encode() in head
+    assert b"Sec-WebSocket-Protocol: mqttv3.1\r\n" in head
+    await client.close()
+
+
+@pytest.mark.parametrize(
+    ("path", "protocol", "status"),
+    [("/other", "mqtt", b"404"), ("/mqtt", None, b"400"), ("/mqtt", "amqp", b"400")],
+)
+async def test_refused_upgrades(
+    mqtt: Listener, path: str, protocol: str | None, status: bytes
+) -> None:
+    client, head = await RawClient.upgrade(mqtt, path=path, protocol=protocol)
+    assert head.split(b" ")[1] == status
+    await client.close()
+
+
+async def test_fragments_ping_and_close(mqtt: Listener) -> None:
+    client, head = await RawClient.upgrade(mqtt)
+    assert head.startswith(b"HTTP/1.1 101 ")
+    client.send(BINARY, CONNECT[:3], fin=False)  # CONNECT in three fragments ...
+    client.send(PING, b"hi")  # ... with a control frame in between
+    client.send(CONTINUATION, CONNECT[3:9], fin=False)
+    client.send(CONTINUATION, CONNECT[9:] + PINGREQ)  # and a second packet in the last one
+    assert await client.receive() == (PONG, b"hi")
+    received = b""
+    while len(received) < len(CONNACK + PINGRESP):  # packets may come in one or two frames
+        opcode, payload = await client.receive()
+        assert opcode == BINARY
+        received += payload
+    assert received == CONNACK + PINGRESP
+    client.send(CLOSE, struct.pack("!H", 1000))
+    assert await client.receive() == (CLOSE, struct.pack("!H", 1000))
+    assert await asyncio.wait_for(client.reader.read(), TIMEOUT) == b""
+    await client.close()
+
+
+@pytest.mark.parametrize(
+    ("opcode", "masked", "code"),
+    [(BINARY, False, 1002), (TEXT, True, 1003), (CONTINUATION, True, 1002)],
+    ids=["unmasked", "text", "stray-continuation"],
+)
+async def test_bad_frames_close_the_connection(
+    mqtt: Listener, opcode: int, masked: bool, code: int
+) -> None:
+    client, _ = await RawClient.upgrade(mqtt)
+    client.send(opcode, CONNECT, masked=masked)
+    assert await client.receive() == (CLOSE, struct.pack("!H", code))
+    assert await asyncio.wait_for(client.reader.read(), TIMEOUT) == b""
+    await client.close()
+
+
+async def test_large_packet_uses_extended_length(mqtt: Listener) -> None:
+    """A 305-byte PUBLISH needs the 16-bit length form in both directions."""
+    client, _ = await RawClient.upgrade(mqtt)
+    subscribe = bytes.fromhex("820800010003782f7900")  # id 1, "x/y" at QoS 0
+    publish = b"\x30\xb1\x02\x00\x03x/y" + bytes(range(100)) * 3  # remaining length 305
+    client.send(BINARY, CONNECT + subscribe)
+    expected = CONNACK + bytes.fromhex("9003000100") + publish
+    received = b""
+    while len(received) < len(expected):
+        if len(received) == len(CONNACK) + 5:
+            client.send(BINARY, publish)
+        _, payload = await client.receive()
+        received += payload
+    assert received == expected
+    await client.close()
+
+
+async def test_silent_socket_is_dropped(mqtt: Listener, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(websocket, "HANDSHAKE_TIMEOUT", 0.2)
+    reader, writer = await asyncio.open_connection("127.0.0.1", mqtt.extra_ports["mqtt_ws_port"])
+    assert await asyncio.wait_for(reader.read(), TIMEOUT) == b""
+    writer.close()
+    await writer.wait_closed()
