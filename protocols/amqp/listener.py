@@ -12,6 +12,7 @@ from proton import Condition
 from gateway.broker import Broker
 from gateway.config import Settings
 from protocols.amqp.connection import AmqpConnection
+from protocols.listening import Listener
 from protocols.tls import tls_context
 
 log = logging.getLogger(__name__)
@@ -55,30 +56,6 @@ class Registry:
                 conn.socket.abort()
 
 
-class Listener:
-    """The AMQP server sockets (plain, and TLS with a certificate) sharing one registry.
-
-    `port` is the plain port; `extra_ports` holds `amqp_tls_port` when it listens (the
-    actual port when settings asked for 0).
-    """
-
-    name = "amqp"
-
-    def __init__(self, servers: dict[str, asyncio.Server], registry: Registry) -> None:
-        self._servers = servers
-        self.registry = registry
-        ports = {key: server.sockets[0].getsockname()[1] for key, server in servers.items()}
-        self.port: int = ports.pop("amqp_port")
-        self.extra_ports: dict[str, int] = ports
-
-    async def close(self) -> None:
-        for server in self._servers.values():
-            server.close()
-        await self.registry.close()
-        for server in self._servers.values():
-            await server.wait_closed()
-
-
 async def start(broker: Broker, settings: Settings) -> Listener | None:
     """Plugin entry point: listen on amqp_port, and on amqp_tls_port with a certificate."""
     registry = Registry(broker, settings)
@@ -96,4 +73,4 @@ async def start(broker: Broker, settings: Settings) -> Listener | None:
         )
     for key, server in servers.items():
         log.info("AMQP %s: %s:%d", key, host, server.sockets[0].getsockname()[1])
-    return Listener(servers, registry)
+    return Listener("amqp", servers, registry)

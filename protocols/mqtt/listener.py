@@ -24,6 +24,7 @@ from gateway.broker import Broker, Outcome, QueueConfig, QueueError
 from gateway.config import Settings
 from gateway.model import Message, Publisher
 from gateway.topics import MQTT
+from protocols.listening import Listener
 from protocols.mqtt import mapping
 from protocols.mqtt.connection import MqttConnection
 from protocols.mqtt.session import NEVER_EXPIRES, Session
@@ -294,30 +295,6 @@ def _log_will_outcome(fut: asyncio.Future[Outcome]) -> None:
         log.warning("will message refused: %s", fut.result().name)
 
 
-class Listener:
-    """The MQTT server sockets (plain, TLS, WebSocket) sharing one session registry.
-
-    `port` is the plain port; `extra_ports` holds the others under their ready-line keys
-    (`mqtt_tls_port`, `mqtt_ws_port`), actual ports when settings asked for 0.
-    """
-
-    name = "mqtt"
-
-    def __init__(self, servers: dict[str, asyncio.Server], registry: Registry) -> None:
-        self._servers = servers
-        self.registry = registry
-        ports = {key: server.sockets[0].getsockname()[1] for key, server in servers.items()}
-        self.port: int = ports.pop("mqtt_port")
-        self.extra_ports: dict[str, int] = ports
-
-    async def close(self) -> None:
-        for server in self._servers.values():
-            server.close()
-        await self.registry.close()
-        for server in self._servers.values():
-            await server.wait_closed()
-
-
 async def start(broker: Broker, settings: Settings) -> Listener | None:
     """Plugin entry point: listen on mqtt_port, mqtt_tls_port (with a certificate) and
     mqtt_ws_port (unless -1), all at settings.host."""
@@ -340,4 +317,4 @@ async def start(broker: Broker, settings: Settings) -> Listener | None:
         )
     for key, server in servers.items():
         log.info("MQTT %s: %s:%d", key, host, server.sockets[0].getsockname()[1])
-    return Listener(servers, registry)
+    return Listener("mqtt", servers, registry)
