@@ -24,6 +24,16 @@ local function now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
+-- The id of the last entry the consumer group handed out: later ones are undelivered.
+local function last_delivered(s)
+  for _, g in ipairs(redis.call('XINFO', 'GROUPS', s)) do
+    for i = 1, #g, 2 do
+      if g[i] == 'last-delivered-id' then return g[i + 1] end
+    end
+  end
+  return '0-0'
+end
+
 -- XCLAIM ... JUSTID: moves entries between consumers without bumping the delivery count.
 local function claim_justid(s, consumer, ids)
   local args = { 'XCLAIM', s, GROUP, consumer, 0 }
@@ -379,14 +389,7 @@ local function replace_last_value(q, slot, id)
   if not old then return end
   local e = redis.call('XRANGE', q.stream, old, old)
   if #e == 0 or #redis.call('XPENDING', q.stream, GROUP, old, old, 1) == 1 then return end
-  if not q.delivered_upto then
-    q.delivered_upto = '0-0'
-    for _, g in ipairs(redis.call('XINFO', 'GROUPS', q.stream)) do
-      for i = 1, #g, 2 do
-        if g[i] == 'last-delivered-id' then q.delivered_upto = g[i + 1] end
-      end
-    end
-  end
+  q.delivered_upto = q.delivered_upto or last_delivered(q.stream)
   if id_less(q.delivered_upto, old) then
     redis.call('XDEL', q.stream, old)
     q.count = q.count - 1
@@ -447,14 +450,7 @@ end
 -- Ring overflow: drop the oldest messages not yet delivered until `size` more fits.
 -- False when only delivered (unsettled) messages are left to drop.
 local function drop_oldest(q, size)
-  if not q.delivered_upto then
-    q.delivered_upto = '0-0'
-    for _, g in ipairs(redis.call('XINFO', 'GROUPS', q.stream)) do
-      for i = 1, #g, 2 do
-        if g[i] == 'last-delivered-id' then q.delivered_upto = g[i + 1] end
-      end
-    end
-  end
+  q.delivered_upto = q.delivered_upto or last_delivered(q.stream)
   while over_quota(q, size) do
     local e = redis.call('XRANGE', q.stream, '(' .. q.delivered_upto, '+', 'COUNT', 1)
     if #e == 0 then return false end
@@ -831,14 +827,7 @@ redis.register_function('gw_browse', function(_, a)
   local s = k_queue_stream(q)
   if since > 0 and id_less(cursor, since .. '-0') then cursor = since .. '-0' end
   local kept = redis.call('EXISTS', k_queue_readers(q)) == 1
-  local last
-  if kept then
-    for _, g in ipairs(redis.call('XINFO', 'GROUPS', s)) do
-      for i = 1, #g, 2 do
-        if g[i] == 'last-delivered-id' then last = g[i + 1] end
-      end
-    end
-  end
+  local last = kept and last_delivered(s)
   local now = now_ms()
   local out = { 'ok' }
   local start = '(' .. cursor
@@ -1055,11 +1044,8 @@ local function trim_read_queue(q)
   end
   local pending = redis.call('XPENDING', s, GROUP)
   if pending[2] and id_less(pending[2], floor) then floor = pending[2] end
-  for _, g in ipairs(redis.call('XINFO', 'GROUPS', s)) do
-    for i = 1, #g, 2 do
-      if g[i] == 'last-delivered-id' and id_less(g[i + 1], floor) then floor = g[i + 1] end
-    end
-  end
+  local last = last_delivered(s)
+  if id_less(last, floor) then floor = last end
   return redis.call('XTRIM', s, 'MINID', floor)
 end
 
