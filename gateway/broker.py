@@ -47,7 +47,8 @@ Client sessions (state that must survive restarts and moves between nodes)
 
 Direct topic subscribers (not spooled, e.g. MQTT QoS 0)
     ``token = broker.subscribe_direct(pattern, syntax, callback)`` / ``unsubscribe_direct``:
-    ``callback(message)`` runs for every message published on this node whose topic matches.
+    ``callback(message)`` runs for every topic message published on any node whose topic
+    matches (other nodes' messages are relayed over Redis pub/sub: at most once).
 
 Provisioning
     ``await broker.declare_queue(config, subscriptions)`` creates a queue (idempotent; a
@@ -61,7 +62,6 @@ Provisioning
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 from collections.abc import Callable, Iterable
 
@@ -69,6 +69,7 @@ import redis.asyncio as aioredis
 
 from gateway.engine import keys
 from gateway.engine.clients import ClientStore, RetainedStore
+from gateway.engine.direct import DirectCallback, DirectRelay
 from gateway.engine.events import EventListener
 from gateway.engine.flows import (
     DEFAULT_WINDOW,
@@ -89,13 +90,10 @@ from gateway.engine.queues import (
 from gateway.engine.spool import Spooler
 from gateway.model import Message, Outcome, encode, new_message_id
 from gateway.router import Router
-from gateway.topics import SubscriptionTrie
 
 __all__ = ["BindError", "Broker", "Flow", "Outcome", "QueueConfig", "QueueError"]
 
 log = logging.getLogger(__name__)
-
-DirectCallback = Callable[[Message], None]
 
 
 class Broker:
@@ -125,18 +123,18 @@ class Broker:
             redis, self.node_id, self._on_event, self.dispatcher.wake_queue, self._resync
         )
         self.dispatcher.on_last_flow = self._last_flow_gone
-        self._direct: SubscriptionTrie[int] = SubscriptionTrie()
-        self._direct_callbacks: dict[int, DirectCallback] = {}
-        self._tokens = itertools.count(1)
+        self.direct = DirectRelay(redis, self.node_id, self.events)
         self._tasks: set[asyncio.Task] = set()
         self.published = 0
 
     async def start(self) -> None:
         await self.events.start()
         await self.router.reload()
+        await self.direct.refresh()
         await self.liveness.start()
 
     async def stop(self) -> None:
+        await self.direct.close()
         await self.liveness.stop()
         await self.events.stop()
 
@@ -150,8 +148,7 @@ class Broker:
         if msg.to_queue:
             queues: Iterable[str] = (msg.destination,)
         else:
-            if self._direct_callbacks:
-                self._deliver_direct(msg)
+            self.direct.publish(msg)
             queues = self.router.match(msg.destination)
             if not queues:
                 fut = asyncio.get_running_loop().create_future()
@@ -193,28 +190,10 @@ class Broker:
     # -- direct subscribers ----------------------------------------------------------------
 
     def subscribe_direct(self, pattern: str, syntax: str, callback: DirectCallback) -> int:
-        token = next(self._tokens)
-        self._direct.add(pattern, token, syntax)
-        self._direct_callbacks[token] = callback
-        return token
+        return self.direct.subscribe(pattern, syntax, callback)
 
     def unsubscribe_direct(self, token: int) -> None:
-        callback = self._direct_callbacks.pop(token, None)
-        if callback is None:
-            return
-        for pattern, syntax, value in list(self._direct.entries()):
-            if value == token:
-                self._direct.remove(pattern, value, syntax)
-
-    def _deliver_direct(self, msg: Message) -> None:
-        for token in self._direct.match(msg.destination):
-            callback = self._direct_callbacks.get(token)
-            if callback is None:
-                continue
-            try:
-                callback(msg)
-            except Exception:
-                log.exception("direct subscriber failed")
+        self.direct.unsubscribe(token)
 
     # -- client sessions -------------------------------------------------------------------
 
@@ -373,6 +352,8 @@ class Broker:
             self.dispatcher.request_partition_refresh(arg)
         elif kind == "client":
             self._taken_over(arg)
+        elif kind == "direct":
+            self._spawn(self.direct.refresh())
 
     def _resync(self) -> None:
         self._spawn(self.router.reload())

@@ -447,3 +447,17 @@ async def test_forgetting_a_stream_reader_lets_trimming_resume(
     assert await broker.queues.forget_reader("q", "old-job") == 0
     assert not await client.sismember(keys.read_queues, "q")
     await client.aclose()
+
+
+async def test_direct_subscribers_on_another_node(broker: Broker, second_node: Broker) -> None:
+    got: list[Message] = []
+    token = second_node.subscribe_direct("sensors/+/temp", "mqtt", got.append)
+    await wait_for(lambda: broker.direct._others)  # the other node announced itself
+    await broker.publish(Message(destination="sensors/1/temp", payload=b"21"))
+    await broker.publish(Message(destination="sensors/1/hum", payload=b"40"))
+    await wait_for(lambda: len(got) == 1)
+    assert got[0].payload == b"21"
+    second_node.unsubscribe_direct(token)
+    await wait_for(lambda: not broker.direct._others)
+    await broker.publish(Message(destination="sensors/1/temp", payload=b"22"))
+    assert broker.direct.relayed == 2

@@ -151,3 +151,21 @@ async def test_nothing_lost_across_sigterm_restart(tmp_path: Path) -> None:
 
 def encode_publish(topic: str, payload: str, packet_id: int) -> bytes:
     return encode(Publish(topic, payload.encode(), qos=1, packet_id=packet_id), 4)
+
+
+async def test_qos0_subscriber_on_another_node(redis_url: str) -> None:
+    """Direct (QoS 0) subscriptions see messages published through any node."""
+    async with (
+        serve("--redis-url", redis_url) as (_, port_a),
+        serve("--redis-url", redis_url) as (_, port_b),
+    ):
+        sub, _ = await Raw.connected(port_b, 4, client_id="far-sub")
+        await sub.send(Subscribe(1, [("far/#", SubscriptionOptions(qos=0))]))
+        assert await sub.recv() == Suback(1, [0])
+        await asyncio.sleep(0.5)  # node a learns that node b has direct subscribers
+        pub, _ = await Raw.connected(port_a, 4, client_id="far-pub")
+        await pub.send(Publish("far/x", b"hello"))
+        got = await sub.recv()
+        assert isinstance(got, Publish) and (got.topic, got.payload) == ("far/x", b"hello")
+        pub.close()
+        sub.close()

@@ -40,6 +40,7 @@ class EventListener:
         self._on_wake = on_wake
         self._on_reconnect = on_reconnect
         self._wake_channels: dict[bytes, str] = {}
+        self._channels: dict[bytes, Callable[[bytes], None]] = {}
         self._pubsub: aioredis.client.PubSub | None = None
         self._task: asyncio.Task | None = None
         self._ready = asyncio.Event()
@@ -55,6 +56,17 @@ class EventListener:
                 await self._task
         if self._pubsub is not None:
             await self._pubsub.aclose()
+
+    async def watch_channel(self, channel: str, handler: Callable[[bytes], None]) -> None:
+        """Any other channel (e.g. direct topic messages from other nodes)."""
+        self._channels[channel.encode()] = handler
+        if self._pubsub is not None:
+            await self._pubsub.subscribe(channel)
+
+    async def unwatch_channel(self, channel: str) -> None:
+        self._channels.pop(channel.encode(), None)
+        if self._pubsub is not None:
+            await self._pubsub.unsubscribe(channel)
 
     async def watch_queue(self, queue: str) -> None:
         channel = keys.queue_wake(queue)
@@ -73,7 +85,7 @@ class EventListener:
         while True:
             try:
                 self._pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
-                await self._pubsub.subscribe(keys.events, *self._wake_channels)
+                await self._pubsub.subscribe(keys.events, *self._wake_channels, *self._channels)
                 self._ready.set()
                 if not first:
                     self._on_reconnect()
@@ -91,6 +103,13 @@ class EventListener:
                 await asyncio.sleep(0.5)
 
     def _dispatch(self, channel: bytes, data: bytes) -> None:
+        handler = self._channels.get(channel)
+        if handler is not None:
+            try:
+                handler(data)
+            except Exception:
+                log.exception("handling a message on %r failed", channel)
+            return
         queue = self._wake_channels.get(channel)
         if queue is not None:
             if data != self._node:  # our own spools already woke our flows

@@ -41,6 +41,8 @@ TEMPLATES: dict[str, str] = {
     "queue_group_held": f"{PREFIX}:q:{{{{q}}}}:gheld",
     "read_queues": f"{PREFIX}:readq",
     "retained": f"{PREFIX}:retained",
+    "direct_nodes": f"{PREFIX}:directnodes",
+    "direct_channel": f"{PREFIX}:direct",
     "node_alive": f"{PREFIX}:node:{{n}}",
     "node_queues": f"{PREFIX}:node:{{n}}:queues",
     "sink_batches": f"{PREFIX}:sink:{{s}}:batches",
@@ -63,6 +65,8 @@ nodes = TEMPLATES["nodes"]
 events = TEMPLATES["events"]
 sub_version = TEMPLATES["sub_version"]
 retained = TEMPLATES["retained"]
+direct_nodes = TEMPLATES["direct_nodes"]  # nodes with direct (not spooled) subscribers
+direct_channel = TEMPLATES["direct_channel"]  # topic messages for other nodes' direct subscribers
 read_queues = TEMPLATES["read_queues"]
 timed_queues = TEMPLATES["timed_queues"]
 

@@ -1,0 +1,114 @@
+"""Direct topic subscribers (not spooled, e.g. MQTT QoS 0) across nodes.
+
+Subscribers are matched in a trie on their own node. A topic message published on a node
+reaches that node's subscribers at once, and is relayed over Redis pub/sub (batched per
+event-loop turn) only while another node has direct subscribers: nodes announce themselves
+in a Redis set and tell the others through the event channel. At most once, like QoS 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Callable
+
+import msgpack
+import redis.asyncio as aioredis
+
+from gateway.engine import keys
+from gateway.engine.events import EventListener
+from gateway.model import Message, decode, encode
+from gateway.topics import SubscriptionTrie
+
+log = logging.getLogger(__name__)
+
+DirectCallback = Callable[[Message], None]
+
+
+class DirectRelay:
+    def __init__(self, redis: aioredis.Redis, node_id: str, events: EventListener) -> None:
+        self._redis = redis
+        self._node = node_id
+        self._events = events
+        self._trie: SubscriptionTrie[int] = SubscriptionTrie()
+        self._callbacks: dict[int, DirectCallback] = {}
+        self._tokens = itertools.count(1)
+        self._others = False  # another node has direct subscribers
+        self._outbox: list[bytes] = []
+        self._tasks: set[asyncio.Task] = set()
+        self.relayed = 0
+
+    def subscribe(self, pattern: str, syntax: str, callback: DirectCallback) -> int:
+        token = next(self._tokens)
+        self._trie.add(pattern, token, syntax)
+        first = not self._callbacks
+        self._callbacks[token] = callback
+        if first:
+            self._spawn(self._announce(True))
+        return token
+
+    def unsubscribe(self, token: int) -> None:
+        if self._callbacks.pop(token, None) is None:
+            return
+        for pattern, syntax, value in list(self._trie.entries()):
+            if value == token:
+                self._trie.remove(pattern, value, syntax)
+        if not self._callbacks:
+            self._spawn(self._announce(False))
+
+    def publish(self, msg: Message) -> None:
+        """A topic message published on this node: local subscribers, then other nodes'."""
+        if self._callbacks:
+            self._deliver(msg)
+        if self._others:
+            if not self._outbox:
+                asyncio.get_running_loop().call_soon(self._flush)
+            self._outbox.append(encode(msg))
+
+    async def refresh(self) -> None:
+        """Learn whether another node has direct subscribers (on start and on 'direct')."""
+        nodes = {n.decode() for n in await self._redis.smembers(keys.direct_nodes)}
+        self._others = bool(nodes - {self._node})
+
+    async def close(self) -> None:
+        if self._callbacks:
+            self._callbacks.clear()
+            await self._announce(False)
+
+    async def _announce(self, present: bool) -> None:
+        if present:
+            await self._events.watch_channel(keys.direct_channel, self._received)
+            await self._redis.sadd(keys.direct_nodes, self._node)
+        else:
+            await self._redis.srem(keys.direct_nodes, self._node)
+            await self._events.unwatch_channel(keys.direct_channel)
+        await self._redis.publish(keys.events, "direct")
+
+    def _flush(self) -> None:
+        batch, self._outbox = self._outbox, []
+        self.relayed += len(batch)
+        data = self._node.encode() + b"\n" + msgpack.packb(batch, use_bin_type=True)
+        self._spawn(self._redis.publish(keys.direct_channel, data))
+
+    def _received(self, data: bytes) -> None:
+        origin, _, body = data.partition(b"\n")
+        if origin.decode() == self._node:
+            return  # delivered locally when it was published
+        for blob in msgpack.unpackb(body, raw=False):
+            self._deliver(decode(blob))
+
+    def _deliver(self, msg: Message) -> None:
+        for token in self._trie.match(msg.destination):
+            callback = self._callbacks.get(token)
+            if callback is None:
+                continue
+            try:
+                callback(msg)
+            except Exception:
+                log.exception("direct subscriber failed")
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
