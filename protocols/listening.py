@@ -4,10 +4,28 @@ connections and sessions: what a protocol plugin's `start` returns to the gatewa
 from __future__ import annotations
 
 import asyncio
+import logging
+import ssl
+from collections.abc import Callable
 from typing import Protocol
+
+log = logging.getLogger(__name__)
+
+# ready-line key -> (protocol factory, port, TLS context or None)
+Plan = dict[str, tuple[Callable[[], asyncio.BaseProtocol], int, ssl.SSLContext | None]]
 
 
 class Registry(Protocol):
+    @classmethod
+    async def open(cls, name: str, registry: Registry, host: str, plan: Plan) -> Listener:
+        """Listen on every socket of `plan` (the plain one is keyed `<name>_port`)."""
+        loop = asyncio.get_running_loop()
+        servers = {}
+        for key, (factory, port, context) in plan.items():
+            servers[key] = server = await loop.create_server(factory, host, port, ssl=context)
+            log.info("%s listening on %s:%d", key, host, server.sockets[0].getsockname()[1])
+        return cls(name, servers, registry)
+
     async def close(self) -> None: ...
 
 
@@ -22,6 +40,16 @@ class Listener:
         ports = {key: server.sockets[0].getsockname()[1] for key, server in servers.items()}
         self.port: int = ports.pop(f"{name}_port")
         self.extra_ports: dict[str, int] = ports
+
+    @classmethod
+    async def open(cls, name: str, registry: Registry, host: str, plan: Plan) -> Listener:
+        """Listen on every socket of `plan` (the plain one is keyed `<name>_port`)."""
+        loop = asyncio.get_running_loop()
+        servers = {}
+        for key, (factory, port, context) in plan.items():
+            servers[key] = server = await loop.create_server(factory, host, port, ssl=context)
+            log.info("%s listening on %s:%d", key, host, server.sockets[0].getsockname()[1])
+        return cls(name, servers, registry)
 
     async def close(self) -> None:
         """Stop accepting, end every connection, then wait for the sockets to close."""

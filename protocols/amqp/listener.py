@@ -12,7 +12,7 @@ from proton import Condition
 from gateway.broker import Broker
 from gateway.config import Settings
 from protocols.amqp.connection import AmqpConnection
-from protocols.listening import Listener
+from protocols.listening import Listener, Plan
 from protocols.tls import tls_context
 
 log = logging.getLogger(__name__)
@@ -59,18 +59,12 @@ class Registry:
 async def start(broker: Broker, settings: Settings) -> Listener | None:
     """Plugin entry point: listen on amqp_port, and on amqp_tls_port with a certificate."""
     registry = Registry(broker, settings)
-    loop = asyncio.get_running_loop()
-    host = settings.host
-    servers = {
-        "amqp_port": await loop.create_server(
-            lambda: AmqpConnection(registry), host, settings.amqp_port
-        )
-    }
+
+    def factory() -> AmqpConnection:
+        return AmqpConnection(registry)
+
+    plan: Plan = {"amqp_port": (factory, settings.amqp_port, None)}
     context = tls_context(settings)
     if context is not None:
-        servers["amqp_tls_port"] = await loop.create_server(
-            lambda: AmqpConnection(registry), host, settings.amqp_tls_port, ssl=context
-        )
-    for key, server in servers.items():
-        log.info("AMQP %s: %s:%d", key, host, server.sockets[0].getsockname()[1])
-    return Listener("amqp", servers, registry)
+        plan["amqp_tls_port"] = (factory, settings.amqp_tls_port, context)
+    return await Listener.open("amqp", registry, settings.host, plan)

@@ -24,7 +24,7 @@ from gateway.broker import Broker, Outcome, QueueConfig, QueueError
 from gateway.config import Settings
 from gateway.model import Message, Publisher
 from gateway.topics import MQTT
-from protocols.listening import Listener
+from protocols.listening import Listener, Plan
 from protocols.mqtt import mapping
 from protocols.mqtt.connection import MqttConnection
 from protocols.mqtt.session import NEVER_EXPIRES, Session
@@ -299,22 +299,18 @@ async def start(broker: Broker, settings: Settings) -> Listener | None:
     """Plugin entry point: listen on mqtt_port, mqtt_tls_port (with a certificate) and
     mqtt_ws_port (unless -1), all at settings.host."""
     registry = Registry(broker, settings)
-    loop = asyncio.get_running_loop()
-    host = settings.host
-    servers = {
-        "mqtt_port": await loop.create_server(
-            lambda: MqttConnection(registry), host, settings.mqtt_port
-        )
-    }
+
+    def factory() -> MqttConnection:
+        return MqttConnection(registry)
+
+    plan: Plan = {"mqtt_port": (factory, settings.mqtt_port, None)}
     context = tls_context(settings)
     if context is not None:
-        servers["mqtt_tls_port"] = await loop.create_server(
-            lambda: MqttConnection(registry), host, settings.mqtt_tls_port, ssl=context
-        )
+        plan["mqtt_tls_port"] = (factory, settings.mqtt_tls_port, context)
     if settings.mqtt_ws_port != -1:
-        servers["mqtt_ws_port"] = await loop.create_server(
-            lambda: WebSocketConnection(MqttConnection(registry)), host, settings.mqtt_ws_port
+        plan["mqtt_ws_port"] = (
+            lambda: WebSocketConnection(MqttConnection(registry)),
+            settings.mqtt_ws_port,
+            None,
         )
-    for key, server in servers.items():
-        log.info("MQTT %s: %s:%d", key, host, server.sockets[0].getsockname()[1])
-    return Listener("mqtt", servers, registry)
+    return await Listener.open("mqtt", registry, settings.host, plan)
