@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
 
@@ -58,3 +58,32 @@ class Listener:
         await self.registry.close()
         for server in self._servers.values():
             await server.wait_closed()
+
+
+class BackgroundTasks:
+    """Tasks a protocol's connections start and do not await (saves, releases): kept
+    referenced, failures logged, waited for at shutdown."""
+
+    def __init__(self, label: str) -> None:
+        self._label = label
+        self._tasks: set[asyncio.Task] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("%s task failed", self._label, exc_info=task.exception())
+
+    async def wait(self, busy: Callable[[], bool], timeout: float) -> None:
+        """Until no task runs and `busy()` is false, or the timeout."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while (busy() or self._tasks) and loop.time() < deadline:
+            if self._tasks:
+                await asyncio.wait(set(self._tasks), timeout=deadline - loop.time())
+            else:
+                await asyncio.sleep(0.01)

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import Coroutine
-from typing import Any
 
 from proton import Condition
 
 from gateway.broker import Broker
 from gateway.config import Settings
 from protocols.amqp.connection import AmqpConnection
-from protocols.listening import Listener, Plan
+from protocols.listening import BackgroundTasks, Listener, Plan
 from protocols.tls import tls_context
 
 log = logging.getLogger(__name__)
@@ -27,30 +24,15 @@ class Registry:
         self.broker = broker
         self.settings = settings
         self.connections: set[AmqpConnection] = set()
-        self._tasks: set[asyncio.Task] = set()
-
-    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
-
-    def _task_done(self, task: asyncio.Task) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("AMQP task failed", exc_info=task.exception())
+        self._tasks = BackgroundTasks("AMQP")
+        self.spawn = self._tasks.spawn
 
     async def close(self) -> None:
         """Close every connection, then wait (bounded) for their links to be released."""
         shutdown = Condition("amqp:connection:forced", "gateway shutting down")
         for conn in list(self.connections):
             conn.close(shutdown)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + CLOSE_TIMEOUT
-        while (self.connections or self._tasks) and loop.time() < deadline:
-            if self._tasks:
-                await asyncio.wait(set(self._tasks), timeout=deadline - loop.time())
-            else:
-                await asyncio.sleep(0.01)
+        await self._tasks.wait(lambda: bool(self.connections), CLOSE_TIMEOUT)
         for conn in list(self.connections):
             if conn.socket is not None:
                 conn.socket.abort()

@@ -17,14 +17,13 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-from collections.abc import Coroutine
 from typing import Any
 
 from gateway.broker import Broker, Outcome, QueueConfig, QueueError
 from gateway.config import Settings
 from gateway.model import Message, Publisher
 from gateway.topics import MQTT
-from protocols.listening import Listener, Plan
+from protocols.listening import BackgroundTasks, Listener, Plan
 from protocols.mqtt import mapping
 from protocols.mqtt.connection import MqttConnection
 from protocols.mqtt.session import NEVER_EXPIRES, Session
@@ -59,21 +58,12 @@ class Registry:
         self._wills: dict[str, tuple[asyncio.TimerHandle, Message]] = {}
         self._expiry: dict[str, asyncio.TimerHandle] = {}
         self._unsaved: set[Session] = set()
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks = BackgroundTasks("MQTT session")
+        self.spawn = self._tasks.spawn
         self._renewer = asyncio.get_running_loop().create_task(self._renew_leases())
 
     def count(self, name: str) -> None:
         self.counters[name] = self.counters.get(name, 0) + 1
-
-    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
-
-    def _task_done(self, task: asyncio.Task) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("MQTT session task failed", exc_info=task.exception())
 
     # -- attach / detach -------------------------------------------------------------------
 
@@ -266,13 +256,7 @@ class Registry:
         for conn in list(self.connections):
             if conn.session is not None:
                 conn.session.shutdown()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + CLOSE_TIMEOUT
-        while (self.connections or self._tasks) and loop.time() < deadline:
-            if self._tasks:
-                await asyncio.wait(set(self._tasks), timeout=deadline - loop.time())
-            else:
-                await asyncio.sleep(0.01)
+        await self._tasks.wait(lambda: bool(self.connections), CLOSE_TIMEOUT)
         for timer in self._expiry.values():
             timer.cancel()
         self._expiry.clear()
