@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import logging
+import os
 import sys
 import urllib.error
 import urllib.parse
@@ -35,7 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--mqtt-ws-port",
         type=int,
-        help="MQTT over WebSocket port, path /mqtt (default 8000, -1: off)",
+        help="MQTT over WebSocket port, path /mqtt (default -1: off; 8000 is usual)",
+    )
+    serve.add_argument(
+        "--spool-quota-bytes", type=int, help="broker-wide message spool quota (0: none)"
     )
     serve.add_argument("--tls-cert", help="PEM certificate chain: enables the TLS listeners")
     serve.add_argument("--tls-key", help="PEM private key of --tls-cert")
@@ -48,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     queue = sub.add_parser("queue", help="manage queues through the admin API")
     queue.add_argument("--admin-url", default=DEFAULT_ADMIN_URL, help="admin API base URL")
+    queue.add_argument(
+        "--user",
+        default=os.environ.get("GATEWAY_ADMIN_USER"),
+        help="admin API user (env GATEWAY_ADMIN_USER; password from GATEWAY_ADMIN_PASSWORD)",
+    )
     qsub = queue.add_subparsers(dest="queue_command", required=True)
     qsub.add_parser("list", help="list queues")
     show = qsub.add_parser("show", help="show one queue")
@@ -89,6 +99,7 @@ def serve(args: argparse.Namespace) -> int:
         "mqtt_tls_port": args.mqtt_tls_port,
         "amqp_tls_port": args.amqp_tls_port,
         "mqtt_ws_port": args.mqtt_ws_port,
+        "spool_quota_bytes": args.spool_quota_bytes,
         "tls_cert": args.tls_cert,
         "tls_key": args.tls_key,
         "data_dir": args.data_dir,
@@ -146,12 +157,13 @@ def pipeline(args: argparse.Namespace) -> int:
 def queue_command(args: argparse.Namespace) -> int:
     base = args.admin_url.rstrip("/") + "/api/v1/queues"
     cmd = args.queue_command
+    auth = _basic_auth(args.user)
     if cmd == "list":
-        status, body = _call("GET", base)
+        status, body = _call("GET", base, auth=auth)
     elif cmd == "show":
-        status, body = _call("GET", f"{base}/{_q(args.name)}")
+        status, body = _call("GET", f"{base}/{_q(args.name)}", auth=auth)
     elif cmd == "delete":
-        status, body = _call("DELETE", f"{base}/{_q(args.name)}")
+        status, body = _call("DELETE", f"{base}/{_q(args.name)}", auth=auth)
     else:
         spec: dict[str, Any] = {"name": args.name, "subscriptions": args.subscription}
         for field in ("access_type", "max_message_size", "max_spool_bytes", "max_messages"):
@@ -159,9 +171,11 @@ def queue_command(args: argparse.Namespace) -> int:
                 spec[field] = getattr(args, field)
         if args.non_durable:
             spec["durable"] = False
-        status, body = _call("POST", base, spec)
+        status, body = _call("POST", base, spec, auth=auth)
     if status >= 400:
         message = body.get("error", body) if isinstance(body, dict) else body
+        if status == 401:
+            message = f"{message}: pass --user NAME and set GATEWAY_ADMIN_PASSWORD"
         print(f"gateway: {message}", file=sys.stderr)
         return 1
     if cmd == "list" and isinstance(body, list):
@@ -176,13 +190,23 @@ def queue_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _basic_auth(user: str | None) -> str | None:
+    """The Authorization header for `user` (password from GATEWAY_ADMIN_PASSWORD), if any."""
+    if not user:
+        return None
+    password = os.environ.get("GATEWAY_ADMIN_PASSWORD", "")
+    return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+
+
 def _q(name: str) -> str:
     return urllib.parse.quote(name, safe="")
 
 
-def _call(method: str, url: str, body: Any = None) -> tuple[int, Any]:
+def _call(method: str, url: str, body: Any = None, auth: str | None = None) -> tuple[int, Any]:
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(url, data=data, method=method)
+    if auth is not None:
+        req.add_header("Authorization", auth)
     if data is not None:
         req.add_header("Content-Type", "application/json")
     try:

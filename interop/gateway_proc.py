@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import shutil
 import socket
@@ -19,7 +20,13 @@ allow_anonymous = true
 [[users]]
 name = "alice"
 password = "s3cret"
+
+[[users]]
+name = "operator"
+password = "interop-admin"
+admin = true
 """
+ADMIN_AUTH = "Basic " + base64.b64encode(b"operator:interop-admin").decode()
 
 
 def make_cert(directory: Path) -> Path:
@@ -112,6 +119,7 @@ class Gateway:
         url = f"http://127.0.0.1:{self.ports['admin_port']}/api/v1/{path}"
         data = json.dumps(body).encode() if body is not None else None
         req = urllib.request.Request(url, data=data, method=method)
+        req.add_header("Authorization", ADMIN_AUTH)
         try:
             with urllib.request.urlopen(req, timeout=15) as resp:
                 return json.loads(resp.read() or b"null")

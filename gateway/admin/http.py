@@ -28,6 +28,7 @@ class Request:
     query: dict[str, str]
     headers: dict[str, str]
     body: bytes
+    peer: str = ""  # the client's IP address: the admin API trusts loopback when open
 
     def json(self) -> object:
         if not self.body:
@@ -53,9 +54,12 @@ class Response:
 class HttpError(Exception):
     """Raised by handlers; becomes a JSON error response."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(
+        self, status: int, message: str, headers: list[tuple[str, str]] | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
+        self.headers = headers or []  # e.g. WWW-Authenticate on a 401
 
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -88,15 +92,19 @@ class HttpServer:
         if task is not None:
             self._clients.add(task)
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=64 * 1024)
+        peername = writer.get_extra_info("peername")
+        peer = peername[0] if isinstance(peername, tuple) else ""
         try:
             while True:
                 request = await self._read_request(conn, reader, writer)
                 if request is None:
                     break
+                request.peer = peer
                 try:
                     response = await self._handler(request)
                 except HttpError as exc:
                     response = error_response(exc.status, str(exc))
+                    response.headers += exc.headers
                 except Exception:
                     log.exception("admin request %s %s failed", request.method, request.path)
                     response = error_response(500, "internal error")
