@@ -5,12 +5,15 @@ override an optional TOML file, which overrides the defaults below.
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import os
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from gateway.engine.spool_usage import vpn_name_error
 
 APPENDFSYNC = ("everysec", "always")
 
@@ -23,6 +26,7 @@ class ConfigError(ValueError):
 class User:
     name: str
     password: str
+    admin: bool = False  # the admin API's operator; other users act as themselves there
 
 
 @dataclass(slots=True)
@@ -52,6 +56,12 @@ class Settings:
     heartbeat_s: float = 1.0
     node_ttl_s: float = 5.0
     log_level: str = "INFO"
+    spool_quota_bytes: int = 0  # the broker-wide message spool quota; 0: unlimited
+    spool_threshold_set_percent: int = 80  # spool usage events: raised at this share of a quota
+    spool_threshold_clear_percent: int = 60  # ... and cleared below this share
+    # per Message VPN spool quotas (bytes; 0 or absent: unlimited). TOML: an inline table in
+    # [server]; environment: GATEWAY_VPN_SPOOL_QUOTAS="default=1000000,other=0"
+    vpn_spool_quotas: dict[str, int] = field(default_factory=dict)
     users: list[User] = field(default_factory=list)
     acl: list[AclRule] = field(default_factory=list)
     queues: list[dict[str, Any]] = field(default_factory=list)
@@ -77,17 +87,62 @@ class Settings:
             raise ConfigError("redis_url must be a redis://, rediss:// or unix:// URL")
         if self.node_ttl_s <= self.heartbeat_s:
             raise ConfigError("node_ttl_s must be longer than heartbeat_s")
+        self._validate_spool()
+
+    def _validate_spool(self) -> None:
+        if self.spool_quota_bytes < 0:
+            raise ConfigError("spool_quota_bytes must be 0 (unlimited) or more")
+        for vpn, quota in self.vpn_spool_quotas.items():
+            problem = vpn_name_error(vpn)
+            if problem:
+                raise ConfigError(f"vpn_spool_quotas: {problem}")
+            if not isinstance(quota, int) or isinstance(quota, bool) or quota < 0:
+                raise ConfigError(f"vpn_spool_quotas: the quota of {vpn!r} must be 0 or more")
+        clear, set_ = self.spool_threshold_clear_percent, self.spool_threshold_set_percent
+        if not 0 <= clear < set_ <= 100:
+            raise ConfigError(
+                "spool thresholds need 0 <= spool_threshold_clear_percent < "
+                "spool_threshold_set_percent <= 100"
+            )
 
     def password_ok(self, user: str, password: str) -> bool:
-        return any(u.name == user and u.password == password for u in self.users)
+        return any(
+            u.name == user and hmac.compare_digest(u.password.encode(), password.encode())
+            for u in self.users
+        )
 
 
+_MAPPINGS = ("vpn_spool_quotas",)  # name -> bytes tables
 _SCALARS = {
-    f.name: f.type for f in dataclasses.fields(Settings) if f.name not in ("users", "acl", "queues")
+    f.name: f.type
+    for f in dataclasses.fields(Settings)
+    if f.name not in ("users", "acl", "queues", *_MAPPINGS)
 }
 
 
+def _quota_table(name: str, value: Any) -> dict[str, int]:
+    """A name -> bytes table from TOML (a table) or the environment ("a=1,b=2")."""
+    if isinstance(value, str):
+        pairs = [p.partition("=") for p in value.split(",") if p.strip()]
+        if any(not sep for _, sep, _ in pairs):
+            raise ConfigError(f"{name}: {value!r} is not a list of name=bytes")
+        value = {k.strip(): v.strip() for k, _, v in pairs}
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{name} must be a table of name = bytes")
+    table: dict[str, int] = {}
+    for key, quota in value.items():
+        if isinstance(quota, bool) or not isinstance(quota, int | str):
+            raise ConfigError(f"{name}: the quota of {key!r} must be an integer")
+        try:
+            table[str(key)] = int(quota)
+        except ValueError:
+            raise ConfigError(f"{name}: the quota of {key!r} must be an integer") from None
+    return table
+
+
 def _coerce(name: str, value: Any) -> Any:
+    if name in _MAPPINGS:
+        return _quota_table(name, value)
     kind = _SCALARS[name]
     if value is None:
         return None
@@ -134,12 +189,12 @@ def load_settings(
         if unknown_top:
             raise ConfigError(f"config file {config_path}: unknown sections {unknown_top}")
         server = doc.get("server", {})
-        unknown = sorted(set(server) - set(_SCALARS))
+        unknown = sorted(set(server) - set(_SCALARS) - set(_MAPPINGS))
         if unknown:
             raise ConfigError(f"config file {config_path}: unknown [server] keys {unknown}")
         values.update(server)
         provisioned = {k: doc.get(k, []) for k in ("users", "acl", "queues")}
-    for name in _SCALARS:
+    for name in (*_SCALARS, *_MAPPINGS):
         key = f"GATEWAY_{name.upper()}"
         if key in env:
             values[name] = env[key]
@@ -153,5 +208,12 @@ def load_settings(
     except TypeError as exc:
         raise ConfigError(f"config file {config_path}: {exc}") from None
     settings.queues = list(provisioned.get("queues", []))
+    for user in settings.users:
+        if not (isinstance(user.name, str) and isinstance(user.password, str)):
+            raise ConfigError(f"config file {config_path}: user names and passwords are strings")
+        if not isinstance(user.admin, bool):
+            raise ConfigError(
+                f"config file {config_path}: admin of user {user.name!r} must be true or false"
+            )
     settings.validate()
     return settings

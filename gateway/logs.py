@@ -1,4 +1,5 @@
-"""Structured logs: one JSON object per line on stderr."""
+"""Structured logs: one JSON object per line on stderr. An event's own fields ride along:
+``log.warning("...", extra={"fields": {"event": "...", ...}})`` adds them to the object."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict):
+            entry.update({k: v for k, v in fields.items() if k not in entry})
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
         return json.dumps(entry)

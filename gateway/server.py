@@ -22,6 +22,7 @@ from gateway.broker import Broker
 from gateway.config import Settings
 from gateway.engine import library
 from gateway.engine.queues import QueueConfig
+from gateway.engine.spool_usage import SpoolLimits, SpoolMonitor
 
 log = logging.getLogger("gateway")
 
@@ -64,9 +65,11 @@ async def run_node(
     client = await library.connect(redis_url)
     broker = Broker(client, heartbeat=settings.heartbeat_s, node_ttl=settings.node_ttl_s)
     listeners: list[Listener] = []
-    admin = HttpServer(AdminApi(broker))
+    admin = HttpServer(AdminApi(broker, settings.users))
+    spool = SpoolMonitor(client, broker.node_id, broker.events, SpoolLimits.from_settings(settings))
     try:
         await broker.start()
+        await spool.start()
         await provision(broker, settings)
         admin_port = await admin.start(settings.host, settings.admin_port)
         for ep in sorted(entry_points(group=PROTOCOL_GROUP), key=lambda e: e.name):
@@ -91,6 +94,7 @@ async def run_node(
         for listener in listeners:
             await listener.close()
         await admin.close()
+        await spool.stop()
         try:
             await broker.stop()
         finally:

@@ -1,9 +1,10 @@
-"""Prometheus text exposition of node counters and per-queue depth."""
+"""Prometheus text exposition of node counters, per-queue depth and spool usage."""
 
 from __future__ import annotations
 
 from gateway.broker import Broker
 from gateway.engine.queues import QueueError
+from gateway.engine.spool_usage import SpoolReport, read_usage
 
 
 def _label(value: str) -> str:
@@ -45,4 +46,28 @@ async def render_metrics(broker: Broker) -> str:
         kind = "counter" if metric.endswith("_total") else "gauge"
         lines.append(f"# TYPE {metric} {kind}")
         lines.extend(rows)
+    lines += _spool_lines(await read_usage(broker.redis))
     return "\n".join(lines) + "\n"
+
+
+def _spool_lines(report: SpoolReport) -> list[str]:
+    """Per scope (broker, VPN, queue with threshold events): bytes stored, quota (0:
+    unlimited), the usage threshold alarm (0/1) and its set / clear events so far."""
+    usage, quota, raised, events = [], [], [], []
+    for s in report.scopes:
+        labels = f'scope="{s.scope}",name="{_label(s.name)}"'
+        usage.append(f"gateway_spool_usage_bytes{{{labels}}} {s.bytes}")
+        quota.append(f"gateway_spool_quota_bytes{{{labels}}} {s.quota}")
+        raised.append(f"gateway_spool_threshold_raised{{{labels}}} {int(s.raised)}")
+        events.append(f'gateway_spool_threshold_events_total{{{labels},event="set"}} {s.sets}')
+        events.append(f'gateway_spool_threshold_events_total{{{labels},event="clear"}} {s.clears}')
+    return [
+        "# TYPE gateway_spool_usage_bytes gauge",
+        *usage,
+        "# TYPE gateway_spool_quota_bytes gauge",
+        *quota,
+        "# TYPE gateway_spool_threshold_raised gauge",
+        *raised,
+        "# TYPE gateway_spool_threshold_events_total counter",
+        *events,
+    ]

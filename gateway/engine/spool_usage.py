@@ -1,0 +1,279 @@
+"""Broker-wide and per-VPN spool quotas, and spool usage threshold events.
+
+As on Solace PubSub+ (message-spool max-spool-usage, a Message VPN's max-msg-spool-usage),
+the bytes every queue stores count against the broker-wide quota and against the quota of
+the queue's VPN. The running totals, the quotas and the threshold alarms live in Redis and
+change inside the function calls that store or remove messages (`account` in
+functions.lua), so every node on one Redis enforces the same totals and each crossing of a
+threshold (set at `set_percent` of a quota, cleared below `clear_percent`) happens once.
+Each threshold event goes into a stream with one consumer group, so exactly one node logs
+it; the counts of events live in Redis beside the alarms, for the metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from gateway.engine import keys
+
+if TYPE_CHECKING:
+    from gateway.config import Settings
+    from gateway.engine.events import EventListener
+
+log = logging.getLogger("gateway.spool")
+
+DEFAULT_VPN = "default"
+_VPN_NAME = re.compile(r"[A-Za-z0-9_.-]{1,32}")
+SCOPES = ("broker", "vpn", "queue")
+
+
+def vpn_name_error(name: object) -> str | None:
+    """Why `name` cannot be a Message VPN name (None: it can). Solace's rule, roughly: up
+    to 32 letters, digits, '-', '_' or '.'."""
+    if not isinstance(name, str) or not _VPN_NAME.fullmatch(name):
+        return f"{name!r} is not a VPN name (1-32 letters, digits, '-', '_' or '.')"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class SpoolLimits:
+    """The quotas (bytes, 0: unlimited) and threshold percents every node enforces."""
+
+    broker_bytes: int = 0
+    vpn_bytes: Mapping[str, int] = field(default_factory=dict)
+    set_percent: int = 80
+    clear_percent: int = 60
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> SpoolLimits:
+        return cls(
+            broker_bytes=settings.spool_quota_bytes,
+            vpn_bytes=dict(settings.vpn_spool_quotas),
+            set_percent=settings.spool_threshold_set_percent,
+            clear_percent=settings.spool_threshold_clear_percent,
+        )
+
+
+async def apply_limits(redis: aioredis.Redis, limits: SpoolLimits) -> None:
+    """Store the limits for every node on this Redis (the last node started sets them), and
+    raise or clear the alarms they decide."""
+    pairs: list[Any] = []
+    for vpn, quota in sorted(limits.vpn_bytes.items()):
+        pairs += [vpn, quota]
+    await redis.fcall(
+        "gw_spool_limits",
+        0,
+        limits.broker_bytes,
+        limits.set_percent,
+        limits.clear_percent,
+        *pairs,
+    )
+
+
+@dataclass(slots=True)
+class ScopeUsage:
+    """Spool usage of the broker, one VPN or one queue."""
+
+    scope: str  # "broker", "vpn" or "queue"
+    name: str  # "" for the broker
+    bytes: int
+    quota: int  # 0: unlimited
+    raised: bool  # the usage threshold alarm is set
+    sets: int  # threshold events so far (all nodes)
+    clears: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "bytes": self.bytes,
+            "quota": self.quota,
+            "threshold_raised": self.raised,
+            "threshold_events": {"set": self.sets, "clear": self.clears},
+        }
+
+
+@dataclass(slots=True)
+class SpoolReport:
+    """Usage of every scope: the broker, each VPN that stores messages or has a quota, and
+    each queue with a threshold alarm or events."""
+
+    set_percent: int
+    clear_percent: int
+    scopes: list[ScopeUsage]
+
+    def to_json(self) -> dict[str, Any]:
+        def of(kind: str) -> list[dict[str, Any]]:
+            return [s.to_json() for s in self.scopes if s.scope == kind]
+
+        broker = of("broker")[0]
+        del broker["name"]
+        return {
+            "threshold_set_percent": self.set_percent,
+            "threshold_clear_percent": self.clear_percent,
+            "broker": broker,
+            "vpns": of("vpn"),
+            "queues": of("queue"),
+        }
+
+
+def _decoded(raw: dict[bytes, bytes]) -> dict[str, str]:
+    return {k.decode(): v.decode() for k, v in raw.items()}
+
+
+async def read_usage(redis: aioredis.Redis) -> SpoolReport:
+    """A consistent snapshot (one MULTI) of the totals, quotas, alarms and event counts."""
+    pipe = redis.pipeline(transaction=True)
+    for key in (keys.spool_usage, keys.spool_limits, keys.spool_alarms, keys.spool_alarm_counts):
+        pipe.hgetall(key)
+    usage, limits, alarms, counts = (_decoded(r) for r in await pipe.execute())
+    names: dict[str, set[str]] = {"vpn": {DEFAULT_VPN}, "queue": set()}
+    for f in usage:
+        if f.startswith("v:"):
+            names["vpn"].add(f[2:])
+    for f in limits:
+        if f.startswith("v:"):
+            names["vpn"].add(f[2:])
+    for scope in [*alarms, *(c.partition(":")[2] for c in counts)]:
+        kind, _, name = scope.partition(":")
+        if kind in names:
+            names[kind].add(name)
+    queues = sorted(names["queue"])
+    pipe = redis.pipeline(transaction=False)
+    for q in queues:
+        pipe.hget(keys.queue_stats(q), "bytes")
+        pipe.hget(keys.queue_config(q), "max_spool_bytes")
+    queue_raw = await pipe.execute()
+
+    def scope(kind: str, name: str, used: Any, quota: Any) -> ScopeUsage:
+        key = "broker" if kind == "broker" else f"{kind}:{name}"
+        return ScopeUsage(
+            scope=kind,
+            name=name,
+            bytes=int(used or 0),
+            quota=int(quota or 0),
+            raised=key in alarms,
+            sets=int(counts.get(f"set:{key}", 0)),
+            clears=int(counts.get(f"clear:{key}", 0)),
+        )
+
+    scopes = [scope("broker", "", usage.get("broker"), limits.get("broker"))]
+    scopes += [
+        scope("vpn", v, usage.get(f"v:{v}"), limits.get(f"v:{v}")) for v in sorted(names["vpn"])
+    ]
+    scopes += [
+        scope("queue", q, queue_raw[2 * i], queue_raw[2 * i + 1]) for i, q in enumerate(queues)
+    ]
+    return SpoolReport(
+        set_percent=int(limits.get("set", 80)),
+        clear_percent=int(limits.get("clear", 60)),
+        scopes=scopes,
+    )
+
+
+class SpoolMonitor:
+    """A node's part: stores its limits in Redis at start, and logs the threshold events it
+    takes from the shared event stream (each event reaches exactly one node)."""
+
+    BATCH = 100
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        node_id: str,
+        events: EventListener,
+        limits: SpoolLimits,
+    ) -> None:
+        self._redis = redis
+        self._node = node_id
+        self._events = events
+        self.limits = limits
+        self.logged = 0  # threshold events this node logged
+        self._task: asyncio.Task | None = None
+        self._again = False
+
+    async def start(self) -> None:
+        await apply_limits(self._redis, self.limits)
+        await self._events.watch_channel(keys.spool_notify, self._notified)
+        await self._drain()  # events raised while no node was listening
+
+    async def stop(self) -> None:
+        await self._events.unwatch_channel(keys.spool_notify)
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        with contextlib.suppress(ResponseError):  # no group yet: nothing to forget
+            await self._redis.xgroup_delconsumer(keys.spool_events, keys.GROUP, self._node)
+
+    def _notified(self, _data: bytes) -> None:
+        if self._task is not None:
+            self._again = True  # the running drain reads once more
+            return
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        try:
+            self._again = True
+            while self._again:
+                self._again = False
+                await self._drain()
+        except Exception as exc:  # Redis unreachable: the next notification retries
+            log.warning("reading spool threshold events failed: %s", exc)
+        finally:
+            self._task = None
+
+    async def _drain(self) -> None:
+        while True:
+            try:
+                reply = await self._redis.xreadgroup(
+                    keys.GROUP,
+                    self._node,
+                    {keys.spool_events: ">"},
+                    count=self.BATCH,
+                    noack=True,
+                )
+            except ResponseError as exc:
+                if "NOGROUP" in str(exc):
+                    return  # no event was ever raised
+                raise
+            entries = reply[0][1] if reply else []
+            for _id, fields in entries:
+                self._log(_decoded(fields))
+            if len(entries) < self.BATCH:
+                return
+
+    def _log(self, event: dict[str, str]) -> None:
+        kind, scope = event["e"], event["s"]
+        used, quota = int(event["b"]), int(event["q"])
+        level = logging.WARNING if kind == "set" else logging.INFO
+        share = f"{100 * used / quota:.1f}%" if quota else "no quota"
+        words = "reached the set threshold" if kind == "set" else "fell below the clear threshold"
+        self.logged += 1
+        log.log(
+            level,
+            "spool usage of %s %s: %d of %d bytes (%s)",
+            scope,
+            words,
+            used,
+            quota,
+            share,
+            extra={
+                "fields": {
+                    "event": f"spool_threshold_{kind}",
+                    "scope": scope.partition(":")[0],
+                    "name": scope.partition(":")[2],
+                    "bytes": used,
+                    "quota": quota,
+                    "node": self._node,
+                }
+            },
+        )
