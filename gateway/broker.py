@@ -16,8 +16,8 @@ Consuming
     'invalid_selector' with the error position in its message, 'unsupported',
     'unauthorized', 'resource_locked'). Pass the client's ``user=`` (and ``connection=``
     id) so ownership, permissions and RabbitMQ-exclusive queues are enforced; calls
-    without them are the operator's. ``delete_queue`` / ``subscribe_queue`` take ``user=``
-    too (QueueError 'unauthorized').
+    without them are the operator's (a client that did not authenticate is `ANONYMOUS`).
+    ``delete_queue`` / ``subscribe_queue`` take ``user=`` too (QueueError 'unauthorized').
     ``selector="color = 'red' AND weight > 10"`` (JMS / SQL-92): the flow gets only matching
     messages; the others stay for other consumers. ``browse=True`` reads the queue oldest to
     newest without taking anything (AMQP distribution-mode copy; settling only frees the
@@ -56,7 +56,9 @@ Provisioning
     ``broker.queues`` (`QueueStore`) shows, lists and changes queues;
     ``await broker.create_temporary_queue(...)`` makes an anonymous queue that dies with this
     node (delete it when the owning session ends); ``await broker.subscribe_queue(queue,
-    patterns)`` / ``unsubscribe_queue`` change a queue's topic subscriptions.
+    patterns)`` / ``unsubscribe_queue`` change a queue's topic subscriptions;
+    ``update_queue(queue, changes)`` its run-time settings (owner only). These and
+    ``declare_queue`` take ``user=`` (a user's new queue is its own).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import redis.asyncio as aioredis
 
@@ -91,7 +94,9 @@ from gateway.engine.spool import Spooler
 from gateway.model import Message, Outcome, encode, new_message_id
 from gateway.router import Router
 
-__all__ = ["BindError", "Broker", "Flow", "Outcome", "QueueConfig", "QueueError"]
+__all__ = ["ANONYMOUS", "BindError", "Broker", "Flow", "Outcome", "QueueConfig", "QueueError"]
+
+ANONYMOUS = "anonymous"  # the user of clients that did not authenticate: never the operator
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +165,7 @@ class Broker:
             len(msg.payload),
             msg.partition_key,
             msg.expiration,
-            self.router.lvq_properties(msg),
+            self.router.spool_properties(msg),
             min(max(msg.priority, 0), 9),
             msg.not_before,
             encode(msg),
@@ -290,23 +295,48 @@ class Broker:
             raise BindError("unauthorized", f"user {user!r} may not {needed} queue {queue!r}")
 
     async def declare_queue(
-        self, config: QueueConfig, subscriptions: Iterable[tuple[str, str]] = ()
+        self,
+        config: QueueConfig,
+        subscriptions: Iterable[tuple[str, str]] = (),
+        user: str | None = None,
     ) -> bool:
         """Create a queue (idempotent). A non-durable queue belongs to this node and is
-        deleted when the node goes away, as transient queues are on a broker restart."""
+        deleted when the node goes away, as transient queues are on a broker restart.
+        A user's new queue is owned by that user (Solace); re-declaring someone else's queue
+        with subscriptions needs modify-topic."""
         if not config.durable and config.owner_node is None:
             config.owner_node = self.node_id
         subscriptions = list(subscriptions)
+        if user is not None:
+            config.owner = user
+            if subscriptions and await self.queues.exists(config.name):
+                await self._require(config.name, user, MODIFY_TOPIC)
         created = await self.queues.create(config, subscriptions)
-        if subscriptions:
-            await self.router.reload()
+        if subscriptions or config.lvq_key or config.sort_key:
+            await self.router.reload()  # routes carry the key a keyed queue's spool needs
         return created
 
     async def create_temporary_queue(
-        self, owner: str | None = None, subscriptions: Iterable[tuple[str, str]] = ()
+        self,
+        owner: str | None = None,
+        subscriptions: Iterable[tuple[str, str]] = (),
+        *,
+        connection: str = "",
+        permission: str = "delete",
+        auto_delete: bool = False,
     ) -> str:
+        """`connection`: only that connection may consume it (RabbitMQ exclusive);
+        `permission`: what users other than `owner` may do."""
         name = temporary_queue_name(self.node_id)
-        config = QueueConfig(name=name, durable=False, owner=owner, owner_node=self.node_id)
+        config = QueueConfig(
+            name=name,
+            durable=False,
+            owner=owner,
+            owner_node=self.node_id,
+            owner_connection=connection,
+            permission=permission,
+            auto_delete=auto_delete,
+        )
         await self.queues.create(config, list(subscriptions), reserved_ok=True)
         if subscriptions:
             await self.router.reload()
@@ -331,6 +361,24 @@ class Broker:
         )
         await self.router.reload()
         return changed
+
+    async def update_queue(
+        self, queue: str, changes: dict[str, Any], user: str | None = None
+    ) -> int:
+        """Change run-time settings (`partition_count` too: returns the messages the
+        repartition deleted). As on Solace only the owner may, and may not give the queue
+        away; the operator may change anything."""
+        changes = dict(changes)
+        if user is not None:
+            owner = (await self.queues.config(queue)).owner
+            if user != owner or "owner" in changes:
+                raise QueueError("unauthorized", f"user {user!r} may not change queue {queue!r}")
+        deleted = 0
+        if "partition_count" in changes:
+            deleted = await self.queues.repartition(queue, changes.pop("partition_count"))
+        if changes:
+            await self.queues.update(queue, changes)
+        return deleted
 
     async def delete_queue(self, queue: str, user: str | None = None) -> None:
         await self._require(queue, user, DELETE)

@@ -22,7 +22,7 @@ class Router:
         self._redis = redis
         self._trie: SubscriptionTrie[str] = SubscriptionTrie()
         self.version = -1
-        self.lvq_keys: frozenset[str] = frozenset()
+        self.keyed_properties: frozenset[str] = frozenset()  # lvq_key / sort_key names
         self._lock = asyncio.Lock()
 
     def match(self, topic: str) -> frozenset[str]:
@@ -37,28 +37,29 @@ class Router:
             reply = await self._redis.fcall("gw_routes", 0)
             trie: SubscriptionTrie[str] = SubscriptionTrie()
             pos = 1
-            lvq_keys = set()
+            keyed = set()
             while pos < len(reply):
                 queue = reply[pos].decode()
                 if reply[pos + 1]:
-                    lvq_keys.add(reply[pos + 1].decode())
+                    keyed.add(reply[pos + 1].decode())
                 count = int(reply[pos + 2])
                 for entry in reply[pos + 3 : pos + 3 + count]:
                     pattern, syntax = parse_subscription_entry(entry.decode())
                     trie.add(pattern, queue, syntax)
                 pos += 3 + count
             self._trie = trie
-            self.lvq_keys = frozenset(lvq_keys)
+            self.keyed_properties = frozenset(keyed)
             self.version = int(reply[0])
 
-    def lvq_properties(self, msg: Message) -> str:
-        """The message's values of the properties some last value queue keys on, as
-        "name\0value\0..." for the spool function ("" almost always)."""
-        if not self.lvq_keys or not msg.user_properties:
+    def spool_properties(self, msg: Message) -> str:
+        """The message's values of the properties some queue keys on (a last value queue's
+        lvq_key, a sorted queue's sort_key), as "name\0value\0..." for the spool function
+        ("" almost always)."""
+        if not self.keyed_properties or not msg.user_properties:
             return ""
         found: dict[str, str] = {}
         for name, value in msg.user_properties:
-            if name in self.lvq_keys and name not in found and value is not None:
+            if name in self.keyed_properties and name not in found and value is not None:
                 found[name] = value.decode() if isinstance(value, bytes) else str(value)
         return "".join(f"{k}\0{v}\0" for k, v in found.items())
 

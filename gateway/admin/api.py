@@ -4,6 +4,12 @@ Queues: list, create (idempotent, property equivalence checked), show, change ru
 settings, delete, and change topic subscriptions. Messages: publish to a topic or a queue
 (answered only after the message is spooled) and get-with-ack from a queue, as RabbitMQ's
 management API offers for testing and operations; not a consumer API for applications.
+Spool: usage against the broker-wide and per-VPN quotas, and the usage threshold alarms
+(`GET /api/v1/spool`).
+
+Callers are told apart by `AdminAuth`: the operator (an admin user, or loopback while no
+users are configured) is not checked; any other user acts as itself, so queue ownership
+and permissions apply as they do to its AMQP and MQTT clients. The health probe is open.
 """
 
 from __future__ import annotations
@@ -11,12 +17,16 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+from collections.abc import Iterable
 from typing import Any
 
+from gateway.admin.auth import AdminAuth
 from gateway.admin.http import HttpError, Request, Response
 from gateway.admin.metrics import render_metrics
 from gateway.broker import BindError, Broker
+from gateway.config import User
 from gateway.engine.queues import QueueConfig, QueueError
+from gateway.engine.spool_usage import read_usage
 from gateway.model import Delivery, Message, Outcome, Publisher
 from gateway.topics import TopicError, validate_topic
 
@@ -31,19 +41,32 @@ MAX_GET = 1000
 USER_PROPERTY_HEADER = "solace-user-property-"  # header names arrive lower-cased
 
 
+BIND_STATUS = {"not_found": 404, "unauthorized": 403}
+
+
 class AdminApi:
-    def __init__(self, broker: Broker) -> None:
+    def __init__(self, broker: Broker, users: Iterable[User] = ()) -> None:
         self.broker = broker
+        self.auth = AdminAuth(users)
 
     async def __call__(self, req: Request) -> Response:
         try:
-            return await self._route(req)
+            if req.path == ["api", "v1", "health"] and req.method == "GET":
+                return await self._health()
+            user = self.auth.caller(req.headers.get("authorization"), req.peer)
+            return await self._route(req, user)
         except QueueError as exc:
             raise HttpError(exc.http_status, str(exc)) from None
         except BindError as exc:
-            raise HttpError(404 if exc.code == "not_found" else 409, str(exc)) from None
+            raise HttpError(BIND_STATUS.get(exc.code, 409), str(exc)) from None
 
-    async def _route(self, req: Request) -> Response:
+    async def _health(self) -> Response:
+        """Open to all: load balancers and orchestrators probe without credentials."""
+        await self.broker.redis.ping()
+        return Response.json({"status": "ok", "node": self.broker.node_id})
+
+    async def _route(self, req: Request, user: str | None) -> Response:
+        """`user` None is the operator; a user name is checked by the broker."""
         p, m = req.path, req.method
         if p == ["metrics"] and m == "GET":
             text = await render_metrics(self.broker)
@@ -51,35 +74,36 @@ class AdminApi:
         if p[:2] != ["api", "v1"]:
             raise HttpError(404, f"no such resource: /{'/'.join(p)}")
         rest = p[2:]
-        if rest == ["health"] and m == "GET":
-            await self.broker.redis.ping()
-            return Response.json({"status": "ok", "node": self.broker.node_id})
+        if rest == ["spool"] and m == "GET":
+            return Response.json((await read_usage(self.broker.redis)).to_json())
         if rest == ["queues"]:
             if m == "GET":
                 return Response.json(await self._list_queues())
             if m == "POST":
-                return await self._create_queue(_object(req))
+                return await self._create_queue(_object(req), user)
         if len(rest) == 2 and rest[0] == "queues":
             name = rest[1]
             if m == "GET":
                 return Response.json((await self.broker.queues.info(name)).to_json())
             if m == "PATCH":
-                return await self._update_queue(name, _object(req))
+                return await self._update_queue(name, _object(req), user)
             if m == "DELETE":
-                await self.broker.delete_queue(name)
+                await self.broker.delete_queue(name, user=user)
                 return Response(204)
         if len(rest) == 3 and rest[0] == "queues" and rest[2] == "subscriptions":
-            return await self._subscriptions(rest[1], req)
+            return await self._subscriptions(rest[1], req, user)
         if len(rest) == 4 and rest[0] == "queues" and rest[2] == "readers" and m == "DELETE":
+            if user is not None:
+                raise HttpError(403, "only an admin user may forget a queue's readers")
             if not await self.broker.queues.forget_reader(rest[1], rest[3]):
                 raise HttpError(404, f"no reader {rest[3]!r} on queue {rest[1]!r}")
             return Response(204)
         if len(rest) == 3 and rest[0] == "queues" and rest[2] == "messages" and m == "POST":
-            return await self._publish({**_object(req), "queue": rest[1]}, req.headers)
+            return await self._publish({**_object(req), "queue": rest[1]}, req.headers, user)
         if len(rest) == 3 and rest[0] == "queues" and rest[2] == "get" and m == "POST":
-            return await self._get(rest[1], _object(req))
+            return await self._get(rest[1], _object(req), user)
         if rest == ["messages"] and m == "POST":
-            return await self._publish(_object(req), req.headers)
+            return await self._publish(_object(req), req.headers, user)
         raise HttpError(
             405 if rest and rest[0] == "queues" else 404, f"no route for {m} /{'/'.join(p)}"
         )
@@ -103,42 +127,42 @@ class AdminApi:
             )
         return out
 
-    async def _create_queue(self, body: dict[str, Any]) -> Response:
+    async def _create_queue(self, body: dict[str, Any], user: str | None) -> Response:
         subs = _subscriptions(body.get("subscriptions", []))
         config = QueueConfig.from_json(body)
-        created = await self.broker.declare_queue(config, subs)
+        created = await self.broker.declare_queue(config, subs, user=user)
         info = await self.broker.queues.info(config.name)
         return Response.json(info.to_json(), 201 if created else 200)
 
-    async def _update_queue(self, name: str, body: dict[str, Any]) -> Response:
+    async def _update_queue(self, name: str, body: dict[str, Any], user: str | None) -> Response:
         """Run-time changes; `partition_count` (egress disabled) reports deleted messages."""
         result: dict[str, Any] = {}
+        deleted = await self.broker.update_queue(name, body, user=user)
         if "partition_count" in body:
-            count = body.pop("partition_count")
-            result["deleted_messages"] = await self.broker.queues.repartition(name, count)
-        if body:
-            await self.broker.queues.update(name, body)
+            result["deleted_messages"] = deleted
         info = await self.broker.queues.info(name)
         return Response.json({**info.to_json(), **result})
 
-    async def _subscriptions(self, name: str, req: Request) -> Response:
+    async def _subscriptions(self, name: str, req: Request, user: str | None) -> Response:
         if req.method == "POST":
-            subs = _subscriptions([_object(req)])
-            op = "add"
+            [(pattern, syntax)] = _subscriptions([_object(req)])
+            change = self.broker.subscribe_queue
         elif req.method == "DELETE":
-            pattern = req.query.get("pattern")
+            pattern = req.query.get("pattern", "")
             if not pattern:
                 raise HttpError(400, "DELETE needs ?pattern=...&syntax=smf|mqtt")
-            subs = [(pattern, req.query.get("syntax", "smf"))]
-            op = "remove"
+            syntax = req.query.get("syntax", "smf")
+            change = self.broker.unsubscribe_queue
         else:
             raise HttpError(405, "use POST or DELETE on subscriptions")
-        changed = await self.broker.queues.change_subscriptions(name, op, subs)
-        await self.broker.router.reload()
+        changed = await change(name, [pattern], syntax, user=user)
         return Response.json({"changed": changed})
 
-    async def _publish(self, body: dict[str, Any], headers: dict[str, str]) -> Response:
+    async def _publish(
+        self, body: dict[str, Any], headers: dict[str, str], user: str | None
+    ) -> Response:
         msg = _message(body)
+        msg.publisher.user = user
         # Solace REST messaging headers: user properties, JMSXGroupID as the partition key
         for name, value in headers.items():
             if name.startswith(USER_PROPERTY_HEADER):
@@ -154,12 +178,18 @@ class AdminApi:
             raise HttpError(status, f"message refused: {outcome.name.lower()}")
         return Response.json(result)
 
-    async def _get(self, name: str, body: dict[str, Any]) -> Response:
+    async def _get(self, name: str, body: dict[str, Any], user: str | None) -> Response:
+        """Take (consume permission) or, with `browse`, copy (read-only) messages."""
         count = _int(body, "count", 1, 1, MAX_GET)
         timeout = _int(body, "timeout_ms", 0, 0, 30_000) / 1000
+        browse = body.get("browse", False)
+        if not isinstance(browse, bool):
+            raise HttpError(400, "browse must be true or false")
         mode = body.get("ackmode", "ack")
         if mode not in ("ack", "requeue", "reject"):
             raise HttpError(400, "ackmode must be ack, requeue or reject")
+        if browse and mode != "ack":
+            raise HttpError(400, "a browse takes nothing: ackmode does not apply")
         got: list[Delivery] = []
         enough = asyncio.Event()
 
@@ -168,7 +198,7 @@ class AdminApi:
             if len(got) >= count:
                 enough.set()
 
-        flow = await self.broker.bind(name, on_deliver, window=count)
+        flow = await self.broker.bind(name, on_deliver, window=count, browse=browse, user=user)
         try:
             if timeout:
                 with contextlib.suppress(TimeoutError):

@@ -15,6 +15,11 @@ Partitioned queues: flows bind to the parent; each partition (a hidden exclusive
 queue) is dispatched by the one flow Redis assigned it to (see partitions.py), so a flow
 fetches from each partition it owns and its entry ids carry the partition ("2/1700-0").
 A bind asks for a rebalance after the queue's rebalance delay, which coalesces bursts.
+
+Sorted queues (`QueueConfig.sort_key`): a fetch takes the waiting messages lowest in the
+queue's key order (see functions.lua). A browser pages through that order, its cursor a
+place in it; it sees the messages waiting, not those delivered and not yet settled, and
+misses one that arrives later with a key before its cursor.
 """
 
 from __future__ import annotations
@@ -119,7 +124,7 @@ class Flow:
         self.closed = False
         self.selector: Selector | None = None
         self.browse = False  # reads without taking (AMQP distribution-mode copy)
-        self.cursor = "0-0"  # browsing: the last entry seen
+        self.cursor: str | bytes = "0-0"  # browsing: the last entry (sorted: index member) seen
         self.replay_since = 0  # browsing: epoch ms of the replay period's start (0: all)
 
     @property
@@ -306,6 +311,7 @@ class Dispatcher:
         if flow.partitioned and not flow.owns_partition(queue):
             self.request_rebalance(flow.queue)  # a handoff may be able to complete now
         self.wake(flow)
+        self._kick()  # even when the flow has no credit left: the settlement must reach Redis
 
     # -- exclusive queues ------------------------------------------------------------------
 
@@ -556,15 +562,21 @@ class Dispatcher:
 
     def _deliver_browsed(self, fetch: _Fetch, reply: list) -> None:
         flow = fetch.flow
-        if reply[0] != b"ok":
+        first = 1
+        if reply[0] == b"sorted":  # a sorted queue: the cursor is a place in its key order
+            first = 2
+        elif reply[0] != b"ok":
             self._fetch_refused(fetch, reply[0].decode())
             return
         if flow.closed:
             return
-        entries = (len(reply) - 1) // 2
-        for i in range(1, len(reply), 2):
+        if first == 2:
+            flow.cursor = reply[1]
+        entries = (len(reply) - first) // 2
+        for i in range(first, len(reply), 2):
             entry_id = reply[i].decode()
-            flow.cursor = entry_id
+            if first == 1:
+                flow.cursor = entry_id
             blob = reply[i + 1]
             if not blob:
                 continue  # settled or expired: not on the queue

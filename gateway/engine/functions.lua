@@ -54,6 +54,66 @@ local function entry_blob(fields)
   return entry_field(fields, 'm')
 end
 
+-- Spool accounting. Every change of the messages a queue stores goes through account():
+-- the queue's counters, the broker-wide and per-VPN byte totals and the usage threshold
+-- alarms of those three scopes change in the same call, so they never drift apart.
+
+-- Quotas and threshold percents (gateway/engine/spool_usage.py writes them).
+local function spool_limits(vpn)
+  local l = redis.call('HMGET', K_SPOOL_LIMITS, 'broker', 'v:' .. vpn, 'set', 'clear')
+  return tonumber(l[1]) or 0, tonumber(l[2]) or 0, tonumber(l[3]) or 80, tonumber(l[4]) or 60
+end
+
+-- A threshold event: counted, and queued for exactly one node to log (a consumer group).
+local function spool_event(kind, scope, used, quota)
+  if redis.call('EXISTS', K_SPOOL_EVENTS) == 0 then
+    redis.call('XGROUP', 'CREATE', K_SPOOL_EVENTS, GROUP, '$', 'MKSTREAM')
+  end
+  redis.call('XADD', K_SPOOL_EVENTS, 'MAXLEN', '~', 1000, '*',
+    'e', kind, 's', scope, 'b', used, 'q', quota)
+  redis.call('HINCRBY', K_SPOOL_ALARM_COUNTS, kind .. ':' .. scope, 1)
+  redis.call('PUBLISH', K_SPOOL_NOTIFY, kind)
+end
+
+-- Raise the alarm of a scope when its usage reaches set% of its quota, clear it below clear%
+-- (or when the quota is gone). `raised`: the alarm's current state.
+local function spool_threshold(scope, used, quota, set_pct, clear_pct, raised)
+  if not raised and quota > 0 and used * 100 >= quota * set_pct then
+    redis.call('HSET', K_SPOOL_ALARMS, scope, 1)
+    spool_event('set', scope, used, quota)
+  elseif raised and (quota <= 0 or used * 100 < quota * clear_pct) then
+    redis.call('HDEL', K_SPOOL_ALARMS, scope)
+    spool_event('clear', scope, used, quota)
+  end
+end
+
+-- Queue q gained (or lost, when negative) `msgs` messages of `bytes` bytes. `vpn` and
+-- `maxbytes` (its config) are read when not given.
+local function account(q, msgs, bytes, vpn, maxbytes)
+  local st = k_queue_stats(q)
+  if msgs ~= 0 then redis.call('HINCRBY', st, 'msgs', msgs) end
+  if bytes == 0 then return end
+  local used = redis.call('HINCRBY', st, 'bytes', bytes)
+  if not vpn then
+    local c = redis.call('HMGET', k_queue_config(q), 'vpn', 'max_spool_bytes')
+    vpn, maxbytes = c[1] or 'default', tonumber(c[2]) or 0
+  end
+  local total = redis.call('HINCRBY', K_SPOOL_USAGE, 'broker', bytes)
+  local in_vpn = redis.call('HINCRBY', K_SPOOL_USAGE, 'v:' .. vpn, bytes)
+  local bq, vq, set_pct, clear_pct = spool_limits(vpn)
+  local a = redis.call('HMGET', K_SPOOL_ALARMS, 'broker', 'vpn:' .. vpn, 'queue:' .. q)
+  spool_threshold('broker', total, bq, set_pct, clear_pct, a[1])
+  spool_threshold('vpn:' .. vpn, in_vpn, vq, set_pct, clear_pct, a[2])
+  spool_threshold('queue:' .. q, used, maxbytes or 0, set_pct, clear_pct, a[3])
+end
+
+-- Take a queue's messages out of the accounting (before its stats are reset or deleted).
+local function unaccount_all(q)
+  local st = redis.call('HMGET', k_queue_stats(q), 'msgs', 'bytes')
+  local msgs, bytes = tonumber(st[1]) or 0, tonumber(st[2]) or 0
+  if msgs ~= 0 or bytes ~= 0 then account(q, -msgs, -bytes) end
+end
+
 local rebalance -- forward declaration: release_flow and rebalance call each other
 local delete_queue -- forward declaration: release_flow deletes auto-delete queues
 
@@ -79,13 +139,78 @@ local function group_mode(q)
   return m and m ~= '' and m or false
 end
 
--- Where unsettled entries go back to: the holding consumer on message-group and selective
--- queues (whose fetches pick entries by group or selector), the returned consumer elsewhere.
+-- Where unsettled entries go back to: the holding consumer on message-group, selective and
+-- sorted queues (whose fetches pick entries by group, selector or key), the returned
+-- consumer elsewhere.
 local function park_consumer(q)
-  if group_mode(q) or redis.call('HGET', k_queue_config(q), 'selective') == '1' then
+  local c = redis.call('HMGET', k_queue_config(q), 'selective', 'sort_key')
+  if group_mode(q) or c[1] == '1' or (c[2] and c[2] ~= '') then
     return HOLDING
   end
   return RETURNED
+end
+
+-- Sorted queues (Qpid Broker-J's): the entries waiting for a consumer sit in the holding
+-- consumer and are members of an index (k_queue_sorted) of score 0: "1<key>\0<id>", or
+-- "0\0<id>" for a message without the sort key property, the id's parts zero-padded. So
+-- lexical order is Broker-J's order: messages without the key first, then by the key's
+-- value (byte-wise string comparison), then by arrival. A fetch takes the lowest members.
+local function sort_key(q)
+  local k = redis.call('HGET', k_queue_config(q), 'sort_key')
+  return k and k ~= '' and k or false
+end
+
+local function sort_member(id, key)
+  local ms, seq = string.match(id, '^(%d+)-(%d+)$')
+  local pos = string.rep('0', 20 - #ms) .. ms .. '-' .. string.rep('0', 20 - #seq) .. seq
+  if key then return '1' .. key .. '\0' .. pos end
+  return '0\0' .. pos
+end
+
+local function member_id(m)
+  local ms, seq = string.sub(m, -41, -22), string.sub(m, -20)
+  return string.gsub(ms, '^0+(%d)', '%1') .. '-' .. string.gsub(seq, '^0+(%d)', '%1')
+end
+
+-- Index the entries of a sorted queue's stream that nobody has read yet: they move to the
+-- holding consumer (delivery count 0: holding is no delivery) and join the index.
+local function admit_sorted(q)
+  local s, idx = k_queue_stream(q), k_queue_sorted(q)
+  while true do
+    local r = redis.call('XREADGROUP', 'GROUP', GROUP, HOLDING, 'COUNT', 500, 'STREAMS', s, '>')
+    if not r or #r[1][2] == 0 then return end
+    local claim, zadd = { 'XCLAIM', s, GROUP, HOLDING, 0 }, { 'ZADD', idx }
+    for _, e in ipairs(r[1][2]) do
+      claim[#claim + 1] = e[1]
+      zadd[#zadd + 1] = 0
+      zadd[#zadd + 1] = sort_member(e[1], entry_field(e[2], 'sk'))
+    end
+    claim[#claim + 1] = 'RETRYCOUNT'
+    claim[#claim + 1] = 0
+    claim[#claim + 1] = 'JUSTID'
+    redis.call(unpack(claim))
+    redis.call(unpack(zadd))
+    if #r[1][2] < 500 then return end
+  end
+end
+
+-- Entries leaving a sorted queue's index other than by a sorted fetch (a selector's take).
+local function unindex(q, id, fields)
+  if sort_key(q) then
+    redis.call('ZREM', k_queue_sorted(q), sort_member(id, entry_field(fields, 'sk')))
+  end
+end
+
+-- Unsettled entries go back to wait for a flow; on a sorted queue, into their sorted place.
+local function park(q, s, ids)
+  claim_justid(s, park_consumer(q), ids)
+  if not sort_key(q) then return end
+  for _, id in ipairs(ids) do
+    local e = redis.call('XRANGE', s, id, id)
+    if #e > 0 then
+      redis.call('ZADD', k_queue_sorted(q), 0, sort_member(id, entry_field(e[1][2], 'sk')))
+    end
+  end
 end
 
 -- The message group of a stream entry (nil: ungrouped).
@@ -119,7 +244,7 @@ local function release_flow(q, flow, no_rebalance)
       if #p == 0 then break end
       local ids = {}
       for i, e in ipairs(p) do ids[i] = e[1] end
-      claim_justid(s, park_consumer(q), ids)
+      park(q, s, ids)
       moved = moved + #ids
       if #p < 500 then break end
     end
@@ -155,9 +280,12 @@ end
 delete_queue = function(q)
   if redis.call('EXISTS', k_queue_config(q)) == 0 then return 0 end
   for _, child in ipairs(children(q)) do delete_queue(child) end
+  unaccount_all(q)
+  redis.call('HDEL', K_SPOOL_ALARMS, 'queue:' .. q)
+  redis.call('HDEL', K_SPOOL_ALARM_COUNTS, 'set:queue:' .. q, 'clear:queue:' .. q)
   redis.call('DEL', k_queue_parts(q), k_queue_groups(q), k_queue_group_held(q),
     k_queue_last_values(q), k_queue_timed(q), k_queue_config(q), k_queue_stream(q), k_queue_stats(q), k_queue_subs(q),
-    k_queue_flows(q), k_queue_lease(q), k_queue_readers(q))
+    k_queue_flows(q), k_queue_lease(q), k_queue_readers(q), k_queue_sorted(q))
   redis.call('SREM', K_QUEUES, q)
   redis.call('SREM', K_READ_QUEUES, q)
   local v = redis.call('INCR', K_SUB_VERSION)
@@ -335,8 +463,7 @@ local function dead_letter(q, s, id, blob, reason, to_dmq)
   redis.call('XACK', s, GROUP, id)
   if redis.call('EXISTS', k_queue_readers(q)) == 0 then redis.call('XDEL', s, id) end
   local st = k_queue_stats(q)
-  redis.call('HINCRBY', st, 'msgs', -1)
-  redis.call('HINCRBY', st, 'bytes', -#blob)
+  account(q, -1, -#blob)
   redis.call('HINCRBY', st, reason, 1)
   local dmq = c[1]
   if to_dmq and dmq and dmq ~= q and dmq_eligible(blob, c[2] == '1')
@@ -355,11 +482,18 @@ local function dead_letter(q, s, id, blob, reason, to_dmq)
       local _, priority = message_flags(blob)
       dmq = priority_queue(dmq, priority)
     end
-    redis.call('XADD', k_queue_stream(dmq), '*', 'm', blob, 'o', origin, 'r', reason)
-    local dst = k_queue_stats(dmq)
-    redis.call('HINCRBY', dst, 'msgs', 1)
-    redis.call('HINCRBY', dst, 'bytes', #blob)
-    redis.call('HINCRBY', dst, 'spooled', 1)
+    -- a sorted dead message queue sorts by the key the entry kept if it sorts by the same
+    -- property as its origin; else the message counts as one without the key
+    local dsk = sort_key(dmq)
+    local sk = dsk and dsk == sort_key(q) and #e > 0 and entry_field(e[1][2], 'sk')
+    if sk then
+      redis.call('XADD', k_queue_stream(dmq), '*', 'm', blob, 'o', origin, 'r', reason, 'sk', sk)
+    else
+      redis.call('XADD', k_queue_stream(dmq), '*', 'm', blob, 'o', origin, 'r', reason)
+    end
+    if dsk then admit_sorted(dmq) end
+    account(dmq, 1, #blob)
+    redis.call('HINCRBY', k_queue_stats(dmq), 'spooled', 1)
     wake(dmq)
     redis.call('HINCRBY', st, 'dead_lettered', 1)
   else
@@ -405,13 +539,14 @@ end
 local function spool_target(name)
   local c = redis.call('HMGET', k_queue_config(name), 'ingress', 'max_message_size',
     'max_spool_bytes', 'max_messages', 'partition_count', 'parent', 'message_groups',
-    'max_ttl_ms', 'lvq_key', 'priorities', 'overflow', 'resume_percent')
+    'max_ttl_ms', 'lvq_key', 'priorities', 'overflow', 'resume_percent', 'vpn')
   local info = { name = name, added = 0, added_bytes = 0, dropped = 0, dropped_bytes = 0,
     wake = c[6] or name }
   if not c[1] then
     info.missing = true
     return info
   end
+  info.vpn = c[13] or 'default'
   info.stream = k_queue_stream(name)
   info.ingress = c[1] == '1'
   info.maxsize = tonumber(c[2]) or 0
@@ -421,6 +556,7 @@ local function spool_target(name)
   info.prioritised = c[10] == '1'
   info.grouped = c[7] and c[7] ~= ''
   info.max_ttl = tonumber(c[8]) or 0
+  info.sort_key = sort_key(name)  -- a sorted queue: its entries keep the key's value ('sk')
   -- last value queues: Solace's (max_spool_bytes 0: one slot) or Qpid's (by a property)
   if c[3] == '0' then
     info.lvq = true
@@ -448,6 +584,48 @@ local function over_quota(q, size)
     or (q.maxmsgs > 0 and q.count + 1 > q.maxmsgs)
 end
 
+-- The broker-wide and per-VPN quotas during one gw_spool call: the limits and the stored
+-- totals are read once; what the call added so far is its queues' net change.
+local function spool_quotas()
+  local raw = redis.call('HGETALL', K_SPOOL_LIMITS)
+  local limits = {}
+  for i = 1, #raw, 2 do limits[raw[i]] = tonumber(raw[i + 1]) or 0 end
+  return { limits = limits, base = {} }
+end
+
+-- True when storing `size` more bytes in each of `targets` would pass the broker's quota or
+-- the quota of one of their VPNs; `qs`: every queue the call touched.
+local function over_spool_quota(sq, qs, targets, size)
+  local limits, need, any = sq.limits, {}, false
+  if (limits.broker or 0) > 0 then
+    need.broker, any = size * #targets, true
+  end
+  for _, q in ipairs(targets) do
+    local f = 'v:' .. q.vpn
+    if (limits[f] or 0) > 0 then
+      need[f], any = (need[f] or 0) + size, true
+    end
+  end
+  if not any then return false end
+  local added = {}
+  for _, q in ipairs(qs) do
+    local net = q.added_bytes - q.dropped_bytes
+    if net ~= 0 then
+      added.broker = (added.broker or 0) + net
+      added['v:' .. q.vpn] = (added['v:' .. q.vpn] or 0) + net
+    end
+  end
+  for f, n in pairs(need) do
+    local base = sq.base[f]
+    if not base then
+      base = tonumber(redis.call('HGET', K_SPOOL_USAGE, f) or '0') or 0
+      sq.base[f] = base
+    end
+    if base + (added[f] or 0) + n > limits[f] then return true end
+  end
+  return false
+end
+
 -- Ring overflow: drop the oldest messages not yet delivered until `size` more fits.
 -- False when only delivered (unsettled) messages are left to drop.
 local function drop_oldest(q, size)
@@ -468,9 +646,13 @@ end
 
 -- XADD arguments of a message with extra fields: its key (message groups; 'kh' places it
 -- in a partitioned dead message queue), expiry 'x' (the smaller of the publisher's and the
--- queue's TTL) and delivery time 'h' (held invisible until then).
-local function entry_args(q, blob, key, hi, lo, expires, not_before)
+-- queue's TTL), delivery time 'h' (held invisible until then) and sort key value 'sk'.
+local function entry_args(q, blob, key, hi, lo, expires, not_before, sk)
   local args = { 'XADD', q.stream, '*', 'm', blob }
+  if sk then
+    args[#args + 1] = 'sk'
+    args[#args + 1] = sk
+  end
   if key ~= '' then
     if q.grouped then
       args[#args + 1] = 'k'
@@ -502,8 +684,9 @@ end
 -- ms, 0: none; kept as field 'x', shortened to the queue's max_ttl_ms), the properties LVQ
 -- keys name ("name\0value\0..."), priority (0-9: the level of a priority queue), the
 -- delivery time (epoch ms, 0: now; kept as field 'h'), blob.
--- Spooled bytes count the stored blob. Returns one outcome code per message; a message is
--- stored in all its queues or in none.
+-- Spooled bytes count the stored blob. A message that would pass the broker-wide quota or
+-- the quota of one of its queues' VPNs (gw_spool_limits) is refused with QUOTA_EXCEEDED.
+-- Returns one outcome code per message; a message is stored in all its queues or in none.
 redis.register_function('gw_spool', function(_, a)
   local nq = tonumber(a[2])
   local qs, by_name = {}, {}
@@ -518,6 +701,7 @@ redis.register_function('gw_spool', function(_, a)
   end
   local named = {}
   for i = 1, nq do named[i] = a[2 + i] end
+  local sq  -- broker and VPN quotas, read at the first message that has a queue
   local out = {}
   local pos = 3 + nq
   local n = #a
@@ -558,16 +742,21 @@ redis.register_function('gw_spool', function(_, a)
       else targets[#targets + 1] = q end
       if code ~= OK then break end
     end
+    if code == OK and #targets > 0 then  -- the broker's and the VPNs' quotas: all or none
+      sq = sq or spool_quotas()
+      if over_spool_quota(sq, qs, targets, #blob) then code = QUOTA_EXCEEDED end
+    end
     if code == OK then
       if #targets == 0 then
         code = direct and NOT_FOUND or NO_SUBSCRIBERS
       else
         for _, q in ipairs(targets) do
           local id
-          if key == '' and expires == 0 and not_before == 0 and q.max_ttl == 0 then
+          local sk = q.sort_key and property_value(props, q.sort_key)
+          if key == '' and expires == 0 and not_before == 0 and q.max_ttl == 0 and not sk then
             id = redis.call('XADD', q.stream, '*', 'm', blob)  -- the common, plain message
           else
-            id = redis.call(unpack(entry_args(q, blob, key, hi, lo, expires, not_before)))
+            id = redis.call(unpack(entry_args(q, blob, key, hi, lo, expires, not_before, sk)))
           end
           if q.lvq then
             local slot = ''
@@ -588,11 +777,11 @@ redis.register_function('gw_spool', function(_, a)
   for _, q in ipairs(qs) do
     if q.added > 0 or q.replaced or q.dropped > 0 then
       local st = k_queue_stats(q.name)
-      redis.call('HINCRBY', st, 'bytes', q.added_bytes - q.dropped_bytes)
-      redis.call('HINCRBY', st, 'msgs', q.added - q.dropped)
+      account(q.name, q.added - q.dropped, q.added_bytes - q.dropped_bytes, q.vpn, q.maxbytes)
       if q.dropped > 0 then redis.call('HINCRBY', st, 'dropped', q.dropped) end
       redis.call('HINCRBY', st, 'spooled', q.added + (q.replaced or 0))
       if q.replaced then redis.call('HINCRBY', st, 'replaced', q.replaced) end
+      if q.sort_key then admit_sorted(q.name) end
       if not woken[q.wake] then
         woken[q.wake] = true
         redis.call('PUBLISH', k_queue_wake(q.wake), a[1])
@@ -697,6 +886,41 @@ local function fetch_grouped(q, s, flow, count, mode, default_group, lim, out)
   end
 end
 
+-- Take entry `id` for `flow` if it waits in the holding consumer (else another flow took it
+-- or it is gone): into `out` as gw_fetch replies, or dead-lettered (counted in out[2]).
+-- Returns the entry's fields when it was taken.
+local function take_held(q, s, flow, id, lim, out)
+  local p = redis.call('XPENDING', s, GROUP, id, id, 1, HOLDING)
+  if #p == 0 then return false end
+  local n = p[1][4] + 1
+  local c = redis.call('XCLAIM', s, GROUP, flow, 0, id, 'RETRYCOUNT', n)
+  if not c[1] then return false end
+  local blob = deliverable(q, s, id, c[1][2], n, lim)
+  if blob then
+    out[#out + 1] = id
+    out[#out + 1] = n
+    out[#out + 1] = blob
+    out[#out + 1] = dead_letter_origin(c[1][2])
+  else
+    out[2] = out[2] + 1
+  end
+  return c[1][2]
+end
+
+-- Sorted queues: the lowest waiting entries in the index, taken for `flow` (O(log n) each).
+local function fetch_sorted(q, s, flow, count, lim, out)
+  admit_sorted(q)  -- entries another writer added since the last spool
+  local idx = k_queue_sorted(q)
+  local want = count
+  while want > 0 do
+    local members = redis.call('ZRANGE', idx, '-', '+', 'BYLEX', 'LIMIT', 0, want)
+    if #members == 0 then return end
+    redis.call('ZREM', idx, unpack(members))
+    for _, m in ipairs(members) do take_held(q, s, flow, member_id(m), lim, out) end
+    want = count - (#out - 2) / 4 - out[2]
+  end
+end
+
 -- Returned entries (oldest first) and then new ones of one stream, into `out`; each id is
 -- prefixed with `prefix` (a priority queue's level) so the settlement finds its stream.
 local function fetch_stream(q, s, flow, count, lim, out, prefix)
@@ -734,7 +958,7 @@ end
 redis.register_function('gw_fetch', function(_, a)
   local q, flow, count, fence = a[1], a[2], tonumber(a[3]), a[4]
   local c = redis.call('HMGET', k_queue_config(q), 'egress', 'access', 'message_groups',
-    'default_group', 'selective', 'priorities')
+    'default_group', 'selective', 'priorities', 'sort_key')
   if not c[1] then return { 'noqueue' } end
   if c[1] ~= '1' then return { 'egress' } end
   if not redis.call('ZSCORE', k_queue_flows(q), flow) then return { 'noflow' } end
@@ -745,6 +969,10 @@ redis.register_function('gw_fetch', function(_, a)
   local s = k_queue_stream(q)
   local lim = fetch_limits(q)
   local out = { 'ok', 0 }
+  if c[7] and c[7] ~= '' then
+    fetch_sorted(q, s, flow, count, lim, out)
+    return out
+  end
   if (c[3] and c[3] ~= '') or c[5] == '1' then
     fetch_grouped(q, s, flow, count, c[3] ~= '' and c[3], c[4], lim, out)
     return out
@@ -762,6 +990,21 @@ redis.register_function('gw_fetch', function(_, a)
   return out
 end)
 
+-- A sorted queue's `scan` lowest waiting entries, as held_entries gives them.
+local function sorted_waiting(q, s, scan)
+  admit_sorted(q)
+  local idx = k_queue_sorted(q)
+  local out = {}
+  for _, m in ipairs(redis.call('ZRANGE', idx, '-', '+', 'BYLEX', 'LIMIT', 0, scan)) do
+    local id = member_id(m)
+    local p = redis.call('XPENDING', s, GROUP, id, id, 1, HOLDING)
+    if #p == 1 then out[#out + 1] = p[1] else redis.call('ZREM', idx, m) end
+  end
+  return out
+end
+
+-- ARGV: queue, flow, scan. The oldest `scan` messages waiting for a selector flow (on a
+-- sorted queue, the lowest): {'ok', id, delivery count, blob, ...}.
 redis.register_function('gw_peek', function(_, a)
   local q, flow, scan = a[1], a[2], tonumber(a[3])
   local c = redis.call('HMGET', k_queue_config(q), 'egress')
@@ -771,12 +1014,14 @@ redis.register_function('gw_peek', function(_, a)
   local s = k_queue_stream(q)
   local now = now_ms()
   local out = { 'ok' }
-  for _, e in ipairs(held_entries(s, scan)) do
+  local waiting = sort_key(q) and sorted_waiting(q, s, scan) or held_entries(s, scan)
+  for _, e in ipairs(waiting) do
     local r = redis.call('XRANGE', s, e[1], e[1])
     if #r > 0 then
       local x = tonumber(entry_field(r[1][2], 'x'))
       if x and x <= now then
         redis.call('XCLAIM', s, GROUP, flow, 0, e[1], 'JUSTID')
+        unindex(q, e[1], r[1][2])
         dead_letter(q, s, e[1], entry_blob(r[1][2]), 'expired',
           redis.call('HGET', k_queue_config(q), 'respect_ttl') == '1')
       else
@@ -798,20 +1043,8 @@ redis.register_function('gw_take', function(_, a)
   local lim = fetch_limits(q)
   local out = { 'ok', 0 }
   for i = 3, #a do
-    local p = redis.call('XPENDING', s, GROUP, a[i], a[i], 1, HOLDING)
-    if #p == 1 then
-      local n = p[1][4] + 1
-      local c = redis.call('XCLAIM', s, GROUP, flow, 0, a[i], 'RETRYCOUNT', n)
-      local blob = c[1] and deliverable(q, s, a[i], c[1][2], n, lim)
-      if blob then
-        out[#out + 1] = a[i]
-        out[#out + 1] = n
-        out[#out + 1] = blob
-        out[#out + 1] = dead_letter_origin(c[1][2])
-      elseif c[1] then
-        out[2] = out[2] + 1
-      end
-    end
+    local fields = take_held(q, s, flow, a[i], lim, out)
+    if fields then unindex(q, a[i], fields) end
   end
   return out
 end)
@@ -820,12 +1053,36 @@ end)
 -- Browsing: up to `count` messages on the queue after `cursor`, oldest first, without
 -- taking them: {'ok', id, blob, ...}. Settled entries kept for stream readers and expired
 -- entries are skipped.
+-- A sorted queue is browsed in its order, over the entries waiting on it (those delivered
+-- and not yet settled are not shown): {'sorted', cursor (the last index member seen), id,
+-- blob, ...}. A message sorting before the cursor that arrives later is not shown.
+local function browse_sorted(q, s, cursor, count, since)
+  admit_sorted(q)
+  local start = cursor == '0-0' and '-' or '(' .. cursor
+  local members = redis.call('ZRANGE', k_queue_sorted(q), start, '+', 'BYLEX', 'LIMIT', 0, count)
+  local out = { 'sorted', members[#members] or cursor }
+  local now = now_ms()
+  for _, m in ipairs(members) do
+    local id = member_id(m)
+    local e = redis.call('XRANGE', s, id, id)
+    local x = #e > 0 and tonumber(entry_field(e[1][2], 'x'))
+    out[#out + 1] = id
+    if #e > 0 and not (x and x <= now) and not (since > 0 and id_less(id, since .. '-0')) then
+      out[#out + 1] = entry_blob(e[1][2])
+    else
+      out[#out + 1] = ''
+    end
+  end
+  return out
+end
+
 redis.register_function('gw_browse', function(_, a)
   local q, cursor, count, since = a[1], a[2], tonumber(a[3]), tonumber(a[4])
-  local c = redis.call('HMGET', k_queue_config(q), 'egress')
+  local c = redis.call('HMGET', k_queue_config(q), 'egress', 'sort_key')
   if not c[1] then return { 'noqueue' } end
   if c[1] ~= '1' then return { 'egress' } end
   local s = k_queue_stream(q)
+  if c[2] and c[2] ~= '' then return browse_sorted(q, s, cursor, count, since) end
   if since > 0 and id_less(cursor, since .. '-0') then cursor = since .. '-0' end
   local kept = redis.call('EXISTS', k_queue_readers(q)) == 1
   local last = kept and last_delivered(s)
@@ -874,10 +1131,8 @@ local function ack_batch(q, s, a, first, n)
     bytes = math.floor(bytes * acked / n)  -- kept for readers: the sizes of which are unknown
   end
   if acked > 0 then
-    local st = k_queue_stats(q)
-    redis.call('HINCRBY', st, 'msgs', -acked)
-    redis.call('HINCRBY', st, 'bytes', -bytes)
-    redis.call('HINCRBY', st, 'acked', acked)
+    account(q, -acked, -bytes)
+    redis.call('HINCRBY', k_queue_stats(q), 'acked', acked)
   end
   return acked
 end
@@ -927,7 +1182,7 @@ redis.register_function('gw_settle', function(_, a)
       end
       if #mine > 0 then
         if mode == 'requeue' then
-          claim_justid(s, park_consumer(q), mine)
+          park(q, s, mine)
           redis.call('HINCRBY', k_queue_stats(q), 'requeued', #mine)
           wake(q)
         else
@@ -936,10 +1191,8 @@ redis.register_function('gw_settle', function(_, a)
           if redis.call('EXISTS', k_queue_readers(q)) == 0 then
             redis.call('XDEL', s, unpack(mine))
           end
-          local st = k_queue_stats(q)
-          redis.call('HINCRBY', st, 'msgs', -#mine)
-          redis.call('HINCRBY', st, 'bytes', -bytes)
-          redis.call('HINCRBY', st, 'acked', #mine)
+          account(q, -#mine, -bytes)
+          redis.call('HINCRBY', k_queue_stats(q), 'acked', #mine)
         end
       end
     end
@@ -1056,7 +1309,7 @@ local function release_due(q, now)
   local due = redis.call('ZRANGEBYSCORE', timed, '-inf', now, 'LIMIT', 0, 1000)
   if #due > 0 then
     if redis.call('EXISTS', k_queue_config(q)) == 1 then
-      claim_justid(k_queue_stream(q), park_consumer(q), due)
+      park(q, k_queue_stream(q), due)
       wake(q)
     end
     redis.call('ZREM', timed, unpack(due))
@@ -1079,6 +1332,7 @@ end)
 
 -- Stream, consumer group and counters of a queue whose config hash is written.
 local function init_queue(q)
+  unaccount_all(q)
   redis.call('DEL', k_queue_stream(q), k_queue_stats(q), k_queue_flows(q), k_queue_lease(q))
   redis.call('XGROUP', 'CREATE', k_queue_stream(q), GROUP, '0', 'MKSTREAM')
   redis.call('HSET', k_queue_stats(q), 'msgs', 0, 'bytes', 0, 'spooled', 0, 'acked', 0)
@@ -1148,7 +1402,7 @@ end)
 -- ARGV: queue, new partition count. Scaling partitions or switching between partitioned
 -- and not is only allowed with egress disabled; every flow is unbound. Messages of
 -- removed partitions (or of the old layout when switching kind) are deleted and counted.
--- Returns {'ok', deleted messages} or {'noqueue'} / {'egress'} / {'exclusive'}.
+-- Returns {'ok', deleted messages} or {'noqueue'} / {'egress'} / {'exclusive'} / {'sorted'}.
 redis.register_function('gw_repartition', function(_, a)
   local q, new_n = a[1], tonumber(a[2])
   local cfg = k_queue_config(q)
@@ -1156,6 +1410,7 @@ redis.register_function('gw_repartition', function(_, a)
   if not c[1] then return { 'noqueue' } end
   if c[1] == '1' then return { 'egress' } end
   if new_n > 0 and c[3] ~= 'non-exclusive' then return { 'exclusive' } end
+  if new_n > 0 and sort_key(q) then return { 'sorted' } end
   local old_n = tonumber(c[2]) or 0
   if old_n == new_n then return { 'ok', 0 } end
   for _, flow in ipairs(redis.call('ZRANGE', k_queue_flows(q), 0, -1)) do
@@ -1224,16 +1479,55 @@ redis.register_function('gw_subscription', function(_, a)
   return changed
 end)
 
--- Every queue's topic subscriptions (and LVQ key property), for a node's routing trie.
+-- Every queue's topic subscriptions (and the property its spool needs: the LVQ key or the
+-- sort key), for a node's routing trie.
 -- Returns {version, queue, lvq key, n, entry..., queue, lvq key, n, entry..., ...}.
 redis.register_function('gw_routes', function(_, _)
   local out = { tonumber(redis.call('GET', K_SUB_VERSION) or '0') }
   for _, q in ipairs(redis.call('SMEMBERS', K_QUEUES)) do
     local subs = redis.call('SMEMBERS', k_queue_subs(q))
     out[#out + 1] = q
-    out[#out + 1] = redis.call('HGET', k_queue_config(q), 'lvq_key') or ''
+    local keyed = redis.call('HMGET', k_queue_config(q), 'lvq_key', 'sort_key')
+    out[#out + 1] = (keyed[1] ~= '' and keyed[1]) or keyed[2] or ''
     out[#out + 1] = #subs
     for _, e in ipairs(subs) do out[#out + 1] = e end
   end
   return out
+end)
+
+-- ARGV: broker quota (bytes, 0: none), threshold set percent, clear percent, then pairs of
+-- VPN name and quota. Replaces the spool limits every node enforces, then raises or clears
+-- the broker's and the VPNs' threshold alarms as the new limits decide.
+redis.register_function('gw_spool_limits', function(_, a)
+  redis.call('DEL', K_SPOOL_LIMITS)
+  redis.call('HSET', K_SPOOL_LIMITS, 'broker', a[1], 'set', a[2], 'clear', a[3])
+  for i = 4, #a - 1, 2 do redis.call('HSET', K_SPOOL_LIMITS, 'v:' .. a[i], a[i + 1]) end
+  local set_pct, clear_pct = tonumber(a[2]), tonumber(a[3])
+  local usage, vpns, seen = {}, {}, {}
+  local function vpn(name)
+    if not seen[name] then
+      seen[name] = true
+      vpns[#vpns + 1] = name
+    end
+  end
+  local raw = redis.call('HGETALL', K_SPOOL_USAGE)
+  for i = 1, #raw, 2 do
+    usage[raw[i]] = tonumber(raw[i + 1]) or 0
+    if string.sub(raw[i], 1, 2) == 'v:' then vpn(string.sub(raw[i], 3)) end
+  end
+  for i = 4, #a - 1, 2 do vpn(a[i]) end
+  local alarms = {}
+  raw = redis.call('HGETALL', K_SPOOL_ALARMS)
+  for i = 1, #raw, 2 do
+    alarms[raw[i]] = true
+    if string.sub(raw[i], 1, 4) == 'vpn:' then vpn(string.sub(raw[i], 5)) end
+  end
+  spool_threshold('broker', usage.broker or 0, tonumber(a[1]) or 0, set_pct, clear_pct,
+    alarms.broker)
+  for _, name in ipairs(vpns) do
+    local _, quota = spool_limits(name)
+    spool_threshold('vpn:' .. name, usage['v:' .. name] or 0, quota, set_pct, clear_pct,
+      alarms['vpn:' .. name])
+  end
+  return 1
 end)

@@ -39,7 +39,14 @@ TEMPLATES: dict[str, str] = {
     "queue_timed": f"{PREFIX}:q:{{{{q}}}}:timed",
     "timed_queues": f"{PREFIX}:timedq",
     "queue_group_held": f"{PREFIX}:q:{{{{q}}}}:gheld",
+    "queue_sorted": f"{PREFIX}:q:{{{{q}}}}:sorted",
     "read_queues": f"{PREFIX}:readq",
+    "spool_usage": f"{PREFIX}:spool:usage",
+    "spool_limits": f"{PREFIX}:spool:limits",
+    "spool_alarms": f"{PREFIX}:spool:alarms",
+    "spool_alarm_counts": f"{PREFIX}:spool:alarmcounts",
+    "spool_events": f"{PREFIX}:spool:ev",
+    "spool_notify": f"{PREFIX}:spool:notify",
     "retained": f"{PREFIX}:retained",
     "direct_nodes": f"{PREFIX}:directnodes",
     "direct_channel": f"{PREFIX}:direct",
@@ -69,6 +76,17 @@ direct_nodes = TEMPLATES["direct_nodes"]  # nodes with direct (not spooled) subs
 direct_channel = TEMPLATES["direct_channel"]  # topic messages for other nodes' direct subscribers
 read_queues = TEMPLATES["read_queues"]
 timed_queues = TEMPLATES["timed_queues"]
+# Spool accounting (gateway/engine/spool_usage.py): byte totals "broker" and "v:<vpn>";
+# quotas "broker", "v:<vpn>" and threshold percents "set" / "clear"; raised threshold
+# alarms by scope ("broker", "vpn:<name>", "queue:<name>") and "<set|clear>:<scope>" event
+# counts; the stream of threshold events (one consumer group: each event is logged once)
+# and the channel that says one was added.
+spool_usage = TEMPLATES["spool_usage"]
+spool_limits = TEMPLATES["spool_limits"]
+spool_alarms = TEMPLATES["spool_alarms"]
+spool_alarm_counts = TEMPLATES["spool_alarm_counts"]
+spool_events = TEMPLATES["spool_events"]
+spool_notify = TEMPLATES["spool_notify"]
 
 
 def queue_config(q: str) -> str:
@@ -127,6 +145,12 @@ def queue_timed(q: str) -> str:
 def queue_group_held(q: str) -> str:
     """Shared-groups mode: group -> unsettled messages its holder has."""
     return _queue_key("queue_group_held", q)
+
+
+def queue_sorted(q: str) -> str:
+    """Sorted queues: the waiting entries, each a member "<flag><key>\\0<padded id>" of score
+    0, so that lexical order is key order, then arrival order (see functions.lua)."""
+    return _queue_key("queue_sorted", q)
 
 
 def partition_queue(parent: str, index: int) -> str:

@@ -18,6 +18,7 @@ import redis.asyncio as aioredis
 from gateway.engine import keys
 from gateway.engine.partitions import PartitionMap
 from gateway.engine.permissions import LEVELS
+from gateway.engine.spool_usage import DEFAULT_VPN, vpn_name_error
 from gateway.topics import TopicError, parse_pattern
 
 MAX_NAME_BYTES = 255
@@ -115,11 +116,15 @@ class QueueConfig:
     non_destructive: bool = False  # every consumer browses (Qpid non-destructive consumers)
     lvq_key: str = ""  # a last value queue by this user property (Qpid); see max_spool_bytes
     priorities: bool = False  # deliver by message priority (9 first), FIFO within a priority
+    # a sorted queue (Qpid Broker-J) by this user property: delivered in ascending string
+    # order of its value, messages without it first, arrival order among equal values
+    sort_key: str = ""
     permission: str = "delete"  # what users other than the owner may do (permissions.LEVELS)
     auto_delete: bool = False  # deleted when its last consumer goes (RabbitMQ)
     owner_connection: str = ""  # RabbitMQ exclusive: only this connection may use it
     overflow: str = "reject"  # when full: reject (NACK), ring (drop oldest), flow_control
     resume_percent: int = 80  # flow control: publishers resume below this share of the limit
+    vpn: str = DEFAULT_VPN  # the Message VPN whose spool quota its messages count against
     created_ms: int = field(default=0, compare=False)
 
     def validate(self, *, reserved_ok: bool = False) -> None:
@@ -155,6 +160,9 @@ class QueueConfig:
             raise QueueError("invalid", f"permission must be one of {', '.join(LEVELS)}")
         if self.overflow not in OVERFLOW_POLICIES:
             raise QueueError("invalid", f"overflow must be one of {', '.join(OVERFLOW_POLICIES)}")
+        problem = vpn_name_error(self.vpn)
+        if problem:
+            raise QueueError("invalid", f"vpn: {problem}")
         if not 1 <= self.resume_percent <= 100:
             raise QueueError("invalid", "resume_percent must be from 1 to 100")
         if self.priorities and (self.partition_count or self.message_groups):
@@ -167,6 +175,32 @@ class QueueConfig:
             raise QueueError("invalid", "default_group must not be empty")
         if self.partition_count > 1024:
             raise QueueError("invalid", "partition_count must be at most 1024")
+        self._validate_sorted()
+
+    def _validate_sorted(self) -> None:
+        """A sorted queue delivers by its own order: features that pick the next message
+        another way (partitions, priorities, last values, message groups) or drop the
+        oldest (ring overflow) cannot be honoured with it."""
+        if not self.sort_key:
+            return
+        if "\0" in self.sort_key:
+            raise QueueError("invalid", "sort_key must not contain NUL characters")
+        clashes = [
+            name
+            for name, on in (
+                ("partition_count", self.partition_count > 0),
+                ("priorities", self.priorities),
+                ("lvq_key", bool(self.lvq_key)),
+                ("max_spool_bytes=0 (last value queue)", self.max_spool_bytes == 0),
+                ("message_groups", bool(self.message_groups)),
+                ("overflow=ring", self.overflow == "ring"),
+            )
+            if on
+        ]
+        if clashes:
+            raise QueueError(
+                "invalid", f"a sorted queue (sort_key) cannot have {', '.join(clashes)}"
+            )
 
     def to_redis(self) -> list[str]:
         """Field/value pairs for the config hash (the Lua side reads a few of them)."""
@@ -193,11 +227,13 @@ class QueueConfig:
             "non_destructive": self.non_destructive,
             "lvq_key": self.lvq_key,
             "priorities": self.priorities,
+            "sort_key": self.sort_key,
             "permission": self.permission,
             "auto_delete": self.auto_delete,
             "owner_connection": self.owner_connection,
             "overflow": self.overflow,
             "resume_percent": self.resume_percent,
+            "vpn": self.vpn,
             "created_ms": self.created_ms,
         }
         out: list[str] = []
@@ -232,11 +268,13 @@ class QueueConfig:
             non_destructive=h.get("non_destructive", "0") == "1",
             lvq_key=h.get("lvq_key", ""),
             priorities=h.get("priorities", "0") == "1",
+            sort_key=h.get("sort_key", ""),
             permission=h.get("permission", "delete"),
             auto_delete=h.get("auto_delete", "0") == "1",
             owner_connection=h.get("owner_connection", ""),
             overflow=h.get("overflow", "reject"),
             resume_percent=int(h.get("resume_percent", 80)),
+            vpn=h.get("vpn", DEFAULT_VPN),
             created_ms=int(h.get("created_ms", 0)),
         )
 
@@ -261,7 +299,16 @@ class QueueConfig:
 
 # Fields whose change would alter how existing messages or flows behave: a re-declaration
 # with other values is refused (RabbitMQ's property equivalence).
-EQUIVALENCE_FIELDS = ("access_type", "durable", "partition_count", "message_groups", "priorities")
+EQUIVALENCE_FIELDS = (
+    "access_type",
+    "durable",
+    "auto_delete",
+    "partition_count",
+    "message_groups",
+    "priorities",
+    "sort_key",
+    "vpn",
+)
 
 
 def subscription_entry(pattern: str, syntax: str) -> str:
@@ -496,4 +543,6 @@ class QueueStore:
             )
         if status == "exclusive":
             raise QueueError("invalid", "only non-exclusive queues can be partitioned")
+        if status == "sorted":
+            raise QueueError("invalid", "a sorted queue (sort_key) cannot be partitioned")
         return int(reply[1])

@@ -74,8 +74,9 @@ class Spooler:
         """Queue one message for the next batch; the future carries its Outcome.
         `key` (the partition key) picks the partition, or the message group; `expires`
         (epoch ms) is when it may no longer be delivered; `props` carries the properties
-        last value queues key on (Router.lvq_properties); `priority` (0-9) picks the level
-        of a priority queue; `not_before` (epoch ms) holds it invisible until then."""
+        last value and sorted queues key on (Router.spool_properties); `priority` (0-9)
+        picks the level of a priority queue; `not_before` (epoch ms) holds it invisible
+        until then."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Outcome] = loop.create_future()
         self._pending.append(
