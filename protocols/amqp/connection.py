@@ -14,6 +14,7 @@ socket goes, every link's broker state is released and the proton objects are fr
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, cast
@@ -40,10 +41,11 @@ from proton import (
     Transport,
 )
 
-from gateway.broker import QueueError
+from gateway.broker import ANONYMOUS, QueueError
 from gateway.model import Publisher
 from protocols.amqp.links import Endpoint as LinkEndpoint
 from protocols.amqp.links import Inbound
+from protocols.amqp.nodes import DynamicNodes
 from protocols.amqp.outbound import Outbound
 from protocols.amqp.sasl import SaslServer, State
 
@@ -54,6 +56,7 @@ log = logging.getLogger(__name__)
 
 IDLE_TIMEOUT = 60.0  # seconds of silence from the client before proton closes the connection
 CLOSE_GRACE = 1.0
+_connection_ids = itertools.count(1)
 
 
 class AmqpConnection(asyncio.Protocol):
@@ -65,6 +68,8 @@ class AmqpConnection(asyncio.Protocol):
         settings = registry.settings
         self.sasl = SaslServer(settings.allow_anonymous, settings.password_ok)
         self.publisher = Publisher("amqp")
+        self.connection_id = f"{self.broker.node_id}/amqp/{next(_connection_ids)}"
+        self.nodes = DynamicNodes(self.broker, ANONYMOUS, self.connection_id)
         self.closed = False
         self.socket: asyncio.Transport | None = None
         self.conn = Connection()
@@ -99,6 +104,7 @@ class AmqpConnection(asyncio.Protocol):
             if self.sasl.state is State.NEGOTIATING:
                 return
             self.publisher.user = self.sasl.user
+            self.nodes.user = self.user
             data = self.sasl.rest
         self._input += data
         self._pump()
@@ -119,11 +125,18 @@ class AmqpConnection(asyncio.Protocol):
         for endpoint in self.endpoints.values():
             self.spawn(endpoint.close())
         self.endpoints.clear()
+        self.spawn(self.nodes.delete_all())  # the dynamic nodes its links left behind
         self.transport.unbind()
         self.conn.free()
         self.collector.release()
 
     # -- links.Host --------------------------------------------------------------------------
+
+    @property
+    def user(self) -> str:
+        """Who the client is to queue permissions: its SASL user, or ANONYMOUS (not the
+        operator, so anonymous clients get only what queues grant everyone)."""
+        return self.publisher.user or ANONYMOUS
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         self.registry.spawn(coro)

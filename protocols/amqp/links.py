@@ -11,7 +11,6 @@ publish outcome or a delivery from Redis can arrive after the link or the connec
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from dataclasses import dataclass
 from functools import partial
@@ -20,9 +19,10 @@ from urllib.parse import unquote
 
 from proton import Condition, Delivery, Disposition, Link, Terminus
 
-from gateway.broker import Broker, Outcome, QueueError
+from gateway.broker import Broker, Outcome
 from gateway.model import Publisher
 from protocols.amqp import mapping
+from protocols.amqp.nodes import DynamicNodes, Lifetime, lifetime
 from protocols.amqp.terminus import capabilities
 
 log = logging.getLogger(__name__)
@@ -73,6 +73,9 @@ class Host(Protocol):
     broker: Broker
     publisher: Publisher
     closed: bool
+    user: str  # for queue permissions: the SASL user, or ANONYMOUS
+    connection_id: str  # for exclusive queues
+    nodes: DynamicNodes
 
     def wake(self) -> None: ...
 
@@ -84,7 +87,8 @@ class Endpoint:
         self.host = host
         self.link = link
         self.closed = False
-        self.temporary: str | None = None  # queue created for this link, deleted with it
+        self.temporary: str | None = None  # queue created for this link
+        self.lifetime = Lifetime.LINK  # of `temporary`: deleted with the link, or later
 
     @property
     def live(self) -> bool:
@@ -108,8 +112,8 @@ class Endpoint:
         self.closed = True
         if self.temporary is not None:
             name, self.temporary = self.temporary, None
-            with contextlib.suppress(QueueError):
-                await self.host.broker.delete_queue(name)
+            if self.lifetime is Lifetime.LINK:  # else it goes later, with the connection
+                await self.host.nodes.delete(name)
 
 
 class Inbound(Endpoint):
@@ -125,7 +129,8 @@ class Inbound(Endpoint):
         link, broker = self.link, self.host.broker
         remote = link.remote_target
         if remote.dynamic:
-            self.temporary = await broker.create_temporary_queue(owner=self.host.publisher.user)
+            self.lifetime = lifetime(remote)
+            self.temporary = await self.host.nodes.create(self.lifetime)
             self.address = Address(self.temporary, True)
         else:
             self.address = parse_address(remote.address, capabilities(remote))

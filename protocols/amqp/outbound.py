@@ -4,7 +4,11 @@ The source decides what the flow is: a queue (optionally browsed with distributi
 ``copy``, optionally filtered by a JMS selector), a topic (a temporary queue subscribed to
 it, or, for a durable source with a link name, the durable subscription queue of that
 container id + link name: kept when the link detaches, deleted when the client closes it),
-or a dynamic source (a temporary queue with a generated name).
+or a dynamic source (a temporary queue with a generated name, see nodes.py).
+
+Every bind and queue change is made as the connection's user and connection id, so queue
+ownership and permissions (a durable subscription is its user's alone) and exclusive queues
+hold: refusals are ``amqp:unauthorized-access`` and ``amqp:resource-locked``.
 
 Drain is exact: the flow reports when a fetch finds nothing more (`on_empty`), and only
 then is the unused credit handed back.
@@ -20,17 +24,20 @@ from proton import Condition, Delivery, Disposition, Link, Terminus
 
 from gateway.broker import BindError, Flow, QueueConfig, QueueError
 from gateway.model import Delivery as GatewayDelivery
-from protocols.amqp import mapping, terminus
+from protocols.amqp import mapping, nodes, sections, terminus
 from protocols.amqp.links import NOT_FOUND, Endpoint, Host, parse_address
 
 log = logging.getLogger(__name__)
 
 WINDOW = 500  # most unsettled deliveries per outbound link
 
+UNAUTHORIZED = "amqp:unauthorized-access"
 BIND_REFUSALS = {
     "not_found": NOT_FOUND,
     "invalid_selector": "amqp:invalid-field",
     "unsupported": "amqp:not-implemented",
+    "unauthorized": UNAUTHORIZED,
+    "resource_locked": "amqp:resource-locked",
 }
 
 
@@ -48,7 +55,14 @@ class Outbound(Endpoint):
     async def attach(self) -> None:
         link, broker = self.link, self.host.broker
         remote = link.remote_source
-        source = await self._source(remote)
+        try:
+            source = await self._source(remote)
+        except QueueError as exc:
+            if exc.code != "unauthorized":
+                raise
+            self.refuse(UNAUTHORIZED, str(exc))  # another user's durable subscription
+            self.durable = None
+            return
         if source is None or not self.live:
             return
         queue, browse, topic = source
@@ -62,11 +76,14 @@ class Outbound(Endpoint):
                 on_closed=self._on_flow_closed,
                 selector=selector.text if selector else None,
                 browse=browse,
+                user=self.host.user,
+                connection=self.host.connection_id,
             )
         except BindError as exc:
             self.refuse(BIND_REFUSALS.get(exc.code, "amqp:precondition-failed"), str(exc))
             if exc.code == "invalid_selector" and self.durable is not None:
                 await self.close(ended=True)  # JMS: no subscription with a bad selector
+            self.durable = None  # not this link's: closing it must not delete the queue
             return
         self.flow = flow
         flow.on_empty = self._on_empty
@@ -81,9 +98,9 @@ class Outbound(Endpoint):
 
     async def _source(self, remote: Terminus) -> tuple[str, bool, str | None] | None:
         """(queue, browse, topic subscribed) for the client's source; None when refused."""
-        broker = self.host.broker
         if remote.dynamic:
-            self.temporary = await broker.create_temporary_queue(owner=self.host.publisher.user)
+            self.lifetime = nodes.lifetime(remote)
+            self.temporary = await self.host.nodes.create(self.lifetime)
             return self.temporary, False, None
         if not remote.address:
             return await self._existing_subscription()
@@ -96,8 +113,8 @@ class Outbound(Endpoint):
         if terminus.is_durable(remote) and self.link.name:
             self.durable = await self._subscription(address.name)
             return self.durable, False, address.name
-        self.temporary = await broker.create_temporary_queue(
-            owner=self.host.publisher.user, subscriptions=[(address.name, "smf")]
+        self.temporary = await self.host.nodes.create(
+            nodes.Lifetime.LINK, subscriptions=[(address.name, "smf")]
         )
         return self.temporary, False, address.name
 
@@ -141,19 +158,23 @@ class Outbound(Endpoint):
     async def _subscription(self, topic: str) -> str:
         """The durable subscription queue of this container id + link name, created on the
         first attach and resumed later; a new topic starts it afresh, as JMS requires."""
-        broker = self.host.broker
+        broker, user = self.host.broker, self.host.user
         name = terminus.durable_queue_name(self.host.publisher.client_id, self.link.name)
         wanted = [(topic, "smf")]
-        with contextlib.suppress(QueueError):  # not_found: a new subscription
-            if (await broker.queues.info(name)).subscriptions == wanted:
-                return name
-            await broker.delete_queue(name)
-        config = QueueConfig(name=name, durable=True, owner=self.host.publisher.user)
+        try:
+            info = await broker.queues.info(name)
+        except QueueError:  # not_found: a new subscription
+            info = None
+        if info is not None:
+            if info.subscriptions == wanted:
+                return name  # the bind checks whose it is
+            await broker.delete_queue(name, user=user)  # another user's: 'unauthorized'
+        config = QueueConfig(name=name, durable=True, owner=user, permission="none")
         await broker.queues.create(config, reserved_ok=True)
         try:
-            await broker.subscribe_queue(name, [topic])
+            await broker.subscribe_queue(name, [topic], user=user)
         except QueueError:  # an invalid topic pattern: leave nothing behind
-            await broker.delete_queue(name)
+            await broker.delete_queue(name, user=user)
             raise
         return name
 
@@ -168,7 +189,10 @@ class Outbound(Endpoint):
         if not self.live or self.flow is None:
             return  # unsettled in the flow: redelivered once the flow closes
         link, flow = self.link, self.flow
-        body = mapping.from_delivery(delivery).encode()
+        try:
+            body = sections.encode(delivery)
+        except sections.Unsupported:
+            body = mapping.from_delivery(delivery).encode()
         limit = link.remote_max_message_size
         if limit and len(body) > limit:
             log.warning(
@@ -230,6 +254,6 @@ class Outbound(Endpoint):
             await flow.close()
         if ended and self.durable is not None:
             name, self.durable = self.durable, None
-            with contextlib.suppress(QueueError):
-                await self.host.broker.delete_queue(name)
+            with contextlib.suppress(QueueError):  # gone, or not this user's to delete
+                await self.host.broker.delete_queue(name, user=self.host.user)
         await super().close(ended)

@@ -202,14 +202,24 @@ class Registry:
         with contextlib.suppress(QueueError):  # already gone
             await self.broker.delete_queue(name)
 
-    async def create_queue(self, state: SessionState) -> str:
-        """The per-client queue: durable for a persistent session, else temporary."""
+    async def may_use(self, client_id: str, user: str) -> bool:
+        """Whether `user` may connect as `client_id`: not when the client id's session
+        queue belongs to another user (it would take over their session and messages)."""
+        try:
+            config = await self.broker.queues.config(queue_name(client_id))
+        except QueueError:  # not_found: no session queue
+            return True
+        return not config.owner or config.owner == user
+
+    async def create_queue(self, state: SessionState, user: str) -> str:
+        """The per-client queue: durable for a persistent session, else temporary. It is
+        `user`'s alone: other users may not even browse it (permission none)."""
         if not state.persistent:
-            return await self.broker.create_temporary_queue(owner=state.client_id)
+            return await self.broker.create_temporary_queue(owner=user, permission="none")
         name = queue_name(state.client_id)
         # exclusive: during a takeover the old connection's flow drains before the new one
         config = QueueConfig(
-            name=name, durable=True, owner=state.client_id, access_type="exclusive"
+            name=name, durable=True, owner=user, permission="none", access_type="exclusive"
         )
         await self.broker.queues.create(config, reserved_ok=True)
         return name

@@ -9,6 +9,8 @@ The MQTT rows of the mapping table (ARCHITECTURE.md), both directions:
 | priority | user property `JMSPriority` (0-9; other values stay user properties) | 4 |
 | user_properties | user properties, order kept | dropped on egress |
 | expiration | Message Expiry Interval (epoch ms in; remaining seconds out) | none |
+| dmq_eligible | user property `x-opt-dmq-eligible` `true` / `false` (ingress) | none |
+| not_before | user property `x-opt-delivery-time` (epoch ms) / `x-opt-delivery-delay` (ms) | none |
 | persistent | QoS > 0 | QoS > 0 |
 | correlation_id | Correlation Data (bytes; str/int egress as UTF-8) | none |
 | reply_to | Response Topic | none |
@@ -20,6 +22,12 @@ The MQTT rows of the mapping table (ARCHITECTURE.md), both directions:
 
 Messages from other protocols carry no `x-mqtt-qos`: they go out at QoS 1 when persistent,
 else QoS 0 (always capped by the subscription's QoS).
+
+The DMQ and delivery-time user properties (ingress only) mirror the AMQP message annotations
+of the same names, `x-qpid-not-valid-before` included as an alias of `x-opt-delivery-time`;
+Solace's MQTT service defines none for these. A user property the gateway applies
+is consumed (not forwarded); one with an invalid value (or a second delivery time) is
+forwarded unchanged as an ordinary user property and never refuses the publish.
 """
 
 from __future__ import annotations
@@ -34,6 +42,10 @@ GROUP_ID = "JMSXGroupId"
 PRIORITY = "JMSPriority"
 PAYLOAD_FORMAT = "x-mqtt-payload-format"
 QOS = "x-mqtt-qos"
+DMQ_ELIGIBLE = "x-opt-dmq-eligible"
+DELIVERY_TIME = ("x-opt-delivery-time", "x-qpid-not-valid-before")  # epoch ms
+DELIVERY_DELAY = "x-opt-delivery-delay"  # ms from now
+MAX_EPOCH_MS = 2**53  # beyond this Redis' Lua numbers lose precision
 
 
 def now_ms() -> int:
@@ -70,8 +82,23 @@ def _apply_properties(msg: Message, props: Properties) -> None:
             msg.partition_key = value
         elif key == PRIORITY and value.isdigit() and int(value) <= 9:
             msg.priority = int(value)
+        elif key == DMQ_ELIGIBLE and value.lower() in ("true", "false"):
+            msg.dmq_eligible = value.lower() == "true"
+        elif msg.not_before is None and (not_before := _not_before(key, value)) is not None:
+            msg.not_before = not_before
         else:
             msg.user_properties.append((key, value))
+
+
+def _not_before(key: str, value: str) -> int | None:
+    """The epoch ms a delivery-time or delivery-delay user property holds the message
+    until; None when `key` is neither or `value` is not a usable number of ms."""
+    if key not in DELIVERY_TIME and key != DELIVERY_DELAY:
+        return None
+    if not (value.isascii() and value.isdigit()):
+        return None
+    at = int(value) + (now_ms() if key == DELIVERY_DELAY else 0)
+    return at if at <= MAX_EPOCH_MS else None
 
 
 def remaining_expiry(msg: Message, now: int) -> int | None:

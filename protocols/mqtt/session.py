@@ -18,13 +18,14 @@ Retained messages go out after the SUBACK, as retain handling asks.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 from collections import deque
 from collections.abc import Coroutine, Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from gateway.broker import BindError, Flow, Outcome, QueueError
+from gateway.broker import ANONYMOUS, BindError, Flow, Outcome, QueueError
 from gateway.config import Settings
 from gateway.model import Delivery, Message, Publisher
 from gateway.topics import MQTT, TopicError, parse_pattern, pattern_matches
@@ -73,6 +74,7 @@ MAX_PENDING_PUBLISHES = 1024  # publishes awaiting the spool before input is pau
 # Window of a flow on a shared group's queue: the engine fills a flow's window from what is
 # spooled, so a small one spreads a burst over the group's members instead of one taking all.
 SHARED_WINDOW = 8
+_connection_ids = itertools.count(1)
 
 # Refused spool outcomes -> MQTT 5 PUBACK/PUBREC reason codes. PUBACK cannot carry 0x95
 # (packet too large is not in its table, MQTT 5 §3.4.2.1), so TOO_LARGE is a quota refusal.
@@ -131,6 +133,7 @@ class Session:
         self.level = 4
         self.client_id = ""
         self.user: str | None = None
+        self.connection_id = f"{self.broker.node_id}/mqtt/{next(_connection_ids)}"
         self.will: Will | None = None
         self.state: SessionState | None = None
         self.connected = False
@@ -274,6 +277,11 @@ class Session:
             keep_alive = p.keep_alive
         if self.will is not None and _covered(self._deny_publish, self.will.topic):
             self.will = None
+        if not await self.registry.may_use(self.client_id, self.access_user):
+            log.info("MQTT client %r: its session belongs to another user", self.client_id)
+            if not self.closing:
+                self._refuse_connect(ReasonCode.NOT_AUTHORIZED)
+            return
         self.state, present = await self.registry.attach(self, p.clean_start, expiry)
         if self.closing:  # the client went away while we waited
             return
@@ -314,6 +322,12 @@ class Session:
                 self._deny_subscribe += rule.deny_subscribe
         return None
 
+    @property
+    def access_user(self) -> str:
+        """Who the client is to queue permissions: its user name, or ANONYMOUS (not the
+        operator, so anonymous clients get only what queues grant everyone)."""
+        return self.user or ANONYMOUS
+
     def _refuse_connect(self, rc: int) -> None:
         self._send(Connack(False, rc))
         self.close()
@@ -344,6 +358,8 @@ class Session:
                 self._on_delivery,
                 window=self._flow_window(queue),
                 on_closed=lambda reason: self._flow_closed(queue, reason),
+                user=self.access_user,
+                connection=self.connection_id,
             )
         except BindError as exc:
             log.warning("MQTT client %r: cannot bind %s: %s", self.client_id, queue, exc)
@@ -734,14 +750,16 @@ class Session:
             return options.qos
         if options.qos == 0:
             if previous is not None and previous.qos > 0 and state.queue is not None:
-                await self.broker.unsubscribe_queue(state.queue, [pattern], MQTT)
+                await self.broker.unsubscribe_queue(
+                    state.queue, [pattern], MQTT, user=self.access_user
+                )
             if pattern not in self._direct:
                 self._direct[pattern] = self.broker.subscribe_direct(pattern, MQTT, self._on_direct)
             return 0
         if pattern in self._direct:
             self.broker.unsubscribe_direct(self._direct.pop(pattern))
         queue = await self._ensure_queue()
-        await self.broker.subscribe_queue(queue, [pattern], MQTT)
+        await self.broker.subscribe_queue(queue, [pattern], MQTT, user=self.access_user)
         return options.qos
 
     async def _bind_shared(self, pattern: str, group: str, topic_filter: str) -> None:
@@ -786,7 +804,7 @@ class Session:
         state = self.state
         assert state is not None
         if state.queue is None:
-            state.queue = await self.registry.create_queue(state)
+            state.queue = await self.registry.create_queue(state, self.access_user)
         if state.queue not in self._flows and not self.closing:
             await self._bind(state.queue)
         return state.queue
@@ -810,7 +828,9 @@ class Session:
             elif options.qos > 0:
                 from_queue.append(pattern)
         if from_queue and state.queue is not None:
-            await self.broker.unsubscribe_queue(state.queue, from_queue, MQTT)
+            await self.broker.unsubscribe_queue(
+                state.queue, from_queue, MQTT, user=self.access_user
+            )
         await self.registry.save(self)
         self._send(Unsuback(p.packet_id, codes))
 

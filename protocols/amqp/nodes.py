@@ -1,0 +1,96 @@
+"""Dynamic nodes: the temporary queues a client asks for with a dynamic source or target.
+
+A dynamic node is exclusive to the connection that created it (RabbitMQ ``exclusive``):
+only that connection may consume from it (others get ``amqp:resource-locked``), anyone may
+send to it (it is a reply-to address), and it goes when that connection ends at the latest.
+Its ``lifetime-policy`` (dynamic-node-properties) is mapped to what the queue engine can do:
+
+| lifetime-policy | here |
+|---|---|
+| delete-on-close (the default) | deleted when the link that created it goes |
+| delete-on-no-links | auto-delete: deleted when its last consumer goes |
+| delete-on-no-links-or-messages | as delete-on-no-links (emptiness is not watched) |
+| delete-on-no-messages | kept until the connection ends (emptiness is not watched) |
+
+Other dynamic-node-properties (supported-dist-modes...) are ignored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from enum import Enum
+
+from proton import Described, Terminus, symbol, ulong
+
+from gateway.broker import Broker, QueueError
+
+LIFETIME_POLICY = symbol("lifetime-policy")
+
+
+class Lifetime(Enum):
+    """How long a dynamic node lives (AMQP 1.0 section 3.5.10)."""
+
+    LINK = "delete-on-close"
+    NO_LINKS = "delete-on-no-links"
+    NO_MESSAGES = "delete-on-no-messages"
+    NO_LINKS_OR_MESSAGES = "delete-on-no-links-or-messages"
+
+    @property
+    def auto_delete(self) -> bool:
+        return self in (Lifetime.NO_LINKS, Lifetime.NO_LINKS_OR_MESSAGES)
+
+
+_CODES = {
+    0x2B: Lifetime.LINK,
+    0x2C: Lifetime.NO_LINKS,
+    0x2D: Lifetime.NO_MESSAGES,
+    0x2E: Lifetime.NO_LINKS_OR_MESSAGES,
+}
+
+
+def lifetime(terminus: Terminus) -> Lifetime:
+    """The lifetime policy a dynamic terminus asks for (by symbolic or numeric descriptor);
+    delete-on-close when it names none or one this code does not know."""
+    data = terminus.properties
+    data.rewind()
+    props = data.get_object() if data.next() else None
+    policy = props.get(LIFETIME_POLICY) if isinstance(props, dict) else None
+    if not isinstance(policy, Described):
+        return Lifetime.LINK
+    descriptor = policy.descriptor
+    if isinstance(descriptor, ulong | int):
+        return _CODES.get(int(descriptor), Lifetime.LINK)
+    name = str(descriptor).removeprefix("amqp:").removesuffix(":list")
+    return next((p for p in Lifetime if p.value == name), Lifetime.LINK)
+
+
+class DynamicNodes:
+    """The temporary queues of one connection (its dynamic nodes and the queues of its
+    non-durable topic subscriptions), so the last of them go when it ends."""
+
+    def __init__(self, broker: Broker, user: str, connection: str) -> None:
+        self.broker = broker
+        self.user = user
+        self.connection = connection
+        self.names: set[str] = set()
+
+    async def create(self, policy: Lifetime, subscriptions: Iterable[tuple[str, str]] = ()) -> str:
+        name = await self.broker.create_temporary_queue(
+            owner=self.user,
+            subscriptions=subscriptions,
+            connection=self.connection,
+            auto_delete=policy.auto_delete,
+        )
+        self.names.add(name)
+        return name
+
+    async def delete(self, name: str) -> None:
+        self.names.discard(name)
+        with contextlib.suppress(QueueError):  # gone already (auto-delete)
+            await self.broker.delete_queue(name, user=self.user)
+
+    async def delete_all(self) -> None:
+        """The connection ended: every node it still has goes."""
+        for name in list(self.names):
+            await self.delete(name)

@@ -1,0 +1,121 @@
+"""MQTT 5 user properties the gateway applies: DMQ eligibility and delivery time (paho)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+
+from gateway.broker import Broker, QueueConfig
+from gateway.config import Settings
+from gateway.engine.queues import DEAD_MESSAGE_QUEUE
+from gateway.model import DEAD_LETTER_REASON, Delivery
+from protocols.mqtt.listener import Listener, start
+from tests.test_engine import wait_for
+from tests.test_mqtt_paho import V5, Client
+
+
+@pytest.fixture
+async def mqtt(broker: Broker) -> AsyncIterator[Listener]:
+    listener = await start(broker, Settings(mqtt_port=0, host="127.0.0.1"))
+    assert listener is not None
+    yield listener
+    await listener.close()
+
+
+def publish_props(*user: tuple[str, str], expiry: int | None = None) -> Properties:
+    props = Properties(PacketTypes.PUBLISH)
+    props.UserProperty = list(user)
+    if expiry is not None:
+        props.MessageExpiryInterval = expiry
+    return props
+
+
+def user_properties(msg) -> list[tuple[str, str]]:
+    return list(getattr(msg.properties, "UserProperty", []) or [])
+
+
+async def test_delivery_time_and_delay_hold_the_message(mqtt: Listener) -> None:
+    def scenario() -> tuple[list[bytes], float, list[list[tuple[str, str]]]]:
+        sub = Client(mqtt.port, V5, "held-sub")
+        pub = Client(mqtt.port, V5, "held-pub")
+        try:
+            sub.subscribe("held/#", 1)
+            due = int(time.time() * 1000) + 700
+            pub.publish("held/a", b"at", 1, publish_props(("x-opt-delivery-time", str(due))))
+            pub.publish("held/b", b"after", 1, publish_props(("x-opt-delivery-delay", "700")))
+            sent = time.monotonic()
+            assert sub.nothing_more(0.4)  # held: nothing before it is due
+            got = sub.receive(2)
+            return (
+                [m.payload for m in got],
+                time.monotonic() - sent,
+                [user_properties(m) for m in got],
+            )
+        finally:
+            sub.close()
+            pub.close()
+
+    payloads, waited, props = await asyncio.to_thread(scenario)
+    assert sorted(payloads) == [b"after", b"at"]
+    assert waited >= 0.5
+    assert props == [[], []]  # consumed: not forwarded as user properties
+
+
+async def test_invalid_values_are_forwarded_unchanged(mqtt: Listener) -> None:
+    given = [
+        ("x-opt-dmq-eligible", "maybe"),
+        ("x-opt-delivery-delay", "soon"),
+        ("x-opt-delivery-time", "-5"),
+        ("colour", "red"),
+    ]
+
+    def scenario() -> tuple[bytes, list[tuple[str, str]]]:
+        sub = Client(mqtt.port, V5, "bad-sub")
+        pub = Client(mqtt.port, V5, "bad-pub")
+        try:
+            sub.subscribe("bad/t", 1)
+            assert pub.publish("bad/t", b"now", 1, publish_props(*given)).is_published()
+            [msg] = sub.receive(1)  # not held, not refused
+            return msg.payload, user_properties(msg)
+        finally:
+            sub.close()
+            pub.close()
+
+    assert await asyncio.to_thread(scenario) == (b"now", given)
+
+
+async def test_dmq_eligible_message_is_dead_lettered_when_it_expires(
+    broker: Broker, mqtt: Listener
+) -> None:
+    await broker.declare_queue(QueueConfig(name=DEAD_MESSAGE_QUEUE))
+    await broker.declare_queue(QueueConfig(name="ttl", respect_ttl=True), [("ttl/t", "mqtt")])
+
+    def publish() -> None:
+        pub = Client(mqtt.port, V5, "ttl-pub")
+        try:
+            for body, eligible in ((b"eligible", "true"), (b"not", "false"), (b"default", None)):
+                user = [("x-opt-dmq-eligible", eligible)] if eligible else []
+                pub.publish("ttl/t", body, 1, publish_props(*user, expiry=1))
+        finally:
+            pub.close()
+
+    await asyncio.to_thread(publish)
+    await asyncio.sleep(1.1)  # the 1 s message expiry passes
+    got: list[Delivery] = []
+    await broker.bind("ttl", got.append)  # expired messages are found as the flow fetches
+    dead: list[Delivery] = []
+    await broker.bind(DEAD_MESSAGE_QUEUE, dead.append)
+    await wait_for(lambda: len(dead) == 1)
+    await asyncio.sleep(0.2)
+    assert got == []
+    assert [d.message.payload for d in dead] == [b"eligible"]
+    assert dead[0].message.annotations[DEAD_LETTER_REASON] == "expired"
+    assert ("x-opt-dmq-eligible", "true") not in dead[0].message.user_properties
+    info = await broker.queues.info("ttl")
+    assert info.counters["expired"] == 3
+    assert info.counters["dead_lettered"] == 1 and info.counters["discarded"] == 2
