@@ -2,13 +2,39 @@
  * credit, accepts and settles each, and measures end-to-end latency from the send timestamp
  * in the payload. Prints "ready" once the link is attached, then one JSON line at the end.
  *
- *   recv HOST PORT ADDRESS COUNT WINDOW SASL(0|1)
+ *   recv HOST PORT ADDRESS COUNT WINDOW SASL(0|1) [IDLE_MS [LAT_FILE]]
+ *
+ * Competing consumers cannot know their share of COUNT: with IDLE_MS > 0 the receiver also
+ * ends IDLE_MS after its last message once it got SIGUSR1 (sent when every sender is done).
+ * LAT_FILE receives the latencies (int64 ns, native order) so a driver can merge receivers.
  */
 #include "common.h"
 
-static const char *address;
-static long count, window, received, no_stamp;
-static int64_t *lat_ns, first_ns, last_ns;
+#include <signal.h>
+
+static const char *address, *lat_file;
+static long count, window, received, no_stamp, idle_ms;
+static int64_t *lat_ns, first_ns, last_ns, armed_ns;
+static volatile sig_atomic_t armed;
+static pn_connection_t *connection;
+static pn_proactor_t *proactor;
+
+static void on_usr1(int sig) {
+  (void)sig;
+  armed = 1;
+}
+
+/* Every 50 ms: once armed, end after IDLE_MS without a message. */
+static void check_idle(void) {
+  int64_t now = now_ns();
+  if (armed && !armed_ns) armed_ns = now;
+  int64_t since = last_ns > armed_ns ? last_ns : armed_ns;
+  if (armed && connection && now - since >= idle_ms * 1000000) {
+    pn_connection_wake(connection);  /* closed on its own PN_CONNECTION_WAKE */
+  } else {
+    pn_proactor_set_timeout(proactor, 50);
+  }
+}
 static char *buf;
 static size_t buf_cap = 1 << 16, buf_len;
 
@@ -59,6 +85,7 @@ static int handle(pn_event_t *e) {
   switch (pn_event_type(e)) {
   case PN_CONNECTION_INIT: {
     pn_connection_t *c = pn_event_connection(e);
+    connection = c;
     pn_connection_set_container(c, "bench-recv");
     pn_connection_open(c);
     pn_session_t *s = pn_session(c);
@@ -78,11 +105,17 @@ static int handle(pn_event_t *e) {
     if (pn_delivery_readable(d)) on_message(pn_event_link(e), d);
     break;
   }
+  case PN_CONNECTION_WAKE:
+    pn_connection_close(pn_event_connection(e));
+    break;
+  case PN_PROACTOR_TIMEOUT:
+    check_idle();
+    break;
   case PN_LINK_REMOTE_CLOSE:
     check_condition("link", pn_link_remote_condition(pn_event_link(e)));
     break;
   case PN_TRANSPORT_CLOSED:
-    if (received < count) check_condition("transport", pn_transport_condition(pn_event_transport(e)));
+    if (received < count && !armed) check_condition("transport", pn_transport_condition(pn_event_transport(e)));
     return 1;
   default:
     break;
@@ -91,16 +124,20 @@ static int handle(pn_event_t *e) {
 }
 
 int main(int argc, char **argv) {
-  if (argc != 7) {
-    fprintf(stderr, "usage: recv HOST PORT ADDRESS COUNT WINDOW SASL\n");
+  if (argc < 7 || argc > 9) {
+    fprintf(stderr, "usage: recv HOST PORT ADDRESS COUNT WINDOW SASL [IDLE_MS [LAT_FILE]]\n");
     return 2;
   }
   address = argv[3];
   count = atol(argv[4]);
   window = atol(argv[5]);
+  idle_ms = argc > 7 ? atol(argv[7]) : 0;
+  lat_file = argc > 8 ? argv[8] : NULL;
+  signal(SIGUSR1, on_usr1);
   lat_ns = calloc((size_t)count, sizeof *lat_ns);
   buf = malloc(buf_cap);
-  pn_proactor_t *p = pn_proactor();
+  pn_proactor_t *p = proactor = pn_proactor();
+  if (idle_ms > 0) pn_proactor_set_timeout(p, 50);
   loadgen_connect(p, argv[1], argv[2], atoi(argv[6]));
   for (int done = 0; !done;) {
     pn_event_batch_t *b = pn_proactor_wait(p);
@@ -112,9 +149,17 @@ int main(int argc, char **argv) {
   qsort(lat_ns, (size_t)(stamped < count ? stamped : count), sizeof *lat_ns, cmp_i64);
   long saved = received;
   received = stamped < count ? stamped : count;  /* percentiles over stamped messages */
+  if (lat_file) {
+    FILE *f = fopen(lat_file, "wb");
+    if (!f || fwrite(lat_ns, sizeof *lat_ns, (size_t)received, f) != (size_t)received) {
+      perror(lat_file);
+      return 1;
+    }
+    fclose(f);
+  }
   printf("{\"received\": %ld, \"no_stamp\": %ld, \"first_ns\": %lld, \"last_ns\": %lld, "
          "\"p50_us\": %.1f, \"p99_us\": %.1f, \"p999_us\": %.1f, \"max_us\": %.1f}\n",
          saved, no_stamp, (long long)first_ns, (long long)last_ns, pct_us(0.50), pct_us(0.99),
          pct_us(0.999), pct_us(1.0));
-  return saved >= count && no_stamp == 0 ? 0 : 1;
+  return (saved >= count || idle_ms > 0) && no_stamp == 0 ? 0 : 1;
 }
