@@ -52,7 +52,8 @@ Direct topic subscribers (not spooled, e.g. MQTT QoS 0)
 
 Provisioning
     ``await broker.declare_queue(config, subscriptions)`` creates a queue (idempotent; a
-    re-declaration with other properties raises `QueueError` 'precondition_failed');
+    re-declaration with other properties raises `QueueError` 'precondition_failed'; a
+    ``subscription_selector`` keeps the topic messages it does not select out of the queue);
     ``broker.queues`` (`QueueStore`) shows, lists and changes queues;
     ``await broker.create_temporary_queue(...)`` makes an anonymous queue that dies with this
     node (delete it when the owning session ends); ``await broker.subscribe_queue(queue,
@@ -155,6 +156,8 @@ class Broker:
         else:
             self.direct.publish(msg)
             queues = self.router.match(msg.destination)
+            if queues and self.router.selectors:  # some queue filters what it attracts
+                queues = self.router.select(queues, msg)
             if not queues:
                 fut = asyncio.get_running_loop().create_future()
                 fut.set_result(Outcome.NO_SUBSCRIBERS)
@@ -312,8 +315,8 @@ class Broker:
             if subscriptions and await self.queues.exists(config.name):
                 await self._require(config.name, user, MODIFY_TOPIC)
         created = await self.queues.create(config, subscriptions)
-        if subscriptions or config.lvq_key or config.sort_key:
-            await self.router.reload()  # routes carry the key a keyed queue's spool needs
+        if subscriptions or config.lvq_key or config.sort_key or config.subscription_selector:
+            await self.router.reload()  # routes carry a keyed queue's key, and selectors
         return created
 
     async def create_temporary_queue(

@@ -1,6 +1,10 @@
 """Topic routing: which queues a published topic reaches (and which message properties
 last value queues key on).
 
+A queue may have a subscription selector (a Solace topic endpoint's selector): a topic
+message reaches it only if the selector matches. The selectors are compiled here at load
+and evaluated in `select`, which the publish path calls only when some queue has one.
+
 One trie per node holds every queue's topic subscriptions. It is loaded from Redis in one
 call and reloaded when the shared subscription version moves past the one loaded (the event
 arrives over pub/sub; the node that made a change reloads at once).
@@ -9,12 +13,17 @@ arrives over pub/sub; the node that made a change reloads at once).
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import redis.asyncio as aioredis
 
 from gateway.engine.queues import parse_subscription_entry
+from gateway.engine.selection import matches
 from gateway.model import Message
+from gateway.selectors import Selector, SelectorError, compile_selector
 from gateway.topics import SubscriptionTrie
+
+log = logging.getLogger(__name__)
 
 
 class Router:
@@ -23,6 +32,7 @@ class Router:
         self._trie: SubscriptionTrie[str] = SubscriptionTrie()
         self.version = -1
         self.keyed_properties: frozenset[str] = frozenset()  # lvq_key / sort_key names
+        self.selectors: dict[str, Selector] = {}  # queue -> its subscription selector
         self._lock = asyncio.Lock()
 
     def match(self, topic: str) -> frozenset[str]:
@@ -38,18 +48,40 @@ class Router:
             trie: SubscriptionTrie[str] = SubscriptionTrie()
             pos = 1
             keyed = set()
+            selectors: dict[str, Selector] = {}
             while pos < len(reply):
                 queue = reply[pos].decode()
                 if reply[pos + 1]:
                     keyed.add(reply[pos + 1].decode())
-                count = int(reply[pos + 2])
-                for entry in reply[pos + 3 : pos + 3 + count]:
+                if reply[pos + 2]:
+                    selectors[queue] = self._compiled(queue, reply[pos + 2].decode())
+                count = int(reply[pos + 3])
+                for entry in reply[pos + 4 : pos + 4 + count]:
                     pattern, syntax = parse_subscription_entry(entry.decode())
                     trie.add(pattern, queue, syntax)
-                pos += 3 + count
+                pos += 4 + count
             self._trie = trie
             self.keyed_properties = frozenset(keyed)
+            self.selectors = selectors
             self.version = int(reply[0])
+
+    def _compiled(self, queue: str, text: str) -> Selector:
+        """The queue's selector, reusing the one compiled at the last load."""
+        old = self.selectors.get(queue)
+        if old is not None and old.text == text:
+            return old
+        try:
+            return compile_selector(text)
+        except SelectorError:  # validated at declare: only a foreign writer gets here
+            log.error("queue %s has an invalid subscription selector; it takes nothing", queue)
+            return compile_selector("FALSE")
+
+    def select(self, queues: frozenset[str], msg: Message) -> frozenset[str]:
+        """`queues` without those whose subscription selector does not match `msg`."""
+        selectors = self.selectors
+        if queues.isdisjoint(selectors):
+            return queues
+        return frozenset(q for q in queues if q not in selectors or matches(selectors[q], msg, 1))
 
     def spool_properties(self, msg: Message) -> str:
         """The message's values of the properties some queue keys on (a last value queue's

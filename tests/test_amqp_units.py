@@ -194,7 +194,7 @@ def test_selector_is_found_by_descriptor_not_key() -> None:
     assert found is not None and found.text == "b > 2"
     assert terminus.selector(other.source) is None
     assert terminus.selector(plain.source) is None
-    found.echo(plain.source)
+    terminus.echo(plain.source, [found])
     plain.source.filter.rewind()
     plain.source.filter.next()
     assert plain.source.filter.get_object() == jms

@@ -35,7 +35,7 @@ import redis.asyncio as aioredis
 from gateway.engine.keys import partition_queue, priority_queue
 from gateway.engine.partitions import PartitionMap, split_window
 from gateway.engine.selection import matches
-from gateway.model import DEAD_LETTER_REASON, ORIGIN_QUEUE, Delivery, decode
+from gateway.model import DEAD_LETTER_REASON, ORIGIN_QUEUE, Delivery, Message, decode
 from gateway.selectors import Selector, SelectorError, compile_selector
 
 log = logging.getLogger(__name__)
@@ -531,10 +531,8 @@ class Dispatcher:
             if flow.credit is not None:
                 flow.credit -= 1
             message = decode(blob)
-            if reply[i + 3]:  # a dead message queue's entry: where it came from and why
-                origin, _, reason = reply[i + 3].decode().partition("\n")
-                message.annotations[ORIGIN_QUEUE] = origin
-                message.annotations[DEAD_LETTER_REASON] = reason
+            if reply[i + 3]:  # an expiry, or a dead message queue's entry
+                _apply_meta(message, reply[i + 3])
             self._hand_over(flow, Delivery(queue, entry_id, message, int(reply[i + 1]), len(blob)))
             if flow.closed:
                 return
@@ -572,8 +570,8 @@ class Dispatcher:
             return
         if first == 2:
             flow.cursor = reply[1]
-        entries = (len(reply) - first) // 2
-        for i in range(first, len(reply), 2):
+        entries = (len(reply) - first) // 3
+        for i in range(first, len(reply), 3):
             entry_id = reply[i].decode()
             if first == 1:
                 flow.cursor = entry_id
@@ -581,6 +579,8 @@ class Dispatcher:
             if not blob:
                 continue  # settled or expired: not on the queue
             message = decode(blob)
+            if reply[i + 2]:
+                _apply_meta(message, reply[i + 2])
             if flow.selector is not None and not matches(flow.selector, message, 1):
                 continue
             flow.unacked[entry_id] = (flow.queue, entry_id, len(blob))
@@ -662,6 +662,19 @@ class Dispatcher:
             self.request_rebalance(flow.queue)
         else:
             self.wake(flow)
+
+
+def _apply_meta(message: Message, meta: bytes) -> None:
+    """What the entry's fields add to its message (see gw_fetch): the effective expiry when
+    the queue's max_ttl_ms shortened it, and where a dead-lettered message came from."""
+    expiry, origin, reason = meta.decode().split("\n", 2)
+    if expiry:
+        effective = int(expiry)
+        if message.expiration is None or effective < message.expiration:
+            message.expiration = effective
+    if origin:
+        message.annotations[ORIGIN_QUEUE] = origin
+        message.annotations[DEAD_LETTER_REASON] = reason
 
 
 def flow_fence(flow: Flow, partition: int | None) -> str:

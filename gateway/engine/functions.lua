@@ -285,7 +285,8 @@ delete_queue = function(q)
   redis.call('HDEL', K_SPOOL_ALARM_COUNTS, 'set:queue:' .. q, 'clear:queue:' .. q)
   redis.call('DEL', k_queue_parts(q), k_queue_groups(q), k_queue_group_held(q),
     k_queue_last_values(q), k_queue_timed(q), k_queue_config(q), k_queue_stream(q), k_queue_stats(q), k_queue_subs(q),
-    k_queue_flows(q), k_queue_lease(q), k_queue_readers(q), k_queue_sorted(q))
+    k_queue_flows(q), k_queue_lease(q), k_queue_readers(q), k_queue_sorted(q),
+    k_queue_members(q))
   redis.call('SREM', K_QUEUES, q)
   redis.call('SREM', K_READ_QUEUES, q)
   local v = redis.call('INCR', K_SUB_VERSION)
@@ -792,13 +793,16 @@ redis.register_function('gw_spool', function(_, a)
 end)
 
 -- ARGV: queue, flow, count, fence. Returns {'ok', dead-lettered, then per entry: id,
--- delivery count, blob, dead-letter origin}, or {'noflow'} / {'notowner'} / {'egress'} / {'noqueue'}. Entries that expired or
+-- delivery count, blob, meta}, or {'noflow'} / {'notowner'} / {'egress'} / {'noqueue'}. Entries that expired or
 -- passed max_redelivery are dead-lettered instead of delivered (and counted in the reply).
 -- Requeued entries (oldest first) are served before new ones, so order survives failover.
--- "origin queue\nreason" of a dead-lettered entry ('' for any other), for its consumers.
-local function dead_letter_origin(fields)
-  local o = entry_field(fields, 'o')
-  return o and (o .. '\n' .. (entry_field(fields, 'r') or '')) or ''
+-- Meta of an entry: '' for a plain one, else "expiry\norigin queue\nreason": the stored
+-- expiry 'x' (the queue's max_ttl_ms may have shortened the publisher's: consumers are told
+-- the effective one) and, for a dead-lettered entry, where it came from and why.
+local function entry_meta(fields)
+  local x, o = entry_field(fields, 'x'), entry_field(fields, 'o')
+  if not x and not o then return '' end
+  return (x or '') .. '\n' .. (o or '') .. '\n' .. (entry_field(fields, 'r') or '')
 end
 
 -- Limits a fetch applies to each entry before handing it out.
@@ -879,7 +883,7 @@ local function fetch_grouped(q, s, flow, count, mode, default_group, lim, out)
         out[#out + 1] = id
         out[#out + 1] = e[4] + 1
         out[#out + 1] = blob
-        out[#out + 1] = dead_letter_origin(c[1][2])
+        out[#out + 1] = entry_meta(c[1][2])
         taken = taken + 1
       end
     end
@@ -900,7 +904,7 @@ local function take_held(q, s, flow, id, lim, out)
     out[#out + 1] = id
     out[#out + 1] = n
     out[#out + 1] = blob
-    out[#out + 1] = dead_letter_origin(c[1][2])
+    out[#out + 1] = entry_meta(c[1][2])
   else
     out[2] = out[2] + 1
   end
@@ -930,7 +934,7 @@ local function fetch_stream(q, s, flow, count, lim, out, prefix)
       out[#out + 1] = prefix .. id
       out[#out + 1] = n
       out[#out + 1] = blob
-      out[#out + 1] = dead_letter_origin(fields)
+      out[#out + 1] = entry_meta(fields)
     else
       out[2] = out[2] + 1
     end
@@ -1051,11 +1055,11 @@ end)
 
 -- ARGV: queue, cursor (an entry id), count, since (epoch ms: replay period start, or 0).
 -- Browsing: up to `count` messages on the queue after `cursor`, oldest first, without
--- taking them: {'ok', id, blob, ...}. Settled entries kept for stream readers and expired
--- entries are skipped.
+-- taking them: {'ok', id, blob, meta (as gw_fetch's), ...}. Settled entries kept for
+-- stream readers and expired entries are not shown (blob '').
 -- A sorted queue is browsed in its order, over the entries waiting on it (those delivered
 -- and not yet settled are not shown): {'sorted', cursor (the last index member seen), id,
--- blob, ...}. A message sorting before the cursor that arrives later is not shown.
+-- blob, meta, ...}. A message sorting before the cursor that arrives later is not shown.
 local function browse_sorted(q, s, cursor, count, since)
   admit_sorted(q)
   local start = cursor == '0-0' and '-' or '(' .. cursor
@@ -1069,7 +1073,9 @@ local function browse_sorted(q, s, cursor, count, since)
     out[#out + 1] = id
     if #e > 0 and not (x and x <= now) and not (since > 0 and id_less(id, since .. '-0')) then
       out[#out + 1] = entry_blob(e[1][2])
+      out[#out + 1] = entry_meta(e[1][2])
     else
+      out[#out + 1] = ''
       out[#out + 1] = ''
     end
   end
@@ -1100,8 +1106,10 @@ redis.register_function('gw_browse', function(_, a)
     out[#out + 1] = e[1]
     if on_queue and not (x and x <= now) then
       out[#out + 1] = entry_blob(e[2])
+      out[#out + 1] = entry_meta(e[2])
     else
       out[#out + 1] = ''  -- not shown, but the cursor moves past it
+      out[#out + 1] = ''
     end
   end
   return out
@@ -1465,6 +1473,29 @@ redis.register_function('gw_queue_delete', function(_, a)
   return delete_queue(a[1])
 end)
 
+-- ARGV: queue, member, until (epoch ms, or 'inf'). Records a member of a queue that lives
+-- while it has members (an MQTT shared subscription group), before its queue is declared
+-- and bound, so a concurrent gw_queue_leave of the last other member keeps the queue.
+redis.register_function('gw_queue_join', function(_, a)
+  redis.call('ZADD', k_queue_members(a[1]), a[3], a[2])
+  return 1
+end)
+
+-- ARGV: queue, member ('' for none), now (epoch ms). The member leaves; memberships that
+-- lapsed go too. With no member left and no flow of a live node bound, the queue is
+-- deleted with its messages. Returns 1 when deleted, 0 while members remain, 2 when only
+-- bound flows keep it (a member that is leaving elsewhere: ask again later).
+redis.register_function('gw_queue_leave', function(_, a)
+  local q, member, now = a[1], a[2], tonumber(a[3])
+  local m = k_queue_members(q)
+  if member ~= '' then redis.call('ZREM', m, member) end
+  redis.call('ZREMRANGEBYSCORE', m, '-inf', now)
+  if redis.call('ZCARD', m) > 0 then return 0 end
+  if redis.call('EXISTS', k_queue_config(q)) == 0 then return 1 end
+  if #live_flows(q) > 0 then return 2 end
+  return delete_queue(q)
+end)
+
 -- ARGV: queue, 'add' | 'remove', subscription entries... Returns the number changed,
 -- or -1 if the queue does not exist.
 redis.register_function('gw_subscription', function(_, a)
@@ -1479,16 +1510,19 @@ redis.register_function('gw_subscription', function(_, a)
   return changed
 end)
 
--- Every queue's topic subscriptions (and the property its spool needs: the LVQ key or the
--- sort key), for a node's routing trie.
--- Returns {version, queue, lvq key, n, entry..., queue, lvq key, n, entry..., ...}.
+-- Every queue's topic subscriptions (and what its spool needs: the property of its LVQ key
+-- or sort key; its subscription selector, applied by the routing node), for a node's
+-- routing trie.
+-- Returns {version, queue, key, selector, n, entry..., queue, key, selector, n, ...}.
 redis.register_function('gw_routes', function(_, _)
   local out = { tonumber(redis.call('GET', K_SUB_VERSION) or '0') }
   for _, q in ipairs(redis.call('SMEMBERS', K_QUEUES)) do
     local subs = redis.call('SMEMBERS', k_queue_subs(q))
     out[#out + 1] = q
-    local keyed = redis.call('HMGET', k_queue_config(q), 'lvq_key', 'sort_key')
+    local keyed = redis.call('HMGET', k_queue_config(q), 'lvq_key', 'sort_key',
+      'subscription_selector')
     out[#out + 1] = (keyed[1] ~= '' and keyed[1]) or keyed[2] or ''
+    out[#out + 1] = keyed[3] or ''
     out[#out + 1] = #subs
     for _, e in ipairs(subs) do out[#out + 1] = e end
   end

@@ -40,6 +40,7 @@ TEMPLATES: dict[str, str] = {
     "timed_queues": f"{PREFIX}:timedq",
     "queue_group_held": f"{PREFIX}:q:{{{{q}}}}:gheld",
     "queue_sorted": f"{PREFIX}:q:{{{{q}}}}:sorted",
+    "queue_members": f"{PREFIX}:q:{{{{q}}}}:members",
     "read_queues": f"{PREFIX}:readq",
     "spool_usage": f"{PREFIX}:spool:usage",
     "spool_limits": f"{PREFIX}:spool:limits",
@@ -151,6 +152,12 @@ def queue_sorted(q: str) -> str:
     """Sorted queues: the waiting entries, each a member "<flag><key>\\0<padded id>" of score
     0, so that lexical order is key order, then arrival order (see functions.lua)."""
     return _queue_key("queue_sorted", q)
+
+
+def queue_members(q: str) -> str:
+    """Members of a queue that lives while it has any (an MQTT shared subscription group):
+    member -> the epoch ms its membership lasts until (inf: for ever)."""
+    return _queue_key("queue_members", q)
 
 
 def partition_queue(parent: str, index: int) -> str:

@@ -8,6 +8,7 @@ same queue at once cannot leave half a queue behind.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from gateway.engine import keys
 from gateway.engine.partitions import PartitionMap
 from gateway.engine.permissions import LEVELS
 from gateway.engine.spool_usage import DEFAULT_VPN, vpn_name_error
+from gateway.selectors import MAX_SELECTOR_BYTES, SelectorError, compile_selector
 from gateway.topics import TopicError, parse_pattern
 
 MAX_NAME_BYTES = 255
@@ -119,6 +121,9 @@ class QueueConfig:
     # a sorted queue (Qpid Broker-J) by this user property: delivered in ascending string
     # order of its value, messages without it first, arrival order among equal values
     sort_key: str = ""
+    # a topic endpoint's selector (Solace): a message its topic subscriptions attract is
+    # stored only if it matches; messages sent to the queue by name are not filtered
+    subscription_selector: str = ""
     permission: str = "delete"  # what users other than the owner may do (permissions.LEVELS)
     auto_delete: bool = False  # deleted when its last consumer goes (RabbitMQ)
     owner_connection: str = ""  # RabbitMQ exclusive: only this connection may use it
@@ -176,6 +181,20 @@ class QueueConfig:
         if self.partition_count > 1024:
             raise QueueError("invalid", "partition_count must be at most 1024")
         self._validate_sorted()
+        self._validate_selector()
+
+    def _validate_selector(self) -> None:
+        """A spool-time selector must compile now: a bad one would drop every message."""
+        if not self.subscription_selector:
+            return
+        if len(self.subscription_selector.encode("utf-8")) > MAX_SELECTOR_BYTES:
+            raise QueueError(
+                "invalid", f"subscription_selector is longer than {MAX_SELECTOR_BYTES} bytes"
+            )
+        try:
+            compile_selector(self.subscription_selector)
+        except SelectorError as exc:
+            raise QueueError("invalid", f"invalid subscription_selector: {exc}") from None
 
     def _validate_sorted(self) -> None:
         """A sorted queue delivers by its own order: features that pick the next message
@@ -228,6 +247,7 @@ class QueueConfig:
             "lvq_key": self.lvq_key,
             "priorities": self.priorities,
             "sort_key": self.sort_key,
+            "subscription_selector": self.subscription_selector,
             "permission": self.permission,
             "auto_delete": self.auto_delete,
             "owner_connection": self.owner_connection,
@@ -269,6 +289,7 @@ class QueueConfig:
             lvq_key=h.get("lvq_key", ""),
             priorities=h.get("priorities", "0") == "1",
             sort_key=h.get("sort_key", ""),
+            subscription_selector=h.get("subscription_selector", ""),
             permission=h.get("permission", "delete"),
             auto_delete=h.get("auto_delete", "0") == "1",
             owner_connection=h.get("owner_connection", ""),
@@ -307,6 +328,7 @@ EQUIVALENCE_FIELDS = (
     "message_groups",
     "priorities",
     "sort_key",
+    "subscription_selector",
     "vpn",
 )
 
@@ -399,6 +421,20 @@ class QueueStore:
     async def delete(self, name: str) -> None:
         if not await self._redis.fcall("gw_queue_delete", 0, name):
             raise QueueError("not_found", f"queue {name!r} does not exist")
+
+    async def join(self, name: str, member: str, until_ms: float) -> None:
+        """Record `member` of a queue that lives while it has members, until `until_ms`
+        (epoch ms; math.inf: for ever). Call it before declaring and binding the queue."""
+        until = "inf" if until_ms == math.inf else str(int(until_ms))
+        await self._redis.fcall("gw_queue_join", 0, name, member, until)
+
+    async def leave(self, name: str, member: str = "") -> int:
+        """`member` leaves; the queue is deleted once no member is left and no flow is
+        bound. Returns 1 if deleted (or gone), 0 while members remain, 2 while only bound
+        flows keep it (ask again later with no member)."""
+        return int(
+            await self._redis.fcall("gw_queue_leave", 0, name, member, int(time.time() * 1000))
+        )
 
     async def exists(self, name: str) -> bool:
         return bool(await self._redis.exists(keys.queue_config(name)))

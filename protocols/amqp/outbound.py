@@ -6,6 +6,12 @@ it, or, for a durable source with a link name, the durable subscription queue of
 container id + link name: kept when the link detaches, deleted when the client closes it),
 or a dynamic source (a temporary queue with a generated name, see nodes.py).
 
+A durable subscription's selector is its queue's subscription selector, applied when a
+message is spooled (Solace topic endpoints), so messages it does not select never pile up
+while the subscriber is away; attaching with another selector (or topic) replaces the
+subscription, as JMS requires. A ``gateway:replay-period`` filter (milliseconds) limits a
+browser to the messages of that last period plus new ones (see terminus.py).
+
 Every bind and queue change is made as the connection's user and connection id, so queue
 ownership and permissions (a durable subscription is its user's alone) and exclusive queues
 hold: refusals are ``amqp:unauthorized-access`` and ``amqp:resource-locked``.
@@ -19,8 +25,18 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+from typing import Any
 
-from proton import Condition, Delivery, Disposition, Link, Terminus
+from cproton import (
+    pn_delivery,
+    pn_delivery_remote_state,
+    pn_delivery_settle,
+    pn_delivery_settled,
+    pn_delivery_tag,
+    pn_link_advance,
+    pn_link_send,
+)
+from proton import Condition, Disposition, Link, Terminus
 
 from gateway.broker import BindError, Flow, QueueConfig, QueueError
 from gateway.model import Delivery as GatewayDelivery
@@ -32,9 +48,10 @@ log = logging.getLogger(__name__)
 WINDOW = 500  # most unsettled deliveries per outbound link
 
 UNAUTHORIZED = "amqp:unauthorized-access"
+INVALID_FIELD = "amqp:invalid-field"
 BIND_REFUSALS = {
     "not_found": NOT_FOUND,
-    "invalid_selector": "amqp:invalid-field",
+    "invalid_selector": INVALID_FIELD,
     "unsupported": "amqp:not-implemented",
     "unauthorized": UNAUTHORIZED,
     "resource_locked": "amqp:resource-locked",
@@ -55,18 +72,26 @@ class Outbound(Endpoint):
     async def attach(self) -> None:
         link, broker = self.link, self.host.broker
         remote = link.remote_source
+        selector = terminus.selector(remote)
         try:
-            source = await self._source(remote)
+            replay = terminus.replay_period(remote)
+        except terminus.InvalidFilter as exc:
+            self.refuse(INVALID_FIELD, str(exc))
+            return
+        try:
+            source = await self._source(remote, selector)
         except QueueError as exc:
-            if exc.code != "unauthorized":
+            if exc.code not in ("unauthorized", "invalid"):
                 raise
-            self.refuse(UNAUTHORIZED, str(exc))  # another user's durable subscription
+            # another user's durable subscription, or a selector its queue cannot take
+            self.refuse(UNAUTHORIZED if exc.code == "unauthorized" else INVALID_FIELD, str(exc))
             self.durable = None
             return
         if source is None or not self.live:
             return
         queue, browse, topic = source
-        selector = terminus.selector(remote)
+        # a durable topic subscription's queue applies the selector itself, at spool time
+        spool_selected = self.durable is not None and topic is not None and bool(remote.address)
         try:
             flow = await broker.bind(
                 queue,
@@ -74,8 +99,9 @@ class Outbound(Endpoint):
                 window=WINDOW,
                 credit=0,
                 on_closed=self._on_flow_closed,
-                selector=selector.text if selector else None,
+                selector=selector.text if selector and not spool_selected else None,
                 browse=browse,
+                replay_ms=replay.ms if replay else 0,
                 user=self.host.user,
                 connection=self.host.connection_id,
             )
@@ -89,14 +115,17 @@ class Outbound(Endpoint):
         flow.on_empty = self._on_empty
         if not self.live:
             return  # the caller's close() unbinds it
-        self._answer(remote, selector, topic, flow.browse)
+        applied = [f for f in (selector, replay if flow.browse else None) if f is not None]
+        self._answer(remote, applied, topic, flow.browse)
         self.presettled = link.remote_snd_settle_mode == Link.SND_SETTLED
         link.snd_settle_mode = link.remote_snd_settle_mode
         link.open()
         self.on_flow()
         self.host.wake()
 
-    async def _source(self, remote: Terminus) -> tuple[str, bool, str | None] | None:
+    async def _source(
+        self, remote: Terminus, selector: terminus.SelectorFilter | None
+    ) -> tuple[str, bool, str | None] | None:
         """(queue, browse, topic subscribed) for the client's source; None when refused."""
         if remote.dynamic:
             self.lifetime = nodes.lifetime(remote)
@@ -111,7 +140,7 @@ class Outbound(Endpoint):
         if address.is_queue:
             return address.name, remote.distribution_mode == Terminus.DIST_MODE_COPY, None
         if terminus.is_durable(remote) and self.link.name:
-            self.durable = await self._subscription(address.name)
+            self.durable = await self._subscription(address.name, selector)
             return self.durable, False, address.name
         self.temporary = await self.host.nodes.create(
             nodes.Lifetime.LINK, subscriptions=[(address.name, "smf")]
@@ -133,7 +162,7 @@ class Outbound(Endpoint):
     def _answer(
         self,
         remote: Terminus,
-        selector: terminus.SelectorFilter | None,
+        filters: list[terminus.SelectorFilter | terminus.ReplayFilter],
         topic: str | None,
         browse: bool,
     ) -> None:
@@ -141,9 +170,7 @@ class Outbound(Endpoint):
         source = self.link.source
         source.copy(remote)
         source.type = Terminus.SOURCE  # proton reads a source without address as none
-        source.filter.clear()
-        if selector is not None:
-            selector.echo(source)
+        terminus.echo(source, filters)
         if remote.dynamic:
             source.address = self.temporary
         elif not remote.address and topic is not None:
@@ -155,21 +182,30 @@ class Outbound(Endpoint):
             source.distribution_mode = Terminus.DIST_MODE_COPY
         self.link.target.copy(self.link.remote_target)
 
-    async def _subscription(self, topic: str) -> str:
+    async def _subscription(self, topic: str, selector: terminus.SelectorFilter | None) -> str:
         """The durable subscription queue of this container id + link name, created on the
-        first attach and resumed later; a new topic starts it afresh, as JMS requires."""
+        first attach and resumed later; a new topic or selector starts it afresh, as JMS
+        requires. The selector filters at spool time (QueueError 'invalid' if bad)."""
         broker, user = self.host.broker, self.host.user
         name = terminus.durable_queue_name(self.host.publisher.client_id, self.link.name)
         wanted = [(topic, "smf")]
+        config = QueueConfig(
+            name=name,
+            durable=True,
+            owner=user,
+            permission="none",
+            subscription_selector=selector.text if selector else "",
+        )
+        config.validate(reserved_ok=True)  # a bad selector leaves the old subscription be
         try:
             info = await broker.queues.info(name)
         except QueueError:  # not_found: a new subscription
             info = None
         if info is not None:
-            if info.subscriptions == wanted:
+            same = info.config.subscription_selector == config.subscription_selector
+            if info.subscriptions == wanted and same:
                 return name  # the bind checks whose it is
             await broker.delete_queue(name, user=user)  # another user's: 'unauthorized'
-        config = QueueConfig(name=name, durable=True, owner=user, permission="none")
         await broker.queues.create(config, reserved_ok=True)
         try:
             await broker.subscribe_queue(name, [topic], user=user)
@@ -201,11 +237,12 @@ class Outbound(Endpoint):
             flow.reject(delivery.entry_id)
             return
         tag = str(next(self._tags))
-        dlv = link.delivery(tag)
-        link.send(body)
-        link.advance()
+        impl = link._impl  # cffi calls: proton's Delivery wrapper cost more than the send
+        dlv = pn_delivery(impl, tag)
+        pn_link_send(impl, body)
+        pn_link_advance(impl)
         if self.presettled:
-            dlv.settle()
+            pn_delivery_settle(dlv)
             flow.ack(delivery.entry_id)
         else:
             self.unsettled[tag] = delivery.entry_id
@@ -232,12 +269,13 @@ class Outbound(Endpoint):
         flow.set_credit(0)
         self.host.wake()
 
-    def on_disposition(self, dlv: Delivery) -> None:
-        """DELIVERY event on our sender: the client's outcome for one message."""
-        if self.flow is None or not (dlv.settled or dlv.remote_state):
+    def on_disposition(self, dlv: Any) -> None:
+        """DELIVERY event on our sender (`dlv` is the C delivery): the client's outcome for
+        one message."""
+        state = pn_delivery_remote_state(dlv)
+        if self.flow is None or not (state or pn_delivery_settled(dlv)):
             return
-        entry_id = self.unsettled.pop(dlv.tag, None)
-        state = dlv.remote_state
+        entry_id = self.unsettled.pop(pn_delivery_tag(dlv), None)
         if entry_id is not None:
             if state == Disposition.REJECTED:
                 self.flow.reject(entry_id)
@@ -245,7 +283,7 @@ class Outbound(Endpoint):
                 self.flow.requeue(entry_id)
             else:  # accepted, or settled with no outcome
                 self.flow.ack(entry_id)
-        dlv.settle()
+        pn_delivery_settle(dlv)
 
     async def close(self, ended: bool = False) -> None:
         self.closed = True

@@ -1,9 +1,12 @@
-"""What a client asks for in a terminus: capabilities, a selector filter, durability.
+"""What a client asks for in a terminus: capabilities, filters, durability.
 
-Selectors are recognised by the filter's descriptor, not its key: proton's `Selector` sends
-key ``selector`` with the symbolic descriptor, Qpid JMS key ``jms-selector`` with the numeric
-one. Other filters (no-local...) are not applied, so they are not echoed on attach, as the
-spec asks of a node that ignores a filter.
+Filters are recognised by their descriptor, not their key: proton's `Selector` sends key
+``selector`` with the symbolic descriptor, Qpid JMS key ``jms-selector`` with the numeric
+one. The gateway's own ``gateway:replay-period`` filter (an unsigned number of
+milliseconds) asks a browser (distribution-mode ``copy``, or any consumer of a
+non-destructive queue) for the messages of that last period plus new ones. Filters the
+node applies are echoed on attach; others (no-local...) are not applied, so they are not
+echoed, as the spec asks of a node that ignores a filter.
 """
 
 from __future__ import annotations
@@ -15,8 +18,13 @@ from proton import Data, Described, Terminus, symbol, ulong
 
 SELECTOR_SYMBOL = symbol("apache.org:selector-filter:string")
 SELECTOR_CODE = ulong(0x0000468C00000004)
+REPLAY_SYMBOL = symbol("gateway:replay-period")
 DURABLE_PREFIX = "#dts/"  # reserved: clients cannot create or name such queues themselves
 MAX_QUEUE_NAME = 255
+
+
+class InvalidFilter(ValueError):
+    """A filter the node would apply has a value it cannot use (amqp:invalid-field)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,10 +35,28 @@ class SelectorFilter:
     descriptor: object
     text: str
 
-    def echo(self, terminus: Terminus) -> None:
-        """Set the terminus' filter to this entry alone (the filters the node applies)."""
-        terminus.filter.clear()
-        terminus.filter.put_dict({self.key: Described(self.descriptor, self.text)})
+    def described(self) -> Described:
+        return Described(self.descriptor, self.text)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayFilter:
+    """A replay-period entry of a source filter map: browse the last `ms` milliseconds."""
+
+    key: object
+    descriptor: object
+    ms: int
+    value: object  # as sent (uint or ulong), for the echo
+
+    def described(self) -> Described:
+        return Described(self.descriptor, self.value)
+
+
+def echo(terminus: Terminus, filters: list[SelectorFilter | ReplayFilter]) -> None:
+    """Set the terminus' filter map to the entries the node applies (none: no map)."""
+    terminus.filter.clear()
+    if filters:
+        terminus.filter.put_dict({f.key: f.described() for f in filters})
 
 
 def capabilities(terminus: Terminus) -> frozenset[str]:
@@ -44,13 +70,32 @@ def capabilities(terminus: Terminus) -> frozenset[str]:
 
 def selector(terminus: Terminus) -> SelectorFilter | None:
     """The JMS selector of a source's filter map, if it has one."""
-    filters = _first(terminus.filter)
-    if not isinstance(filters, dict):
-        return None
-    for key, value in filters.items():
-        if isinstance(value, Described) and value.descriptor in (SELECTOR_SYMBOL, SELECTOR_CODE):
+    for key, value in _filters(terminus):
+        if value.descriptor in (SELECTOR_SYMBOL, SELECTOR_CODE):
             return SelectorFilter(key, value.descriptor, str(value.value))
     return None
+
+
+def replay_period(terminus: Terminus) -> ReplayFilter | None:
+    """The replay period a source's filter map asks for, if any; InvalidFilter unless it is
+    a positive whole number of milliseconds."""
+    for key, value in _filters(terminus):
+        if value.descriptor == REPLAY_SYMBOL:
+            ms = value.value
+            if not isinstance(ms, int) or isinstance(ms, bool) or ms < 1:
+                raise InvalidFilter(
+                    f"{REPLAY_SYMBOL} needs a positive number of milliseconds, not {ms!r}"
+                )
+            return ReplayFilter(key, value.descriptor, int(ms), ms)
+    return None
+
+
+def _filters(terminus: Terminus) -> list[tuple[object, Described]]:
+    """The described entries of a terminus' filter map."""
+    filters = _first(terminus.filter)
+    if not isinstance(filters, dict):
+        return []
+    return [(k, v) for k, v in filters.items() if isinstance(v, Described)]
 
 
 def is_durable(terminus: Terminus) -> bool:

@@ -9,6 +9,14 @@ its durable queue `#mqtt/<hex client id>` deleted, as does a local timer when th
 expires while this node runs. While connected, a session with a finite expiry holds a lease
 (its expiry + LEASE_S, renewed every LEASE_S / 2), so the session of a node that died still
 expires. Delayed wills are node memory only.
+
+A shared subscription group's queue lives while the group has members: a member joins in
+Redis before it declares and binds the queue, and leaves when it unsubscribes or its
+session ends (clean start, expiry, or the end of a non-persistent session). The last
+member's leave deletes the queue and its messages (MQTT 5 lets the server discard them),
+unless a flow is still bound (a member of a session moving between nodes): then the group
+is checked again after SHARED_RECHECK_S. A persistent session's membership outlasts its
+connection by its session expiry.
 """
 
 from __future__ import annotations
@@ -17,6 +25,8 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import math
+import time
 from typing import Any
 
 from gateway.broker import Broker, Outcome, QueueConfig, QueueError
@@ -27,7 +37,7 @@ from protocols.listening import BackgroundTasks, Listener, Plan
 from protocols.mqtt import mapping
 from protocols.mqtt.connection import MqttConnection
 from protocols.mqtt.session import NEVER_EXPIRES, Session
-from protocols.mqtt.state import SessionState, shared_queue_name
+from protocols.mqtt.state import SessionState, shared_filter, shared_queue_name
 from protocols.mqtt.websocket import WebSocketConnection
 from protocols.tls import tls_context
 
@@ -36,6 +46,25 @@ log = logging.getLogger(__name__)
 QUEUE_PREFIX = "#mqtt/"
 CLOSE_TIMEOUT = 5.0
 LEASE_S = 60  # how long a connected session outlives its node, beyond its expiry
+SHARED_JOIN_GRACE_MS = 10_000  # a joining member's claim on its group, until it is bound
+SHARED_RECHECK_S = 5.0  # a group left with only flows bound is checked again after this
+
+
+def shared_queues(state: SessionState) -> list[str]:
+    """The queues of the shared subscription groups a session is a member of."""
+    groups = (shared_filter(p) for p in state.subscriptions)
+    return [shared_queue_name(*g) for g in groups if g is not None]
+
+
+def membership_until(state: SessionState, connected: bool) -> float:
+    """Epoch ms a session's group memberships last: while connected its bound flows keep
+    the groups (a non-persistent session needs only the time to bind); a persistent
+    session's membership lasts as long as the session would (math.inf: for ever)."""
+    now = time.time() * 1000
+    if state.persistent and state.expiry == NEVER_EXPIRES:
+        return math.inf
+    lasts = state.expiry + (LEASE_S if connected else 0) if state.persistent else 0
+    return now + max(lasts * 1000, SHARED_JOIN_GRACE_MS)
 
 
 def queue_name(client_id: str) -> str:
@@ -57,6 +86,7 @@ class Registry:
         self._locks: dict[str, list[Any]] = {}  # client id -> [lock, users]
         self._wills: dict[str, tuple[asyncio.TimerHandle, Message]] = {}
         self._expiry: dict[str, asyncio.TimerHandle] = {}
+        self._rechecks: dict[str, asyncio.TimerHandle] = {}  # shared queue -> its recheck
         self._unsaved: set[Session] = set()
         self._tasks = BackgroundTasks("MQTT session")
         self.spawn = self._tasks.spawn
@@ -102,7 +132,7 @@ class Registry:
         state = None if clean_start else await self._load(client_id)
         present = state is not None
         if state is None:
-            await self._forget(client_id)
+            await self._forget(client_id, clean_start)
             state = SessionState(client_id)
         state.expiry = expiry
         state.persistent = expiry > 0
@@ -121,12 +151,16 @@ class Registry:
         state.qos2_in = {int(pid) for pid in await self.broker.clients.received(client_id)}
         return state
 
-    async def _forget(self, client_id: str) -> None:
-        """No session to resume: drop what an ended or expired one left in Redis."""
+    async def _forget(self, client_id: str, clean_start: bool) -> None:
+        """No session to resume: drop what an ended or expired one left in Redis (a clean
+        start ends the stored session: it leaves its shared subscription groups)."""
+        raw = await self.broker.clients.load(client_id) if clean_start else None
         await self.broker.clients.delete(client_id)
         name = queue_name(client_id)
         if await self.broker.queues.exists(name):
             await self._delete_queue(name)
+        if raw is not None:
+            await self._leave_groups(client_id, shared_queues(SessionState.loads(client_id, raw)))
 
     async def save(self, session: Session) -> None:
         """Store a persistent session's state (with its lease while it is connected)."""
@@ -172,31 +206,72 @@ class Registry:
         if session.will is not None:
             self._schedule_will(session, state)
         if session.taken_over:  # the state is the new connection's now
-            if not state.persistent and state.queue is not None:
-                await self._delete_queue(state.queue)
+            if not state.persistent:
+                if state.queue is not None:
+                    await self._delete_queue(state.queue)
+                await self._leave_groups(client_id, shared_queues(state))
             return
         if state.expiry == 0:
             await self.broker.clients.delete(client_id)
             if state.queue is not None:
                 await self._delete_queue(state.queue)
+            await self._leave_groups(client_id, shared_queues(state))
             return
         await self.save(session)
+        groups = shared_queues(state)
+        for queue in groups:  # the offline session stays a member while it lasts
+            await self.broker.queues.join(queue, client_id, membership_until(state, False))
         if state.expiry != NEVER_EXPIRES:
             await self.broker.clients.expire(client_id, state.expiry)
             self._expiry[client_id] = asyncio.get_running_loop().call_later(
-                state.expiry + 1, self._expired, client_id
+                state.expiry + 1, self._expired, client_id, groups
             )
 
-    def _expired(self, client_id: str) -> None:
+    def _expired(self, client_id: str, groups: list[str]) -> None:
         self._expiry.pop(client_id, None)
         if client_id not in self.sessions:
-            self.spawn(self._drop_if_expired(client_id))
+            self.spawn(self._drop_if_expired(client_id, groups))
 
-    async def _drop_if_expired(self, client_id: str) -> None:
+    async def _drop_if_expired(self, client_id: str, groups: list[str]) -> None:
         if await self.broker.clients.load(client_id) is None and client_id not in self.sessions:
             name = queue_name(client_id)
             if await self.broker.queues.exists(name):
                 await self._delete_queue(name)
+            await self._leave_groups(client_id, groups)
+
+    # -- shared subscription groups --------------------------------------------------------
+
+    async def shared_queue(self, group: str, topic_filter: str, state: SessionState) -> str:
+        """Join a shared subscription group: its durable non-exclusive queue, declared
+        (idempotently) after the membership is recorded."""
+        name = shared_queue_name(group, topic_filter)
+        await self.broker.queues.join(name, state.client_id, membership_until(state, True))
+        config = QueueConfig(name=name, durable=True, access_type="non-exclusive")
+        await self.broker.queues.create(config, reserved_ok=True)
+        await self.broker.subscribe_queue(name, [topic_filter], MQTT)
+        return name
+
+    async def leave_shared(self, queue: str, client_id: str) -> None:
+        """`client_id` leaves a group (its flow on the queue already closed)."""
+        await self._leave_groups(client_id, [queue])
+
+    async def _leave_groups(self, client_id: str, queues: list[str]) -> None:
+        for queue in queues:
+            if await self.broker.queues.leave(queue, client_id) == 2:
+                self._recheck_later(queue)
+
+    def _recheck_later(self, queue: str) -> None:
+        if queue not in self._rechecks:
+            self._rechecks[queue] = asyncio.get_running_loop().call_later(
+                SHARED_RECHECK_S, self._recheck, queue
+            )
+
+    def _recheck(self, queue: str) -> None:
+        del self._rechecks[queue]
+        self.spawn(self._check_group(queue))
+
+    async def _check_group(self, queue: str) -> None:
+        await self.broker.queues.leave(queue)
 
     async def _delete_queue(self, name: str) -> None:
         with contextlib.suppress(QueueError):  # already gone
@@ -222,14 +297,6 @@ class Registry:
             name=name, durable=True, owner=user, permission="none", access_type="exclusive"
         )
         await self.broker.queues.create(config, reserved_ok=True)
-        return name
-
-    async def shared_queue(self, group: str, topic_filter: str) -> str:
-        """The durable non-exclusive queue of a shared subscription group (idempotent)."""
-        name = shared_queue_name(group, topic_filter)
-        config = QueueConfig(name=name, durable=True, access_type="non-exclusive")
-        await self.broker.queues.create(config, reserved_ok=True)
-        await self.broker.subscribe_queue(name, [topic_filter], MQTT)
         return name
 
     # -- wills -----------------------------------------------------------------------------
@@ -267,9 +334,10 @@ class Registry:
             if conn.session is not None:
                 conn.session.shutdown()
         await self._tasks.wait(lambda: bool(self.connections), CLOSE_TIMEOUT)
-        for timer in self._expiry.values():
+        for timer in (*self._expiry.values(), *self._rechecks.values()):
             timer.cancel()
         self._expiry.clear()
+        self._rechecks.clear()
         for client_id in list(self._wills):
             self._wills[client_id][0].cancel()
             self._fire_will(client_id)

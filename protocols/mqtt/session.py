@@ -53,7 +53,7 @@ from protocols.mqtt.codec import (
     Will,
     encode,
 )
-from protocols.mqtt.state import SessionState, shared_filter
+from protocols.mqtt.state import SessionState, shared_filter, shared_queue_name
 
 if TYPE_CHECKING:
     from protocols.mqtt.listener import Registry
@@ -148,6 +148,7 @@ class Session:
         self._acks: deque[tuple[asyncio.Future[Outcome] | None, int, int, int]] = deque()
         self._qos1_in = 0
         self._spooling = 0
+        self._publisher: Publisher | None = None  # shared by this session's messages
         # packet id -> (queue, entry id, qos); queue None: not from a queue (retained)
         self._inflight: dict[int, tuple[str | None, str | None, int]] = {}
         self._next_pid = 1
@@ -437,19 +438,24 @@ class Session:
                 self._acks.append((None, p.qos, pid, rc))
                 self._flush_acks()
             return
-        msg = mapping.to_message(p, Publisher("mqtt", self.client_id, self.user), self.level)
+        publisher = self._publisher
+        if publisher is None:  # client id and user are fixed once connected
+            publisher = self._publisher = Publisher("mqtt", self.client_id, self.user)
+        msg = mapping.to_message(p, publisher, self.level)
         fut = self.broker.publish_nowait(msg)
         self._spooling += 1
         if self._spooling >= MAX_PENDING_PUBLISHES:
             self.link.pause_input("spool")
+        if p.qos == 1:  # one callback per publish: each costs a loop handle
+            self._qos1_in += 1
+            self._acks.append((fut, 1, pid, ReasonCode.SUCCESS))
+            fut.add_done_callback(self._spooled_and_acked)
+            return
         fut.add_done_callback(self._spooled)
         if p.qos == 2:
             state.qos2_in.add(pid)
             fut = asyncio.ensure_future(self._mark_received(fut, pid))
-        elif p.qos:
-            self._qos1_in += 1
-        if p.qos:
-            self._acks.append((fut, p.qos, pid, ReasonCode.SUCCESS))
+            self._acks.append((fut, 2, pid, ReasonCode.SUCCESS))
             fut.add_done_callback(self._flush_acks)
 
     async def _mark_received(self, spooled: asyncio.Future[Outcome], pid: int) -> Outcome:
@@ -487,6 +493,10 @@ class Session:
         self._spooling -= 1
         if self._spooling == MAX_PENDING_PUBLISHES // 2:
             self.link.resume_input("spool")
+
+    def _spooled_and_acked(self, fut: asyncio.Future[Outcome]) -> None:
+        self._spooled(fut)
+        self._flush_acks()
 
     def _flush_acks(self, _: object = None) -> None:
         """Send PUBACK/PUBREC for the resolved head of the queue: acks keep publish order.
@@ -764,10 +774,13 @@ class Session:
 
     async def _bind_shared(self, pattern: str, group: str, topic_filter: str) -> None:
         """Join the group: its durable non-exclusive queue, and one flow of ours on it."""
-        queue = await self.registry.shared_queue(group, topic_filter)
+        assert self.state is not None
+        queue = await self.registry.shared_queue(group, topic_filter, self.state)
         self._shared[queue] = pattern
         if not await self._bind(queue):
             del self._shared[queue]
+            if not self.closing:  # not a member after all (a lost session leaves on detach)
+                await self.registry.leave_shared(queue, self.client_id)
             raise BindError("not_found", f"shared queue {queue!r} is gone")
 
     async def _send_retained(self, pattern: str, options: SubscriptionOptions) -> None:
@@ -835,12 +848,16 @@ class Session:
         self._send(Unsuback(p.packet_id, codes))
 
     async def _leave_shared(self, pattern: str) -> None:
-        for queue, shared in list(self._shared.items()):
-            if shared == pattern:
-                del self._shared[queue]
-                flow = self._flows.pop(queue, None)
-                if flow is not None:
-                    await flow.close()
+        """Unsubscribed: close our flow, then leave the group (the last member's leave
+        deletes the group's queue)."""
+        group = shared_filter(pattern)
+        assert group is not None
+        queue = shared_queue_name(*group)
+        if self._shared.pop(queue, None) is not None:
+            flow = self._flows.pop(queue, None)
+            if flow is not None:
+                await flow.close()
+        await self.registry.leave_shared(queue, self.client_id)
 
     # -- DISCONNECT and teardown -----------------------------------------------------------
 

@@ -1,0 +1,123 @@
+"""Effective expiry on egress: a queue's max_ttl_ms shortens a message's life when it is
+spooled, and consumers are told that shorter life (AMQP header.ttl and
+absolute-expiry-time, MQTT 5 Message Expiry Interval), not the publisher's. Real Redis,
+real sockets, proton and paho clients.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+from proton import Message
+from proton.utils import BlockingConnection
+
+from gateway.broker import Broker, QueueConfig
+from gateway.config import Settings
+from protocols.amqp.listener import Listener as AmqpListener
+from protocols.amqp.listener import start as start_amqp
+from protocols.mqtt.listener import Listener as MqttListener
+from protocols.mqtt.listener import start as start_mqtt
+from protocols.mqtt.state import shared_queue_name
+from tests.test_amqp_clients import Browse
+from tests.test_mqtt_paho import V5, Client
+
+TIMEOUT = 5.0
+CAP_MS = 3000
+
+
+@pytest.fixture
+async def amqp(broker: Broker) -> AsyncIterator[AmqpListener]:
+    listener = await start_amqp(broker, Settings(amqp_port=0, host="127.0.0.1"))
+    assert listener is not None
+    yield listener
+    await listener.close()
+
+
+@pytest.fixture
+async def mqtt(broker: Broker) -> AsyncIterator[MqttListener]:
+    listener = await start_mqtt(broker, Settings(mqtt_port=0, host="127.0.0.1"))
+    assert listener is not None
+    yield listener
+    await listener.close()
+
+
+async def test_amqp_consumer_sees_the_capped_ttl(broker: Broker, amqp: AmqpListener) -> None:
+    await broker.declare_queue(QueueConfig(name="capped", max_ttl_ms=CAP_MS))
+
+    def client() -> list[tuple[bytes, float, float, float]]:
+        conn = BlockingConnection(f"amqp://127.0.0.1:{amqp.port}", timeout=TIMEOUT)
+        try:
+            snd = conn.create_sender("capped")
+            snd.send(Message(body=b"long", ttl=60))  # the cap is shorter
+            snd.send(Message(body=b"none"))  # no TTL of its own: the cap applies
+            snd.send(Message(body=b"short", ttl=1))  # its own TTL is shorter than the cap
+            rcv = conn.create_receiver("capped", credit=10)
+            got = []
+            for _ in range(3):
+                msg = rcv.receive(TIMEOUT)
+                rcv.accept()
+                got.append((bytes(msg.body), msg.ttl, msg.expiry_time, time.time()))
+            return got
+        finally:
+            conn.close()
+
+    sent = time.time()
+    got = {body: (ttl, expiry, at) for body, ttl, expiry, at in await asyncio.to_thread(client)}
+    for body in (b"long", b"none"):
+        ttl, expiry, _ = got[body]
+        assert 0 < ttl <= CAP_MS / 1000, f"{body!r}: header.ttl is the time the cap leaves"
+        assert expiry <= sent + CAP_MS / 1000 + 0.5, "absolute-expiry-time is the capped one"
+    ttl, _, _ = got[b"short"]
+    assert 0 < ttl <= 1, "a publisher TTL under the cap is kept"
+
+
+async def test_mqtt5_consumer_sees_the_capped_expiry_interval(
+    broker: Broker, mqtt: MqttListener
+) -> None:
+    await broker.queues.create(
+        QueueConfig(name=shared_queue_name("g", "exp/#"), max_ttl_ms=CAP_MS), reserved_ok=True
+    )
+
+    def scenario() -> dict[bytes, int | None]:
+        sub = Client(mqtt.port, V5, "exp-sub")
+        pub = Client(mqtt.port, V5, "exp-pub")
+        try:
+            sub.subscribe("$share/g/exp/#", 1)
+            props = Properties(PacketTypes.PUBLISH)
+            props.MessageExpiryInterval = 3600
+            pub.publish("exp/a", b"long", 1, props)
+            pub.publish("exp/a", b"none", 1)
+            return {
+                m.payload: getattr(m.properties, "MessageExpiryInterval", None)
+                for m in sub.receive(2)
+            }
+        finally:
+            pub.close()
+            sub.close()
+
+    got = await asyncio.to_thread(scenario)
+    for payload in (b"long", b"none"):
+        left = got[payload]
+        assert left is not None and 1 <= left <= CAP_MS // 1000, (payload, left)
+
+
+async def test_amqp_browser_sees_the_capped_ttl(broker: Broker, amqp: AmqpListener) -> None:
+    await broker.declare_queue(QueueConfig(name="shelf", max_ttl_ms=CAP_MS))
+
+    def client() -> float:
+        conn = BlockingConnection(f"amqp://127.0.0.1:{amqp.port}", timeout=TIMEOUT)
+        try:
+            conn.create_sender("shelf").send(Message(body=b"long", ttl=60))
+            browser = conn.create_receiver("shelf", name="b", credit=10, options=Browse())
+            msg = browser.receive(TIMEOUT)
+            browser.accept()
+            return msg.ttl
+        finally:
+            conn.close()
+
+    assert 0 < await asyncio.to_thread(client) <= CAP_MS / 1000
