@@ -173,3 +173,50 @@ async def test_partitioned_dmq_places_by_key(broker: Broker) -> None:
             break
         await asyncio.sleep(0.02)
     assert [p["messages"] for p in info.partitions] == expected
+
+
+@pytest.mark.parametrize("overflow", ["reject", "ring"])
+async def test_a_full_dmq_discards_or_drops_its_oldest(broker: Broker, overflow: str) -> None:
+    """Solace: a dead message that does not fit its DMQ is discarded and counted ("to DMQ
+    failed"); a ring DMQ makes room by dropping its oldest instead."""
+    await broker.declare_queue(
+        QueueConfig(name=DEAD_MESSAGE_QUEUE, max_messages=2, overflow=overflow)
+    )
+    await broker.declare_queue(QueueConfig(name="q", dmq_eligible_default=True))
+    for i in range(4):
+        await broker.publish(msg(b"m%d" % i))
+    seen: list[Delivery] = []
+    flow = None
+
+    def reject(d: Delivery) -> None:
+        seen.append(d)
+        flow.reject(d.entry_id)
+
+    flow = await broker.bind("q", reject)
+    await wait_for(lambda: len(seen) == 4)
+    await flow.close()
+    await wait_for_messages(broker, "q", 0)
+    dead: list[Delivery] = []
+    await broker.bind(DEAD_MESSAGE_QUEUE, dead.append)
+    await wait_for(lambda: len(dead) == 2)
+    payloads = [d.message.payload for d in dead]
+    info = await broker.queues.info("q")
+    dmq = await broker.queues.info(DEAD_MESSAGE_QUEUE)
+    if overflow == "reject":
+        assert payloads == [b"m0", b"m1"]
+        assert info.counters["dead_lettered"] == 2
+        assert info.counters["discarded"] == 2 and info.counters["dmq_failed"] == 2
+    else:
+        assert payloads == [b"m2", b"m3"]
+        assert info.counters["dead_lettered"] == 4 and "dmq_failed" not in info.counters
+        assert dmq.counters["dropped"] == 2
+
+
+async def wait_for_messages(broker: Broker, queue: str, count: int) -> None:
+    async def depth() -> int:
+        return (await broker.queues.info(queue)).messages
+
+    deadline = time.monotonic() + 5
+    while await depth() != count:
+        assert time.monotonic() < deadline, f"{queue} never reached {count} messages"
+        await asyncio.sleep(0.02)

@@ -454,54 +454,6 @@ local function dmq_eligible(blob, default)
   return default
 end
 
--- Take an entry off its queue for good (`reason`: expired, max_redelivered, rejected): to
--- the queue's dead message queue when `to_dmq`, the message is eligible and that queue
--- exists, with its origin and reason as entry fields, else discarded. Counted either way.
-local function dead_letter(q, s, id, blob, reason, to_dmq)
-  local c = redis.call('HMGET', k_queue_config(q), 'dead_message_queue', 'dmq_eligible_default')
-  local e = redis.call('XRANGE', s, id, id)
-  local kh = #e > 0 and entry_field(e[1][2], 'kh')
-  redis.call('XACK', s, GROUP, id)
-  if redis.call('EXISTS', k_queue_readers(q)) == 0 then redis.call('XDEL', s, id) end
-  local st = k_queue_stats(q)
-  account(q, -1, -#blob)
-  redis.call('HINCRBY', st, reason, 1)
-  local dmq = c[1]
-  if to_dmq and dmq and dmq ~= q and dmq_eligible(blob, c[2] == '1')
-      and redis.call('EXISTS', k_queue_config(dmq)) == 1 then
-    local origin = redis.call('HGET', k_queue_config(q), 'parent') or q
-    local d = redis.call('HMGET', k_queue_config(dmq), 'partition_count', 'priorities')
-    local np = tonumber(d[1]) or 0
-    if np > 0 then  -- by the key's hash, like the spool; partition 0 without a key
-      local index = 0
-      if kh then
-        local hi, lo = string.match(kh, '^(%d+):(%d+)$')
-        index = ((tonumber(hi) % np) * (4294967296 % np) + tonumber(lo) % np) % np
-      end
-      dmq = partition_queue(dmq, index)
-    elseif d[2] == '1' then
-      local _, priority = message_flags(blob)
-      dmq = priority_queue(dmq, priority)
-    end
-    -- a sorted dead message queue sorts by the key the entry kept if it sorts by the same
-    -- property as its origin; else the message counts as one without the key
-    local dsk = sort_key(dmq)
-    local sk = dsk and dsk == sort_key(q) and #e > 0 and entry_field(e[1][2], 'sk')
-    if sk then
-      redis.call('XADD', k_queue_stream(dmq), '*', 'm', blob, 'o', origin, 'r', reason, 'sk', sk)
-    else
-      redis.call('XADD', k_queue_stream(dmq), '*', 'm', blob, 'o', origin, 'r', reason)
-    end
-    if dsk then admit_sorted(dmq) end
-    account(dmq, 1, #blob)
-    redis.call('HINCRBY', k_queue_stats(dmq), 'spooled', 1)
-    wake(dmq)
-    redis.call('HINCRBY', st, 'dead_lettered', 1)
-  else
-    redis.call('HINCRBY', st, 'discarded', 1)
-  end
-end
-
 -- A property's value from the "name\0value\0..." string the spooler passes along (only
 -- the properties that some queue's lvq_key names).
 local function property_value(props, name)
@@ -643,6 +595,77 @@ local function drop_oldest(q, size)
     q.dropped_bytes = q.dropped_bytes + #blob
   end
   return true
+end
+
+-- Whether a dead message of `size` bytes finds no room in dead message queue `dmq`: shut
+-- (ingress disabled), too large, or past its quota (a ring DMQ drops its oldest instead),
+-- the broker's or its VPN's.
+local function dmq_full(dmq, size)
+  local t = spool_target(dmq)
+  if t.missing or not t.ingress or (t.maxsize > 0 and size > t.maxsize) then return true end
+  if over_quota(t, size) then
+    if t.overflow ~= 'ring' or not drop_oldest(t, size) then return true end
+    account(dmq, -t.dropped, -t.dropped_bytes, t.vpn, t.maxbytes)
+    redis.call('HINCRBY', k_queue_stats(dmq), 'dropped', t.dropped)
+  end
+  local broker, in_vpn = spool_limits(t.vpn)
+  local u = redis.call('HMGET', K_SPOOL_USAGE, 'broker', 'v:' .. t.vpn)
+  return (broker > 0 and (tonumber(u[1]) or 0) + size > broker)
+    or (in_vpn > 0 and (tonumber(u[2]) or 0) + size > in_vpn)
+end
+
+-- Take an entry off its queue for good (`reason`: expired, max_redelivered, rejected): to
+-- the queue's dead message queue when `to_dmq`, the message is eligible and that queue
+-- exists and has room, with its origin and reason as entry fields, else discarded. Counted
+-- either way ('dmq_failed' too when the DMQ was full, as Solace counts "to DMQ failed").
+local function dead_letter(q, s, id, blob, reason, to_dmq)
+  local c = redis.call('HMGET', k_queue_config(q), 'dead_message_queue', 'dmq_eligible_default')
+  local e = redis.call('XRANGE', s, id, id)
+  local kh = #e > 0 and entry_field(e[1][2], 'kh')
+  redis.call('XACK', s, GROUP, id)
+  if redis.call('EXISTS', k_queue_readers(q)) == 0 then redis.call('XDEL', s, id) end
+  local st = k_queue_stats(q)
+  account(q, -1, -#blob)
+  redis.call('HINCRBY', st, reason, 1)
+  local dmq = c[1]
+  if to_dmq and dmq and dmq ~= q and dmq_eligible(blob, c[2] == '1')
+      and redis.call('EXISTS', k_queue_config(dmq)) == 1 then
+    local origin = redis.call('HGET', k_queue_config(q), 'parent') or q
+    local d = redis.call('HMGET', k_queue_config(dmq), 'partition_count', 'priorities')
+    local np = tonumber(d[1]) or 0
+    if np > 0 then  -- by the key's hash, like the spool; partition 0 without a key
+      local index = 0
+      if kh then
+        local hi, lo = string.match(kh, '^(%d+):(%d+)$')
+        index = ((tonumber(hi) % np) * (4294967296 % np) + tonumber(lo) % np) % np
+      end
+      dmq = partition_queue(dmq, index)
+    elseif d[2] == '1' then
+      local _, priority = message_flags(blob)
+      dmq = priority_queue(dmq, priority)
+    end
+    -- a sorted dead message queue sorts by the key the entry kept if it sorts by the same
+    -- property as its origin; else the message counts as one without the key
+    if dmq_full(dmq, #blob) then
+      redis.call('HINCRBY', st, 'discarded', 1)
+      redis.call('HINCRBY', st, 'dmq_failed', 1)
+      return
+    end
+    local dsk = sort_key(dmq)
+    local sk = dsk and dsk == sort_key(q) and #e > 0 and entry_field(e[1][2], 'sk')
+    if sk then
+      redis.call('XADD', k_queue_stream(dmq), '*', 'm', blob, 'o', origin, 'r', reason, 'sk', sk)
+    else
+      redis.call('XADD', k_queue_stream(dmq), '*', 'm', blob, 'o', origin, 'r', reason)
+    end
+    if dsk then admit_sorted(dmq) end
+    account(dmq, 1, #blob)
+    redis.call('HINCRBY', k_queue_stats(dmq), 'spooled', 1)
+    wake(dmq)
+    redis.call('HINCRBY', st, 'dead_lettered', 1)
+  else
+    redis.call('HINCRBY', st, 'discarded', 1)
+  end
 end
 
 -- XADD arguments of a message with extra fields: its key (message groups; 'kh' places it
