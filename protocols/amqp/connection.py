@@ -33,7 +33,6 @@ from proton import (
     Collector,
     Condition,
     Connection,
-    Delivery,
     Endpoint,
     Event,
     Link,
@@ -249,9 +248,9 @@ class AmqpConnection(asyncio.Protocol):
         if endpoint is None or not endpoint.live:
             return
         if isinstance(endpoint, Inbound):
-            endpoint.on_delivery(Delivery.wrap(impl))
+            endpoint.on_delivery(impl)
         elif isinstance(endpoint, Outbound):
-            endpoint.on_disposition(Delivery.wrap(impl))
+            endpoint.on_disposition(impl)
 
     def _dispatch(self, event: Event) -> None:
         kind = event.type

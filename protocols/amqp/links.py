@@ -14,9 +14,19 @@ import asyncio
 import logging
 from dataclasses import dataclass
 from functools import partial
-from typing import Protocol
+from typing import Any, Protocol
 from urllib.parse import unquote
 
+from cproton import (
+    pn_delivery_aborted,
+    pn_delivery_partial,
+    pn_delivery_pending,
+    pn_delivery_readable,
+    pn_delivery_settle,
+    pn_delivery_settled,
+    pn_delivery_update,
+    pn_link_credit,
+)
 from proton import Condition, Delivery, Disposition, Link, Terminus
 
 from gateway.broker import Broker, Outcome
@@ -153,22 +163,24 @@ class Inbound(Endpoint):
         self._top_up()
         self.host.wake()
 
-    def on_delivery(self, dlv: Delivery) -> None:
-        """DELIVERY event: act once the delivery is complete (it may span many frames)."""
+    def on_delivery(self, dlv: Any) -> None:
+        """DELIVERY event on the C delivery `dlv` (read with cffi calls: proton's Delivery
+        wrapper cost more than the rest of a publish): act once the delivery is complete (it
+        may span many frames)."""
         link = self.link
-        if dlv.aborted:
-            dlv.settle()
+        if pn_delivery_aborted(dlv):
+            pn_delivery_settle(dlv)
             self._top_up()
             return
-        if not dlv.readable:
+        if not pn_delivery_readable(dlv):
             return
-        if dlv.partial:
-            if dlv.pending > MAX_MESSAGE_SIZE:  # a link error, as the spec asks
+        if pn_delivery_partial(dlv):
+            if pn_delivery_pending(dlv) > MAX_MESSAGE_SIZE:  # a link error, as the spec asks
                 self.closed = True
                 link.condition = Condition("amqp:link:message-size-exceeded")
                 link.close()
             return
-        data = link.recv(dlv.pending) or b""
+        data = link.recv(pn_delivery_pending(dlv)) or b""
         link.advance()
         if not self.attached:  # sent before we granted credit
             self._settle(dlv, Disposition.REJECTED, "amqp:illegal-state", "link not attached")
@@ -178,7 +190,7 @@ class Inbound(Endpoint):
             self._publish(dlv, data)
         self._top_up()
 
-    def _publish(self, dlv: Delivery, data: bytes) -> None:
+    def _publish(self, dlv: Any, data: bytes) -> None:
         try:
             ingress = mapping.decode(data, self.host.publisher)
         except mapping.BodyError as exc:
@@ -193,13 +205,13 @@ class Inbound(Endpoint):
         msg.destination, msg.to_queue = address.name, address.is_queue
         fut = self.host.broker.publish_nowait(msg)
         self.inflight += 1
-        if dlv.settled:  # pre-settled by the client: at most once, no outcome to report
-            dlv.settle()
+        if pn_delivery_settled(dlv):  # pre-settled by the client: at most once, no outcome
+            pn_delivery_settle(dlv)
             fut.add_done_callback(partial(self._published, None))
         else:
             fut.add_done_callback(partial(self._published, dlv))
 
-    def _published(self, dlv: Delivery | None, fut: asyncio.Future[Outcome]) -> None:
+    def _published(self, dlv: Any, fut: asyncio.Future[Outcome]) -> None:
         """The spool answered: settle the client's delivery (if it waits) and refill credit."""
         self.inflight -= 1
         failed = fut.cancelled() or fut.exception() is not None
@@ -221,17 +233,22 @@ class Inbound(Endpoint):
         self.host.wake()
 
     @staticmethod
-    def _settle(dlv: Delivery, state: int, condition: str = "", text: str = "") -> None:
+    def _settle(dlv: Any, state: int, condition: str = "", text: str = "") -> None:
+        """Settle the C delivery `dlv` with `state` (a refusal's condition goes through
+        proton's wrapper: rare, and it owns the condition's encoding)."""
         if condition:
-            dlv.local.condition = Condition(condition, text)
-        dlv.update(state)
-        dlv.settle()
+            wrapper = Delivery.wrap(dlv)
+            wrapper.local.condition = Condition(condition, text)
+            wrapper.update(state)
+        else:
+            pn_delivery_update(dlv, state)
+        pn_delivery_settle(dlv)
 
     def _top_up(self) -> None:
         """Keep the client's credit near CREDIT minus the publishes still in flight."""
         if not self.live:
             return
-        target = max(0, CREDIT - self.inflight)
-        missing = target - self.link.credit
-        if missing > 0 and (missing >= CREDIT // 4 or self.link.credit == 0):
+        credit = pn_link_credit(self.link._impl)  # runs twice a message: no wrapper
+        missing = max(0, CREDIT - self.inflight) - credit
+        if missing > 0 and (missing >= CREDIT // 4 or credit == 0):
             self.link.flow(missing)

@@ -116,12 +116,8 @@ def _map(value: object) -> dict:
     return dict(zip(value[::2], value[1::2], strict=True))
 
 
-def _field(items: list, index: int) -> object:
-    return items[index] if index < len(items) else None
-
-
 def _ident(value: object) -> str | bytes | int | None:
-    if value is None or isinstance(value, str | bytes | int) and not isinstance(value, bool):
+    if value is None or (isinstance(value, str | bytes | int) and not isinstance(value, bool)):
         return value
     if isinstance(value, UUID):
         return str(value)
@@ -136,9 +132,7 @@ def _prop(value: object) -> PropertyValue:
     raise Unsupported("property value type")
 
 
-def decode(
-    data: bytes | bytearray, publisher: Publisher
-) -> tuple[Message, str | None, int | None]:
+def decode(data: bytes | bytearray, publisher: Publisher) -> tuple[Message, str | None, int | None]:
     """(message with destination left empty, properties.to, x-opt-jms-dest) of one encoded
     AMQP message; raises Unsupported for shapes left to proton."""
     try:
@@ -173,7 +167,7 @@ def _decode(data: bytes, publisher: Publisher) -> tuple[Message, str | None, int
             annotations = _map(value)
         elif code == APP_PROPS:
             app = _map(value)
-        elif code == DATA or code == VALUE:
+        elif code in (DATA, VALUE):
             bodies += 1
             body = value
             if code == DATA and not isinstance(body, bytes):
@@ -182,7 +176,7 @@ def _decode(data: bytes, publisher: Publisher) -> tuple[Message, str | None, int
             raise Unsupported(f"section 0x{code:x}")
     if bodies > 1:
         raise Unsupported("several body sections")
-    content_type = _field(props, 6)
+    content_type = props[6] if len(props) > 6 else None
     if content_type is not None and not isinstance(content_type, str):
         raise Unsupported("content-type type")
     content_type = content_type if content_type and content_type != "None" else None
@@ -198,12 +192,14 @@ def _decode(data: bytes, publisher: Publisher) -> tuple[Message, str | None, int
     for key in app:
         if not isinstance(key, str):
             raise Unsupported("application property key")
-    strings = [_field(props, k) for k in (2, 3, 4, 10)]  # to, subject, reply-to, group-id
-    if not all(s is None or isinstance(s, str) for s in strings):
-        raise Unsupported("property type")
-    to, subject, reply_to, group_id = strings
-    priority = _field(header, 1)
-    expiry, ttl = _field(props, 8), _field(header, 2)
+    header += [None] * (5 - len(header))
+    props += [None] * (13 - len(props))
+    to, subject, reply_to, group_id = props[2], props[3], props[4], props[10]
+    for text in (to, subject, reply_to, group_id):
+        if text is not None and not isinstance(text, str):
+            raise Unsupported("property type")
+    priority = header[1]
+    expiry, ttl = props[8], header[2]
     if expiry:
         expiration: int | None = int(expiry)  # type: ignore[call-overload]
     elif ttl:
@@ -216,13 +212,13 @@ def _decode(data: bytes, publisher: Publisher) -> tuple[Message, str | None, int
         partition_key=group_id or None,
         priority=4 if priority is None else min(int(priority), MAX_PRIORITY),  # type: ignore[call-overload]
         expiration=expiration,
-        persistent=bool(_field(header, 0)),
+        persistent=bool(header[0]),
         content_type=content_type,
-        correlation_id=_ident(_field(props, 5)),
+        correlation_id=_ident(props[5]),
         reply_to=reply_to or None,
-        message_id=_ident(_field(props, 0)),
+        message_id=_ident(props[0]),
         subject=subject or None,
-        user_properties=[(k, _prop(v)) for k, v in app.items()],
+        user_properties=[(k, _prop(v)) for k, v in app.items()] if app else [],
         publisher=publisher,
     )
     eligible = annotations.get("x-opt-dmq-eligible")

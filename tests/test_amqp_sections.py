@@ -1,0 +1,201 @@
+"""protocols/amqp/sections.py against proton: the plain-Python section codec must give the
+same gateway message (ingress) and the same AMQP message (egress) as proton's Message does,
+and hand every shape it does not cover back to proton."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from proton import Message as AmqpMessage
+from proton import symbol
+
+from gateway.model import Delivery, Message, Publisher
+from protocols.amqp import mapping, sections
+
+PUB = Publisher("amqp", "c1", "alice")
+NOW = int(time.time() * 1000)
+
+
+def proton_ingress(data: bytes) -> tuple[Message, str | None, int | None]:
+    """The proton path of mapping.decode, whatever sections would do."""
+    original = sections.decode
+
+    def refuse(*_: object) -> None:
+        raise sections.Unsupported("test")
+
+    sections.decode = refuse  # type: ignore[assignment]
+    try:
+        ingress = mapping.decode(data, PUB)
+    finally:
+        sections.decode = original  # type: ignore[assignment]
+    return ingress.message, ingress.to, ingress.jms_dest
+
+
+INGRESS = [
+    AmqpMessage(body=b"x" * 100, durable=True),  # the C load generator's message
+    AmqpMessage(body=b"y" * 300, inferred=True),  # a data section
+    AmqpMessage(body="text"),
+    AmqpMessage(),
+    AmqpMessage(body=b"z" * 70_000, inferred=True, id=b"\x01\x02", expiry_time=NOW / 1000 + 60),
+    AmqpMessage(body=b"u", id=uuid.uuid4(), correlation_id=uuid.uuid4(), ttl=30),
+    AmqpMessage(
+        body=b"full",
+        inferred=True,
+        durable=True,
+        priority=7,
+        id=42,
+        correlation_id="corr",
+        reply_to="replies",
+        subject="subj",
+        group_id="g1",
+        content_type="application/octet-stream",
+        address="queue://q",
+        properties={"a": 1, "b": "two", "c": 2.5, "d": True, "e": None, "f": b"bin", "g": -5},
+        annotations={
+            symbol("x-opt-jms-dest"): 1,
+            symbol("x-opt-dmq-eligible"): True,
+            symbol("x-opt-delivery-time"): NOW + 5000,
+        },
+    ),
+]
+
+
+@pytest.mark.parametrize("amqp", INGRESS, ids=range(len(INGRESS)))
+def test_ingress_matches_proton(amqp: AmqpMessage) -> None:
+    data = bytes(amqp.encode())
+    fast, to, jms_dest = sections.decode(data, PUB)
+    slow, slow_to, slow_jms = proton_ingress(data)
+    assert (to, jms_dest) == (slow_to, slow_jms)
+    for name in Message.__slots__:
+        a, b = getattr(fast, name), getattr(slow, name)
+        if name == "expiration" and a is not None and b is not None:
+            assert abs(a - b) <= 2  # proton goes through float seconds
+        else:
+            assert a == b, name
+            assert type(a) is type(b), name
+
+
+@pytest.mark.parametrize(
+    "amqp",
+    [
+        AmqpMessage(body={"a": 1}),  # amqp-value map: JSON payload, kept value
+        AmqpMessage(body=[1, 2]),
+        AmqpMessage(body=b"x", properties={"k": [1]}),  # a list as a property value
+    ],
+)
+def test_other_shapes_are_left_to_proton(amqp: AmqpMessage) -> None:
+    data = bytes(amqp.encode())
+    with pytest.raises(sections.Unsupported):
+        sections.decode(data, PUB)
+    assert mapping.decode(data, PUB).message.payload  # the proton path still takes it
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        bytes(AmqpMessage(body=b"x" * 50, durable=True).encode())[:-10],  # truncated
+        b"\x00\x53\x75\xa0\xff",  # a data section shorter than its length
+        b"\x00\x53\x99\x40",  # an unknown section
+        b"garbage",
+    ],
+)
+def test_malformed_bytes_are_left_to_proton(data: bytes) -> None:
+    with pytest.raises(sections.Unsupported):
+        sections.decode(data, PUB)
+
+
+def egress_fields(data: bytes) -> dict[str, object]:
+    amqp = AmqpMessage()
+    amqp.decode(data)
+    names = [
+        "durable",
+        "priority",
+        "first_acquirer",
+        "delivery_count",
+        "id",
+        "correlation_id",
+        "address",
+        "subject",
+        "reply_to",
+        "content_type",
+        "group_id",
+        "body",
+        "properties",
+        "annotations",
+        "expiry_time",
+    ]
+    fields = {n: getattr(amqp, n) for n in names}
+    for name, value in fields.items():  # views into `amqp`, which goes away
+        if isinstance(value, memoryview):
+            fields[name] = bytes(value)
+    return fields | {"ttl": round(amqp.ttl)}
+
+
+EGRESS = [
+    Delivery("q", "1-0", Message("q", b"p" * 100, to_queue=True)),
+    Delivery(
+        "q",
+        "2-0",
+        Message(
+            "a/b",
+            b"p" * 400,
+            partition_key="k",
+            priority=9,
+            expiration=NOW + 60_000,
+            persistent=False,
+            content_type="text/plain",
+            correlation_id=b"cc",
+            reply_to="rr",
+            message_id=7,
+            subject="subj",
+            user_properties=[("a", 1), ("b", "x"), ("c", 1.5), ("d", False), ("a", 3)],
+            annotations={"x-origin-queue": "q1", "x-dmq-reason": "expired"},
+        ),
+        delivery_count=3,
+    ),
+    Delivery("q", "3-0", Message("q", b"x" * 70_000, message_id="mid", to_queue=True)),
+]
+
+
+@pytest.mark.parametrize("delivery", EGRESS, ids=range(len(EGRESS)))
+def test_egress_matches_proton(delivery: Delivery) -> None:
+    fast = egress_fields(sections.encode(delivery))
+    assert fast == egress_fields(bytes(mapping.from_delivery(delivery).encode()))
+
+
+def test_kept_amqp_value_is_left_to_proton() -> None:
+    msg = mapping.decode(bytes(AmqpMessage(body={"a": 1}).encode()), PUB).message
+    with pytest.raises(sections.Unsupported):
+        sections.encode(Delivery("q", "1-0", msg))
+
+
+values = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(1 << 63), (1 << 63) - 1),
+    st.floats(allow_nan=False),
+    st.text(max_size=300),
+    st.binary(max_size=300),
+)
+
+
+@given(
+    payload=st.binary(max_size=600),
+    props=st.lists(st.tuples(st.text(min_size=1, max_size=20), values), max_size=8),
+    subject=st.none() | st.text(max_size=40),
+)
+def test_round_trip_through_both_codecs(
+    payload: bytes, props: list[tuple[str, object]], subject: str | None
+) -> None:
+    """Egress by sections, ingress by sections and by proton: one message throughout."""
+    sent = Message("q", payload, subject=subject, user_properties=props, to_queue=True)  # type: ignore[arg-type]
+    data = sections.encode(Delivery("q", "1-0", sent))
+    fast, _, _ = sections.decode(data, PUB)
+    slow, _, _ = proton_ingress(data)
+    assert fast.payload == slow.payload == payload
+    assert fast.subject == slow.subject == (subject or None)
+    assert fast.user_properties == slow.user_properties == list(dict(props).items())
