@@ -8,6 +8,7 @@ is ``async def start(broker, settings) -> listener`` with ``name``, ``port`` and
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import signal
@@ -101,8 +102,14 @@ async def run_node(
             await client.aclose()
 
 
+# Young-generation collections every 700 allocations cost the MQTT path ~17% of its CPU per
+# message (bench/results/profiles); message objects are short-lived and rarely cyclic.
+GC_THRESHOLDS = (50_000, 20, 20)
+
+
 def run(settings: Settings, redis_url: str) -> None:
-    """Run a node on uvloop when available."""
+    """Run a node on uvloop when available, with the garbage collector tuned for it."""
+    gc.set_threshold(*GC_THRESHOLDS)
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency; keep asyncio usable

@@ -41,7 +41,7 @@ from proton import Data, byte, symbol
 from proton import Message as AmqpMessage
 
 from gateway.model import Delivery, Message, PropertyValue, Publisher
-from protocols.amqp import sections
+from protocols.amqp import framing, sections
 
 MAX_PRIORITY = 9
 JMS_DEST = symbol("x-opt-jms-dest")
@@ -67,11 +67,17 @@ def decode(data: bytes, publisher: Publisher) -> Ingress:
     """Ingress: the gateway message for an encoded AMQP message (destination left empty).
 
     The common shapes are read by `sections` (a fraction of proton's cost); the rest, and
-    anything malformed, go through proton's Message."""
+    anything else well-framed, go through proton's Message (malformed bytes: BodyError)."""
+    if not data:
+        raise BodyError("empty transfer: an AMQP message has at least one section")
     try:
         return Ingress(*sections.decode(data, publisher))
     except sections.Unsupported:
         pass
+    try:
+        framing.check_message(data)
+    except framing.Malformed as exc:
+        raise BodyError(f"malformed AMQP message: {exc}") from None
     amqp = AmqpMessage()
     try:
         amqp.decode(data)

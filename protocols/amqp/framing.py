@@ -1,0 +1,104 @@
+"""Is this byte string a whole AMQP 1.0 message? Checked before proton decodes it.
+
+Why: proton's `Message.decode` accepts truncated or garbage bytes and returns an empty
+message, which would store a message the client never sent. This walks the encoding (every
+constructor's width follows from its code, AMQP 1.0 §1.6.1) without building values.
+"""
+
+from __future__ import annotations
+
+import struct
+
+# section descriptors: header (0x70) ... footer (0x78), as smallulong or ulong codes
+SECTION_CODES = range(0x70, 0x79)
+SECTION_PREFIX = "amqp:"  # symbolic descriptors: amqp:header:list, amqp:data:binary, ...
+
+_U32 = struct.Struct(">I").unpack_from
+_FIXED_WIDTH = {0x4: 0, 0x5: 1, 0x6: 2, 0x7: 4, 0x8: 8, 0x9: 16}
+MAX_DEPTH = 64  # nesting of described / compound values
+
+
+class Malformed(ValueError):
+    """Not a complete, well-formed AMQP message encoding."""
+
+
+def check_message(data: bytes | bytearray) -> None:
+    """Raise Malformed unless `data` is one or more message sections and nothing else."""
+    buf = bytes(data)
+    if not buf:
+        raise Malformed("empty message")
+    pos = 0
+    while pos < len(buf):
+        if buf[pos] != 0x00:
+            raise Malformed(f"byte {pos}: a section must be a described type")
+        descriptor, after = _descriptor(buf, pos + 1)
+        if descriptor not in SECTION_CODES and not (
+            isinstance(descriptor, str) and descriptor.startswith(SECTION_PREFIX)
+        ):
+            raise Malformed(f"byte {pos}: unknown section descriptor {descriptor!r}")
+        pos = _skip(buf, after, 0)
+
+
+def _descriptor(buf: bytes, pos: int) -> tuple[int | str | None, int]:
+    """The descriptor at pos (a section code or symbol) and the offset after it."""
+    _need(buf, pos, 1)
+    code = buf[pos]
+    if code == 0x53:
+        _need(buf, pos + 1, 1)
+        return buf[pos + 1], pos + 2
+    if code == 0x80:
+        _need(buf, pos + 1, 8)
+        return int.from_bytes(buf[pos + 1 : pos + 9], "big"), pos + 9
+    if code in (0xA3, 0xB3):
+        end = _skip(buf, pos, 0)
+        start = pos + (2 if code == 0xA3 else 5)
+        return buf[start:end].decode("ascii", "replace"), end
+    return None, _skip(buf, pos, 0)
+
+
+def _skip(buf: bytes, pos: int, depth: int) -> int:
+    """The offset after the encoded value at pos; raises Malformed if it runs past the end."""
+    if depth > MAX_DEPTH:
+        raise Malformed("values nested too deeply")
+    _need(buf, pos, 1)
+    code = buf[pos]
+    pos += 1
+    if code == 0x00:  # described: descriptor, then the value
+        return _skip(buf, _skip(buf, pos, depth + 1), depth + 1)
+    category = code >> 4
+    if category in _FIXED_WIDTH:
+        width = _FIXED_WIDTH[category]
+        _need(buf, pos, width)
+        return pos + width
+    if category in (0xA, 0xC, 0xE):  # variable / compound / array, one-byte size
+        _need(buf, pos, 1)
+        return _end(buf, pos + 1, buf[pos], code, category == 0xC, depth)
+    if category in (0xB, 0xD, 0xF):  # the same with a four-byte size
+        _need(buf, pos, 4)
+        return _end(buf, pos + 4, _U32(buf, pos)[0], code, category == 0xD, depth)
+    raise Malformed(f"unknown constructor 0x{code:02x}")
+
+
+def _end(buf: bytes, start: int, size: int, code: int, compound: bool, depth: int) -> int:
+    """Check a sized value's extent (and a list's or map's elements) and return its end."""
+    end = start + size
+    _need(buf, start, size)
+    if compound:
+        wide = code >= 0xD0
+        width = 4 if wide else 1
+        if size < width:
+            raise Malformed("compound value shorter than its count")
+        count = _U32(buf, start)[0] if wide else buf[start]
+        pos = start + width
+        for _ in range(count):
+            pos = _skip(buf, pos, depth + 1)
+            if pos > end:
+                raise Malformed("compound value overruns its size")
+        if pos != end:
+            raise Malformed("compound value size does not match its elements")
+    return end
+
+
+def _need(buf: bytes, pos: int, n: int) -> None:
+    if pos + n > len(buf):
+        raise Malformed("truncated message")

@@ -1,0 +1,122 @@
+"""Malformed AMQP message bytes are refused (amqp:decode-error), never stored as an empty
+message: proton's own decoder would accept them."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from proton import Disposition, Message, symbol
+from proton.handlers import MessagingHandler
+from proton.reactor import Container
+
+from gateway.broker import Broker, QueueConfig
+from gateway.config import Settings
+from gateway.model import Publisher
+from protocols.amqp import framing, mapping
+from protocols.amqp.listener import Listener, start
+
+PUB = Publisher("amqp")
+SAMPLES = [
+    Message(body=b"hello", properties={"a": 1}),
+    Message(body={"a": [1, 2, {"b": None}]}, annotations={symbol("x-opt-x"): 5}),
+    Message(body=[1, 2, 3], inferred=True),
+    Message(body="text", subject="s", ttl=5, priority=7, durable=True),
+    Message(),
+]
+
+
+EMPTY_HEADER_AND_PROPERTIES = len(Message().encode())  # proton always writes both
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=["data", "map", "sequence", "string", "empty"])
+def test_whole_messages_pass_and_truncated_ones_are_refused(msg: Message) -> None:
+    data = bytes(msg.encode())
+    framing.check_message(data)
+    mapping.decode(data, PUB)
+    for cut in range(len(data)):
+        try:
+            mapping.decode(data[:cut], PUB)
+        except mapping.BodyError:
+            continue
+        framing.check_message(data[cut:])  # accepted only when cut between whole sections
+    if msg.body is not None:  # any cut inside the body section (the last one) is refused
+        body = bytes(Message(body=msg.body, inferred=msg.inferred).encode())
+        body_start = len(data) - (len(body) - EMPTY_HEADER_AND_PROPERTIES)
+        for cut in range(body_start + 1, len(data)):
+            with pytest.raises(mapping.BodyError):
+                mapping.decode(data[:cut], PUB)
+
+
+@given(
+    body=st.one_of(st.binary(max_size=64), st.text(max_size=32), st.none()),
+    props=st.dictionaries(
+        st.text(min_size=1, max_size=8),
+        st.one_of(st.integers(-(2**63), 2**63 - 1), st.text(max_size=8), st.booleans()),
+        max_size=4,
+    ),
+    junk=st.binary(min_size=1, max_size=8),
+)
+def test_trailing_bytes_are_refused(body, props, junk: bytes) -> None:
+    data = bytes(Message(body=body, properties=props).encode())
+    mapping.decode(data, PUB)
+    with pytest.raises(mapping.BodyError):
+        mapping.decode(data + b"\x01" + junk, PUB)
+
+
+@given(st.binary(max_size=64))
+def test_random_bytes_are_refused_cleanly_or_decoded(data: bytes) -> None:
+    """Fuzz: BodyError is the only way decoding may fail."""
+    with contextlib.suppress(mapping.BodyError):
+        mapping.decode(data, PUB)
+
+
+@pytest.fixture
+async def amqp(broker: Broker) -> AsyncIterator[Listener]:
+    listener = await start(broker, Settings(amqp_port=0, host="127.0.0.1"))
+    assert listener is not None
+    yield listener
+    await listener.close()
+
+
+class RawSender(MessagingHandler):
+    """Sends raw transfer payloads (not proton Messages) and records each outcome."""
+
+    def __init__(self, url: str, payloads: list[bytes]) -> None:
+        super().__init__()
+        self.url, self.payloads = url, payloads
+        self.outcomes: list[tuple[int, str | None]] = []
+
+    def on_start(self, event) -> None:
+        conn = event.container.connect(self.url)
+        event.container.create_sender(conn, "raw-q")
+
+    def on_sendable(self, event) -> None:
+        while self.payloads and event.sender.credit:
+            event.sender.delivery(str(len(self.payloads)).encode())
+            event.sender.send(self.payloads.pop(0))
+            event.sender.advance()
+
+    def on_settled(self, event) -> None:
+        state = event.delivery.remote_state
+        condition = event.delivery.remote.condition
+        self.outcomes.append((state, condition.name if condition else None))
+        if not self.payloads and len(self.outcomes) == 3:
+            event.connection.close()
+
+
+async def test_a_truncated_transfer_is_rejected_and_nothing_is_stored(
+    broker: Broker, amqp: Listener
+) -> None:
+    await broker.declare_queue(QueueConfig(name="raw-q"))
+    good = bytes(Message(body=b"kept", durable=True).encode())
+    sender = RawSender(f"amqp://127.0.0.1:{amqp.port}", [good[:-2], b"\x00garbage", good])
+    await asyncio.wait_for(asyncio.to_thread(Container(sender).run), 20)
+    rejected = (Disposition.REJECTED, "amqp:decode-error")
+    assert sender.outcomes == [rejected, rejected, (Disposition.ACCEPTED, None)], sender.outcomes
+    info = await broker.queues.info("raw-q")
+    assert info.messages == 1
