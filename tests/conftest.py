@@ -1,4 +1,5 @@
-"""Shared fixtures: a real redis-server on a free loopback port, a started Broker."""
+"""Shared fixtures: a real redis-server on a free loopback port, a started Broker, and the
+MQTT and AMQP listeners with default settings on free loopback ports."""
 
 from __future__ import annotations
 
@@ -14,7 +15,12 @@ import redis
 import uvloop
 
 from gateway.broker import Broker
+from gateway.config import Settings
 from gateway.engine import library
+from protocols.amqp.listener import Listener as AmqpListener
+from protocols.amqp.listener import start as start_amqp
+from protocols.mqtt.listener import Listener as MqttListener
+from protocols.mqtt.listener import start as start_mqtt
 
 
 def free_port() -> int:
@@ -108,6 +114,22 @@ async def broker(redis_url: str) -> AsyncIterator[Broker]:
     yield node
     await node.stop()
     await client.aclose()
+
+
+@pytest.fixture
+async def mqtt(broker: Broker) -> AsyncIterator[MqttListener]:
+    listener = await start_mqtt(broker, Settings(mqtt_port=0, host="127.0.0.1"))
+    assert listener is not None
+    yield listener
+    await listener.close()
+
+
+@pytest.fixture
+async def amqp(broker: Broker) -> AsyncIterator[AmqpListener]:
+    listener = await start_amqp(broker, Settings(amqp_port=0, host="127.0.0.1"))
+    assert listener is not None
+    yield listener
+    await listener.close()
 
 
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
 
 import pytest
 from hypothesis import given
@@ -15,10 +14,9 @@ from proton.handlers import MessagingHandler
 from proton.reactor import Container
 
 from gateway.broker import Broker, QueueConfig
-from gateway.config import Settings
 from gateway.model import Publisher
 from protocols.amqp import framing, mapping
-from protocols.amqp.listener import Listener, start
+from protocols.amqp.listener import Listener
 
 PUB = Publisher("amqp")
 SAMPLES = [
@@ -73,14 +71,6 @@ def test_random_bytes_are_refused_cleanly_or_decoded(data: bytes) -> None:
     """Fuzz: BodyError is the only way decoding may fail."""
     with contextlib.suppress(mapping.BodyError):
         mapping.decode(data, PUB)
-
-
-@pytest.fixture
-async def amqp(broker: Broker) -> AsyncIterator[Listener]:
-    listener = await start(broker, Settings(amqp_port=0, host="127.0.0.1"))
-    assert listener is not None
-    yield listener
-    await listener.close()
 
 
 class RawSender(MessagingHandler):

@@ -8,42 +8,21 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 
-import pytest
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from proton import Message
 from proton.utils import BlockingConnection
 
 from gateway.broker import Broker, QueueConfig
-from gateway.config import Settings
 from protocols.amqp.listener import Listener as AmqpListener
-from protocols.amqp.listener import start as start_amqp
 from protocols.mqtt.listener import Listener as MqttListener
-from protocols.mqtt.listener import start as start_mqtt
 from protocols.mqtt.state import shared_queue_name
 from tests.test_amqp_clients import Browse
 from tests.test_mqtt_paho import V5, Client
 
 TIMEOUT = 5.0
 CAP_MS = 3000
-
-
-@pytest.fixture
-async def amqp(broker: Broker) -> AsyncIterator[AmqpListener]:
-    listener = await start_amqp(broker, Settings(amqp_port=0, host="127.0.0.1"))
-    assert listener is not None
-    yield listener
-    await listener.close()
-
-
-@pytest.fixture
-async def mqtt(broker: Broker) -> AsyncIterator[MqttListener]:
-    listener = await start_mqtt(broker, Settings(mqtt_port=0, host="127.0.0.1"))
-    assert listener is not None
-    yield listener
-    await listener.close()
 
 
 async def test_amqp_consumer_sees_the_capped_ttl(broker: Broker, amqp: AmqpListener) -> None:

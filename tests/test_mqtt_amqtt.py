@@ -7,14 +7,11 @@ import asyncio
 import json
 import subprocess
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
-from gateway.broker import Broker
-from gateway.config import Settings
-from protocols.mqtt.listener import Listener, start
+from protocols.mqtt.listener import Listener
 
 AMQTT = "amqtt==0.12.1"
 DRIVER = '''\
@@ -79,14 +76,6 @@ def amqtt_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
         pytest.skip(f"pip cannot install {AMQTT}: {pip.stderr.strip()[-500:]}")
     (venv / "driver.py").write_text(DRIVER)
     return python
-
-
-@pytest.fixture
-async def mqtt(broker: Broker) -> AsyncIterator[Listener]:
-    listener = await start(broker, Settings(mqtt_port=0, host="127.0.0.1"))
-    assert listener is not None
-    yield listener
-    await listener.close()
 
 
 async def test_amqtt_qos1_pub_sub(mqtt: Listener, amqtt_python: Path) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-from collections.abc import AsyncIterator
 
 import aiomqtt
 import pytest
@@ -15,14 +14,6 @@ from protocols.mqtt.listener import Listener, start
 
 WAIT = 10.0
 MOSQUITTO_VERSIONS = ["mqttv31", "mqttv311", "mqttv5"]
-
-
-@pytest.fixture
-async def mqtt(broker: Broker) -> AsyncIterator[Listener]:
-    listener = await start(broker, Settings(mqtt_port=0, host="127.0.0.1"))
-    assert listener is not None
-    yield listener
-    await listener.close()
 
 
 @pytest.mark.parametrize(

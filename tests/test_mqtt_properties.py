@@ -4,27 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 
-import pytest
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from gateway.broker import Broker, QueueConfig
-from gateway.config import Settings
 from gateway.engine.queues import DEAD_MESSAGE_QUEUE
 from gateway.model import DEAD_LETTER_REASON, Delivery
-from protocols.mqtt.listener import Listener, start
+from protocols.mqtt.listener import Listener
 from tests.test_engine import wait_for
 from tests.test_mqtt_paho import V5, Client
-
-
-@pytest.fixture
-async def mqtt(broker: Broker) -> AsyncIterator[Listener]:
-    listener = await start(broker, Settings(mqtt_port=0, host="127.0.0.1"))
-    assert listener is not None
-    yield listener
-    await listener.close()
 
 
 def publish_props(*user: tuple[str, str], expiry: int | None = None) -> Properties:

@@ -4,25 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-from collections.abc import AsyncIterator
 
 import pytest
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
-from gateway.broker import Broker
-from gateway.config import Settings
 from protocols.mqtt.codec import Publish, Suback, Subscribe, SubscriptionOptions, Will
-from protocols.mqtt.listener import Listener, start
+from protocols.mqtt.listener import Listener
 from tests.test_mqtt_paho import V5, V311, WAIT, Client
 from tests.test_mqtt_protocol import Raw
-
-
-@pytest.fixture
-async def mqtt(broker: Broker) -> AsyncIterator[Listener]:
-    listener = await start(broker, Settings(mqtt_port=0, host="127.0.0.1"))
-    assert listener is not None
-    yield listener
-    await listener.close()
 
 
 @pytest.mark.parametrize("version", [V311, V5], ids=["v311", "v5"])

@@ -6,9 +6,6 @@ import asyncio
 import contextlib
 import queue
 import time
-from collections.abc import AsyncIterator
-
-import pytest
 
 from gateway.broker import Broker
 from gateway.config import Settings
@@ -28,14 +25,6 @@ from protocols.mqtt.listener import LEASE_S, Listener, queue_name, start
 from protocols.mqtt.state import shared_queue_name
 from tests.test_mqtt_paho import V5, V311, Client
 from tests.test_mqtt_protocol import Raw
-
-
-@pytest.fixture
-async def mqtt(broker: Broker) -> AsyncIterator[Listener]:
-    listener = await start(broker, Settings(mqtt_port=0, host="127.0.0.1"))
-    assert listener is not None
-    yield listener
-    await listener.close()
 
 
 async def test_session_expiry_deletes_state_and_queue(mqtt: Listener, broker: Broker) -> None:

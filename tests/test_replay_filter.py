@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 
 import pytest
 from proton import Described, Message, Timeout, symbol, uint, ulong
@@ -16,21 +15,12 @@ from proton.reactor import Filter
 from proton.utils import BlockingConnection, LinkDetached
 
 from gateway.broker import Broker, QueueConfig
-from gateway.config import Settings
-from protocols.amqp.listener import Listener, start
+from protocols.amqp.listener import Listener
 from tests.test_amqp_clients import Browse, echoed_filter
 
 TIMEOUT = 5.0
 REPLAY = symbol("gateway:replay-period")
 KEY = symbol("replay")
-
-
-@pytest.fixture
-async def amqp(broker: Broker) -> AsyncIterator[Listener]:
-    listener = await start(broker, Settings(amqp_port=0, host="127.0.0.1"))
-    assert listener is not None
-    yield listener
-    await listener.close()
 
 
 def replay(value: object) -> Filter:

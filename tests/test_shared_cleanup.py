@@ -10,29 +10,18 @@ import asyncio
 import math
 import threading
 import time
-from collections.abc import AsyncIterator
 
-import pytest
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from gateway.broker import Broker, QueueConfig
-from gateway.config import Settings
-from protocols.mqtt.listener import Listener, start
+from protocols.mqtt.listener import Listener
 from protocols.mqtt.state import shared_queue_name
 from tests.test_mqtt_paho import V5, Client
 
 TIMEOUT = 5.0
 GROUP = "$share/grp/jobs/#"
 QUEUE = shared_queue_name("grp", "jobs/#")
-
-
-@pytest.fixture
-async def mqtt(broker: Broker) -> AsyncIterator[Listener]:
-    listener = await start(broker, Settings(mqtt_port=0, host="127.0.0.1"))
-    assert listener is not None
-    yield listener
-    await listener.close()
 
 
 async def exists_after(broker: Broker, expected: bool) -> bool:
