@@ -253,6 +253,24 @@ def with_queues(
         b.delete(names)
 
 
+def amqp_receivers(
+    tools: Tools, b: Broker, addresses: list[str], n: int, competing: bool
+) -> amqpgen.Receivers:
+    """One C receiver per address (repeat an address for competing receivers), together
+    expecting `n` messages, each with a credit window of 3 * INFLIGHT."""
+    assert tools.amqp and b.amqp_port
+    return amqpgen.Receivers(
+        tools.amqp,
+        b.amqp_port,
+        b.amqp_sasl,
+        addresses,
+        n,
+        tools.workdir,
+        competing=competing,
+        window=3 * INFLIGHT,
+    )
+
+
 def amqp_queue(tools: Tools, t: Target, size: int, pairs: int, n: int) -> dict:
     """`pairs` senders -> one durable queue -> `pairs` competing receivers (accept)."""
     b = t.broker
@@ -260,16 +278,7 @@ def amqp_queue(tools: Tools, t: Target, size: int, pairs: int, n: int) -> dict:
 
     def body(addresses: list[str]) -> dict:
         assert tools.amqp and b.amqp_port
-        receivers = amqpgen.Receivers(
-            tools.amqp,
-            b.amqp_port,
-            b.amqp_sasl,
-            addresses * consumers,
-            n,
-            tools.workdir,
-            competing=consumers > 1,
-            window=3 * INFLIGHT,
-        )
+        receivers = amqp_receivers(tools, b, addresses * consumers, n, competing=consumers > 1)
         start = amqp_senders(tools, b, addresses[0], n, size, pairs)
         return measured(b, n, lambda: amqp_load(receivers, start))
 
@@ -283,16 +292,7 @@ def mqtt_to_amqp(tools: Tools, t: Target, size: int, pairs: int, n: int) -> dict
 
     def body(addresses: list[str]) -> dict:
         assert tools.amqp and b.amqp_port
-        receivers = amqpgen.Receivers(
-            tools.amqp,
-            b.amqp_port,
-            b.amqp_sasl,
-            addresses * pairs,
-            n,
-            tools.workdir,
-            competing=pairs > 1,
-            window=3 * INFLIGHT,
-        )
+        receivers = amqp_receivers(tools, b, addresses * pairs, n, competing=pairs > 1)
         start = mqtt_publishers(tools, b, n, size, pairs, topic_prefix="bench/")
         return measured(b, n, lambda: amqp_load(receivers, start))
 
@@ -326,16 +326,7 @@ def fanout(tools: Tools, t: Target, size: int, pairs: int, n: int) -> dict:
 
     def body(addresses: list[str]) -> dict:
         assert tools.amqp and b.amqp_port
-        receivers = amqpgen.Receivers(
-            tools.amqp,
-            b.amqp_port,
-            b.amqp_sasl,
-            addresses,
-            per,
-            tools.workdir,
-            competing=False,
-            window=3 * INFLIGHT,
-        )
+        receivers = amqp_receivers(tools, b, addresses, per, competing=False)
         start = mqtt_publishers(tools, b, per, size, pairs, publish_topic="fan/x")
         return measured(b, per * FANOUT, lambda: amqp_load(receivers, start))
 
