@@ -492,7 +492,7 @@ end
 local function spool_target(name)
   local c = redis.call('HMGET', k_queue_config(name), 'ingress', 'max_message_size',
     'max_spool_bytes', 'max_messages', 'partition_count', 'parent', 'message_groups',
-    'max_ttl_ms', 'lvq_key', 'priorities', 'overflow', 'resume_percent', 'vpn')
+    'max_ttl_ms', 'lvq_key', 'priorities', 'overflow', 'resume_percent', 'vpn', 'sort_key')
   local info = { name = name, added = 0, added_bytes = 0, dropped = 0, dropped_bytes = 0,
     wake = c[6] or name }
   if not c[1] then
@@ -500,6 +500,7 @@ local function spool_target(name)
     return info
   end
   info.vpn = c[13] or 'default'
+  info.vpn_field = 'v:' .. info.vpn  -- its usage and quota fields (K_SPOOL_USAGE, K_SPOOL_LIMITS)
   info.stream = k_queue_stream(name)
   info.ingress = c[1] == '1'
   info.maxsize = tonumber(c[2]) or 0
@@ -509,7 +510,8 @@ local function spool_target(name)
   info.prioritised = c[10] == '1'
   info.grouped = c[7] and c[7] ~= ''
   info.max_ttl = tonumber(c[8]) or 0
-  info.sort_key = sort_key(name)  -- a sorted queue: its entries keep the key's value ('sk')
+  -- a sorted queue: its entries keep the key's value ('sk')
+  info.sort_key = c[14] and c[14] ~= '' and c[14] or false
   -- last value queues: Solace's (max_spool_bytes 0: one slot) or Qpid's (by a property)
   if c[3] == '0' then
     info.lvq = true
@@ -539,22 +541,28 @@ end
 
 -- The broker-wide and per-VPN quotas during one gw_spool call: the limits and the stored
 -- totals are read once; what the call added so far is its queues' net change.
+-- `any`: some quota is set (else no message needs the check).
 local function spool_quotas()
   local raw = redis.call('HGETALL', K_SPOOL_LIMITS)
-  local limits = {}
-  for i = 1, #raw, 2 do limits[raw[i]] = tonumber(raw[i + 1]) or 0 end
-  return { limits = limits, base = {} }
+  local limits, any = {}, false
+  for i = 1, #raw, 2 do
+    local v = tonumber(raw[i + 1]) or 0
+    limits[raw[i]] = v
+    if v > 0 and (raw[i] == 'broker' or string.sub(raw[i], 1, 2) == 'v:') then any = true end
+  end
+  return { limits = limits, base = {}, any = any }
 end
 
 -- True when storing `size` more bytes in each of `targets` would pass the broker's quota or
--- the quota of one of their VPNs; `qs`: every queue the call touched.
-local function over_spool_quota(sq, qs, targets, size)
+-- the quota of one of their VPNs; `qs`: every queue the call touched; `nt`: the number of
+-- targets.
+local function over_spool_quota(sq, qs, targets, nt, size)
   local limits, need, any = sq.limits, {}, false
   if (limits.broker or 0) > 0 then
-    need.broker, any = size * #targets, true
+    need.broker, any = size * nt, true
   end
-  for _, q in ipairs(targets) do
-    local f = 'v:' .. q.vpn
+  for i = 1, nt do
+    local f = targets[i].vpn_field
     if (limits[f] or 0) > 0 then
       need[f], any = (need[f] or 0) + size, true
     end
@@ -565,7 +573,7 @@ local function over_spool_quota(sq, qs, targets, size)
     local net = q.added_bytes - q.dropped_bytes
     if net ~= 0 then
       added.broker = (added.broker or 0) + net
-      added['v:' .. q.vpn] = (added['v:' .. q.vpn] or 0) + net
+      added[q.vpn_field] = (added[q.vpn_field] or 0) + net
     end
   end
   for f, n in pairs(need) do
@@ -708,6 +716,9 @@ end
 -- ms, 0: none; kept as field 'x', shortened to the queue's max_ttl_ms), the properties LVQ
 -- keys name ("name\0value\0..."), priority (0-9: the level of a priority queue), the
 -- delivery time (epoch ms, 0: now; kept as field 'h'), blob.
+-- A message without key, expiry, properties or delivery time may come in the short form:
+-- -k, queue indexes (k)..., direct, payload size, key hash low 32 bits (the high ones are
+-- 0), priority, blob. Fewer arguments: each costs Redis and Lua a string object.
 -- Spooled bytes count the stored blob. A message that would pass the broker-wide quota or
 -- the quota of one of its queues' VPNs (gw_spool_limits) is refused with QUOTA_EXCEEDED.
 -- Returns one outcome code per message; a message is stored in all its queues or in none.
@@ -723,61 +734,81 @@ redis.register_function('gw_spool', function(_, a)
     end
     return t
   end
-  local named = {}
-  for i = 1, nq do named[i] = a[2 + i] end
+  local named = {}  -- by the index as sent (a decimal string): no number parsing per message
+  for i = 1, nq do named[tostring(i)] = a[2 + i] end
   local sq  -- broker and VPN quotas, read at the first message that has a queue
-  local out = {}
+  local out, nout = {}, 0
+  local targets, nt = {}, 0  -- the queues one message goes to, reused by every message
   local pos = 3 + nq
   local n = #a
   while pos <= n do
-    local k = tonumber(a[pos])
-    local direct = a[pos + k + 1] == '1'
-    local size = tonumber(a[pos + k + 2])
-    local hi, lo = tonumber(a[pos + k + 3]), tonumber(a[pos + k + 4])
-    local key = a[pos + k + 5]
-    local expires = tonumber(a[pos + k + 6])
-    local props = a[pos + k + 7]
-    local priority = tonumber(a[pos + k + 8])
-    local not_before = tonumber(a[pos + k + 9])
-    local blob = a[pos + k + 10]
-    local code, targets = OK, {}
-    for j = 1, k do
-      local q = target(named[tonumber(a[pos + j])])
+    local k, short = a[pos], false
+    if k == '1' then k = 1 elseif k == '-1' then k, short = 1, true else
+      k = tonumber(k)
+      if k < 0 then k, short = -k, true end
+    end
+    local first, m = pos + 1, pos + k  -- the message's fields follow its queue indexes
+    local direct = a[m + 1] == '1'
+    local size = tonumber(a[m + 2])
+    local hi, lo, key, expires, props, priority, not_before, blob
+    if short then
+      hi, lo, key, expires, props, priority, not_before, blob =
+        '0', a[m + 3], '', 0, '', a[m + 4], 0, a[m + 5]
+      pos = m + 6
+    else
+      hi, lo, key, expires, props, priority, not_before, blob =
+        a[m + 3], a[m + 4], a[m + 5], a[m + 6], a[m + 7], a[m + 8], a[m + 9], a[m + 10]
+      expires = expires == '0' and 0 or tonumber(expires)
+      not_before = not_before == '0' and 0 or tonumber(not_before)
+      pos = m + 11
+    end
+    local bytes = #blob
+    local code = OK
+    nt = 0
+    for j = first, m do
+      local q = target(named[a[j]])
       if not q.missing and q.partitions > 0 then
         local np = q.partitions
-        q = target(partition_queue(q.name, ((hi % np) * (4294967296 % np) + lo % np) % np))
+        local h, l = tonumber(hi), tonumber(lo)
+        q = target(partition_queue(q.name, ((h % np) * (4294967296 % np) + l % np) % np))
       elseif not q.missing and q.prioritised then
-        q = target(priority_queue(q.name, priority))
+        q = target(priority_queue(q.name, tonumber(priority)))
       end
       if q.missing then
         if direct then code = NOT_FOUND end
       elseif not q.ingress then code = INGRESS_DISABLED
       elseif q.maxsize > 0 and size > q.maxsize then code = TOO_LARGE
       elseif q.blocked then code = FLOW_CONTROLLED
-      elseif over_quota(q, #blob) then
-        if q.overflow == 'ring' and drop_oldest(q, #blob) then
-          targets[#targets + 1] = q
+      elseif over_quota(q, bytes) then
+        if q.overflow == 'ring' and drop_oldest(q, bytes) then
+          nt = nt + 1
+          targets[nt] = q
         elseif q.overflow == 'flow_control' then
           code = FLOW_CONTROLLED
           q.blocked = true
           redis.call('HSET', k_queue_stats(q.name), 'blocked', '1')
-        elseif q.maxbytes > 0 and q.bytes + #blob > q.maxbytes then code = QUOTA_EXCEEDED
+        elseif q.maxbytes > 0 and q.bytes + bytes > q.maxbytes then code = QUOTA_EXCEEDED
         else code = QUEUE_FULL end
-      else targets[#targets + 1] = q end
+      else
+        nt = nt + 1
+        targets[nt] = q
+      end
       if code ~= OK then break end
     end
-    if code == OK and #targets > 0 then  -- the broker's and the VPNs' quotas: all or none
+    if code == OK and nt > 0 then  -- the broker's and the VPNs' quotas: all or none
       sq = sq or spool_quotas()
-      if over_spool_quota(sq, qs, targets, #blob) then code = QUOTA_EXCEEDED end
+      if sq.any and over_spool_quota(sq, qs, targets, nt, bytes) then code = QUOTA_EXCEEDED end
     end
     if code == OK then
-      if #targets == 0 then
+      if nt == 0 then
         code = direct and NOT_FOUND or NO_SUBSCRIBERS
       else
-        for _, q in ipairs(targets) do
+        local plain = key == '' and expires == 0 and not_before == 0
+        for i = 1, nt do
+          local q = targets[i]
           local id
           local sk = q.sort_key and property_value(props, q.sort_key)
-          if key == '' and expires == 0 and not_before == 0 and q.max_ttl == 0 and not sk then
+          if plain and q.max_ttl == 0 and not sk then
             id = redis.call('XADD', q.stream, '*', 'm', blob)  -- the common, plain message
           else
             id = redis.call(unpack(entry_args(q, blob, key, hi, lo, expires, not_before, sk)))
@@ -788,14 +819,14 @@ redis.register_function('gw_spool', function(_, a)
             if slot then replace_last_value(q, slot, id) end
           end
           q.count = q.count + 1
-          q.bytes = q.bytes + #blob
+          q.bytes = q.bytes + bytes
           q.added = q.added + 1
-          q.added_bytes = q.added_bytes + #blob
+          q.added_bytes = q.added_bytes + bytes
         end
       end
     end
-    out[#out + 1] = code
-    pos = pos + k + 11
+    nout = nout + 1
+    out[nout] = code
   end
   local woken = {}
   for _, q in ipairs(qs) do
@@ -828,10 +859,16 @@ local function entry_meta(fields)
   return (x or '') .. '\n' .. (o or '') .. '\n' .. (entry_field(fields, 'r') or '')
 end
 
--- Limits a fetch applies to each entry before handing it out.
-local function fetch_limits(q)
-  local c = redis.call('HMGET', k_queue_config(q), 'max_redelivery', 'respect_ttl')
-  return { now = now_ms(), max_redelivery = tonumber(c[1]) or 0, respect_ttl = c[2] == '1' }
+-- Limits a fetch applies to each entry before handing it out, from the queue's config
+-- fields max_redelivery and respect_ttl. The clock is read once, when an entry first needs
+-- it (lim_now).
+local function fetch_limits(max_redelivery, respect_ttl)
+  return { max_redelivery = tonumber(max_redelivery) or 0, respect_ttl = respect_ttl == '1' }
+end
+
+local function lim_now(lim)
+  if not lim.now then lim.now = now_ms() end
+  return lim.now
 end
 
 -- The blob of an entry about to be delivered for the `count`-th time, or false when it is
@@ -842,14 +879,14 @@ local function deliverable(q, s, id, fields, count, lim)
   local blob = entry_blob(fields)
   if not blob then return false end
   local h = tonumber(entry_field(fields, 'h'))
-  if h and h > lim.now then  -- not due yet: park it, undelivered, until the sweep returns it
+  if h and h > lim_now(lim) then  -- not due yet: park it, undelivered, until the sweep returns it
     redis.call('XCLAIM', s, GROUP, TIMED, 0, id, 'RETRYCOUNT', count - 1, 'JUSTID')
     redis.call('ZADD', k_queue_timed(q), h, id)
     redis.call('SADD', K_TIMED_QUEUES, q)
     return false
   end
   local x = tonumber(entry_field(fields, 'x'))
-  if x and x <= lim.now then
+  if x and x <= lim_now(lim) then
     dead_letter(q, s, id, blob, 'expired', lim.respect_ttl)
     return false
   end
@@ -950,14 +987,26 @@ end
 
 -- Returned entries (oldest first) and then new ones of one stream, into `out`; each id is
 -- prefixed with `prefix` (a priority queue's level) so the settlement finds its stream.
+-- A plain entry (only its blob, 'm') on a queue without max_redelivery needs no checks.
 local function fetch_stream(q, s, flow, count, lim, out, prefix)
+  local o = #out
+  local unlimited = lim.max_redelivery == 0
   local function add(id, n, fields)
+    if fields and fields[3] == nil and fields[1] == 'm' and (unlimited or n == 1) then
+      out[o + 1] = prefix == '' and id or prefix .. id
+      out[o + 2] = n
+      out[o + 3] = fields[2]
+      out[o + 4] = ''
+      o = o + 4
+      return
+    end
     local blob = deliverable(q, s, id, fields, n, lim)
     if blob then
-      out[#out + 1] = prefix .. id
-      out[#out + 1] = n
-      out[#out + 1] = blob
-      out[#out + 1] = entry_meta(fields)
+      out[o + 1] = prefix == '' and id or prefix .. id
+      out[o + 2] = n
+      out[o + 3] = blob
+      out[o + 4] = entry_meta(fields)
+      o = o + 4
     else
       out[2] = out[2] + 1
     end
@@ -985,7 +1034,7 @@ end
 redis.register_function('gw_fetch', function(_, a)
   local q, flow, count, fence = a[1], a[2], tonumber(a[3]), a[4]
   local c = redis.call('HMGET', k_queue_config(q), 'egress', 'access', 'message_groups',
-    'default_group', 'selective', 'priorities', 'sort_key')
+    'default_group', 'selective', 'priorities', 'sort_key', 'max_redelivery', 'respect_ttl')
   if not c[1] then return { 'noqueue' } end
   if c[1] ~= '1' then return { 'egress' } end
   if not redis.call('ZSCORE', k_queue_flows(q), flow) then return { 'noflow' } end
@@ -994,7 +1043,7 @@ redis.register_function('gw_fetch', function(_, a)
     if l[1] ~= flow or l[2] ~= fence then return { 'notowner' } end
   end
   local s = k_queue_stream(q)
-  local lim = fetch_limits(q)
+  local lim = fetch_limits(c[8], c[9])
   local out = { 'ok', 0 }
   if c[7] and c[7] ~= '' then
     fetch_sorted(q, s, flow, count, lim, out)
@@ -1067,7 +1116,8 @@ redis.register_function('gw_take', function(_, a)
   local q, flow = a[1], a[2]
   if not redis.call('ZSCORE', k_queue_flows(q), flow) then return { 'noflow' } end
   local s = k_queue_stream(q)
-  local lim = fetch_limits(q)
+  local c = redis.call('HMGET', k_queue_config(q), 'max_redelivery', 'respect_ttl')
+  local lim = fetch_limits(c[1], c[2])
   local out = { 'ok', 0 }
   for i = 3, #a do
     local fields = take_held(q, s, flow, a[i], lim, out)
@@ -1142,8 +1192,9 @@ end)
 -- (the count comes back short), deleting them one by one tells which were still there.
 local function ack_batch(q, s, a, first, n)
   local ids, bytes = {}, 0
-  for i = first, first + 2 * n - 1, 2 do
-    ids[#ids + 1] = a[i]
+  for j = 1, n do
+    local i = first + 2 * j - 2
+    ids[j] = a[i]
     bytes = bytes + tonumber(a[i + 1])
   end
   local acked = redis.call('XACK', s, GROUP, unpack(ids))
