@@ -164,6 +164,32 @@ async def test_receive_accept_release_reject(broker: Broker, amqp: Listener) -> 
     assert (await broker.queues.info("work")).messages == 0
 
 
+async def test_amqp_value_map_comes_back_as_sent(broker: Broker, amqp: Listener) -> None:
+    """A body the plain codec leaves to proton (an amqp-value map) is sent back by proton's
+    encoder, next to one the plain codec writes."""
+    await broker.queues.create(QueueConfig(name="maps"))
+
+    def client() -> list[object]:
+        conn = BlockingConnection(url(amqp), timeout=TIMEOUT)
+        try:
+            snd = conn.create_sender("maps")
+            snd.send(Message(body={"sequence": 1, "list": [1, "two"]}))
+            snd.send(Message(body=b"plain"))
+            rcv = conn.create_receiver("maps", credit=10)
+            bodies = []
+            for _ in range(2):
+                msg = rcv.receive(TIMEOUT)  # held: a binary body is a view into it
+                bodies.append(msg.body if isinstance(msg.body, dict) else bytes(msg.body))
+                rcv.accept()
+            return bodies
+        finally:
+            conn.close()
+
+    bodies = await asyncio.to_thread(client)
+    assert bodies == [{"sequence": 1, "list": [1, "two"]}, b"plain"]
+    assert await queued(broker, "maps", 0) == 0
+
+
 def send_outcome(conn: BlockingConnection, snd, msg: Message) -> tuple[int, str | None]:
     """Send on a blocking sender and return (remote state, condition name) of the delivery."""
     dlv = snd.link.send(msg)
@@ -528,6 +554,60 @@ async def test_container_client_round_trip(broker: Broker, amqp: Listener) -> No
     assert handler.received == [f"c{i}".encode() for i in range(20)]
     await asyncio.sleep(0.1)
     assert (await broker.queues.info("jobs")).messages == 0
+
+
+class OutOfOrder(MessagingHandler):
+    """Container client: take three messages unsettled, then settle them last first
+    (accept the third, reject the second, release the first) and take the redelivery."""
+
+    def __init__(self, url: str, queue: str) -> None:
+        super().__init__(auto_accept=False)
+        self.url, self.queue = url, queue
+        self.held: list = []
+        self.received: list[tuple[bytes, int]] = []
+        self.error: str | None = None
+
+    def on_start(self, event) -> None:
+        self.conn = event.container.connect(self.url)
+        event.container.create_receiver(self.conn, self.queue)
+        self.timer = event.container.schedule(TIMEOUT, self)
+
+    def on_timer_task(self, event) -> None:
+        self.error = "timed out"
+        self.conn.close()
+
+    def on_message(self, event) -> None:
+        self.received.append((bytes(event.message.body), event.message.delivery_count))
+        if len(self.received) == 4:  # the released one, back
+            self.accept(event.delivery)
+            self.timer.cancel()
+            event.connection.close()
+            return
+        self.held.append(event.delivery)
+        if len(self.held) == 3:
+            first, second, third = self.held
+            self.accept(third)
+            self.reject(second)
+            self.release(first)
+
+
+async def test_outcomes_settled_out_of_order_reach_their_messages(
+    broker: Broker, amqp: Listener
+) -> None:
+    await broker.queues.create(QueueConfig(name="ooo"))
+    for body in (b"m0", b"m1", b"m2"):
+        await broker.publish(GatewayMessage("ooo", body, to_queue=True))
+    handler = OutOfOrder(url(amqp), "ooo")
+
+    def run() -> None:
+        container = Container(handler)
+        container.timeout = TIMEOUT
+        container.run()
+
+    await asyncio.wait_for(asyncio.to_thread(run), TIMEOUT * 2)
+    assert handler.error is None
+    assert handler.received == [(b"m0", 0), (b"m1", 0), (b"m2", 0), (b"m0", 1)]
+    assert await queued(broker, "ooo", 0) == 0
 
 
 RHEA_SCRIPT = r"""

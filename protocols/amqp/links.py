@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from urllib.parse import unquote
 
 from cproton import (
+    PN_ACCEPTED,
     pn_delivery_aborted,
     pn_delivery_partial,
     pn_delivery_pending,
@@ -25,8 +26,11 @@ from cproton import (
     pn_delivery_settle,
     pn_delivery_settled,
     pn_delivery_update,
+    pn_link_advance,
     pn_link_credit,
+    pn_link_flow,
 )
+from cproton_ffi import ffi, lib
 from proton import Condition, Delivery, Disposition, Link, Terminus
 
 from gateway.broker import Broker, Outcome
@@ -36,6 +40,8 @@ from protocols.amqp.nodes import DynamicNodes, Lifetime, lifetime
 from protocols.amqp.terminus import capabilities
 
 log = logging.getLogger(__name__)
+
+_TOPIC = frozenset({"topic"})
 
 CREDIT = 500  # credit granted to publishing clients
 MAX_MESSAGE_SIZE = 16 * 1024 * 1024  # advertised on inbound links
@@ -104,6 +110,12 @@ class Endpoint:
     def live(self) -> bool:
         return not (self.closed or self.host.closed)
 
+    def on_delivery(self, dlv: Any) -> None:
+        """DELIVERY event on the C delivery `dlv` of this link (while the link is live)."""
+
+    def on_flow(self) -> None:
+        """LINK_FLOW event: the client's flow frame changed this link's credit."""
+
     def refuse(self, name: str, description: str) -> None:
         """Answer the attach with a null terminus (the client's target, or source) and a
         detach carrying the error, as the spec asks of a refused link."""
@@ -167,40 +179,46 @@ class Inbound(Endpoint):
         """DELIVERY event on the C delivery `dlv` (read with cffi calls: proton's Delivery
         wrapper cost more than the rest of a publish): act once the delivery is complete (it
         may span many frames)."""
-        link = self.link
         if pn_delivery_aborted(dlv):
             pn_delivery_settle(dlv)
             self._top_up()
             return
         if not pn_delivery_readable(dlv):
             return
+        size = pn_delivery_pending(dlv)
         if pn_delivery_partial(dlv):
-            if pn_delivery_pending(dlv) > MAX_MESSAGE_SIZE:  # a link error, as the spec asks
+            if size > MAX_MESSAGE_SIZE:  # a link error, as the spec asks
                 self.closed = True
-                link.condition = Condition("amqp:link:message-size-exceeded")
-                link.close()
+                self.link.condition = Condition("amqp:link:message-size-exceeded")
+                self.link.close()
             return
-        data = link.recv(pn_delivery_pending(dlv)) or b""
-        link.advance()
+        impl = self.link._impl
+        buffer = ffi.new("char[]", size) if size else ffi.NULL
+        got = lib.pn_link_recv(impl, buffer, size) if size else 0
+        data = ffi.unpack(buffer, got) if got > 0 else b""
+        pn_link_advance(impl)
         if not self.attached:  # sent before we granted credit
             self._settle(dlv, Disposition.REJECTED, "amqp:illegal-state", "link not attached")
-        elif len(data) > MAX_MESSAGE_SIZE:
+        elif size > MAX_MESSAGE_SIZE:
             self._settle(dlv, Disposition.REJECTED, RESOURCE_LIMIT, "message too large")
-        else:
-            self._publish(dlv, data)
+        elif self._publish(dlv, data):
+            return  # credit: the delivery used one, its publish holds one (see _top_up)
         self._top_up()
 
-    def _publish(self, dlv: Any, data: bytes) -> None:
+    def _publish(self, dlv: Any, data: bytes) -> bool:
+        """Decode and publish; False when the delivery was refused (settled) instead."""
         try:
             ingress = mapping.decode(data, self.host.publisher)
         except mapping.BodyError as exc:
             self._settle(dlv, Disposition.REJECTED, "amqp:decode-error", str(exc))
-            return
-        topic = frozenset({"topic"}) if ingress.jms_dest in (1, 3) else frozenset()
-        address = self.address or parse_address(ingress.to, topic)
-        if address is None:
-            self._settle(dlv, Disposition.REJECTED, NOT_FOUND, "message has no usable 'to'")
-            return
+            return False
+        address = self.address
+        if address is None:  # the anonymous relay
+            topic = _TOPIC if ingress.jms_dest in (1, 3) else frozenset()
+            address = parse_address(ingress.to, topic)
+            if address is None:
+                self._settle(dlv, Disposition.REJECTED, NOT_FOUND, "message has no usable 'to'")
+                return False
         msg = ingress.message
         msg.destination, msg.to_queue = address.name, address.is_queue
         fut = self.host.broker.publish_nowait(msg)
@@ -210,24 +228,27 @@ class Inbound(Endpoint):
             fut.add_done_callback(partial(self._published, None))
         else:
             fut.add_done_callback(partial(self._published, dlv))
+        return True
 
     def _published(self, dlv: Any, fut: asyncio.Future[Outcome]) -> None:
         """The spool answered: settle the client's delivery (if it waits) and refill credit."""
         self.inflight -= 1
-        failed = fut.cancelled() or fut.exception() is not None
-        if failed:
+        outcome: Outcome | None = None
+        if fut.cancelled() or fut.exception() is not None:
             log.warning("AMQP publish failed: %s", fut.exception() if not fut.cancelled() else "")
-        elif dlv is None and not fut.result().accepted:
-            log.info("pre-settled AMQP publish refused: %s", fut.result().name)
-        if not self.live:
+        else:
+            outcome = fut.result()
+            if dlv is None and not outcome.accepted:
+                log.info("pre-settled AMQP publish refused: %s", outcome.name)
+        if self.closed or self.host.closed:
             return
         if dlv is not None:
-            if failed:  # not stored: released, so the client may send it again
+            if outcome is None:  # not stored: released, so the client may send it again
                 self._settle(dlv, Disposition.RELEASED)
-            elif fut.result().accepted:
-                self._settle(dlv, Disposition.ACCEPTED)
+            elif outcome.accepted:
+                pn_delivery_update(dlv, PN_ACCEPTED)
+                pn_delivery_settle(dlv)
             else:
-                outcome = fut.result()
                 self._settle(dlv, Disposition.REJECTED, REFUSALS[outcome], outcome.name)
         self._top_up()
         self.host.wake()
@@ -246,9 +267,10 @@ class Inbound(Endpoint):
 
     def _top_up(self) -> None:
         """Keep the client's credit near CREDIT minus the publishes still in flight."""
-        if not self.live:
+        if self.closed or self.host.closed:
             return
-        credit = pn_link_credit(self.link._impl)  # runs twice a message: no wrapper
+        impl = self.link._impl  # runs once a message: no wrapper
+        credit = pn_link_credit(impl)
         missing = max(0, CREDIT - self.inflight) - credit
         if missing > 0 and (missing >= CREDIT // 4 or credit == 0):
-            self.link.flow(missing)
+            pn_link_flow(impl, missing)

@@ -28,15 +28,20 @@ import logging
 from typing import Any
 
 from cproton import (
-    pn_delivery,
+    PN_ACCEPTED,
+    PN_MODIFIED,
+    PN_REJECTED,
+    PN_RELEASED,
     pn_delivery_remote_state,
     pn_delivery_settle,
     pn_delivery_settled,
-    pn_delivery_tag,
     pn_link_advance,
-    pn_link_send,
+    pn_link_credit,
+    pn_link_get_drain,
+    pn_link_remote_max_message_size,
 )
-from proton import Condition, Disposition, Link, Terminus
+from cproton_ffi import ffi, lib
+from proton import Condition, Link, Terminus
 
 from gateway.broker import BindError, Flow, QueueConfig, QueueError
 from gateway.model import Delivery as GatewayDelivery
@@ -66,7 +71,9 @@ class Outbound(Endpoint):
         self.flow: Flow | None = None
         self.presettled = False
         self.durable: str | None = None  # durable subscription queue, deleted on link close
-        self.unsettled: dict[str, str] = {}  # delivery tag -> stream entry id
+        # C delivery -> stream entry id (cffi pointers hash by address; proton reuses a
+        # delivery's memory only once it is settled, and then it has left this dict)
+        self.unsettled: dict[Any, str] = {}
         self._tags = itertools.count(1)
 
     async def attach(self) -> None:
@@ -224,28 +231,28 @@ class Outbound(Endpoint):
     def _on_deliver(self, delivery: GatewayDelivery) -> None:
         if not self.live or self.flow is None:
             return  # unsettled in the flow: redelivered once the flow closes
-        link, flow = self.link, self.flow
+        flow = self.flow
         try:
             body = sections.encode(delivery)
-        except sections.Unsupported:
-            body = mapping.from_delivery(delivery).encode()
-        limit = link.remote_max_message_size
+        except sections.Unsupported:  # proton encodes into a bytearray
+            body = bytes(mapping.from_delivery(delivery).encode())
+        impl = self.link._impl  # cffi calls: proton's wrappers cost more than the send
+        limit = pn_link_remote_max_message_size(impl)
         if limit and len(body) > limit:
             log.warning(
                 "message %s exceeds the client's max-message-size; rejected", delivery.entry_id
             )
             flow.reject(delivery.entry_id)
             return
-        tag = str(next(self._tags))
-        impl = link._impl  # cffi calls: proton's Delivery wrapper cost more than the send
-        dlv = pn_delivery(impl, tag)
-        pn_link_send(impl, body)
+        tag = b"%x" % next(self._tags)
+        dlv = lib.pn_delivery(impl, (len(tag), ffi.from_buffer(tag)))
+        lib.pn_link_send(impl, body, len(body))
         pn_link_advance(impl)
         if self.presettled:
             pn_delivery_settle(dlv)
             flow.ack(delivery.entry_id)
         else:
-            self.unsettled[tag] = delivery.entry_id
+            self.unsettled[dlv] = delivery.entry_id
         self.host.wake()
 
     def on_flow(self) -> None:
@@ -254,9 +261,10 @@ class Outbound(Endpoint):
         exclusive standby)."""
         if not self.live or self.flow is None:
             return
-        flow, link = self.flow, self.link
-        flow.set_credit(max(0, link.credit))
-        if link.drain_mode and link.credit > 0 and (flow.space <= 0 or not flow.active):
+        flow, impl = self.flow, self.link._impl  # one FLOW event per client flow frame
+        credit = pn_link_credit(impl)
+        flow.set_credit(max(0, credit))
+        if credit > 0 and pn_link_get_drain(impl) and (flow.space <= 0 or not flow.active):
             self._drained(flow)
 
     def _on_empty(self) -> None:
@@ -269,19 +277,21 @@ class Outbound(Endpoint):
         flow.set_credit(0)
         self.host.wake()
 
-    def on_disposition(self, dlv: Any) -> None:
+    def on_delivery(self, dlv: Any) -> None:
         """DELIVERY event on our sender (`dlv` is the C delivery): the client's outcome for
         one message."""
         state = pn_delivery_remote_state(dlv)
         if self.flow is None or not (state or pn_delivery_settled(dlv)):
             return
-        entry_id = self.unsettled.pop(pn_delivery_tag(dlv), None)
+        entry_id = self.unsettled.pop(dlv, None)
         if entry_id is not None:
-            if state == Disposition.REJECTED:
+            if state == PN_ACCEPTED:
+                self.flow.ack(entry_id)
+            elif state == PN_REJECTED:
                 self.flow.reject(entry_id)
-            elif state in (Disposition.RELEASED, Disposition.MODIFIED):
+            elif state in (PN_RELEASED, PN_MODIFIED):
                 self.flow.requeue(entry_id)
-            else:  # accepted, or settled with no outcome
+            else:  # settled with no outcome
                 self.flow.ack(entry_id)
         pn_delivery_settle(dlv)
 

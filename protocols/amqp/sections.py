@@ -37,6 +37,9 @@ _f = struct.Struct(">f").unpack_from
 _d = struct.Struct(">d").unpack_from
 
 
+_NO_PROPERTIES: list = [None] * 13  # read only
+
+
 class Unsupported(Exception):
     """Not a shape handled here: use proton instead."""
 
@@ -61,6 +64,8 @@ def _read(buf: bytes, i: int) -> tuple[object, int]:
         if end > len(buf):
             raise Unsupported("truncated")
         return (raw if code == 0xA0 else raw.decode()), end
+    if code == 0xC0 or code == 0xC1:  # list8 / map8: header, properties, annotations
+        return _items(buf, i + 2, buf[i + 1])
     if code in (0xB1, 0xB3, 0xB0):
         end = i + 4 + _I(buf, i)[0]
         if end > len(buf):
@@ -95,16 +100,31 @@ def _read(buf: bytes, i: int) -> tuple[object, int]:
         return UUID(bytes=bytes(buf[i : i + 16])), i + 16
     if code == 0x45:
         return [], i
-    if code in (0xC0, 0xC1):
-        count, i = buf[i + 1], i + 2
-    elif code in (0xD0, 0xD1):
-        count, i = _I(buf, i + 4)[0], i + 8
-    else:
-        raise Unsupported(f"type 0x{code:02x}")
-    items = []
+    if code in (0xD0, 0xD1):
+        return _items(buf, i + 8, _I(buf, i + 4)[0])
+    raise Unsupported(f"type 0x{code:02x}")
+
+
+def _items(buf: bytes, i: int, count: int) -> tuple[list, int]:
+    """The `count` values of a list or map starting at offset i (nulls and short strings or
+    symbols, most of a properties list or a map, read inline: a call each was most of the
+    cost of a JMS client's message)."""
+    items: list = []
+    append = items.append
     for _ in range(count):
-        value, i = _read(buf, i)
-        items.append(value)
+        code = buf[i]
+        if code == 0x40:
+            append(None)
+            i += 1
+        elif code == 0xA1 or code == 0xA3:
+            end = i + 2 + buf[i + 1]
+            if end > len(buf):
+                raise Unsupported("truncated")
+            append(buf[i + 2 : end].decode())
+            i = end
+        else:
+            value, i = _read(buf, i)
+            append(value)
     return items, i
 
 
@@ -192,12 +212,17 @@ def _decode(data: bytes, publisher: Publisher) -> tuple[Message, str | None, int
     for key in app:
         if not isinstance(key, str):
             raise Unsupported("application property key")
-    header += [None] * (5 - len(header))
-    props += [None] * (13 - len(props))
-    to, subject, reply_to, group_id = props[2], props[3], props[4], props[10]
-    for text in (to, subject, reply_to, group_id):
-        if text is not None and not isinstance(text, str):
-            raise Unsupported("property type")
+    if len(header) < 5:
+        header += [None] * (5 - len(header))
+    if props:
+        props += [None] * (13 - len(props))
+        to, subject, reply_to, group_id = props[2], props[3], props[4], props[10]
+        for text in (to, subject, reply_to, group_id):
+            if text is not None and not isinstance(text, str):
+                raise Unsupported("property type")
+    else:
+        props = _NO_PROPERTIES
+        to = subject = reply_to = group_id = None
     priority = header[1]
     expiry, ttl = props[8], header[2]
     if expiry:
@@ -221,6 +246,8 @@ def _decode(data: bytes, publisher: Publisher) -> tuple[Message, str | None, int
         user_properties=[(k, _prop(v)) for k, v in app.items()] if app else [],
         publisher=publisher,
     )
+    if not annotations:
+        return msg, to or None, None
     eligible = annotations.get("x-opt-dmq-eligible")
     if isinstance(eligible, bool):
         msg.dmq_eligible = eligible
@@ -313,30 +340,58 @@ def _section(code: int, value: bytes) -> bytes:
     return bytes((0x00, 0x53, code)) + value
 
 
-def encode(delivery: Delivery, now_ms: int | None = None) -> bytes:
-    """The AMQP message for one delivery, as mapping.from_delivery(...).encode() gives it;
-    raises Unsupported for a kept amqp-value body (left to proton)."""
-    msg = delivery.message
-    if AMQP_VALUE in msg.annotations:
-        raise Unsupported("amqp-value body")
-    count = delivery.delivery_count
-    ttl = _NULL
-    expiry = _NULL
-    if msg.expiration is not None:
-        now = time.time() * 1000 if now_ms is None else now_ms
-        ttl = _uint(max(1, int(msg.expiration - now)))
-        expiry = b"\x83" + _pack_q(msg.expiration)
-    header = [
-        _TRUE if msg.persistent else _FALSE,
-        bytes((0x50, msg.priority)),
+def _header(persistent: bool, priority: int, ttl: bytes, count: int) -> bytes:
+    items = [
+        _TRUE if persistent else _FALSE,
+        bytes((0x50, priority)),
         ttl,
         _TRUE if count == 1 else _FALSE,
         _uint(max(0, count - 1)),
     ]
-    annotations: list[bytes] = []
-    for key, value in msg.annotations.items():
-        annotations += (_sym(key), _value(value))
-    annotations += (b"\xa3\x0ex-opt-jms-dest", b"\x51\x00" if msg.to_queue else b"\x51\x01")
+    return _section(HEADER, _compound(0xC0, 0xD0, items))
+
+
+def _annotations(annotations: dict[str, PropertyValue], to_queue: bool) -> bytes:
+    items: list[bytes] = []
+    for key, value in annotations.items():
+        items += (_sym(key), _value(value))
+    items += (b"\xa3\x0ex-opt-jms-dest", b"\x51\x00" if to_queue else b"\x51\x01")
+    return _section(MESSAGE_ANN, _compound(0xC1, 0xD1, items))
+
+
+# Sections that most deliveries share, encoded once: the header of a message without
+# expiry, by (persistent, priority, delivery count), and the annotations of a message
+# that has none of its own, by to_queue.
+_HEADERS: dict[tuple[bool, int, int], bytes] = {}
+_HEADERS_MAX = 256
+_ANNOTATIONS = {to_queue: _annotations({}, to_queue) for to_queue in (False, True)}
+_DATA = bytes((0x00, 0x53, DATA))
+
+
+def encode(delivery: Delivery, now_ms: int | None = None) -> bytes:
+    """The AMQP message for one delivery, as mapping.from_delivery(...).encode() gives it;
+    raises Unsupported for a kept amqp-value body (left to proton)."""
+    msg = delivery.message
+    count = delivery.delivery_count
+    if msg.expiration is None:
+        key = (msg.persistent, msg.priority, count)
+        header = _HEADERS.get(key)
+        if header is None:
+            header = _header(msg.persistent, msg.priority, _NULL, count)
+            if len(_HEADERS) < _HEADERS_MAX:
+                _HEADERS[key] = header
+        expiry = _NULL
+    else:
+        now = time.time() * 1000 if now_ms is None else now_ms
+        ttl = _uint(max(1, int(msg.expiration - now)))
+        header = _header(msg.persistent, msg.priority, ttl, count)
+        expiry = b"\x83" + _pack_q(msg.expiration)
+    if msg.annotations:
+        if AMQP_VALUE in msg.annotations:
+            raise Unsupported("amqp-value body")
+        annotations = _annotations(msg.annotations, msg.to_queue)
+    else:
+        annotations = _ANNOTATIONS[msg.to_queue]
     to = msg.destination if msg.to_queue else f"topic://{msg.destination}"
     props = [
         _NULL if msg.message_id is None else _msgid(msg.message_id),
@@ -353,15 +408,16 @@ def encode(delivery: Delivery, now_ms: int | None = None) -> bytes:
     ]
     while props[-1] is _NULL:
         props.pop()
-    parts = [
-        _section(HEADER, _compound(0xC0, 0xD0, header)),
-        _section(MESSAGE_ANN, _compound(0xC1, 0xD1, annotations)),
-        _section(PROPERTIES, _compound(0xC0, 0xD0, props)),
-    ]
+    parts = [header, annotations, _section(PROPERTIES, _compound(0xC0, 0xD0, props))]
     if msg.user_properties:
         app: list[bytes] = []
         for key, value in dict(msg.user_properties).items():
             app += (_str(key), _value(value))
         parts.append(_section(APP_PROPS, _compound(0xC1, 0xD1, app)))
-    parts.append(_section(DATA, _variable(0xA0, 0xB0, msg.payload)))
+    payload = msg.payload
+    size = len(payload)
+    if size < 256:
+        parts += (_DATA, bytes((0xA0, size)), payload)
+    else:
+        parts += (_DATA, b"\xb0", _pack_I(size), payload)
     return b"".join(parts)
