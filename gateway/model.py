@@ -155,17 +155,24 @@ def encode(msg: Message) -> bytes:
     return _packer.pack(fields[:end] if end < len(fields) else fields)
 
 
+_unpackb = msgpack.unpackb
+_FIELDS = 17
+_PADDING = [[None] * (_FIELDS - n) for n in range(_FIELDS + 1)]  # by the number of fields read
+
+
 def decode(blob: bytes) -> Message:
     """Inverse of `encode`; raises ValueError on an entry this version cannot read."""
     try:
-        f = msgpack.unpackb(blob, raw=False, use_list=True, strict_map_key=False)
+        f = _unpackb(blob, raw=False, strict_map_key=False)
     except (msgpack.UnpackException, ValueError, TypeError) as exc:
         raise ValueError(f"undecodable stream entry: {exc}") from exc
-    if not isinstance(f, list) or not f or type(f[0]) is not int or f[0] != ENCODING_VERSION:
+    if f.__class__ is not list or not f or f[0].__class__ is not int or f[0] != ENCODING_VERSION:
         raise ValueError("stream entry has an unknown encoding version")
-    if len(f) < 3 or not isinstance(f[1], bytes) or not isinstance(f[2], str):
+    n = len(f)
+    if n < 3 or f[1].__class__ is not bytes or f[2].__class__ is not str:
         raise ValueError("stream entry has no payload or destination")
-    f.extend([None] * (17 - len(f)))
+    if n < _FIELDS:
+        f += _PADDING[n]
     try:
         flags = f[4] or 0
         pub = f[16]
@@ -176,8 +183,8 @@ def decode(blob: bytes) -> Message:
             DEFAULT_PRIORITY if f[5] is None else f[5],
             f[7],  # expiration
             f[8],  # not_before
-            bool(flags & FLAG_PERSISTENT),
-            bool(flags & FLAG_DMQ_ELIGIBLE) if flags & FLAG_DMQ_SET else None,
+            flags & FLAG_PERSISTENT != 0,
+            flags & FLAG_DMQ_ELIGIBLE != 0 if flags & FLAG_DMQ_SET else None,
             f[9],  # content_type
             f[10],  # correlation_id
             f[11],  # reply_to
@@ -186,8 +193,8 @@ def decode(blob: bytes) -> Message:
             [(k, v) for k, v in f[14]] if f[14] else [],
             dict(f[15]) if f[15] else {},
             Publisher(pub[0], pub[1], pub[2]) if pub else None,
-            bool(flags & FLAG_RETAIN),
-            bool(flags & FLAG_TO_QUEUE),
+            flags & FLAG_RETAIN != 0,
+            flags & FLAG_TO_QUEUE != 0,
             f[3] or "",  # id
         )
     except (TypeError, ValueError, IndexError, KeyError) as exc:

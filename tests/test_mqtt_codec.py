@@ -38,6 +38,7 @@ from protocols.mqtt.codec import (
     Unsubscribe,
     Will,
     encode,
+    encode_puback,
     encode_publish,
     v3_connack_return_code,
 )
@@ -1540,3 +1541,9 @@ def test_mqtt5_rejects_short_auth():
     assert decode_one(b"\xf0\x00", 5) == Auth()
     with pytest.raises(ValueError):
         mqtt5.read(memoryview(b"\xf0\x00"))
+
+
+def test_fast_puback_matches_the_generic_encoder() -> None:
+    for level in (3, 4, 5):
+        for pid in (1, 0x7F, 0x100, 0xFFFF):
+            assert encode_puback(pid) == encode(Puback(pid), level)

@@ -398,6 +398,40 @@ async def test_v5_subscription_options(mqtt: Listener) -> None:
     raw.close()
 
 
+async def test_delivery_follows_subscription_changes(mqtt: Listener) -> None:
+    """What a delivery carries (QoS, subscription ids) is worked out once per topic and
+    kept: a changed or added subscription must show in the very next delivery."""
+    raw, _ = await Raw.connected(mqtt.port, 5, client_id="changes")
+
+    async def delivered(payload: bytes) -> Publish:
+        await raw.send(Publish("c/x", payload, qos=0))
+        got = await raw.recv()
+        assert isinstance(got, Publish) and got.payload == payload
+        return got
+
+    ids = Properties(subscription_identifiers=[7])
+    await raw.send(Subscribe(1, [("c/#", SubscriptionOptions(qos=1))], ids))
+    assert await raw.recv() == Suback(1, [1])
+    first = await delivered(b"1")
+    assert first.properties is not None and first.properties.subscription_identifiers == [7]
+    ids = Properties(subscription_identifiers=[9])
+    await raw.send(Subscribe(2, [("c/#", SubscriptionOptions(qos=1))], ids))
+    assert await raw.recv() == Suback(2, [1])
+    second = await delivered(b"2")
+    assert second.properties is not None and second.properties.subscription_identifiers == [9]
+    ids = Properties(subscription_identifiers=[3])
+    await raw.send(Subscribe(3, [("c/+", SubscriptionOptions(qos=1))], ids))
+    assert await raw.recv() == Suback(3, [1])
+    third = await delivered(b"3")
+    assert third.properties is not None and third.properties.subscription_identifiers == [3, 9]
+    await raw.send(Unsubscribe(4, ["c/#", "c/+"]))
+    assert isinstance(await raw.recv(), Unsuback)
+    await raw.send(Publish("c/x", b"4", qos=0))
+    await raw.ping()
+    assert not [p for p in raw.pending if isinstance(p, Publish)]
+    raw.close()
+
+
 async def test_v5_disconnect_with_will(mqtt: Listener) -> None:
     watcher, _ = await Raw.connected(mqtt.port, 5, client_id="watch2")
     await watcher.send(Subscribe(1, [("w2/#", SubscriptionOptions())]))

@@ -520,20 +520,27 @@ class Dispatcher:
         got = (len(reply) - 2) // 4 + int(reply[1])  # delivered + dead-lettered instead
         queue = fetch.queue
         prefix = "" if fetch.partition is None else f"{fetch.partition}/"
+        unacked, prioritised = flow.unacked, flow.prioritised
         for i in range(2, len(reply), 4):
             raw_id = reply[i].decode()
-            entry_id = prefix + raw_id
+            entry_id = prefix + raw_id if prefix else raw_id
             blob = reply[i + 2]
-            if flow.prioritised:  # "level/id": the level's stream holds the entry
+            size = len(blob)
+            if prioritised:  # "level/id": the level's stream holds the entry
                 level, _, raw_id = raw_id.partition("/")
                 queue = priority_queue(flow.queue, int(level))
-            flow.unacked[entry_id] = (queue, raw_id, len(blob))
+            unacked[entry_id] = (queue, raw_id, size)
             if flow.credit is not None:
                 flow.credit -= 1
             message = decode(blob)
-            if reply[i + 3]:  # an expiry, or a dead message queue's entry
-                _apply_meta(message, reply[i + 3])
-            self._hand_over(flow, Delivery(queue, entry_id, message, int(reply[i + 1]), len(blob)))
+            meta = reply[i + 3]
+            if meta:  # an expiry, or a dead message queue's entry
+                _apply_meta(message, meta)
+            self.delivered += 1
+            try:
+                flow.on_deliver(Delivery(queue, entry_id, message, int(reply[i + 1]), size))
+            except Exception:
+                log.exception("delivery callback of flow %s failed", flow.id)
             if flow.closed:
                 return
         if fetch.partition is not None:

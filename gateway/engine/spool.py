@@ -10,13 +10,15 @@ One batch is in flight at a time, which keeps each publisher's messages in order
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
 from gateway.engine.partitions import key_hash
 from gateway.model import Outcome
+
+log = logging.getLogger(__name__)
 
 MAX_BATCH_MESSAGES = 512
 MAX_BATCH_BYTES = 4 * 1024 * 1024
@@ -24,20 +26,24 @@ FLOW_CONTROL_RETRY = 0.05  # seconds between offers of flow-controlled messages
 _OUTCOMES = tuple(Outcome)  # by code: indexing costs a tenth of Outcome(code)
 
 
-@dataclass(slots=True)
-class _Pending:
-    """One message waiting for the next batch (see `Spooler.submit` for the fields)."""
-
-    queues: Iterable[str]
-    direct: bool
-    size: int
-    key: str | None
-    expires: int | None
-    props: str
-    priority: int
-    not_before: int | None
-    blob: bytes
-    future: asyncio.Future
+# One message waiting for the next batch: the arguments of `Spooler.submit`, then its future
+# (None when it has a callback) and its callback (None when it has a future). A plain tuple:
+# a dataclass instance per message costs measurably more on the publish path.
+_Pending = tuple[
+    Iterable[str],
+    bool,
+    int,
+    "str | None",
+    "int | None",
+    str,
+    int,
+    "int | None",
+    bytes,
+    "asyncio.Future | None",
+    "Done | None",
+]
+Done = Callable[["Outcome | BaseException"], None]
+_BLOB, _FUTURE, _DONE = 8, 9, 10
 
 
 class Spooler:
@@ -73,8 +79,11 @@ class Spooler:
         priority: int,
         not_before: int | None,
         blob: bytes,
-    ) -> asyncio.Future[Outcome]:
-        """Queue one message for the next batch; the future carries its Outcome.
+        done: Done | None = None,
+    ) -> asyncio.Future[Outcome] | None:
+        """Queue one message for the next batch; the future carries its Outcome, or, when
+        `done` is given, no future is made and `done(outcome)` (or `done(exception)` when
+        Redis failed) is called once the batch is answered.
         `key` (the partition key) picks the partition, or the message group; `expires`
         (epoch ms) is when it may no longer be delivered; `props` carries the properties
         last value and sorted queues key on (Router.spool_properties); `priority` (0-9)
@@ -83,9 +92,9 @@ class Spooler:
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
-        fut: asyncio.Future[Outcome] = loop.create_future()
+        fut: asyncio.Future[Outcome] | None = None if done is not None else loop.create_future()
         self._pending.append(
-            _Pending(queues, direct, size, key, expires, props, priority, not_before, blob, fut)
+            (queues, direct, size, key, expires, props, priority, not_before, blob, fut, done)
         )
         if self._task is None:
             self._task = loop.create_task(self._run())
@@ -97,12 +106,13 @@ class Spooler:
             while self._pending:
                 batch = self._take_batch()
                 try:
-                    await self._flush(batch)
+                    codes = await self._call(batch)
                 except Exception as exc:  # Redis unreachable: refuse, never ack
                     self.refused["redis_error"] = self.refused.get("redis_error", 0) + len(batch)
                     for p in batch:
-                        if not p.future.done():
-                            p.future.set_exception(exc)
+                        _resolve(p, exc)
+                    continue
+                self._settle(batch, codes)  # outside the try: each message is told once
         finally:
             self._task = None
             if self._pending:  # raced with a submit during the finally
@@ -112,38 +122,51 @@ class Spooler:
         pending = self._pending
         total = 0
         for i, p in enumerate(pending):
-            total += len(p.blob)
+            total += len(p[_BLOB])
             if i + 1 >= MAX_BATCH_MESSAGES or total >= MAX_BATCH_BYTES:
                 batch, self._pending = pending[: i + 1], pending[i + 1 :]
                 return batch
         self._pending = []
         return pending
 
-    async def _flush(self, batch: list[_Pending]) -> None:
+    async def _call(self, batch: list[_Pending]) -> list[int]:
+        """Store the batch with one gw_spool call; its outcome code per message."""
         index: dict[str, int] = {}
         body: list[object] = []
-        for p in batch:
+        append, extend = body.append, body.extend
+        for queues, direct, size, key, expires, props, priority, not_before, blob, _, _ in batch:
             idx = []
-            for q in p.queues:
+            for q in queues:
                 i = index.get(q)
                 if i is None:
                     i = index[q] = len(index) + 1
                 idx.append(i)
-            body.append(len(idx))
-            body += idx
-            body += (
-                1 if p.direct else 0,
-                p.size,
-                *key_hash(p.key),
-                p.key or "",
-                p.expires or 0,
-                p.props,
-                p.priority,
-                p.not_before or 0,
-                p.blob,
+            if key is None and not expires and not props and not not_before:
+                append(-len(idx))  # gw_spool's short form: half the arguments
+                extend(idx)
+                extend((1 if direct else 0, size, key_hash(None)[1], priority, blob))
+                continue
+            append(len(idx))
+            extend(idx)
+            extend(
+                (
+                    1 if direct else 0,
+                    size,
+                    *key_hash(key),
+                    key or "",
+                    expires or 0,
+                    props,
+                    priority,
+                    not_before or 0,
+                    blob,
+                )
             )
         codes = await self._redis.fcall("gw_spool", 0, self._node, len(index), *index.keys(), *body)
         self.batches += 1
+        return codes
+
+    def _settle(self, batch: list[_Pending], codes: list[int]) -> None:
+        """Tell each message's publisher its outcome; hold the flow-controlled ones."""
         stored: set[str] = set()
         held: list[_Pending] = []
         for p, code in zip(batch, codes, strict=False):
@@ -152,13 +175,12 @@ class Spooler:
                 held.append(p)  # the publisher's ack waits until the queue drains
                 continue
             if outcome is Outcome.OK:
-                stored.update(p.queues)
+                stored.update(p[0])
                 self.messages += 1
             elif outcome is not Outcome.NO_SUBSCRIBERS:
                 name = outcome.name.lower()
                 self.refused[name] = self.refused.get(name, 0) + 1
-            if not p.future.done():
-                p.future.set_result(outcome)
+            _resolve(p, outcome)
         if stored and self._on_spooled is not None:
             self._on_spooled(stored)
         if held:
@@ -172,3 +194,21 @@ class Spooler:
         self._pending[:0], self._held = self._held, []
         if self._task is None and self._pending:
             self._task = asyncio.get_running_loop().create_task(self._run())
+
+
+def _resolve(p: _Pending, result: Outcome | BaseException) -> None:
+    """Hand one message's outcome (or the batch's error) to its future or callback."""
+    done = p[_DONE]
+    if done is not None:
+        try:
+            done(result)
+        except Exception:  # the publisher's problem: the rest of the batch is still told
+            log.exception("spool callback failed")
+        return
+    fut = p[_FUTURE]
+    if fut.done():
+        return
+    if isinstance(result, BaseException):
+        fut.set_exception(result)
+    else:
+        fut.set_result(result)

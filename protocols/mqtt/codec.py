@@ -1419,6 +1419,12 @@ def _enc_connack(p: Connack, level: int) -> bytes:
     return bytes((0x20, 2, sp, v3_connack_return_code(p.reason_code)))
 
 
+def encode_puback(packet_id: int) -> bytes:
+    """A successful PUBACK without properties: the same bytes at every protocol level
+    (the hot path of QoS 1 ingress; `packet_id` comes from a decoded PUBLISH)."""
+    return _pack_BBH(0x40, 2, packet_id)
+
+
 def _enc_pub_ack(p: Puback | Pubrec | Pubrel | Pubcomp, level: int) -> bytes:
     b0 = p.packet_type << 4 | (2 if p.packet_type == 6 else 0)
     pid = _pack_H(_check_packet_id(p.packet_id))

@@ -52,6 +52,7 @@ from protocols.mqtt.codec import (
     Unsubscribe,
     Will,
     encode,
+    encode_puback,
 )
 from protocols.mqtt.state import SessionState, shared_filter, shared_queue_name
 
@@ -74,6 +75,7 @@ MAX_PENDING_PUBLISHES = 1024  # publishes awaiting the spool before input is pau
 # Window of a flow on a shared group's queue: the engine fills a flow's window from what is
 # spooled, so a small one spreads a burst over the group's members instead of one taking all.
 SHARED_WINDOW = 8
+MAX_CACHED_ROUTES = 4096  # topics whose delivery options a session keeps (see _deliver)
 _connection_ids = itertools.count(1)
 
 # Refused spool outcomes -> MQTT 5 PUBACK/PUBREC reason codes. PUBACK cannot carry 0x95
@@ -121,6 +123,38 @@ def _covered(patterns: list[str], topic: str) -> bool:
     return False
 
 
+_DECIDED = object()  # an `_Ack` answered on arrival, with its own reason code
+
+
+class _Ack:
+    """One inbound QoS 1/2 PUBLISH awaiting its PUBACK / PUBREC. The spooler calls it with
+    the outcome (or the exception that kept the message from Redis): a plain call, no future
+    or loop handle per message."""
+
+    __slots__ = ("outcome", "pid", "qos", "rc", "session")
+
+    def __init__(self, session: Session, qos: int, pid: int, rc: int, outcome: object) -> None:
+        self.session = session
+        self.qos = qos
+        self.pid = pid
+        self.rc = rc
+        self.outcome: object = outcome  # None while spooling
+
+    def __call__(self, outcome: Outcome | BaseException) -> None:
+        self.outcome = outcome
+        session = self.session
+        if self.qos == 1:
+            session._spooled()
+        session._ack_resolved()
+
+    def from_future(self, fut: asyncio.Future[Outcome]) -> None:
+        if fut.cancelled():
+            self.outcome = asyncio.CancelledError()
+        else:
+            self.outcome = fut.exception() or fut.result()
+        self.session._ack_resolved()
+
+
 class Session:
     """One connection's MQTT state machine; see the module docstring."""
 
@@ -144,8 +178,9 @@ class Session:
         self._connect_seen = False
         self._backlog: deque[Packet | MqttProtocolError] = deque()
         self._busy: asyncio.Task | None = None
-        # (spool future or None, qos, packet id, reason code when there is no future)
-        self._acks: deque[tuple[asyncio.Future[Outcome] | None, int, int, int]] = deque()
+        self._acks: deque[_Ack] = deque()  # inbound QoS 1/2 publishes, in arrival order
+        self._unresolved = 0  # of them, those still waiting for the spool
+        self._resolved: asyncio.Future[None] | None = None  # set when that reaches 0
         self._qos1_in = 0
         self._spooling = 0
         self._publisher: Publisher | None = None  # shared by this session's messages
@@ -157,6 +192,10 @@ class Session:
         self._shared: dict[str, str] = {}  # shared queue -> its `$share/...` filter
         self._window = DEFAULT_WINDOW
         self._direct: dict[str, int] = {}
+        # (topic, direct, own message) -> `_route` result, for `_routes_of` at its version
+        self._routes: dict[tuple[str, bool, bool], tuple[int, bool, list[int]] | None] = {}
+        self._routes_of: SessionState | None = None
+        self._routes_version = 0
         self._last_direct = ""
         self._deny_publish: list[str] = []
         self._deny_subscribe: list[str] = []
@@ -420,7 +459,7 @@ class Session:
             return
         pid = p.packet_id or 0  # set whenever qos > 0 (the decoder checks)
         if p.qos == 2 and pid in state.qos2_in:  # resent before PUBREL: do not spool again
-            self._acks.append((None, 2, pid, ReasonCode.SUCCESS))
+            self._acks.append(_Ack(self, 2, pid, ReasonCode.SUCCESS, _DECIDED))
             self._flush_acks()
             return
         if (
@@ -430,39 +469,46 @@ class Session:
         ):
             self.fail(ReasonCode.RECEIVE_MAXIMUM_EXCEEDED)
             return
-        if _covered(self._deny_publish, p.topic):
+        if self._deny_publish and _covered(self._deny_publish, p.topic):
             log.info("MQTT client %r may not publish to %r", self.client_id, p.topic)
             self.registry.count("publish_denied")
             if p.qos:  # v3/v4: acked and dropped (as mosquitto does), v5: refused
                 rc = ReasonCode.NOT_AUTHORIZED if self.level == 5 else ReasonCode.SUCCESS
-                self._acks.append((None, p.qos, pid, rc))
+                self._acks.append(_Ack(self, p.qos, pid, rc, _DECIDED))
                 self._flush_acks()
             return
         publisher = self._publisher
         if publisher is None:  # client id and user are fixed once connected
             publisher = self._publisher = Publisher("mqtt", self.client_id, self.user)
         msg = mapping.to_message(p, publisher, self.level)
-        fut = self.broker.publish_nowait(msg)
         self._spooling += 1
         if self._spooling >= MAX_PENDING_PUBLISHES:
             self.link.pause_input("spool")
-        if p.qos == 1:  # one callback per publish: each costs a loop handle
+        if p.qos == 1:  # the spooler calls the ack back: no future, no loop handle
             self._qos1_in += 1
-            self._acks.append((fut, 1, pid, ReasonCode.SUCCESS))
-            fut.add_done_callback(self._spooled_and_acked)
+            self._unresolved += 1
+            ack = _Ack(self, 1, pid, ReasonCode.SUCCESS, None)
+            self._acks.append(ack)
+            self.broker.publish_nowait(msg, ack)
             return
-        fut.add_done_callback(self._spooled)
-        if p.qos == 2:
-            state.qos2_in.add(pid)
-            fut = asyncio.ensure_future(self._mark_received(fut, pid))
-            self._acks.append((fut, 2, pid, ReasonCode.SUCCESS))
-            fut.add_done_callback(self._flush_acks)
+        if p.qos == 0:
+            self.broker.publish_nowait(msg, self._spooled)
+            return
+        state.qos2_in.add(pid)
+        self._unresolved += 1
+        ack = _Ack(self, 2, pid, ReasonCode.SUCCESS, None)
+        self._acks.append(ack)
+        fut = asyncio.ensure_future(self._mark_received(self.broker.publish_nowait(msg), pid))
+        fut.add_done_callback(ack.from_future)
 
     async def _mark_received(self, spooled: asyncio.Future[Outcome], pid: int) -> Outcome:
         """QoS 2: record the id in Redis once the message is stored, before the PUBREC, so a
         resend after a reconnect (on any node, after a restart) is not stored again. A crash
         between the two stores a resend twice: never lost, at worst duplicated."""
-        outcome = await spooled
+        try:
+            outcome = await spooled
+        finally:
+            self._spooled()
         if outcome.accepted:
             await self.broker.clients.mark_received(self.client_id, pid)
         return outcome
@@ -489,40 +535,51 @@ class Session:
                 return False
         return True
 
-    def _spooled(self, fut: asyncio.Future[Outcome]) -> None:
+    def _spooled(self, _: object = None) -> None:
         self._spooling -= 1
         if self._spooling == MAX_PENDING_PUBLISHES // 2:
             self.link.resume_input("spool")
 
-    def _spooled_and_acked(self, fut: asyncio.Future[Outcome]) -> None:
-        self._spooled(fut)
+    def _ack_resolved(self) -> None:
+        """One QoS 1/2 entry of `_acks` got its outcome."""
+        self._unresolved -= 1
+        if self._unresolved == 0 and self._resolved is not None:
+            self._resolved.set_result(None)
+            self._resolved = None
         self._flush_acks()
 
-    def _flush_acks(self, _: object = None) -> None:
+    def _flush_acks(self) -> None:
         """Send PUBACK/PUBREC for the resolved head of the queue: acks keep publish order.
 
-        An entry without a future was decided on arrival (`rc` is its answer)."""
+        An entry `_DECIDED` on arrival answers with its `rc`."""
         state = self.state
-        while self._acks:
-            fut, qos, pid, rc = self._acks[0]
-            if fut is not None and not fut.done():
+        acks = self._acks
+        while acks:
+            ack = acks[0]
+            outcome = ack.outcome
+            if outcome is None:
                 return
-            self._acks.popleft()
-            if qos == 1 and fut is not None:
+            acks.popleft()
+            qos, pid = ack.qos, ack.pid
+            if outcome is Outcome.OK:  # the common case first
+                if qos == 1:
+                    self._qos1_in -= 1
+                if not self.closing and state is not None:
+                    self._send_pub_ack(qos, pid, ReasonCode.SUCCESS)
+                continue
+            if qos == 1 and outcome is not _DECIDED:
                 self._qos1_in -= 1
             if self.closing or state is None:
                 continue
-            if fut is None:
-                self._send_pub_ack(qos, pid, rc)
+            if outcome is _DECIDED:
+                self._send_pub_ack(qos, pid, ack.rc)
                 continue
-            exc = None if fut.cancelled() else fut.exception()
-            if fut.cancelled() or exc is not None:
+            if not isinstance(outcome, Outcome):
                 # not stored: no ack, and the connection goes so the client resends
-                log.error("MQTT client %r: spooling failed: %s", self.client_id, exc)
+                log.error("MQTT client %r: spooling failed: %r", self.client_id, outcome)
                 state.qos2_in.discard(pid)
                 self.fail(ReasonCode.UNSPECIFIED_ERROR)
                 continue
-            outcome = fut.result()
             if outcome.accepted:
                 self._send_pub_ack(qos, pid, ReasonCode.SUCCESS)
                 continue
@@ -538,7 +595,10 @@ class Session:
                 )
 
     def _send_pub_ack(self, qos: int, pid: int, rc: int) -> None:
-        self._send(Puback(pid, rc) if qos == 1 else Pubrec(pid, rc))
+        if qos == 1 and rc == ReasonCode.SUCCESS:
+            self.link.send(encode_puback(pid))
+        else:
+            self._send(Puback(pid, rc) if qos == 1 else Pubrec(pid, rc))
 
     async def _on_pubrel(self, p: Pubrel) -> None:
         """Forget the id in Redis before the PUBCOMP lets the client reuse it."""
@@ -571,30 +631,55 @@ class Session:
             return
         shared = self._shared.get(queue) if queue is not None else None
         if shared is not None:  # a shared group's queue: that one subscription
-            filters: list[str] = [shared] if shared in state.subscriptions else []
+            route = self._route(state, [shared] if shared in state.subscriptions else [], msg)
         else:
-            filters = self._own_filters(state, msg, entry_id is None)
-        options = [state.subscriptions[f] for f in filters]
-        if not options or _covered(self._deny_subscribe, msg.destination):
+            pub = msg.publisher
+            own = pub is not None and pub.client_id == self.client_id and pub.protocol == "mqtt"
+            key = (msg.destination, entry_id is None, own)
+            if self._routes_of is not state or self._routes_version != state.version:
+                self._routes.clear()
+                self._routes_of, self._routes_version = state, state.version
+            try:
+                route = self._routes[key]
+            except KeyError:
+                filters = self._own_filters(state, msg.destination, entry_id is None, own)
+                route = self._route(state, filters, msg)
+                if len(self._routes) >= MAX_CACHED_ROUTES:
+                    self._routes.clear()
+                self._routes[key] = route
+        if route is None:
             self._settle(queue, entry_id)
             return
+        max_qos, retain_as_published, sub_ids = route
         self._send_message(
             msg,
             queue,
             entry_id,
-            qos=min(mapping.message_qos(msg), max(o.qos for o in options)),
+            qos=min(mapping.message_qos(msg), max_qos),
             dup=dup,
-            retain=msg.retain and any(o.retain_as_published for o in options),
-            sub_ids=sorted(
-                {state.subscription_ids[f] for f in filters if f in state.subscription_ids}
-            ),
+            retain=msg.retain and retain_as_published,
+            sub_ids=sub_ids,
         )
 
-    def _own_filters(self, state: SessionState, msg: Message, direct: bool) -> list[str]:
-        """The client's non-shared filters that take `msg` (from its queue, or direct)."""
-        matched: Iterable[str] = state.trie.match(msg.destination)
-        pub = msg.publisher
-        if pub is not None and pub.protocol == "mqtt" and pub.client_id == self.client_id:
+    def _route(
+        self, state: SessionState, filters: list[str], msg: Message
+    ) -> tuple[int, bool, list[int]] | None:
+        """How the matching `filters` deliver `msg`'s topic: the highest QoS granted,
+        whether one keeps the retain flag, the subscription ids; None: not at all."""
+        options = [state.subscriptions[f] for f in filters]
+        if not options or _covered(self._deny_subscribe, msg.destination):
+            return None
+        return (
+            max(o.qos for o in options),
+            any(o.retain_as_published for o in options),
+            sorted({state.subscription_ids[f] for f in filters if f in state.subscription_ids}),
+        )
+
+    def _own_filters(self, state: SessionState, topic: str, direct: bool, own: bool) -> list[str]:
+        """The client's non-shared filters that take a message on `topic` (from its queue,
+        or direct); `own`: the client published it (no-local filters skip it)."""
+        matched: Iterable[str] = state.trie.match(topic)
+        if own:
             matched = [f for f in matched if not state.subscriptions[f].no_local]
         queued = [f for f in matched if state.subscriptions[f].qos > 0]
         if direct:  # if a queued filter matches too, the queue delivers it at its QoS
@@ -612,10 +697,12 @@ class Session:
         retain: bool,
         sub_ids: list[int],
     ) -> None:
-        expiry = mapping.remaining_expiry(msg, mapping.now_ms())
-        if expiry == 0:
-            self._settle(queue, entry_id)
-            return
+        expiry = None
+        if msg.expiration is not None:
+            expiry = mapping.remaining_expiry(msg, mapping.now_ms())
+            if expiry == 0:
+                self._settle(queue, entry_id)
+                return
         pid = self._allocate_pid() if qos else None
         if qos and pid is None:  # cannot happen while the window is below 65535
             flow = self._flows.get(queue) if queue is not None else None
@@ -631,7 +718,7 @@ class Session:
             subscription_ids=sub_ids,
             expiry=expiry,
             level=self.level,
-            alias=self._alias_for(msg.destination),
+            alias=self._alias_for(msg.destination) if self._out_alias_max else None,
         )
         if self._max_out is not None and len(data) > self._max_out:
             log.info("MQTT client %r: message over its maximum packet size dropped", self.client_id)
@@ -662,7 +749,7 @@ class Session:
             flow.ack(entry_id)
 
     def _allocate_pid(self) -> int | None:
-        pubrel = self.state.pubrel_out if self.state is not None else set()
+        pubrel = self.state.pubrel_out if self.state is not None else ()
         for _ in range(65535):
             pid = self._next_pid
             self._next_pid = pid % 65535 + 1
@@ -731,10 +818,7 @@ class Session:
                 elif pattern in state.subscriptions:
                     state.drop_subscription(pattern)
             else:
-                if sub_id is not None:
-                    state.subscription_ids[pattern] = sub_id
-                else:
-                    state.subscription_ids.pop(pattern, None)
+                state.set_subscription_id(pattern, sub_id)
                 handling = options.retain_handling
                 if shared_filter(pattern) is None and (
                     handling == 0 or (handling == 1 and previous is None)
@@ -911,9 +995,9 @@ class Session:
                 await asyncio.wait({self._busy})
             # QoS 2 ids are marked in Redis once spooled: let those land before the session
             # is handed on, so a resend on the next connection is known as a duplicate
-            spooling = {f for f, *_ in self._acks if f is not None and not f.done()}
-            if spooling:
-                await asyncio.wait(spooling, timeout=CONNECT_TIMEOUT)
+            if self._unresolved:
+                self._resolved = self.loop.create_future()
+                await asyncio.wait({self._resolved}, timeout=CONNECT_TIMEOUT)
             for token in self._direct.values():
                 self.broker.unsubscribe_direct(token)
             self._direct.clear()

@@ -50,17 +50,28 @@ class SessionState:
     queue: str | None = None
     qos2_in: set[int] = field(default_factory=set)  # mirror of the Redis exactly-once set
     pubrel_out: set[int] = field(default_factory=set)  # PUBREL sent, PUBCOMP not yet seen
+    version: int = 0  # moves with every change of the subscriptions (delivery caches key on it)
 
     def set_subscription(self, pattern: str, options: SubscriptionOptions) -> None:
         self.subscriptions[pattern] = options
         if shared_filter(pattern) is None:
             self.trie.add(pattern, pattern, MQTT)
+        self.version += 1
 
     def drop_subscription(self, pattern: str) -> None:
         del self.subscriptions[pattern]
         self.subscription_ids.pop(pattern, None)
         if shared_filter(pattern) is None:
             self.trie.remove(pattern, pattern, MQTT)
+        self.version += 1
+
+    def set_subscription_id(self, pattern: str, sub_id: int | None) -> None:
+        """The MQTT 5 subscription identifier of a filter (None: it has none)."""
+        if sub_id is None:
+            self.subscription_ids.pop(pattern, None)
+        else:
+            self.subscription_ids[pattern] = sub_id
+        self.version += 1
 
     def dumps(self) -> bytes:
         subs = [
@@ -84,6 +95,6 @@ class SessionState:
         for pattern, qos, no_local, rap, handling, sub_id in blob["subs"]:
             state.set_subscription(pattern, SubscriptionOptions(qos, no_local, rap, handling))
             if sub_id is not None:
-                state.subscription_ids[pattern] = sub_id
+                state.set_subscription_id(pattern, sub_id)
         state.pubrel_out = set(blob["pubrel"])
         return state
