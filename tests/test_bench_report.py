@@ -1,6 +1,6 @@
 """bench/report.py: raw benchmark runs -> Markdown table with ratios, JSON summary, PNG chart.
 
-The lead pastes these files into the README, so the figures in them must be the medians,
+The README shows these files, so the figures in them must be the medians,
 ranges and same-run ratios of the runs they came from.
 """
 
