@@ -10,7 +10,6 @@ publish outcome or a delivery from Redis can arrive after the link or the connec
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import dataclass
 from functools import partial
@@ -221,23 +220,21 @@ class Inbound(Endpoint):
                 return False
         msg = ingress.message
         msg.destination, msg.to_queue = address.name, address.is_queue
-        fut = self.host.broker.publish_nowait(msg)
         self.inflight += 1
         if pn_delivery_settled(dlv):  # pre-settled by the client: at most once, no outcome
             pn_delivery_settle(dlv)
-            fut.add_done_callback(partial(self._published, None))
-        else:
-            fut.add_done_callback(partial(self._published, dlv))
+            dlv = None
+        self.host.broker.publish_nowait(msg, partial(self._published, dlv))
         return True
 
-    def _published(self, dlv: Any, fut: asyncio.Future[Outcome]) -> None:
+    def _published(self, dlv: Any, result: Outcome | BaseException) -> None:
         """The spool answered: settle the client's delivery (if it waits) and refill credit."""
         self.inflight -= 1
         outcome: Outcome | None = None
-        if fut.cancelled() or fut.exception() is not None:
-            log.warning("AMQP publish failed: %s", fut.exception() if not fut.cancelled() else "")
+        if isinstance(result, BaseException):
+            log.warning("AMQP publish failed: %s", result)
         else:
-            outcome = fut.result()
+            outcome = result
             if dlv is None and not outcome.accepted:
                 log.info("pre-settled AMQP publish refused: %s", outcome.name)
         if self.closed or self.host.closed:
