@@ -341,9 +341,7 @@ class Broker:
         subscriptions = list(subscriptions)
         if user is not None:
             config.owner = user
-            if subscriptions and await self.queues.exists(config.name):
-                await self._require(config.name, user, MODIFY_TOPIC)
-        created = await self.queues.create(config, subscriptions)
+        created = await self.queues.create(config, subscriptions, user=user)
         if subscriptions or config.lvq_key or config.sort_key or config.subscription_selector:
             await self.router.reload()  # routes carry a keyed queue's key, and selectors
         return created
@@ -405,6 +403,7 @@ class Broker:
             owner = (await self.queues.config(queue)).owner
             if user != owner or "owner" in changes:
                 raise QueueError("unauthorized", f"user {user!r} may not change queue {queue!r}")
+        await self.queues.changed(queue, changes, repartition=True)  # all or nothing
         deleted = 0
         if "partition_count" in changes:
             deleted = await self.queues.repartition(queue, changes.pop("partition_count"))

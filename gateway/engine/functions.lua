@@ -101,10 +101,27 @@ local function account(q, msgs, bytes, vpn, maxbytes)
   local total = redis.call('HINCRBY', K_SPOOL_USAGE, 'broker', bytes)
   local in_vpn = redis.call('HINCRBY', K_SPOOL_USAGE, 'v:' .. vpn, bytes)
   local bq, vq, set_pct, clear_pct = spool_limits(vpn)
-  local a = redis.call('HMGET', K_SPOOL_ALARMS, 'broker', 'vpn:' .. vpn, 'queue:' .. q)
-  spool_threshold('broker', total, bq, set_pct, clear_pct, a[1])
-  spool_threshold('vpn:' .. vpn, in_vpn, vq, set_pct, clear_pct, a[2])
-  spool_threshold('queue:' .. q, used, maxbytes or 0, set_pct, clear_pct, a[3])
+  -- Below the clear level before and after this change, a scope's alarm cannot change
+  -- (quota or percent changes re-evaluate alarms themselves): the alarms are not read.
+  local low = math.min(set_pct, clear_pct)
+  local scopes, n = {}, 0
+  local function near(scope, used, quota)
+    if quota > 0 and math.max(used, used - bytes) * 100 >= quota * low then
+      n = n + 1
+      scopes[n] = { scope, used, quota }
+    end
+  end
+  near('broker', total, bq)
+  near('vpn:' .. vpn, in_vpn, vq)
+  near('queue:' .. q, used, maxbytes or 0)
+  if n == 0 then return end
+  local fields = {}
+  for i = 1, n do fields[i] = scopes[i][1] end
+  local a = redis.call('HMGET', K_SPOOL_ALARMS, unpack(fields))
+  for i = 1, n do
+    local sc = scopes[i]
+    spool_threshold(sc[1], sc[2], sc[3], set_pct, clear_pct, a[i])
+  end
 end
 
 -- Take a queue's messages out of the accounting (before its stats are reset or deleted).
@@ -131,6 +148,20 @@ local function children(q)
     for p = PRIORITY_LEVELS - 1, 0, -1 do out[#out + 1] = priority_queue(q, p) end
   end
   return out
+end
+
+-- Re-evaluate the queue-scope threshold alarms of queue q and its hidden children against
+-- their current usage, quota and the stored percents (after one of those changed).
+local function queue_alarms(q)
+  local _, _, set_pct, clear_pct = spool_limits('default')
+  local names = children(q)
+  names[#names + 1] = q
+  for _, name in ipairs(names) do
+    local used = tonumber(redis.call('HGET', k_queue_stats(name), 'bytes') or '0') or 0
+    local quota = tonumber(redis.call('HGET', k_queue_config(name), 'max_spool_bytes') or '0')
+    spool_threshold('queue:' .. name, used, quota or 0, set_pct, clear_pct,
+      redis.call('HEXISTS', K_SPOOL_ALARMS, 'queue:' .. name) == 1)
+  end
 end
 
 -- Message-group mode of a queue: false, 'default' or 'shared'.
@@ -550,32 +581,26 @@ local function spool_quotas()
     limits[raw[i]] = v
     if v > 0 and (raw[i] == 'broker' or string.sub(raw[i], 1, 2) == 'v:') then any = true end
   end
-  return { limits = limits, base = {}, any = any }
+  -- added: the call's net bytes so far, by usage field (kept by spool_added)
+  return { limits = limits, base = {}, added = {}, any = any }
 end
 
 -- True when storing `size` more bytes in each of `targets` would pass the broker's quota or
--- the quota of one of their VPNs; `qs`: every queue the call touched; `nt`: the number of
--- targets.
-local function over_spool_quota(sq, qs, targets, nt, size)
+-- the quota of one of their VPNs; `nt`: the number of targets.
+local function over_spool_quota(sq, targets, nt, size)
   local limits, need, any = sq.limits, {}, false
-  if (limits.broker or 0) > 0 then
-    need.broker, any = size * nt, true
-  end
-  for i = 1, nt do
-    local f = targets[i].vpn_field
-    if (limits[f] or 0) > 0 then
-      need[f], any = (need[f] or 0) + size, true
+  for i = 1, nt do  -- what the message adds, less what its ring queues would drop for it
+    local t = targets[i]
+    local n = size - (t.plan and t.plan.bytes or 0)
+    if (limits.broker or 0) > 0 then
+      need.broker, any = (need.broker or 0) + n, true
+    end
+    if (limits[t.vpn_field] or 0) > 0 then
+      need[t.vpn_field], any = (need[t.vpn_field] or 0) + n, true
     end
   end
   if not any then return false end
-  local added = {}
-  for _, q in ipairs(qs) do
-    local net = q.added_bytes - q.dropped_bytes
-    if net ~= 0 then
-      added.broker = (added.broker or 0) + net
-      added[q.vpn_field] = (added[q.vpn_field] or 0) + net
-    end
-  end
+  local added = sq.added
   for f, n in pairs(need) do
     local base = sq.base[f]
     if not base then
@@ -587,22 +612,49 @@ local function over_spool_quota(sq, qs, targets, nt, size)
   return false
 end
 
--- Ring overflow: drop the oldest messages not yet delivered until `size` more fits.
--- False when only delivered (unsettled) messages are left to drop.
-local function drop_oldest(q, size)
+-- Count a stored copy of `size` bytes (less what its ring queue dropped for it) in the
+-- call's running totals of the broker and its VPN.
+local function spool_added(sq, q, size)
+  local added = sq.added
+  added.broker = (added.broker or 0) + size
+  added[q.vpn_field] = (added[q.vpn_field] or 0) + size
+end
+
+-- Ring overflow, first step: the oldest messages not yet delivered that would have to go
+-- for `size` more to fit, chosen without deleting anything (the message may still be
+-- refused by a later check). Sets q.plan; false when only delivered (unsettled) messages
+-- are left to drop.
+local function plan_drop(q, size)
   q.delivered_upto = q.delivered_upto or last_delivered(q.stream)
-  while over_quota(q, size) do
-    local e = redis.call('XRANGE', q.stream, '(' .. q.delivered_upto, '+', 'COUNT', 1)
+  local plan = { ids = {}, bytes = 0, after = q.delivered_upto }
+  q.plan = plan
+  local probe = { maxbytes = q.maxbytes, maxmsgs = q.maxmsgs, bytes = q.bytes, count = q.count }
+  while over_quota(probe, size) do
+    local e = redis.call('XRANGE', q.stream, '(' .. plan.after, '+', 'COUNT', 1)
     if #e == 0 then return false end
-    local blob = entry_blob(e[1][2]) or ''
-    redis.call('XDEL', q.stream, e[1][1])
-    q.delivered_upto = e[1][1]
-    q.count = q.count - 1
-    q.bytes = q.bytes - #blob
-    q.dropped = q.dropped + 1
-    q.dropped_bytes = q.dropped_bytes + #blob
+    local n = #(entry_blob(e[1][2]) or '')
+    plan.ids[#plan.ids + 1] = e[1][1]
+    plan.after = e[1][1]
+    plan.bytes = plan.bytes + n
+    probe.count = probe.count - 1
+    probe.bytes = probe.bytes - n
   end
   return true
+end
+
+-- Ring overflow, second step, once the message is stored: delete what plan_drop chose.
+local function commit_drop(q)
+  local plan = q.plan
+  if not plan then return end
+  q.plan = nil
+  local n = #plan.ids
+  if n == 0 then return end
+  redis.call('XDEL', q.stream, unpack(plan.ids))
+  q.delivered_upto = plan.after
+  q.count = q.count - n
+  q.bytes = q.bytes - plan.bytes
+  q.dropped = q.dropped + n
+  q.dropped_bytes = q.dropped_bytes + plan.bytes
 end
 
 -- Whether a dead message of `size` bytes finds no room in dead message queue `dmq`: shut
@@ -611,15 +663,23 @@ end
 local function dmq_full(dmq, size)
   local t = spool_target(dmq)
   if t.missing or not t.ingress or (t.maxsize > 0 and size > t.maxsize) then return true end
+  local freed = 0
   if over_quota(t, size) then
-    if t.overflow ~= 'ring' or not drop_oldest(t, size) then return true end
-    account(dmq, -t.dropped, -t.dropped_bytes, t.vpn, t.maxbytes)
-    redis.call('HINCRBY', k_queue_stats(dmq), 'dropped', t.dropped)
+    if t.overflow ~= 'ring' or not plan_drop(t, size) then return true end
+    freed = t.plan.bytes
   end
   local broker, in_vpn = spool_limits(t.vpn)
   local u = redis.call('HMGET', K_SPOOL_USAGE, 'broker', 'v:' .. t.vpn)
-  return (broker > 0 and (tonumber(u[1]) or 0) + size > broker)
-    or (in_vpn > 0 and (tonumber(u[2]) or 0) + size > in_vpn)
+  if (broker > 0 and (tonumber(u[1]) or 0) - freed + size > broker)
+      or (in_vpn > 0 and (tonumber(u[2]) or 0) - freed + size > in_vpn) then
+    return true
+  end
+  commit_drop(t)
+  if t.dropped > 0 then
+    account(dmq, -t.dropped, -t.dropped_bytes, t.vpn, t.maxbytes)
+    redis.call('HINCRBY', k_queue_stats(dmq), 'dropped', t.dropped)
+  end
+  return false
 end
 
 -- Take an entry off its queue for good (`reason`: expired, max_redelivered, rejected): to
@@ -774,13 +834,14 @@ redis.register_function('gw_spool', function(_, a)
       elseif not q.missing and q.prioritised then
         q = target(priority_queue(q.name, tonumber(priority)))
       end
+      q.plan = nil
       if q.missing then
         if direct then code = NOT_FOUND end
       elseif not q.ingress then code = INGRESS_DISABLED
       elseif q.maxsize > 0 and size > q.maxsize then code = TOO_LARGE
       elseif q.blocked then code = FLOW_CONTROLLED
       elseif over_quota(q, bytes) then
-        if q.overflow == 'ring' and drop_oldest(q, bytes) then
+        if q.overflow == 'ring' and plan_drop(q, bytes) then
           nt = nt + 1
           targets[nt] = q
         elseif q.overflow == 'flow_control' then
@@ -797,7 +858,7 @@ redis.register_function('gw_spool', function(_, a)
     end
     if code == OK and nt > 0 then  -- the broker's and the VPNs' quotas: all or none
       sq = sq or spool_quotas()
-      if sq.any and over_spool_quota(sq, qs, targets, nt, bytes) then code = QUOTA_EXCEEDED end
+      if sq.any and over_spool_quota(sq, targets, nt, bytes) then code = QUOTA_EXCEEDED end
     end
     if code == OK then
       if nt == 0 then
@@ -806,6 +867,8 @@ redis.register_function('gw_spool', function(_, a)
         local plain = key == '' and expires == 0 and not_before == 0
         for i = 1, nt do
           local q = targets[i]
+          if sq.any then spool_added(sq, q, bytes - (q.plan and q.plan.bytes or 0)) end
+          commit_drop(q)
           local id
           local sk = q.sort_key and property_value(props, q.sort_key)
           if plain and q.max_ttl == 0 and not sk then
@@ -1197,20 +1260,29 @@ local function ack_batch(q, s, a, first, n)
     ids[j] = a[i]
     bytes = bytes + tonumber(a[i + 1])
   end
-  local acked = redis.call('XACK', s, GROUP, unpack(ids))
-  local kept = redis.call('EXISTS', k_queue_readers(q)) == 1
-  if acked < n and not kept then
+  local acked
+  if redis.call('EXISTS', k_queue_readers(q)) == 1 then
+    -- kept for stream readers: acked one by one, so the bytes count only the acked ones
     acked, bytes = 0, 0
     for i = first, first + 2 * n - 1, 2 do
-      if redis.call('XDEL', s, a[i]) == 1 then
+      if redis.call('XACK', s, GROUP, a[i]) == 1 then
         acked = acked + 1
         bytes = bytes + tonumber(a[i + 1])
       end
     end
-  elseif not kept then
-    redis.call('XDEL', s, unpack(ids))
-  elseif acked < n then
-    bytes = math.floor(bytes * acked / n)  -- kept for readers: the sizes of which are unknown
+  else
+    acked = redis.call('XACK', s, GROUP, unpack(ids))
+    if acked < n then
+      acked, bytes = 0, 0
+      for i = first, first + 2 * n - 1, 2 do
+        if redis.call('XDEL', s, a[i]) == 1 then
+          acked = acked + 1
+          bytes = bytes + tonumber(a[i + 1])
+        end
+      end
+    else
+      redis.call('XDEL', s, unpack(ids))
+    end
   end
   if acked > 0 then
     account(q, -acked, -bytes)
@@ -1469,13 +1541,15 @@ redis.register_function('gw_queue_create', function(_, a)
 end)
 
 -- ARGV: queue, then field/value pairs to change (partitions follow their parent).
--- Returns 0 if the queue does not exist.
+-- Returns 0 if the queue does not exist. A changed max_spool_bytes re-evaluates the
+-- queue's threshold alarms.
 redis.register_function('gw_queue_update', function(_, a)
   local q = a[1]
   local cfg = k_queue_config(q)
   if redis.call('EXISTS', cfg) == 0 then return 0 end
   redis.call('HSET', cfg, unpack(a, 2))
   for _, child in ipairs(children(q)) do child_settings(q, child) end
+  queue_alarms(q)
   redis.call('PUBLISH', K_EVENTS, 'qcfg ' .. q)
   redis.call('PUBLISH', k_queue_wake(q), '')
   return 1
@@ -1484,15 +1558,23 @@ end)
 -- ARGV: queue, new partition count. Scaling partitions or switching between partitioned
 -- and not is only allowed with egress disabled; every flow is unbound. Messages of
 -- removed partitions (or of the old layout when switching kind) are deleted and counted.
--- Returns {'ok', deleted messages} or {'noqueue'} / {'egress'} / {'exclusive'} / {'sorted'}.
+-- Returns {'ok', deleted messages} or {'noqueue'} / {'egress'}, or a refusal of what
+-- cannot be partitioned: {'exclusive'} / {'sorted'} / {'priority'} / {'grouped'} /
+-- {'non_destructive'}.
 redis.register_function('gw_repartition', function(_, a)
   local q, new_n = a[1], tonumber(a[2])
   local cfg = k_queue_config(q)
-  local c = redis.call('HMGET', cfg, 'egress', 'partition_count', 'access')
+  local c = redis.call('HMGET', cfg, 'egress', 'partition_count', 'access', 'priorities',
+    'message_groups', 'non_destructive')
   if not c[1] then return { 'noqueue' } end
   if c[1] == '1' then return { 'egress' } end
-  if new_n > 0 and c[3] ~= 'non-exclusive' then return { 'exclusive' } end
-  if new_n > 0 and sort_key(q) then return { 'sorted' } end
+  if new_n > 0 then  -- the rules of QueueConfig.validate
+    if c[3] ~= 'non-exclusive' then return { 'exclusive' } end
+    if sort_key(q) then return { 'sorted' } end
+    if c[4] == '1' then return { 'priority' } end
+    if c[5] and c[5] ~= '' then return { 'grouped' } end
+    if c[6] == '1' then return { 'non_destructive' } end
+  end
   local old_n = tonumber(c[2]) or 0
   if old_n == new_n then return { 'ok', 0 } end
   for _, flow in ipairs(redis.call('ZRANGE', k_queue_flows(q), 0, -1)) do
@@ -1606,6 +1688,32 @@ end)
 -- ARGV: broker quota (bytes, 0: none), threshold set percent, clear percent, then pairs of
 -- VPN name and quota. Replaces the spool limits every node enforces, then raises or clears
 -- the broker's and the VPNs' threshold alarms as the new limits decide.
+-- No ARGV. Computes the broker and VPN totals from every queue's own byte counter (hidden
+-- children counted in their parent's VPN) when the totals hash lacks its 'format' marker:
+-- a Redis written before the totals existed, or after they were lost. Returns 1 if rebuilt.
+redis.register_function('gw_spool_rebuild', function()
+  if redis.call('HEXISTS', K_SPOOL_USAGE, 'format') == 1 then return 0 end
+  local totals = { broker = 0 }
+  for _, q in ipairs(redis.call('SMEMBERS', K_QUEUES)) do
+    local f = 'v:' .. (redis.call('HGET', k_queue_config(q), 'vpn') or 'default')
+    local names = children(q)
+    names[#names + 1] = q
+    for _, name in ipairs(names) do
+      local b = tonumber(redis.call('HGET', k_queue_stats(name), 'bytes') or '0') or 0
+      totals.broker = totals.broker + b
+      totals[f] = (totals[f] or 0) + b
+    end
+  end
+  redis.call('DEL', K_SPOOL_USAGE)
+  local pairs_ = { 'format', 1 }
+  for f, b in pairs(totals) do
+    pairs_[#pairs_ + 1] = f
+    pairs_[#pairs_ + 1] = b
+  end
+  redis.call('HSET', K_SPOOL_USAGE, unpack(pairs_))
+  return 1
+end)
+
 redis.register_function('gw_spool_limits', function(_, a)
   redis.call('DEL', K_SPOOL_LIMITS)
   redis.call('HSET', K_SPOOL_LIMITS, 'broker', a[1], 'set', a[2], 'clear', a[3])
@@ -1637,5 +1745,6 @@ redis.register_function('gw_spool_limits', function(_, a)
     spool_threshold('vpn:' .. name, usage['v:' .. name] or 0, quota, set_pct, clear_pct,
       alarms['vpn:' .. name])
   end
+  for _, q in ipairs(redis.call('SMEMBERS', K_QUEUES)) do queue_alarms(q) end
   return 1
 end)

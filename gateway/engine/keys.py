@@ -77,7 +77,8 @@ direct_nodes = TEMPLATES["direct_nodes"]  # nodes with direct (not spooled) subs
 direct_channel = TEMPLATES["direct_channel"]  # topic messages for other nodes' direct subscribers
 read_queues = TEMPLATES["read_queues"]
 timed_queues = TEMPLATES["timed_queues"]
-# Spool accounting (gateway/engine/spool_usage.py): byte totals "broker" and "v:<vpn>";
+# Spool accounting (gateway/engine/spool_usage.py): byte totals "broker" and "v:<vpn>"
+# (with a "format" marker once rebuilt from the queues' own counters);
 # quotas "broker", "v:<vpn>" and threshold percents "set" / "clear"; raised threshold
 # alarms by scope ("broker", "vpn:<name>", "queue:<name>") and "<set|clear>:<scope>" event
 # counts; the stream of threshold events (one consumer group: each event is logged once)

@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 
 from gateway.engine import keys
 from gateway.engine.partitions import PartitionMap
-from gateway.engine.permissions import LEVELS
+from gateway.engine.permissions import LEVELS, MODIFY_TOPIC, allowed
 from gateway.engine.spool_usage import DEFAULT_VPN, vpn_name_error
 from gateway.selectors import MAX_SELECTOR_BYTES, SelectorError, compile_selector
 from gateway.topics import TopicError, parse_pattern
@@ -77,6 +77,28 @@ def validate_queue_name(name: str, *, reserved_ok: bool = False) -> None:
 
 
 partition_queue_name = keys.partition_queue
+
+# What QueueStore.update may change on an existing queue.
+_RUNTIME_SETTINGS = {
+    "permission",
+    "overflow",
+    "resume_percent",
+    "ingress_enabled",
+    "egress_enabled",
+    "max_message_size",
+    "max_spool_bytes",
+    "max_messages",
+    "owner",
+}
+
+# gw_repartition's refusals: what QueueConfig.validate forbids to combine with partitions.
+_UNPARTITIONABLE = {
+    "exclusive": "only non-exclusive queues can be partitioned",
+    "sorted": "a sorted queue (sort_key) cannot be partitioned",
+    "priority": "a priority queue cannot be partitioned or grouped",
+    "grouped": "message groups are for non-partitioned queues",
+    "non_destructive": "a partitioned queue cannot be non-destructive",
+}
 
 
 def stream_queues(parent: str, partition_count: int) -> list[tuple[int | None, str]]:
@@ -397,8 +419,11 @@ class QueueStore:
         subscriptions: list[tuple[str, str]] = (),  # type: ignore[assignment]
         *,
         reserved_ok: bool = False,
+        user: str | None = None,
     ) -> bool:
-        """Create a queue; returns False when an equivalent one exists (idempotent declare)."""
+        """Create a queue; returns False when an equivalent one exists (idempotent declare).
+        Subscribing `user` (None: the operator) to a queue that already existed needs
+        modify-topic on it, checked on the config the create found, before any is added."""
         config.validate(reserved_ok=reserved_ok)
         entries = [subscription_entry(p, s) for p, s in subscriptions]
         config.created_ms = int(time.time() * 1000)
@@ -414,6 +439,14 @@ class QueueStore:
                         "precondition_failed",
                         f"queue {config.name!r} exists with {name}={getattr(existing, name)!r}",
                     )
+            if (
+                entries
+                and user is not None
+                and not allowed(existing.owner, existing.permission, user, MODIFY_TOPIC)
+            ):
+                raise QueueError(
+                    "unauthorized", f"user {user!r} may not {MODIFY_TOPIC} queue {config.name!r}"
+                )
         if entries:
             await self._redis.fcall("gw_subscription", 0, config.name, "add", *entries)
         return created
@@ -445,25 +478,23 @@ class QueueStore:
             raise QueueError("not_found", f"queue {name!r} does not exist")
         return QueueConfig.from_redis(name, raw)
 
-    async def update(self, name: str, changes: dict[str, Any]) -> QueueConfig:
-        """Change run-time settings (ingress / egress switches, limits)."""
-        allowed = {
-            "permission",
-            "overflow",
-            "resume_percent",
-            "ingress_enabled",
-            "egress_enabled",
-            "max_message_size",
-            "max_spool_bytes",
-            "max_messages",
-            "owner",
-        }
+    async def changed(
+        self, name: str, changes: dict[str, Any], *, repartition: bool = False
+    ) -> QueueConfig:
+        """The queue's config with `changes` applied, validated as a whole (nothing is
+        written): a change set is refused before any part of it is applied.
+        `repartition`: partition_count may be among the changes."""
+        allowed = _RUNTIME_SETTINGS | ({"partition_count"} if repartition else set())
         bad = sorted(set(changes) - allowed)
         if bad:
             raise QueueError("invalid", f"cannot change {', '.join(bad)} on an existing queue")
-        current = await self.config(name)
-        updated = dataclasses.replace(current, **changes)
+        updated = dataclasses.replace(await self.config(name), **changes)
         updated.validate(reserved_ok=True)
+        return updated
+
+    async def update(self, name: str, changes: dict[str, Any]) -> QueueConfig:
+        """Change run-time settings (ingress / egress switches, limits)."""
+        updated = await self.changed(name, changes)
         pairs = updated.to_redis()
         if not await self._redis.fcall("gw_queue_update", 0, name, *pairs):
             raise QueueError("not_found", f"queue {name!r} does not exist")
@@ -577,8 +608,6 @@ class QueueStore:
             raise QueueError(
                 "precondition_failed", "disable egress before changing partition_count"
             )
-        if status == "exclusive":
-            raise QueueError("invalid", "only non-exclusive queues can be partitioned")
-        if status == "sorted":
-            raise QueueError("invalid", "a sorted queue (sort_key) cannot be partitioned")
+        if status in _UNPARTITIONABLE:
+            raise QueueError("invalid", _UNPARTITIONABLE[status])
         return int(reply[1])

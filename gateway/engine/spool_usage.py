@@ -65,7 +65,9 @@ class SpoolLimits:
 
 async def apply_limits(redis: aioredis.Redis, limits: SpoolLimits) -> None:
     """Store the limits for every node on this Redis (the last node started sets them), and
-    raise or clear the alarms they decide."""
+    raise or clear the alarms they decide. Totals missing (a Redis written by an earlier
+    version, or lost) are first rebuilt from the queues' own counters."""
+    await redis.fcall("gw_spool_rebuild", 0)
     pairs: list[Any] = []
     for vpn, quota in sorted(limits.vpn_bytes.items()):
         pairs += [vpn, quota]
@@ -76,6 +78,19 @@ async def apply_limits(redis: aioredis.Redis, limits: SpoolLimits) -> None:
         limits.set_percent,
         limits.clear_percent,
         *pairs,
+    )
+
+
+async def stored_limits(redis: aioredis.Redis) -> SpoolLimits | None:
+    """The limits stored in Redis (None: none stored yet)."""
+    raw = _decoded(await redis.hgetall(keys.spool_limits))
+    if not raw:
+        return None
+    return SpoolLimits(
+        broker_bytes=int(raw.get("broker", 0)),
+        vpn_bytes={f[2:]: int(v) for f, v in raw.items() if f.startswith("v:")},
+        set_percent=int(raw.get("set", 80)),
+        clear_percent=int(raw.get("clear", 60)),
     )
 
 
@@ -201,6 +216,19 @@ class SpoolMonitor:
         self._again = False
 
     async def start(self) -> None:
+        """Store this node's limits, unless it has none configured (all defaults) and some
+        are stored: then the stored ones stay (the last node started with explicit
+        settings wins). A difference is logged either way."""
+        stored = await stored_limits(self._redis)
+        if stored is not None and stored != self.limits:
+            keep = self.limits == SpoolLimits()
+            log.warning(
+                "spool limits of this node differ from those stored (%s): %s",
+                stored,
+                "keeping the stored ones" if keep else "replacing them",
+            )
+            if keep:
+                self.limits = stored
         await apply_limits(self._redis, self.limits)
         await self._events.watch_channel(keys.spool_notify, self._notified)
         await self._drain()  # events raised while no node was listening

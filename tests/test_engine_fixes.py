@@ -1,0 +1,174 @@
+"""Engine edge cases against a real redis-server: ring drops of refused messages, partition
+rules on repartition, whole change sets and concurrent declares."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from gateway.broker import Broker
+from gateway.engine import keys
+from gateway.engine.queues import QueueConfig, QueueError
+from gateway.engine.spool_usage import (
+    SpoolLimits,
+    SpoolMonitor,
+    apply_limits,
+    read_usage,
+    stored_limits,
+)
+from gateway.model import Message, Outcome, encode
+from tests.test_engine import wait_for
+
+PAYLOAD = b"x" * 100
+
+
+def topic(n: int) -> Message:
+    return Message(destination="t/x", payload=PAYLOAD, id=f"m{n:08d}")
+
+
+def to_queue(name: str, n: int) -> Message:
+    return Message(
+        destination=name, to_queue=True, payload=PAYLOAD, id=f"m{n:08d}", dmq_eligible=True
+    )
+
+
+TBLOB = len(encode(topic(0)))
+BLOB = len(encode(to_queue("q", 0)))
+
+
+async def test_refused_fan_out_drops_nothing_from_a_ring_queue(broker: Broker) -> None:
+    await broker.declare_queue(
+        QueueConfig(name="a", max_spool_bytes=2 * TBLOB, overflow="ring"), [("t/x", "smf")]
+    )
+    assert [await broker.publish(topic(i)) for i in range(2)] == [Outcome.OK] * 2, "a is full"
+    await broker.declare_queue(QueueConfig(name="b"), [("t/x", "smf")])
+    await apply_limits(broker.redis, SpoolLimits(broker_bytes=2 * TBLOB))  # broker full too
+    assert await broker.publish(topic(2)) is Outcome.QUOTA_EXCEEDED
+    info = await broker.queues.info("a")
+    assert info.messages == 2 and info.counters.get("dropped", 0) == 0, "stored nowhere"
+    assert (await broker.queues.info("b")).messages == 0
+    await apply_limits(broker.redis, SpoolLimits(broker_bytes=3 * TBLOB))
+    assert await broker.publish(topic(3)) is Outcome.OK, "a drops one, b stores one"
+    info = await broker.queues.info("a")
+    assert info.messages == 2 and info.counters.get("dropped") == 1
+
+
+async def test_ring_dmq_keeps_its_messages_when_the_broker_is_full(broker: Broker) -> None:
+    await broker.declare_queue(QueueConfig(name="d", max_messages=1, overflow="ring"))
+    await broker.declare_queue(QueueConfig(name="q", dead_message_queue="d"))
+    assert await broker.publish(to_queue("d", 1)) is Outcome.OK
+    assert await broker.publish(to_queue("q", 2)) is Outcome.OK
+    await apply_limits(broker.redis, SpoolLimits(broker_bytes=BLOB - 1))
+    got = []
+    flow = await broker.bind("q", got.append)
+    await wait_for(lambda: len(got) == 1)
+    flow.reject(got[0].entry_id)
+
+    async def failed() -> bool:
+        return (await broker.queues.info("q")).counters.get("dmq_failed") == 1
+
+    for _ in range(250):
+        if await failed():
+            break
+        await broker.redis.ping()
+    assert await failed(), "the dead message was discarded"
+    info = await broker.queues.info("d")
+    assert info.messages == 1 and info.counters.get("dropped", 0) == 0
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        QueueConfig(name="p", priorities=True),
+        QueueConfig(name="p", message_groups="default"),
+        QueueConfig(name="p", non_destructive=True),
+    ],
+)
+async def test_repartition_refuses_what_validate_forbids(
+    broker: Broker, config: QueueConfig
+) -> None:
+    await broker.declare_queue(config)
+    await broker.update_queue("p", {"egress_enabled": False})
+    with pytest.raises(QueueError) as caught:
+        await broker.queues.repartition("p", 2)
+    assert caught.value.code == "invalid"
+    assert (await broker.queues.config("p")).partition_count == 0
+
+
+async def test_update_queue_validates_the_whole_change_set(broker: Broker) -> None:
+    await broker.declare_queue(QueueConfig(name="q", egress_enabled=False))
+    with pytest.raises(QueueError, match="overflow"):
+        await broker.update_queue("q", {"partition_count": 4, "overflow": "bogus"})
+    config = await broker.queues.config("q")
+    assert config.partition_count == 0 and config.overflow == "reject"
+    with pytest.raises(QueueError, match="cannot change priorities"):
+        await broker.update_queue("q", {"partition_count": 2, "priorities": True})
+    assert await broker.update_queue("q", {"partition_count": 2, "max_messages": 5}) == 0
+    config = await broker.queues.config("q")
+    assert config.partition_count == 2 and config.max_messages == 5
+
+
+async def test_redeclare_checks_the_existing_queue_not_the_new_one(broker: Broker) -> None:
+    """The modify-topic check reads the config the create found, in the same call."""
+    await broker.declare_queue(QueueConfig(name="q", permission="consume"), user="alice")
+    with pytest.raises(QueueError) as caught:
+        await broker.declare_queue(QueueConfig(name="q"), [("t/>", "smf")], user="bob")
+    assert caught.value.code == "unauthorized"
+    assert (await broker.queues.info("q")).subscriptions == []
+    assert not await broker.declare_queue(QueueConfig(name="q"), [("t/>", "smf")], user="alice")
+
+
+async def test_missing_totals_are_rebuilt_from_the_queues(broker: Broker) -> None:
+    """A Redis written before the totals existed: acks must not drive them negative."""
+    await broker.declare_queue(QueueConfig(name="q"))
+    await broker.declare_queue(QueueConfig(name="p", partition_count=2, vpn="red"))
+    for i in range(3):
+        assert await broker.publish(to_queue("q", i)) is Outcome.OK
+    assert await broker.publish(to_queue("p", 9)) is Outcome.OK
+    await broker.redis.delete(keys.spool_usage)
+    await apply_limits(broker.redis, SpoolLimits())
+    used = {s.scope + s.name: s.bytes for s in (await read_usage(broker.redis)).scopes}
+    assert used["broker"] == 4 * BLOB
+    assert used["vpndefault"] == 3 * BLOB and used["vpnred"] == BLOB
+    await broker.redis.hset(keys.spool_usage, "broker", 0)  # rebuilt once, not every start
+    await apply_limits(broker.redis, SpoolLimits())
+    assert (await read_usage(broker.redis)).scopes[0].bytes == 0
+
+
+async def test_a_node_without_quota_settings_keeps_the_stored_ones(
+    broker: Broker, caplog: pytest.LogCaptureFixture
+) -> None:
+    explicit = SpoolLimits(broker_bytes=1000, vpn_bytes={"red": 500}, set_percent=70)
+    first = SpoolMonitor(broker.redis, "n1", broker.events, explicit)
+    await first.start()
+    await first.stop()
+    caplog.set_level(logging.WARNING, logger="gateway.spool")
+    second = SpoolMonitor(broker.redis, "n2", broker.events, SpoolLimits())
+    await second.start()
+    await second.stop()
+    assert await stored_limits(broker.redis) == explicit
+    assert any("keeping the stored" in r.getMessage() for r in caplog.records)
+    third = SpoolMonitor(broker.redis, "n3", broker.events, SpoolLimits(broker_bytes=9))
+    await third.start()
+    await third.stop()
+    assert await stored_limits(broker.redis) == SpoolLimits(broker_bytes=9), "explicit wins"
+
+
+async def raised(broker: Broker, scope: str) -> bool:
+    return any(
+        f"{s.scope}:{s.name}" == scope and s.raised for s in (await read_usage(broker.redis)).scopes
+    )
+
+
+async def test_queue_alarms_follow_quota_and_percent_changes(broker: Broker) -> None:
+    await broker.declare_queue(QueueConfig(name="q", max_spool_bytes=10 * BLOB))
+    for i in range(7):  # 70%: below the default set level (80%)
+        assert await broker.publish(to_queue("q", i)) is Outcome.OK
+    assert not await raised(broker, "queue:q")
+    await apply_limits(broker.redis, SpoolLimits(set_percent=60, clear_percent=50))
+    assert await raised(broker, "queue:q"), "the lower set level is reached"
+    await broker.update_queue("q", {"max_spool_bytes": 100 * BLOB})
+    assert not await raised(broker, "queue:q"), "7% of the larger quota"
+    await broker.update_queue("q", {"max_spool_bytes": 8 * BLOB})
+    assert await raised(broker, "queue:q")
