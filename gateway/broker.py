@@ -352,7 +352,7 @@ class Broker:
         subscriptions: Iterable[tuple[str, str]] = (),
         *,
         connection: str = "",
-        permission: str = "delete",
+        permission: str = "none",
         auto_delete: bool = False,
     ) -> str:
         """`connection`: only that connection may consume it (RabbitMQ exclusive);

@@ -15,7 +15,7 @@ from proton.reactor import Container
 
 from gateway.broker import Broker, QueueConfig
 from gateway.model import Publisher
-from protocols.amqp import framing, mapping
+from protocols.amqp import framing, mapping, sections
 from protocols.amqp.listener import Listener
 
 PUB = Publisher("amqp")
@@ -71,6 +71,34 @@ def test_random_bytes_are_refused_cleanly_or_decoded(data: bytes) -> None:
     """Fuzz: BodyError is the only way decoding may fail."""
     with contextlib.suppress(mapping.BodyError):
         mapping.decode(data, PUB)
+
+
+def nested_lists(depth: int, wide: bool) -> bytes:
+    """`depth` lists each holding the next (list32 or list8), around an empty list."""
+    value = b"\x45"
+    for _ in range(depth):
+        if wide:
+            value = b"\xd0" + (len(value) + 4).to_bytes(4, "big") + b"\x00\x00\x00\x01" + value
+        else:
+            value = b"\xc0" + bytes((min(len(value) + 1, 255), 1)) + value
+    return value
+
+
+@pytest.mark.parametrize("section", [0x70, 0x74, 0x77], ids=["header", "app-props", "value"])
+@pytest.mark.parametrize("wide", [False, True], ids=["list8", "list32"])
+def test_deeply_nested_values_are_a_body_error(section: int, wide: bool) -> None:
+    """Past framing.MAX_DEPTH the fast reader gives up and framing refuses: no
+    RecursionError (or anything but BodyError) escapes."""
+    data = b"\x00\x53" + bytes((section,)) + nested_lists(1000, wide)
+    with pytest.raises(sections.Unsupported):
+        sections.decode(data, PUB)
+    with pytest.raises(mapping.BodyError):
+        mapping.decode(data, PUB)
+
+
+def test_nesting_up_to_the_limit_is_decoded() -> None:
+    data = b"\x00\x53\x77" + nested_lists(framing.MAX_DEPTH - 1, True)
+    assert mapping.decode(data, PUB).message.payload.startswith(b"[")
 
 
 class RawSender(MessagingHandler):

@@ -74,6 +74,7 @@ class DynamicNodes:
         self.user = user
         self.connection = connection
         self.names: set[str] = set()
+        self.ended = False  # the connection is gone: a node created now goes at once
 
     async def create(self, policy: Lifetime, subscriptions: Iterable[tuple[str, str]] = ()) -> str:
         name = await self.broker.create_temporary_queue(
@@ -83,6 +84,8 @@ class DynamicNodes:
             auto_delete=policy.auto_delete,
         )
         self.names.add(name)
+        if self.ended:  # it ended while the queue was being created: nothing will use it
+            await self.delete(name)
         return name
 
     async def delete(self, name: str) -> None:
@@ -91,6 +94,7 @@ class DynamicNodes:
             await self.broker.delete_queue(name, user=self.user)
 
     async def delete_all(self) -> None:
-        """The connection ended: every node it still has goes."""
+        """The connection ended: every node it still has, or creates from now on, goes."""
+        self.ended = True
         for name in list(self.names):
             await self.delete(name)

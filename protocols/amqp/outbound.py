@@ -233,9 +233,11 @@ class Outbound(Endpoint):
             return  # unsettled in the flow: redelivered once the flow closes
         flow = self.flow
         try:
-            body = sections.encode(delivery)
-        except sections.Unsupported:  # proton encodes into a bytearray
-            body = bytes(mapping.from_delivery(delivery).encode())
+            body = self._encode(delivery)
+        except Exception:  # left unsettled it would come back on every close: reject it
+            log.exception("message %s cannot be encoded as AMQP; rejected", delivery.entry_id)
+            flow.reject(delivery.entry_id)
+            return
         impl = self.link._impl  # cffi calls: proton's wrappers cost more than the send
         limit = pn_link_remote_max_message_size(impl)
         if limit and len(body) > limit:
@@ -254,6 +256,14 @@ class Outbound(Endpoint):
         else:
             self.unsettled[dlv] = delivery.entry_id
         self.host.wake()
+
+    @staticmethod
+    def _encode(delivery: GatewayDelivery) -> bytes:
+        """The AMQP message bytes of one delivery: the fast encoder, else proton's."""
+        try:
+            return sections.encode(delivery)
+        except sections.Unsupported:  # proton encodes into a bytearray
+            return bytes(mapping.from_delivery(delivery).encode())
 
     def on_flow(self) -> None:
         """FLOW event: the link credit is the flow's credit. A drain is answered when the

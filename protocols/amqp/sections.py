@@ -16,7 +16,8 @@ import struct
 import time
 from uuid import UUID
 
-from gateway.model import Delivery, Message, PropertyValue, Publisher
+from gateway.model import DEFAULT_PRIORITY, Delivery, Message, PropertyValue, Publisher
+from protocols.amqp.framing import MAX_DEPTH  # deeper values: framing refuses them
 
 MAX_PRIORITY = 9
 AMQP_VALUE = "x-amqp-value"  # mapping.AMQP_VALUE: such messages take the proton path
@@ -47,9 +48,10 @@ class Unsupported(Exception):
 # -- decoding ----------------------------------------------------------------------------------
 
 
-def _read(buf: bytes, i: int) -> tuple[object, int]:
+def _read(buf: bytes, i: int, depth: int = 0) -> tuple[object, int]:
     """One encoded value at offset i: (value, offset after it). Lists and maps come back as
-    lists (a map as its flat key, value, ... list); uuids as UUID; symbols as str."""
+    lists (a map as its flat key, value, ... list); uuids as UUID; symbols as str. Values
+    nested past MAX_DEPTH raise Unsupported (no RecursionError for hostile input)."""
     code = buf[i]
     i += 1
     if code == 0x40:
@@ -65,7 +67,7 @@ def _read(buf: bytes, i: int) -> tuple[object, int]:
             raise Unsupported("truncated")
         return (raw if code == 0xA0 else raw.decode()), end
     if code == 0xC0 or code == 0xC1:  # list8 / map8: header, properties, annotations
-        return _items(buf, i + 2, buf[i + 1])
+        return _items(buf, i + 2, buf[i + 1], depth + 1)
     if code in (0xB1, 0xB3, 0xB0):
         end = i + 4 + _I(buf, i)[0]
         if end > len(buf):
@@ -101,14 +103,16 @@ def _read(buf: bytes, i: int) -> tuple[object, int]:
     if code == 0x45:
         return [], i
     if code in (0xD0, 0xD1):
-        return _items(buf, i + 8, _I(buf, i + 4)[0])
+        return _items(buf, i + 8, _I(buf, i + 4)[0], depth + 1)
     raise Unsupported(f"type 0x{code:02x}")
 
 
-def _items(buf: bytes, i: int, count: int) -> tuple[list, int]:
+def _items(buf: bytes, i: int, count: int, depth: int) -> tuple[list, int]:
     """The `count` values of a list or map starting at offset i (nulls and short strings or
     symbols, most of a properties list or a map, read inline: a call each was most of the
     cost of a JMS client's message)."""
+    if depth > MAX_DEPTH:
+        raise Unsupported("values nested too deeply")
     items: list = []
     append = items.append
     for _ in range(count):
@@ -123,7 +127,7 @@ def _items(buf: bytes, i: int, count: int) -> tuple[list, int]:
             append(buf[i + 2 : end].decode())
             i = end
         else:
-            value, i = _read(buf, i)
+            value, i = _read(buf, i, depth)
             append(value)
     return items, i
 
@@ -150,6 +154,14 @@ def _prop(value: object) -> PropertyValue:
     if isinstance(value, UUID):
         return str(value)
     raise Unsupported("property value type")
+
+
+def _priority(value: object) -> int:
+    """The model priority (0-9) of a header priority: a ubyte, clamped to 9. Anything else
+    (a negative byte, a wider integer, another type) is the default, as proton reads it."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 0xFF:
+        return min(value, MAX_PRIORITY)
+    return DEFAULT_PRIORITY
 
 
 def decode(data: bytes | bytearray, publisher: Publisher) -> tuple[Message, str | None, int | None]:
@@ -235,7 +247,7 @@ def _decode(data: bytes, publisher: Publisher) -> tuple[Message, str | None, int
         destination="",
         payload=payload,
         partition_key=group_id or None,
-        priority=4 if priority is None else min(int(priority), MAX_PRIORITY),  # type: ignore[call-overload]
+        priority=_priority(priority),
         expiration=expiration,
         persistent=bool(header[0]),
         content_type=content_type,
@@ -343,7 +355,7 @@ def _section(code: int, value: bytes) -> bytes:
 def _header(persistent: bool, priority: int, ttl: bytes, count: int) -> bytes:
     items = [
         _TRUE if persistent else _FALSE,
-        bytes((0x50, priority)),
+        bytes((0x50, max(0, min(priority, MAX_PRIORITY)))),
         ttl,
         _TRUE if count == 1 else _FALSE,
         _uint(max(0, count - 1)),

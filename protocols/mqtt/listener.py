@@ -15,8 +15,10 @@ Redis before it declares and binds the queue, and leaves when it unsubscribes or
 session ends (clean start, expiry, or the end of a non-persistent session). The last
 member's leave deletes the queue and its messages (MQTT 5 lets the server discard them),
 unless a flow is still bound (a member of a session moving between nodes): then the group
-is checked again after SHARED_RECHECK_S. A persistent session's membership outlasts its
-connection by its session expiry.
+is checked again after SHARED_RECHECK_S, backing off, until it goes or has members again.
+A persistent session's membership outlasts its connection by its session expiry; every
+group is swept at start and every SHARED_SWEEP_S, so one whose members lapsed on a node
+that died goes too.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import math
 import time
 from typing import Any
 
-from gateway.broker import Broker, Outcome, QueueConfig, QueueError
+from gateway.broker import ANONYMOUS, Broker, Outcome, QueueConfig, QueueError
 from gateway.config import Settings
 from gateway.model import Message, Publisher
 from gateway.topics import MQTT
@@ -37,7 +39,12 @@ from protocols.listening import BackgroundTasks, Listener, Plan
 from protocols.mqtt import mapping
 from protocols.mqtt.connection import MqttConnection
 from protocols.mqtt.session import NEVER_EXPIRES, Session
-from protocols.mqtt.state import SessionState, shared_filter, shared_queue_name
+from protocols.mqtt.state import (
+    SHARED_QUEUE_PREFIX,
+    SessionState,
+    shared_filter,
+    shared_queue_name,
+)
 from protocols.mqtt.websocket import WebSocketConnection
 from protocols.tls import tls_context
 
@@ -48,6 +55,8 @@ CLOSE_TIMEOUT = 5.0
 LEASE_S = 60  # how long a connected session outlives its node, beyond its expiry
 SHARED_JOIN_GRACE_MS = 10_000  # a joining member's claim on its group, until it is bound
 SHARED_RECHECK_S = 5.0  # a group left with only flows bound is checked again after this
+SHARED_RECHECK_MAX_S = 60.0  # ... and again, backing off up to this, until it goes or is joined
+SHARED_SWEEP_S = 300.0  # every group is checked at start and this often (lapsed members go)
 
 
 def shared_queues(state: SessionState) -> list[str]:
@@ -81,6 +90,8 @@ class Registry:
         self.broker = broker
         self.settings = settings
         self.sessions: dict[str, Session] = {}  # client id -> its attached session here
+        # user names (a session queue owned by one of them is theirs, never a legacy owner)
+        self._user_names = {user.name for user in settings.users} | {ANONYMOUS}
         self.connections: set[MqttConnection] = set()
         self.counters: dict[str, int] = {}
         self._locks: dict[str, list[Any]] = {}  # client id -> [lock, users]
@@ -91,6 +102,7 @@ class Registry:
         self._tasks = BackgroundTasks("MQTT session")
         self.spawn = self._tasks.spawn
         self._renewer = asyncio.get_running_loop().create_task(self._renew_leases())
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep_groups())
 
     def count(self, name: str) -> None:
         self.counters[name] = self.counters.get(name, 0) + 1
@@ -136,6 +148,7 @@ class Registry:
             state = SessionState(client_id)
         state.expiry = expiry
         state.persistent = expiry > 0
+        state.user = session.access_user
         session.state = state
         self.sessions[client_id] = session
         if state.persistent:
@@ -246,7 +259,10 @@ class Registry:
         (idempotently) after the membership is recorded."""
         name = shared_queue_name(group, topic_filter)
         await self.broker.queues.join(name, state.client_id, membership_until(state, True))
-        config = QueueConfig(name=name, durable=True, access_type="non-exclusive")
+        # any user's member may bind it; only the operator (this adapter) changes or deletes it
+        config = QueueConfig(
+            name=name, durable=True, access_type="non-exclusive", permission="consume"
+        )
         await self.broker.queues.create(config, reserved_ok=True)
         await self.broker.subscribe_queue(name, [topic_filter], MQTT)
         return name
@@ -260,31 +276,62 @@ class Registry:
             if await self.broker.queues.leave(queue, client_id) == 2:
                 self._recheck_later(queue)
 
-    def _recheck_later(self, queue: str) -> None:
+    def _recheck_later(self, queue: str, delay: float = SHARED_RECHECK_S) -> None:
         if queue not in self._rechecks:
             self._rechecks[queue] = asyncio.get_running_loop().call_later(
-                SHARED_RECHECK_S, self._recheck, queue
+                delay, self._recheck, queue, delay
             )
 
-    def _recheck(self, queue: str) -> None:
+    def _recheck(self, queue: str, delay: float) -> None:
         del self._rechecks[queue]
-        self.spawn(self._check_group(queue))
+        self.spawn(self._check_group(queue, delay))
 
-    async def _check_group(self, queue: str) -> None:
-        await self.broker.queues.leave(queue)
+    async def _check_group(self, queue: str, delay: float) -> None:
+        """Expire lapsed members; while only bound flows keep the group, ask again later
+        (their node may die without leaving: nothing else would)."""
+        if await self.broker.queues.leave(queue) == 2:
+            self._recheck_later(queue, min(delay * 2, SHARED_RECHECK_MAX_S))
+
+    async def _sweep_groups(self) -> None:
+        """Check every group now and every SHARED_SWEEP_S: one whose members all lapsed
+        (their node crashed before they left) goes, or is rechecked while flows hold it."""
+        while True:
+            try:
+                for name in await self.broker.queues.names():
+                    if name.startswith(SHARED_QUEUE_PREFIX) and name not in self._rechecks:
+                        await self._check_group(name, SHARED_RECHECK_S / 2)
+            except Exception:  # Redis away: the next round tries again
+                log.warning("MQTT shared group sweep failed", exc_info=True)
+            await asyncio.sleep(SHARED_SWEEP_S)
 
     async def _delete_queue(self, name: str) -> None:
         with contextlib.suppress(QueueError):  # already gone
             await self.broker.delete_queue(name)
 
     async def may_use(self, client_id: str, user: str) -> bool:
-        """Whether `user` may connect as `client_id`: not when the client id's session
-        queue belongs to another user (it would take over their session and messages)."""
+        """Whether `user` may connect as `client_id`: not when the client id's live session,
+        stored session or session queue belongs to another user (taking it over, or a clean
+        start forgetting it, would take their session and messages)."""
+        live = self.sessions.get(client_id)
+        if live is not None and live.access_user != user:
+            return False
+        raw = await self.broker.clients.load(client_id)
+        stored = SessionState.loads(client_id, raw).user if raw is not None else None
+        if stored is not None and stored != user:
+            return False
+        name = queue_name(client_id)
         try:
-            config = await self.broker.queues.config(queue_name(client_id))
+            config = await self.broker.queues.config(name)
         except QueueError:  # not_found: no session queue
             return True
-        return not config.owner or config.owner == user
+        if not config.owner or config.owner == user:
+            return True
+        if config.owner == client_id and client_id not in self._user_names:
+            # a queue from before owners were users (owner: the client id): adopt it
+            with contextlib.suppress(QueueError):  # gone meanwhile: a new one is made
+                await self.broker.queues.update(name, {"owner": user})
+            return True
+        return False
 
     async def create_queue(self, state: SessionState, user: str) -> str:
         """The per-client queue: durable for a persistent session, else temporary. It is
@@ -330,6 +377,7 @@ class Registry:
     async def close(self) -> None:
         """Disconnect every client, release their flows, publish pending wills now."""
         self._renewer.cancel()
+        self._sweeper.cancel()
         for conn in list(self.connections):
             if conn.session is not None:
                 conn.session.shutdown()

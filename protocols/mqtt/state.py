@@ -1,9 +1,10 @@
 """What MQTT keeps between connections of one client id, and its form in Redis.
 
-The blob saved with `broker.clients.save` holds the session expiry, the subscriptions with
-all their options (QoS 0 ones too, and shared ones) and the outbound QoS 2 packet ids
-awaiting PUBCOMP. Inbound QoS 2 ids are not in it: they are the client's exactly-once set
-(`broker.clients.mark_received`), so a duplicate is recognised on any node, after a restart.
+The blob saved with `broker.clients.save` holds the owning user, the session expiry, the
+subscriptions with all their options (QoS 0 ones too, and shared ones) and the outbound QoS 2
+packet ids awaiting PUBCOMP. Inbound QoS 2 ids are not in it: they are the client's
+exactly-once set (`broker.clients.mark_received`), so a duplicate is recognised on any node,
+after a restart.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class SessionState:
     qos2_in: set[int] = field(default_factory=set)  # mirror of the Redis exactly-once set
     pubrel_out: set[int] = field(default_factory=set)  # PUBREL sent, PUBCOMP not yet seen
     version: int = 0  # moves with every change of the subscriptions (delivery caches key on it)
+    user: str | None = None  # who owns the session: only that user may connect as client_id
 
     def set_subscription(self, pattern: str, options: SubscriptionOptions) -> None:
         self.subscriptions[pattern] = options
@@ -85,6 +87,7 @@ class SessionState:
             "queue": self.queue,
             "subs": subs,
             "pubrel": sorted(self.pubrel_out),
+            "user": self.user,
         }
         return json.dumps(blob, separators=(",", ":")).encode()
 
@@ -97,4 +100,5 @@ class SessionState:
             if sub_id is not None:
                 state.set_subscription_id(pattern, sub_id)
         state.pubrel_out = set(blob["pubrel"])
+        state.user = blob.get("user")  # absent in states saved before owners were recorded
         return state
