@@ -146,7 +146,7 @@ class QueueConfig:
     # a topic endpoint's selector (Solace): a message its topic subscriptions attract is
     # stored only if it matches; messages sent to the queue by name are not filtered
     subscription_selector: str = ""
-    permission: str = "delete"  # what users other than the owner may do (permissions.LEVELS)
+    permission: str = "consume"  # what users other than the owner may do (permissions.LEVELS)
     auto_delete: bool = False  # deleted when its last consumer goes (RabbitMQ)
     owner_connection: str = ""  # RabbitMQ exclusive: only this connection may use it
     overflow: str = "reject"  # when full: reject (NACK), ring (drop oldest), flow_control
