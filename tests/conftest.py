@@ -117,16 +117,22 @@ async def broker(redis_url: str) -> AsyncIterator[Broker]:
 
 
 @pytest.fixture
-async def mqtt(broker: Broker) -> AsyncIterator[MqttListener]:
-    listener = await start_mqtt(broker, Settings(mqtt_port=0, host="127.0.0.1"))
+def listener_settings() -> Settings:
+    """The settings of the `mqtt` and `amqp` listeners: a test module may override it."""
+    return Settings(mqtt_port=0, amqp_port=0, host="127.0.0.1")
+
+
+@pytest.fixture
+async def mqtt(broker: Broker, listener_settings: Settings) -> AsyncIterator[MqttListener]:
+    listener = await start_mqtt(broker, listener_settings)
     assert listener is not None
     yield listener
     await listener.close()
 
 
 @pytest.fixture
-async def amqp(broker: Broker) -> AsyncIterator[AmqpListener]:
-    listener = await start_amqp(broker, Settings(amqp_port=0, host="127.0.0.1"))
+async def amqp(broker: Broker, listener_settings: Settings) -> AsyncIterator[AmqpListener]:
+    listener = await start_amqp(broker, listener_settings)
     assert listener is not None
     yield listener
     await listener.close()

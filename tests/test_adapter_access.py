@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import queue
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import pytest
@@ -18,10 +18,8 @@ from proton.utils import BlockingConnection, LinkDetached
 
 from gateway.broker import ANONYMOUS, Broker, QueueConfig, QueueError
 from gateway.config import Settings, User
-from protocols.amqp.listener import start as start_amqp
 from protocols.listening import Listener
 from protocols.mqtt.listener import queue_name
-from protocols.mqtt.listener import start as start_mqtt
 from tests.test_mqtt_paho import V5, V311, Client
 
 TIMEOUT = 5.0
@@ -30,25 +28,9 @@ LOCKED = "amqp:resource-locked"
 
 
 @pytest.fixture
-def settings() -> Settings:
+def listener_settings() -> Settings:
     users = [User("alice", "a-secret"), User("bob", "b-secret")]
     return Settings(amqp_port=0, mqtt_port=0, host="127.0.0.1", users=users)
-
-
-@pytest.fixture
-async def amqp(broker: Broker, settings: Settings) -> AsyncIterator[Listener]:
-    listener = await start_amqp(broker, settings)
-    assert listener is not None
-    yield listener
-    await listener.close()
-
-
-@pytest.fixture
-async def mqtt(broker: Broker, settings: Settings) -> AsyncIterator[Listener]:
-    listener = await start_mqtt(broker, settings)
-    assert listener is not None
-    yield listener
-    await listener.close()
 
 
 def connect(listener: Listener, user: str | None = None, **kw: Any) -> BlockingConnection:

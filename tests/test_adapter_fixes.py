@@ -10,7 +10,6 @@ import json
 import math
 import socket
 import time
-from collections.abc import AsyncIterator
 
 import pytest
 import redis
@@ -27,7 +26,6 @@ from gateway.broker import Broker, QueueConfig, QueueError
 from gateway.config import Settings, User
 from gateway.engine.queues import TEMPORARY_PREFIX
 from gateway.model import Message as GatewayMessage
-from protocols.amqp.listener import start as start_amqp
 from protocols.listening import Listener
 from protocols.mqtt.listener import queue_name
 from protocols.mqtt.listener import start as start_mqtt
@@ -44,24 +42,8 @@ NEGATIVE_PRIORITY = bytes.fromhex("005370c004024151fb") + bytes.fromhex("005375a
 
 
 @pytest.fixture
-def settings() -> Settings:
+def listener_settings() -> Settings:
     return Settings(amqp_port=0, mqtt_port=0, host="127.0.0.1", users=USERS)
-
-
-@pytest.fixture
-async def amqp(broker: Broker, settings: Settings) -> AsyncIterator[Listener]:
-    listener = await start_amqp(broker, settings)
-    assert listener is not None
-    yield listener
-    await listener.close()
-
-
-@pytest.fixture
-async def mqtt(broker: Broker, settings: Settings) -> AsyncIterator[Listener]:
-    listener = await start_mqtt(broker, settings)
-    assert listener is not None
-    yield listener
-    await listener.close()
 
 
 def url(listener: Listener, user: str | None = None) -> str:
@@ -308,7 +290,7 @@ async def test_a_clean_start_cannot_forget_another_users_stored_session(
 
 
 async def test_a_group_whose_members_lapsed_on_a_dead_node_is_swept_at_start(
-    broker: Broker, settings: Settings
+    broker: Broker, listener_settings: Settings
 ) -> None:
     name = shared_queue_name("grp", "jobs/#")
     await broker.queues.join(name, "gone-member", time.time() * 1000 - 1000)
@@ -317,7 +299,7 @@ async def test_a_group_whose_members_lapsed_on_a_dead_node_is_swept_at_start(
     kept = shared_queue_name("grp", "kept/#")
     await broker.queues.join(kept, "live-member", math.inf)
     await broker.queues.create(QueueConfig(name=kept, durable=True), reserved_ok=True)
-    listener = await start_mqtt(broker, settings)
+    listener = await start_mqtt(broker, listener_settings)
     assert listener is not None
     try:
 
