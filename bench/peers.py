@@ -306,12 +306,13 @@ def gateway(tmp: Path) -> Iterator[Broker]:
 
 @contextmanager
 def mosquitto(tmp: Path) -> Iterator[Broker]:
-    """Debian's mosquitto; `max_queued_messages 0`: its default 1000 drops QoS 1 under load."""
+    """Debian's mosquitto; `max_queued_messages 0`: its default 1000 drops QoS 1 under load;
+    `set_tcp_nodelay`: without it Nagle's algorithm adds ~40 ms to its tail latencies."""
     port = free_port()
     conf = tmp / "mosquitto.conf"
     conf.write_text(
         f"listener {port} 127.0.0.1\nallow_anonymous true\nmax_queued_messages 0\n"
-        "max_connections -1\n"
+        "max_connections -1\nset_tcp_nodelay true\n"
     )
     proc = spawn([shutil.which("mosquitto") or "/usr/sbin/mosquitto", "-c", str(conf)],
                  tmp / "mosquitto.log")  # fmt: skip
@@ -446,7 +447,7 @@ ACTIVEMQ_XML = """<beans xmlns="http://www.springframework.org/schema/beans"
           dataDirectory="{data}" persistent="true">
     <persistenceAdapter><kahaDB directory="{data}/kahadb"/></persistenceAdapter>
     <transportConnectors>
-      <transportConnector name="mqtt" uri="mqtt://127.0.0.1:{port}?maximumConnections=20000"/>
+      <transportConnector name="mqtt" uri="mqtt://127.0.0.1:{port}?maximumConnections=20000&amp;transport.tcpNoDelay=true"/>
     </transportConnectors>
   </broker>
 </beans>
