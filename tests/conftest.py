@@ -1,5 +1,6 @@
-"""Shared fixtures: a real redis-server on a free loopback port, a started Broker, and the
-MQTT and AMQP listeners with default settings on free loopback ports."""
+"""Shared fixtures: a real redis-server on a free loopback port, a started Broker, the MQTT
+and AMQP listeners with default settings on free loopback ports, and all three front doors
+(AMQP, MQTT, admin HTTP) at once."""
 
 from __future__ import annotations
 
@@ -8,12 +9,16 @@ import socket
 import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import redis
 import uvloop
+from proton.utils import BlockingConnection
 
+from gateway.admin.api import AdminApi
+from gateway.admin.http import HttpServer
 from gateway.broker import Broker
 from gateway.config import Settings
 from gateway.engine import library
@@ -21,6 +26,7 @@ from protocols.amqp.listener import Listener as AmqpListener
 from protocols.amqp.listener import start as start_amqp
 from protocols.mqtt.listener import Listener as MqttListener
 from protocols.mqtt.listener import start as start_mqtt
+from tests.test_admin_api import Admin
 
 
 def free_port() -> int:
@@ -136,6 +142,36 @@ async def amqp(broker: Broker, listener_settings: Settings) -> AsyncIterator[Amq
     assert listener is not None
     yield listener
     await listener.close()
+
+
+CLIENT_TIMEOUT = 5.0  # seconds a test's client waits for the gateway
+
+
+@dataclass
+class Ports:
+    """Where the `ports` fixture's gateway listens."""
+
+    amqp: int
+    mqtt: int
+    admin: Admin
+
+    @property
+    def url(self) -> str:
+        return f"amqp://127.0.0.1:{self.amqp}"
+
+    def connect(self, container_id: str | None = None) -> BlockingConnection:
+        if container_id is None:
+            return BlockingConnection(self.url, timeout=CLIENT_TIMEOUT)
+        return BlockingConnection(self.url, timeout=CLIENT_TIMEOUT, container_id=container_id)
+
+
+@pytest.fixture
+async def ports(broker: Broker, amqp: AmqpListener, mqtt: MqttListener) -> AsyncIterator[Ports]:
+    """The AMQP and MQTT listeners and the admin API (no users: loopback is the operator)."""
+    http = HttpServer(AdminApi(broker))
+    admin_port = await http.start("127.0.0.1", 0)
+    yield Ports(amqp.port, mqtt.port, Admin(admin_port))
+    await http.close()
 
 
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict:

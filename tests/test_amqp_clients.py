@@ -470,11 +470,8 @@ class Drainer(MessagingHandler):
         self.conn.close()
 
 
-async def test_container_drain_until_empty(broker: Broker, amqp: Listener) -> None:
-    await broker.queues.create(QueueConfig(name="drained"))
-    for i in range(7):
-        await broker.publish(GatewayMessage("drained", f"{i}".encode(), to_queue=True))
-    handler = Drainer(url(amqp), "drained")
+async def run_container(handler: MessagingHandler) -> None:
+    """Run a proton Container with `handler` in a worker thread until it stops."""
 
     def run() -> None:
         container = Container(handler)
@@ -482,6 +479,15 @@ async def test_container_drain_until_empty(broker: Broker, amqp: Listener) -> No
         container.run()
 
     await asyncio.wait_for(asyncio.to_thread(run), TIMEOUT * 2)
+
+
+async def test_container_drain_until_empty(broker: Broker, amqp: Listener) -> None:
+    await broker.queues.create(QueueConfig(name="drained"))
+    for i in range(7):
+        await broker.publish(GatewayMessage("drained", f"{i}".encode(), to_queue=True))
+    handler = Drainer(url(amqp), "drained")
+
+    await run_container(handler)
     assert handler.error is None
     assert handler.received == [f"{i}".encode() for i in range(7)]
     assert handler.drains == 3  # 3 + 3 + 1: the third drain ended early, exactly
@@ -544,12 +550,7 @@ async def test_container_client_round_trip(broker: Broker, amqp: Listener) -> No
     await broker.queues.create(QueueConfig(name="jobs"))
     handler = RoundTrip(url(amqp), "jobs", 20)
 
-    def run() -> None:
-        container = Container(handler)
-        container.timeout = TIMEOUT
-        container.run()
-
-    await asyncio.wait_for(asyncio.to_thread(run), TIMEOUT * 2)
+    await run_container(handler)
     assert handler.error is None
     assert handler.received == [f"c{i}".encode() for i in range(20)]
     await asyncio.sleep(0.1)
@@ -599,12 +600,7 @@ async def test_outcomes_settled_out_of_order_reach_their_messages(
         await broker.publish(GatewayMessage("ooo", body, to_queue=True))
     handler = OutOfOrder(url(amqp), "ooo")
 
-    def run() -> None:
-        container = Container(handler)
-        container.timeout = TIMEOUT
-        container.run()
-
-    await asyncio.wait_for(asyncio.to_thread(run), TIMEOUT * 2)
+    await run_container(handler)
     assert handler.error is None
     assert handler.received == [(b"m0", 0), (b"m1", 0), (b"m2", 0), (b"m0", 1)]
     assert await queued(broker, "ooo", 0) == 0

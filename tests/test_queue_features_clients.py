@@ -18,57 +18,22 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
-import pytest
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from proton import Disposition, Message, Terminus, Timeout, symbol
 from proton.reactor import Selector
 from proton.utils import BlockingConnection
 
-from gateway.admin.api import AdminApi
-from gateway.admin.http import HttpServer
 from gateway.broker import Broker, QueueConfig
-from gateway.config import Settings
 from gateway.engine.queues import DEAD_MESSAGE_QUEUE
-from protocols.amqp.listener import start as start_amqp
-from protocols.mqtt.listener import start as start_mqtt
-from tests.test_admin_api import Admin, q
+from tests.conftest import Ports
+from tests.test_admin_api import q
 from tests.test_amqp_clients import Browse, queued, send_outcome
 from tests.test_mqtt_paho import V5, Client
 
 TIMEOUT = 5.0
 QUIET = 0.3  # how long "nothing more arrives" is watched
-
-
-@dataclass
-class Ports:
-    amqp: int
-    mqtt: int
-    admin: Admin
-
-    @property
-    def url(self) -> str:
-        return f"amqp://127.0.0.1:{self.amqp}"
-
-    def connect(self) -> BlockingConnection:
-        return BlockingConnection(self.url, timeout=TIMEOUT)
-
-
-@pytest.fixture
-async def ports(broker: Broker) -> AsyncIterator[Ports]:
-    settings = Settings(amqp_port=0, mqtt_port=0, host="127.0.0.1")
-    amqp = await start_amqp(broker, settings)
-    mqtt = await start_mqtt(broker, settings)
-    http = HttpServer(AdminApi(broker))
-    admin_port = await http.start("127.0.0.1", 0)
-    assert amqp is not None and mqtt is not None
-    yield Ports(amqp.port, mqtt.port, Admin(admin_port))
-    await http.close()
-    await mqtt.close()
-    await amqp.close()
 
 
 def body(rcv, timeout: float = TIMEOUT) -> bytes:

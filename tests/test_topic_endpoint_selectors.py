@@ -8,8 +8,6 @@ proton and paho clients.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import pytest
 from paho.mqtt.packettypes import PacketTypes
@@ -18,45 +16,16 @@ from proton import Described, Timeout, symbol
 from proton.reactor import DurableSubscription, Selector
 from proton.utils import BlockingConnection, LinkDetached
 
-from gateway.admin.api import AdminApi
-from gateway.admin.http import HttpServer
 from gateway.broker import Broker, QueueConfig, QueueError
-from gateway.config import Settings
 from gateway.model import Message as GatewayMessage
 from gateway.model import Outcome
-from protocols.amqp.listener import start as start_amqp
-from protocols.mqtt.listener import start as start_mqtt
-from tests.test_admin_api import Admin, q
+from tests.conftest import Ports
+from tests.test_admin_api import q
 from tests.test_amqp_clients import durable_queues, echoed_filter
 from tests.test_mqtt_paho import V5, Client
 
 TIMEOUT = 5.0
 SELECTOR = symbol("apache.org:selector-filter:string")
-
-
-@dataclass
-class Ports:
-    amqp: int
-    mqtt: int
-    admin: Admin
-
-    def connect(self, container_id: str) -> BlockingConnection:
-        url = f"amqp://127.0.0.1:{self.amqp}"
-        return BlockingConnection(url, timeout=TIMEOUT, container_id=container_id)
-
-
-@pytest.fixture
-async def ports(broker: Broker) -> AsyncIterator[Ports]:
-    settings = Settings(amqp_port=0, mqtt_port=0, host="127.0.0.1")
-    amqp = await start_amqp(broker, settings)
-    mqtt = await start_mqtt(broker, settings)
-    http = HttpServer(AdminApi(broker))
-    admin_port = await http.start("127.0.0.1", 0)
-    assert amqp is not None and mqtt is not None
-    yield Ports(amqp.port, mqtt.port, Admin(admin_port))
-    await http.close()
-    await mqtt.close()
-    await amqp.close()
 
 
 def drain(rcv, quiet: float = 0.3) -> list[bytes]:
@@ -109,7 +78,7 @@ async def test_durable_subscription_stores_only_what_its_selector_selects(
     broker: Broker, ports: Ports
 ) -> None:
     def subscribe_then_detach() -> dict:
-        conn = ports.connect("te-client")
+        conn = ports.connect(container_id="te-client")
         try:
             sub = attach(conn, "color = 'red'")
             echoed = echoed_filter(sub)
@@ -119,7 +88,7 @@ async def test_durable_subscription_stores_only_what_its_selector_selects(
             conn.close()
 
     def resume_then_unsubscribe() -> list[bytes]:
-        conn = ports.connect("te-client")
+        conn = ports.connect(container_id="te-client")
         try:
             sub = attach(conn, "color = 'red'")
             got = drain(sub)
@@ -146,7 +115,7 @@ async def test_reattach_with_another_selector_replaces_the_subscription(
     def scenario() -> tuple[dict, list[bytes]]:
         assert subscribe_and_leave(ports, "te-client-2", "color = 'red'") == ""
         publish_colours(ports.mqtt, ["red"])  # kept for the red subscription
-        conn = ports.connect("te-client-2")
+        conn = ports.connect(container_id="te-client-2")
         try:
             sub = attach(conn, "color = 'blue'")  # JMS: a new subscription, red is gone
             publish_colours(ports.mqtt, ["red", "blue"])
