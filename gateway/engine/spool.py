@@ -1,10 +1,12 @@
 """The publish path: group commit of spools into one Redis function call per batch.
 
-Publishes from every connection that arrive while the previous batch is in flight (or in
-the same event-loop turn) go to Redis together, in one `gw_spool` call that checks quotas,
-fans each message out to its queues and returns an outcome per message. The caller acks
-its publisher only when its future resolves, so nothing is acked before it is stored.
-One batch is in flight at a time, which keeps each publisher's messages in order.
+Publishes from every connection that arrive in the same event-loop turn (or while the
+batches in flight fill the pipeline) go to Redis together, in one `gw_spool` call that
+checks quotas, fans each message out to its queues and returns an outcome per message.
+The caller acks its publisher only when its future resolves, so nothing is acked before it
+is stored. Up to MAX_IN_FLIGHT batches are in flight on one connection (OrderedCalls):
+Redis runs them in the order sent, which keeps each publisher's messages in order, and the
+node no longer waits a round trip between batches (1 MQTT QoS 1 pair: +30 % msg/s).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Callable, Iterable
 
 import redis.asyncio as aioredis
 
+from gateway.engine.ordered_calls import OrderedCalls
 from gateway.engine.partitions import key_hash
 from gateway.model import Outcome
 
@@ -22,6 +25,7 @@ log = logging.getLogger(__name__)
 
 MAX_BATCH_MESSAGES = 512
 MAX_BATCH_BYTES = 4 * 1024 * 1024
+MAX_IN_FLIGHT = 4  # batches sent and not yet answered (2 measured as good; 8 no better)
 FLOW_CONTROL_RETRY = 0.05  # seconds between offers of flow-controlled messages
 _OUTCOMES = tuple(Outcome)  # by code: indexing costs a tenth of Outcome(code)
 
@@ -55,7 +59,7 @@ class Spooler:
         node_id: str,
         on_spooled: Callable[[set[str]], None] | None = None,
     ) -> None:
-        self._redis = redis
+        self._calls = OrderedCalls(redis)
         self._node = node_id
         self._on_spooled = on_spooled
         self._pending: list[_Pending] = []
@@ -104,19 +108,22 @@ class Spooler:
         try:
             await asyncio.sleep(0)  # let the rest of this turn's publishes join the batch
             while self._pending:
+                await self._calls.wait_below(MAX_IN_FLIGHT)  # meanwhile the batch grows
                 batch = self._take_batch()
-                try:
-                    codes = await self._call(batch)
-                except Exception as exc:  # Redis unreachable: refuse, never ack
-                    self.refused["redis_error"] = self.refused.get("redis_error", 0) + len(batch)
-                    for p in batch:
-                        _resolve(p, exc)
-                    continue
-                self._settle(batch, codes)  # outside the try: each message is told once
+                await self._calls.send(
+                    lambda reply, batch=batch: self._answered(batch, reply),
+                    "FCALL",
+                    "gw_spool",
+                    *self._arguments(batch),
+                )
         finally:
             self._task = None
             if self._pending:  # raced with a submit during the finally
                 self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def close(self) -> None:
+        """Drop the spool connection; batches still unanswered are refused, never acked."""
+        await self._calls.close()
 
     def _take_batch(self) -> list[_Pending]:
         pending = self._pending
@@ -129,8 +136,8 @@ class Spooler:
         self._pending = []
         return pending
 
-    async def _call(self, batch: list[_Pending]) -> list[int]:
-        """Store the batch with one gw_spool call; its outcome code per message."""
+    def _arguments(self, batch: list[_Pending]) -> list[object]:
+        """gw_spool's arguments for the batch (numkeys first)."""
         index: dict[str, int] = {}
         body: list[object] = []
         append, extend = body.append, body.extend
@@ -161,9 +168,17 @@ class Spooler:
                     blob,
                 )
             )
-        codes = await self._redis.fcall("gw_spool", 0, self._node, len(index), *index.keys(), *body)
+        return [0, self._node, len(index), *index.keys(), *body]
+
+    def _answered(self, batch: list[_Pending], reply: list[int] | BaseException) -> None:
+        """gw_spool's outcome codes for the batch, or why Redis did not answer them."""
+        if isinstance(reply, BaseException):  # Redis unreachable or refused: never ack
+            self.refused["redis_error"] = self.refused.get("redis_error", 0) + len(batch)
+            for p in batch:
+                _resolve(p, reply)
+            return
         self.batches += 1
-        return codes
+        self._settle(batch, reply)
 
     def _settle(self, batch: list[_Pending], codes: list[int]) -> None:
         """Tell each message's publisher its outcome; hold the flow-controlled ones."""

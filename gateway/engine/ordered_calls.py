@@ -1,0 +1,113 @@
+"""Commands written back to back on one Redis connection, answered in the order sent.
+
+Redis runs one connection's commands in arrival order, so a command sees every write of the
+commands sent before it on that connection. That lets a caller keep several commands in
+flight without giving up order: the spooler sends its next batch while earlier ones are
+still being answered, instead of waiting a round trip per batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+log = logging.getLogger(__name__)
+
+Reply = Callable[[Any], None]  # gets the command's reply, or the exception that ended it
+
+
+class OrderedCalls:
+    """One dedicated connection from `redis`'s pool; replies are read by one task."""
+
+    def __init__(self, redis: aioredis.Redis) -> None:
+        self._pool = redis.connection_pool
+        self._conn: aioredis.Connection | None = None
+        self._connecting = asyncio.Lock()
+        self._waiting: collections.deque[Reply] = collections.deque()
+        self._reader: asyncio.Task | None = None
+        self._answered = asyncio.Event()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._waiting)
+
+    async def send(self, on_reply: Reply, *args: Any) -> None:
+        """Write one command; `on_reply` is called with its reply (a ResponseError for a
+        command Redis refused) or with the error that broke the connection, in which case
+        every command still in flight is told the same and the next send reconnects.
+        Whether a command told of a broken connection ran is unknown."""
+        self._waiting.append(on_reply)
+        conn = self._conn
+        try:
+            if conn is None:
+                conn = await self._connect()
+            # writes are synchronous up to the drain, so commands reach the socket in the
+            # order their replies are expected
+            await conn.send_packed_command(conn.pack_command(*args), check_health=False)
+        except Exception as exc:
+            await self._broken(conn, exc)
+            return
+        if self._reader is None:
+            self._reader = asyncio.get_running_loop().create_task(self._read(conn))
+
+    async def wait_below(self, limit: int) -> None:
+        """Return once fewer than `limit` commands are in flight."""
+        while len(self._waiting) >= limit:
+            self._answered.clear()
+            await self._answered.wait()
+
+    async def close(self) -> None:
+        """Give the connection back; commands still in flight are told it closed."""
+        if self._reader is not None:
+            self._reader.cancel()
+        await self._broken(self._conn, ConnectionError("closed"))
+
+    async def _connect(self) -> aioredis.Connection:
+        async with self._connecting:
+            if self._conn is None:
+                self._conn = await self._pool.get_connection()
+            return self._conn
+
+    async def _read(self, conn: aioredis.Connection) -> None:
+        try:
+            while self._waiting and conn is self._conn:
+                try:
+                    reply: Any = await conn.read_response()
+                except ResponseError as exc:
+                    reply = exc
+                except Exception as exc:
+                    await self._broken(conn, exc)
+                    return
+                on_reply = self._waiting.popleft()
+                self._answered.set()
+                _tell(on_reply, reply)
+        finally:
+            self._reader = None
+            if self._waiting and self._conn is not None:  # sent while this task was ending
+                self._reader = asyncio.get_running_loop().create_task(self._read(self._conn))
+
+    async def _broken(self, conn: aioredis.Connection | None, exc: BaseException) -> None:
+        """Drop `conn` (if still the current one) and tell every command in flight."""
+        if conn is not None and conn is not self._conn:
+            return  # an older connection's news: its commands were told already
+        self._conn = None
+        waiting, self._waiting = self._waiting, collections.deque()
+        self._answered.set()
+        if conn is not None:
+            await conn.disconnect(nowait=True)
+            await self._pool.release(conn)
+        for on_reply in waiting:
+            _tell(on_reply, exc)
+
+
+def _tell(on_reply: Reply, reply: Any) -> None:
+    try:
+        on_reply(reply)
+    except Exception:  # the caller's bug must not stop the replies after it
+        log.exception("reply callback failed")

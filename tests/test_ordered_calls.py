@@ -1,0 +1,107 @@
+"""Several spool batches in flight on one Redis connection: order, refusals, broken links."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import redis
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from gateway.broker import Broker
+from gateway.engine import keys, spool
+from gateway.engine.ordered_calls import OrderedCalls
+from gateway.engine.queues import QueueConfig
+from gateway.model import Delivery, Outcome
+from tests.test_engine import to_queue, wait_for
+
+
+async def test_replies_come_back_in_order_and_a_refusal_stays_with_its_command(
+    redis_url: str,
+) -> None:
+    client = aioredis.Redis.from_url(redis_url)
+    calls = OrderedCalls(client)
+    replies: list[Any] = []
+    await calls.send(replies.append, "SET", "text", "not a number")
+    for _ in range(50):
+        await calls.send(replies.append, "INCR", "n")
+    await calls.send(replies.append, "INCR", "text")  # refused by Redis
+    await calls.send(replies.append, "INCR", "n")
+    assert calls.in_flight > 0  # nothing was awaited: the commands are pipelined
+    await wait_for(lambda: len(replies) == 53)
+    assert replies[1:51] == list(range(1, 51))
+    assert isinstance(replies[51], ResponseError)
+    assert replies[52] == 51
+    await calls.close()
+    await client.aclose()
+
+
+async def test_a_broken_connection_tells_every_command_in_flight_then_reconnects(
+    redis_url: str,
+) -> None:
+    client = aioredis.Redis.from_url(redis_url)
+    calls = OrderedCalls(client)
+    ids: list[Any] = []
+    await calls.send(ids.append, "CLIENT", "ID")
+    await wait_for(lambda: ids)
+    replies: list[Any] = []
+    await calls.send(replies.append, "BLPOP", "never", 10)  # holds the connection
+    await calls.send(replies.append, "PING")
+    redis.Redis.from_url(redis_url).client_kill_filter(_id=ids[0])
+    await wait_for(lambda: len(replies) == 2)
+    assert all(isinstance(r, redis.exceptions.ConnectionError) for r in replies)
+    assert calls.in_flight == 0
+    after: list[Any] = []
+    await calls.send(after.append, "PING")
+    await wait_for(lambda: after)
+    assert after == [b"PONG"]
+    await calls.close()
+    await client.aclose()
+
+
+async def test_batches_in_flight_keep_one_publishers_order(broker: Broker) -> None:
+    await broker.queues.create(QueueConfig(name="q"))
+    count = 4 * spool.MAX_BATCH_MESSAGES
+    peak = 0
+
+    async def publish() -> list[Outcome]:
+        nonlocal peak
+        futures = []
+        for i in range(count):
+            futures.append(broker.publish_nowait(to_queue("q", b"%d" % i)))
+            if i % 100 == 99:
+                await asyncio.sleep(0)  # a new batch goes out while earlier ones are in flight
+                peak = max(peak, broker.spooler._calls.in_flight)
+        return await asyncio.gather(*futures)
+
+    assert set(await publish()) == {Outcome.OK}
+    assert peak > 1
+    got: list[Delivery] = []
+    flow = await broker.bind("q", got.append, window=count)
+    await wait_for(lambda: len(got) == count)
+    assert [d.message.payload for d in got] == [b"%d" % i for i in range(count)]
+    await flow.close()
+
+
+async def test_a_lost_spool_connection_acks_only_what_was_stored(
+    broker: Broker, redis_url: str
+) -> None:
+    await broker.queues.create(QueueConfig(name="q"))
+    assert await broker.publish(to_queue("q", b"first")) is Outcome.OK  # connects
+    futures = [broker.publish_nowait(to_queue("q", b"%d" % i)) for i in range(3000)]
+    for _ in range(3):
+        await asyncio.sleep(0)  # the first batches are written
+    spool_conn = broker.spooler._calls._conn
+    assert spool_conn is not None
+    host, port = spool_conn._writer.get_extra_info("sockname")[:2]
+    redis.Redis.from_url(redis_url).client_kill(f"{host}:{port}")
+    results = await asyncio.gather(*futures, return_exceptions=True)
+    stored = [i for i, r in enumerate(results) if r is Outcome.OK]
+    refused = [r for r in results if r is not Outcome.OK]
+    assert refused and all(isinstance(r, redis.exceptions.ConnectionError) for r in refused)
+    payloads = {
+        fields[b"m"] for _, fields in redis.Redis.from_url(redis_url).xrange(keys.queue_stream("q"))
+    }
+    assert len(payloads) >= len(stored)  # every acked message is in the queue
+    assert await broker.publish(to_queue("q", b"after")) is Outcome.OK  # reconnected
