@@ -151,6 +151,7 @@ class Broker:
     async def stop(self) -> None:
         await self.direct.close()
         await self.spooler.close()
+        await self.dispatcher.close()
         await self.liveness.stop()
         await self.events.stop()
 

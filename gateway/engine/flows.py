@@ -2,10 +2,13 @@
 
 A flow is one consumer of one queue: a consumer in the queue's consumer group, named by a
 flow id that starts with the node id (so a dead node's flows can be found and released).
-The node's `Dispatcher` runs one pump task: each round sends, in one pipelined round trip,
-the settlements (ack / requeue / reject) gathered since the last round and a fetch for every
-flow that has window space and may have work, then hands the fetched messages to the flows'
-callbacks. Settlements go before fetches so a requeued message is seen by the next fetch.
+The node's `Dispatcher` runs one pump task: each round sends the settlements (ack / requeue
+/ reject) gathered since the last round and a fetch for every flow that has window space and
+may have work, then hands the fetched messages to the flows' callbacks. Settlements go
+before fetches so a requeued message is seen by the next fetch. Rounds go out on one
+connection (OrderedCalls), so Redis runs them in the order sent; the next round is sent
+while the last one's messages are handed over (MAX_ROUNDS_IN_FLIGHT), and a flow with a
+fetch in flight waits for its answer before it fetches again.
 
 Exclusive queues: the earliest-bound flow on a live node holds the lease (with a fencing
 token checked by every fetch); the others are standbys, promoted in bind order when the
@@ -25,6 +28,7 @@ misses one that arrives later with a key before its cursor.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import time
@@ -33,6 +37,7 @@ from collections.abc import Callable
 import redis.asyncio as aioredis
 
 from gateway.engine.keys import partition_queue, priority_queue
+from gateway.engine.ordered_calls import OrderedCalls, broke
 from gateway.engine.partitions import PartitionMap, split_window
 from gateway.engine.selection import matches
 from gateway.model import DEAD_LETTER_REASON, ORIGIN_QUEUE, Delivery, Message, decode
@@ -43,6 +48,7 @@ log = logging.getLogger(__name__)
 FETCH_BATCH = 256
 DEFAULT_WINDOW = 256
 SELECT_SCAN = 1024  # a selector consumer considers this many of the oldest waiting messages
+MAX_ROUNDS_IN_FLIGHT = 2
 
 DeliverCallback = Callable[[Delivery], None]
 ClosedCallback = Callable[[str], None]
@@ -186,15 +192,51 @@ class _Fetch:
         self.count = count
 
 
+class _Round:
+    """One round's work, sent and waiting for (or holding) its replies in send order."""
+
+    __slots__ = (
+        "done",
+        "fetches",
+        "lease_checks",
+        "rebalances",
+        "refreshes",
+        "replies",
+        "selecting",
+        "sent",
+        "settles",
+        "unbinds",
+    )
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.settles: dict[str, list[tuple[str, str, str, int]]] = {}
+        self.unbinds: list[tuple[Flow, asyncio.Future]] = []
+        self.lease_checks: set[str] = set()
+        self.rebalances: list[str] = []
+        self.refreshes: set[str] = set()
+        self.fetches: list[_Fetch] = []
+        self.selecting: list[Flow] = []
+        self.replies: list[object] = []
+        self.sent = 0
+        self.done: asyncio.Future[None] = loop.create_future()
+
+    def reply(self, reply: object) -> None:
+        self.replies.append(reply)
+        if len(self.replies) == self.sent and not self.done.done():
+            self.done.set_result(None)
+
+
 class Dispatcher:
     """All flows of one node; see the module docstring for the pump's round."""
 
     def __init__(self, redis: aioredis.Redis, node_id: str) -> None:
         self._redis = redis
+        self._calls = OrderedCalls(redis)
         self.node_id = node_id
         self._ids = itertools.count(1)
         self.flows: dict[str, list[Flow]] = {}
         self._want: dict[Flow, None] = {}
+        self._fetching: set[Flow] = set()  # a fetch (or selection) of theirs is in flight
         self._settles: dict[str, list[tuple[str, str, str, int]]] = {}
         self._unbinds: list[tuple[Flow, asyncio.Future]] = []
         self._lease_checks: set[str] = set()
@@ -204,6 +246,12 @@ class Dispatcher:
         self.on_last_flow: Callable[[str], None] | None = None
         self.delivered = 0
         self.rounds = 0
+
+    async def close(self) -> None:
+        """Stop the pump and drop its connection (the node is stopping)."""
+        if self._task is not None:
+            self._task.cancel()
+        await self._calls.close()
 
     # -- binding ---------------------------------------------------------------------------
 
@@ -389,38 +437,54 @@ class Dispatcher:
             self._task = asyncio.get_running_loop().create_task(self._pump())
 
     def _has_work(self) -> bool:
+        """Anything to send: flows with a fetch in flight wait for its answer."""
         return bool(
             self._settles
             or self._unbinds
-            or self._want
             or self._lease_checks
             or self._refreshes
             or self._due_rebalances()
+            or any(flow not in self._fetching for flow in self._want)
         )
 
     async def _pump(self) -> None:
+        rounds: collections.deque[_Round] = collections.deque()
         try:
             await asyncio.sleep(0)  # gather this turn's settlements and wake-ups
-            while self._has_work():
+            while True:
+                if len(rounds) < MAX_ROUNDS_IN_FLIGHT and self._has_work():
+                    rounds.append(await self._send_round())
+                    continue
+                if not rounds:
+                    break
+                sent = rounds.popleft()
+                await sent.done
                 try:
-                    await self._round()
+                    await self._finish_round(sent)
                 except Exception:
                     log.exception("dispatch round failed; retrying")
                     await asyncio.sleep(0.5)
         finally:
+            for sent in rounds:  # cancelled (node stopping): the flows may fetch again
+                self._fetching.difference_update(f.flow for f in sent.fetches)
+                self._fetching.difference_update(sent.selecting)
             self._task = None
 
     def _fetches(self) -> tuple[list[_Fetch], list[Flow]]:
         """This round's fetches, and the flows with a selector (they peek, then take)."""
         fetches: list[_Fetch] = []
         selecting: list[Flow] = []
+        fetching = self._fetching
         for flow in list(self._want):
+            if flow in fetching:
+                continue  # wanted again once its fetch is answered
             del self._want[flow]
             space = min(flow.space, FETCH_BATCH)
             if space <= 0 or flow.closed or not flow.active:
                 continue
             if flow.selector is not None and not flow.browse:
                 selecting.append(flow)
+                fetching.add(flow)
                 continue
             if not flow.partitioned:
                 # competing flows of one queue take turns: a big window does not grab the
@@ -428,6 +492,7 @@ class Dispatcher:
                 sharing = sum(1 for f in self.flows.get(flow.queue, ()) if f.active)
                 count = min(space, max(1, FETCH_BATCH // max(1, sharing)))
                 fetches.append(_Fetch(flow, flow.queue, None, count))
+                fetching.add(flow)
                 continue
             # a small window cannot serve every partition each round: start with those not
             # yet found empty, in turn, so each gets its share
@@ -439,74 +504,96 @@ class Dispatcher:
             for index, count in zip(ready, split_window(space, len(ready)), strict=True):
                 if count > 0:
                     fetches.append(_Fetch(flow, partition_queue(flow.queue, index), index, count))
+                    fetching.add(flow)
         return fetches, selecting
 
-    async def _round(self) -> None:
+    async def _send_round(self) -> _Round:
+        """Take the work gathered so far and send its commands; replies come in order."""
         self.rounds += 1
-        settles, self._settles = self._settles, {}
-        unbinds, self._unbinds = self._unbinds, []
-        lease_checks, self._lease_checks = self._lease_checks, set()
-        rebalances = self._due_rebalances()
-        for queue in rebalances:
+        sent = _Round(asyncio.get_running_loop())
+        sent.settles, self._settles = self._settles, {}
+        sent.unbinds, self._unbinds = self._unbinds, []
+        sent.lease_checks, self._lease_checks = self._lease_checks, set()
+        sent.rebalances = self._due_rebalances()
+        for queue in sent.rebalances:
             del self._rebalances[queue]
-        refreshes, self._refreshes = self._refreshes | set(rebalances), set()
-        pipe = self._redis.pipeline(transaction=False)
-        for mode, items in settles.items():
+        sent.refreshes, self._refreshes = self._refreshes | set(sent.rebalances), set()
+        sent.fetches, sent.selecting = self._fetches()
+        commands: list[tuple[object, ...]] = []
+        for mode, items in sent.settles.items():
             args: list[object] = [mode]
             for (queue, flow_id), group in _group(items).items():
                 args += [queue, flow_id, len(group)]
                 for entry_id, size in group:
                     args += [entry_id, size]
-            pipe.fcall("gw_settle", 0, *args)
-        for flow, _ in unbinds:
-            pipe.fcall("gw_unbind", 0, flow.queue, flow.id)
-        for queue in rebalances:
-            pipe.fcall("gw_rebalance", 0, queue)
-        fetches, selecting = self._fetches()
-        for f in fetches:
-            if f.flow.browse:
-                flow = f.flow
-                pipe.fcall("gw_browse", 0, f.queue, flow.cursor, f.count, flow.replay_since)
+            commands.append(("gw_settle", 0, *args))
+        for flow, _ in sent.unbinds:
+            commands.append(("gw_unbind", 0, flow.queue, flow.id))
+        for queue in sent.rebalances:
+            commands.append(("gw_rebalance", 0, queue))
+        for f in sent.fetches:
+            flow = f.flow
+            if flow.browse:
+                commands.append(("gw_browse", 0, f.queue, flow.cursor, f.count, flow.replay_since))
             else:
-                fence = flow_fence(f.flow, f.partition)
-                pipe.fcall("gw_fetch", 0, f.queue, f.flow.id, f.count, fence)
-        try:
-            replies = await pipe.execute(raise_on_error=False)
-        except Exception:
-            # nothing was applied for sure: put the work back and let the caller retry
-            for mode, items in settles.items():
+                commands.append(
+                    ("gw_fetch", 0, f.queue, flow.id, f.count, flow_fence(flow, f.partition))
+                )
+        sent.sent = len(commands)
+        if not commands:
+            sent.done.set_result(None)
+        for command in commands:
+            await self._calls.send(sent.reply, "FCALL", *command)
+        return sent
+
+    async def _finish_round(self, sent: _Round) -> None:
+        """Apply a round's replies in order: what a broken connection lost is done again."""
+        replies = iter(sent.replies)
+        lost = False
+        for mode, items in sent.settles.items():
+            if broke(next(replies)):
                 self._settles.setdefault(mode, []).extend(items)
-            self._unbinds.extend(unbinds)
-            self._lease_checks |= lease_checks
-            for queue in rebalances:
-                self._rebalances[queue] = 0.0
-            for f in fetches:
-                self._want[f.flow] = None
-            for flow in selecting:
-                self._want[flow] = None
-            raise
-        pos = len(settles)
-        for (_, fut), reply in zip(unbinds, replies[pos : pos + len(unbinds)], strict=True):
-            if not fut.done():
+                lost = True
+        for flow, fut in sent.unbinds:
+            reply = next(replies)
+            if broke(reply):
+                self._unbinds.append((flow, fut))
+                lost = True
+            elif not fut.done():
                 if isinstance(reply, Exception):
                     fut.set_exception(reply)
                 else:
                     fut.set_result(None)
-        pos += len(unbinds) + len(rebalances)
-        for f, reply in zip(fetches, replies[pos:], strict=True):
+        for queue in sent.rebalances:
+            if broke(next(replies)):
+                self._rebalances[queue] = 0.0
+                lost = True
+        for f in sent.fetches:
+            self._fetching.discard(f.flow)
+        for f in sent.fetches:
+            reply = next(replies)
             if isinstance(reply, Exception):
-                log.warning("fetch for flow %s failed: %s", f.flow.id, reply)
+                if not broke(reply):
+                    log.warning("fetch for flow %s failed: %s", f.flow.id, reply)
+                lost = lost or broke(reply)
                 self._want[f.flow] = None
                 continue
             if f.flow.browse:
                 self._deliver_browsed(f, reply)
             else:
                 self._deliver(f, reply)
-        for flow in selecting:
+        if lost:
+            self._lease_checks |= sent.lease_checks
+            self._refreshes |= sent.refreshes
+            self._fetching.difference_update(sent.selecting)
+            self._want.update(dict.fromkeys(sent.selecting))
+            raise ConnectionError("the dispatch connection to Redis broke; work put back")
+        for flow in sent.selecting:
+            self._fetching.discard(flow)
             await self._select(flow)
-        for queue in lease_checks:
+        for queue in sent.lease_checks:
             await self.check_lease(queue)
-        for queue in refreshes:
+        for queue in sent.refreshes:
             await self.refresh_partitions(queue)
 
     def _deliver(self, fetch: _Fetch, reply: list) -> None:

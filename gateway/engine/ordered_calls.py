@@ -106,6 +106,11 @@ class OrderedCalls:
             _tell(on_reply, exc)
 
 
+def broke(reply: Any) -> bool:
+    """The reply is the error of a broken connection: whether the command ran is unknown."""
+    return isinstance(reply, BaseException) and not isinstance(reply, ResponseError)
+
+
 def _tell(on_reply: Reply, reply: Any) -> None:
     try:
         on_reply(reply)
