@@ -105,3 +105,60 @@ async def test_a_lost_spool_connection_acks_only_what_was_stored(
     }
     assert len(payloads) >= len(stored)  # every acked message is in the queue
     assert await broker.publish(to_queue("q", b"after")) is Outcome.OK  # reconnected
+
+
+async def test_what_a_lost_fetch_answer_took_is_redelivered(broker: Broker, redis_url: str) -> None:
+    await broker.queues.create(QueueConfig(name="q"))
+    for i in range(20):
+        assert await broker.publish(to_queue("q", b"%d" % i)) is Outcome.OK
+    got: list[Delivery] = []
+    flow = await broker.bind("q", got.append, window=0)  # fetches nothing by itself yet
+    lost_id = flow.id
+    # a fetch that ran in Redis but whose answer never reached the node
+    taken = redis.Redis.from_url(redis_url).fcall("gw_fetch", 0, "q", lost_id, 5, "")
+    assert taken[0] == b"ok" and len(taken) == 2 + 5 * 4
+    broker.dispatcher._fetch_lost(flow)
+    await wait_for(lambda: flow.id != lost_id)
+    flow.set_window(100)
+    await wait_for(lambda: len(got) == 20)
+    assert sorted(d.message.payload for d in got) == sorted(b"%d" % i for i in range(20))
+    assert sum(1 for d in got if d.redelivered) == 5
+    for d in got:
+        flow.ack(d.entry_id)
+    await wait_for(lambda: not flow.unacked)
+    assert await _drained(broker)
+    await flow.close()
+
+
+async def test_a_lost_dispatch_connection_loses_no_delivery(broker: Broker, redis_url: str) -> None:
+    await broker.queues.create(QueueConfig(name="q"))
+    count = 3000
+    outcomes = await asyncio.gather(
+        *[broker.publish_nowait(to_queue("q", b"%d" % i)) for i in range(count)]
+    )
+    assert set(outcomes) == {Outcome.OK}
+    seen: set[bytes] = set()
+    flows: list[Any] = []
+
+    def on_delivery(d: Delivery) -> None:
+        seen.add(d.message.payload)
+        flows[0].ack(d.entry_id)
+
+    flows.append(await broker.bind("q", on_delivery, window=300))
+    await wait_for(lambda: len(seen) >= 300)
+    conn = broker.dispatcher._calls._conn
+    assert conn is not None
+    host, port = conn._writer.get_extra_info("sockname")[:2]
+    redis.Redis.from_url(redis_url).client_kill(f"{host}:{port}")
+    await wait_for(lambda: len(seen) == count, timeout=15)
+    await wait_for(lambda: not flows[0].unacked)
+    assert await _drained(broker)
+    await flows[0].close()
+
+
+async def _drained(broker: Broker) -> bool:
+    for _ in range(100):
+        if (await broker.queues.info("q")).messages == 0:
+            return True
+        await asyncio.sleep(0.05)
+    return False

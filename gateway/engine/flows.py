@@ -35,6 +35,8 @@ import time
 from collections.abc import Callable
 
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.engine.keys import partition_queue, priority_queue
 from gateway.engine.ordered_calls import OrderedCalls, broke
@@ -49,6 +51,7 @@ FETCH_BATCH = 256
 DEFAULT_WINDOW = 256
 SELECT_SCAN = 1024  # a selector consumer considers this many of the oldest waiting messages
 MAX_ROUNDS_IN_FLIGHT = 2
+REBIND_RETRY = 0.5  # seconds between binds again while Redis is unreachable
 
 DeliverCallback = Callable[[Delivery], None]
 ClosedCallback = Callable[[str], None]
@@ -192,6 +195,9 @@ class _Fetch:
         self.count = count
 
 
+_Unbind = tuple[str, str, "asyncio.Future[None] | None"]  # queue, flow id, told when done
+
+
 class _Round:
     """One round's work, sent and waiting for (or holding) its replies in send order."""
 
@@ -210,7 +216,7 @@ class _Round:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.settles: dict[str, list[tuple[str, str, str, int]]] = {}
-        self.unbinds: list[tuple[Flow, asyncio.Future]] = []
+        self.unbinds: list[_Unbind] = []
         self.lease_checks: set[str] = set()
         self.rebalances: list[str] = []
         self.refreshes: set[str] = set()
@@ -238,7 +244,7 @@ class Dispatcher:
         self._want: dict[Flow, None] = {}
         self._fetching: set[Flow] = set()  # a fetch (or selection) of theirs is in flight
         self._settles: dict[str, list[tuple[str, str, str, int]]] = {}
-        self._unbinds: list[tuple[Flow, asyncio.Future]] = []
+        self._unbinds: list[_Unbind] = []
         self._lease_checks: set[str] = set()
         self._rebalances: dict[str, float] = {}  # partitioned queue -> when (loop time)
         self._refreshes: set[str] = set()  # partitioned queues whose map to re-read
@@ -314,7 +320,7 @@ class Dispatcher:
             self._forget(flow)
             return
         fut = asyncio.get_running_loop().create_future()
-        self._unbinds.append((flow, fut))
+        self._unbinds.append((flow.queue, flow.id, fut))
         self._forget(flow)
         self._kick()
         await fut
@@ -527,8 +533,8 @@ class Dispatcher:
                 for entry_id, size in group:
                     args += [entry_id, size]
             commands.append(("gw_settle", 0, *args))
-        for flow, _ in sent.unbinds:
-            commands.append(("gw_unbind", 0, flow.queue, flow.id))
+        for queue, flow_id, _ in sent.unbinds:
+            commands.append(("gw_unbind", 0, queue, flow_id))
         for queue in sent.rebalances:
             commands.append(("gw_rebalance", 0, queue))
         for f in sent.fetches:
@@ -554,12 +560,12 @@ class Dispatcher:
             if broke(next(replies)):
                 self._settles.setdefault(mode, []).extend(items)
                 lost = True
-        for flow, fut in sent.unbinds:
-            reply = next(replies)
+        for unbind in sent.unbinds:
+            reply, fut = next(replies), unbind[2]
             if broke(reply):
-                self._unbinds.append((flow, fut))
+                self._unbinds.append(unbind)
                 lost = True
-            elif not fut.done():
+            elif fut is not None and not fut.done():
                 if isinstance(reply, Exception):
                     fut.set_exception(reply)
                 else:
@@ -570,12 +576,19 @@ class Dispatcher:
                 lost = True
         for f in sent.fetches:
             self._fetching.discard(f.flow)
+        taken_unseen: set[Flow] = set()
         for f in sent.fetches:
             reply = next(replies)
+            if broke(reply):
+                lost = True
+                if not f.flow.browse:  # a browser took nothing: it just asks again
+                    if f.flow not in taken_unseen:
+                        taken_unseen.add(f.flow)
+                        self._fetch_lost(f.flow)
+                    continue
             if isinstance(reply, Exception):
                 if not broke(reply):
                     log.warning("fetch for flow %s failed: %s", f.flow.id, reply)
-                lost = lost or broke(reply)
                 self._want[f.flow] = None
                 continue
             if f.flow.browse:
@@ -735,21 +748,36 @@ class Dispatcher:
             self.close_queue_flows(flow.queue, "queue deleted")
         # 'egress': paused until the queue's config changes (a 'qcfg' event wakes it)
 
-    def _lost(self, flow: Flow) -> None:
+    def _fetch_lost(self, flow: Flow) -> None:
+        """A fetch's answer was lost with the connection, so what it took is held by the
+        flow's id in Redis and unknown here: unbind that id (its messages go back to the
+        queue, to be redelivered) and bind again under a new one."""
+        if not flow.closed:
+            self._unbinds.append((flow.queue, flow.id, None))
+            self._lost(flow, "lost a fetch's answer")
+
+    def _lost(self, flow: Flow, why: str = "was released by another node") -> None:
         """Our node was presumed dead and the flow released: its messages went back to the
         queue. Bind again under a new id, so late settlements of the old id are ignored."""
-        log.warning("flow %s was released by another node; rebinding", flow.id)
+        log.warning("flow %s %s; rebinding", flow.id, why)
         flow.unacked.clear()
         flow.parts.clear()
         flow.id = f"{self.node_id}.{next(self._ids)}"
         asyncio.get_running_loop().create_task(self._rebind(flow))
 
     async def _rebind(self, flow: Flow) -> None:
-        try:
-            await self._register(flow)
-        except BindError as exc:
-            self.close_queue_flows(flow.queue, str(exc))
-            return
+        while True:
+            try:
+                await self._register(flow)
+                break
+            except BindError as exc:
+                self.close_queue_flows(flow.queue, str(exc))
+                return
+            except (RedisConnectionError, RedisTimeoutError) as exc:
+                if flow.closed:
+                    return
+                log.warning("flow %s cannot bind again yet: %s", flow.id, exc)
+                await asyncio.sleep(REBIND_RETRY)
         if flow.exclusive:
             await self.check_lease(flow.queue)
         elif flow.partitioned:
