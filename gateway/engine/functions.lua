@@ -317,7 +317,7 @@ delete_queue = function(q)
   redis.call('DEL', k_queue_parts(q), k_queue_groups(q), k_queue_group_held(q),
     k_queue_last_values(q), k_queue_timed(q), k_queue_config(q), k_queue_stream(q), k_queue_stats(q), k_queue_subs(q),
     k_queue_flows(q), k_queue_lease(q), k_queue_readers(q), k_queue_sorted(q),
-    k_queue_members(q))
+    k_queue_members(q), k_queue_flow_held(q))
   redis.call('SREM', K_QUEUES, q)
   redis.call('SREM', K_READ_QUEUES, q)
   local v = redis.call('INCR', K_SUB_VERSION)
@@ -769,6 +769,36 @@ local function entry_args(q, blob, key, hi, lo, expires, not_before, sk)
   return args
 end
 
+-- Producer flow control keeps each publisher's order. Once a queue holds back a message of
+-- a node, it holds back that node's later messages too (even when it has room again by
+-- then), until the node offers the held messages again in a retry batch, which starts
+-- with them and clears the mark. A node that stopped before its retry leaves a mark that
+-- lapses after FLOW_HELD_LAPSE seconds.
+local FLOW_HELD_LAPSE = 60
+
+local function flow_held_mark(q, node, retry)
+  q.flow_held_key, q.flow_held_node = k_queue_flow_held(q.name), node
+  if retry then
+    redis.call('HDEL', q.flow_held_key, node)
+    return
+  end
+  local since = redis.call('HGET', q.flow_held_key, node)
+  if not since then return end
+  if tonumber(redis.call('TIME')[1]) - tonumber(since) > FLOW_HELD_LAPSE then
+    redis.call('HDEL', q.flow_held_key, node)
+  else
+    q.flow_held = true
+  end
+end
+
+local function hold_for_node(q)
+  if q.flow_held_key and not q.flow_held_marked then
+    q.flow_held, q.flow_held_marked = true, true
+    redis.call('HSET', q.flow_held_key, q.flow_held_node, redis.call('TIME')[1])
+  end
+  return FLOW_CONTROLLED
+end
+
 -- ARGV: node, nq, queue names..., then per message: k, queue indexes (k)..., direct,
 -- payload size (checked against max_message_size), key hash high and low 32 bits (picks
 -- the partition of a partitioned queue: xxh3_64(key) % partition_count), the key itself
@@ -781,14 +811,19 @@ end
 -- 0), priority, blob. Fewer arguments: each costs Redis and Lua a string object.
 -- Spooled bytes count the stored blob. A message that would pass the broker-wide quota or
 -- the quota of one of its queues' VPNs (gw_spool_limits) is refused with QUOTA_EXCEEDED.
+-- A negative nq (-nq) marks a retry batch: it starts with messages producer flow control held
+-- back, and clears the node's marks on its queues (see flow_held_mark).
 -- Returns one outcome code per message; a message is stored in all its queues or in none.
 redis.register_function('gw_spool', function(_, a)
   local nq = tonumber(a[2])
+  local retry = nq < 0
+  if retry then nq = -nq end
   local qs, by_name = {}, {}
   local function target(name)
     local t = by_name[name]
     if not t then
       t = spool_target(name)
+      if t.overflow == 'flow_control' then flow_held_mark(t, a[1], retry) end
       by_name[name] = t
       qs[#qs + 1] = t
     end
@@ -839,13 +874,13 @@ redis.register_function('gw_spool', function(_, a)
         if direct then code = NOT_FOUND end
       elseif not q.ingress then code = INGRESS_DISABLED
       elseif q.maxsize > 0 and size > q.maxsize then code = TOO_LARGE
-      elseif q.blocked then code = FLOW_CONTROLLED
+      elseif q.blocked or q.flow_held then code = hold_for_node(q)
       elseif over_quota(q, bytes) then
         if q.overflow == 'ring' and plan_drop(q, bytes) then
           nt = nt + 1
           targets[nt] = q
         elseif q.overflow == 'flow_control' then
-          code = FLOW_CONTROLLED
+          code = hold_for_node(q)
           q.blocked = true
           redis.call('HSET', k_queue_stats(q.name), 'blocked', '1')
         elseif q.maxbytes > 0 and q.bytes + bytes > q.maxbytes then code = QUOTA_EXCEEDED

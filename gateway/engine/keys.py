@@ -41,6 +41,7 @@ TEMPLATES: dict[str, str] = {
     "queue_group_held": f"{PREFIX}:q:{{{{q}}}}:gheld",
     "queue_sorted": f"{PREFIX}:q:{{{{q}}}}:sorted",
     "queue_members": f"{PREFIX}:q:{{{{q}}}}:members",
+    "queue_flow_held": f"{PREFIX}:q:{{{{q}}}}:fcheld",
     "read_queues": f"{PREFIX}:readq",
     "spool_usage": f"{PREFIX}:spool:usage",
     "spool_limits": f"{PREFIX}:spool:limits",
@@ -159,6 +160,12 @@ def queue_members(q: str) -> str:
     """Members of a queue that lives while it has any (an MQTT shared subscription group):
     member -> the epoch ms its membership lasts until (inf: for ever)."""
     return _queue_key("queue_members", q)
+
+
+def queue_flow_held(q: str) -> str:
+    """Producer flow control: node id -> when (epoch s) the queue last held back one of that
+    node's messages; the node's later messages are held too until it offers them again."""
+    return _queue_key("queue_flow_held", q)
 
 
 def partition_queue(parent: str, index: int) -> str:

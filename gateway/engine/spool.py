@@ -68,6 +68,7 @@ class Spooler:
         self.messages = 0  # stored (outcome OK)
         self.refused: dict[str, int] = {}  # outcome name (or redis_error) -> count
         self._held: list[_Pending] = []  # refused by producer flow control, retried
+        self._retry_due = False  # the held messages are to be offered again
         # the client's loop, kept: asyncio.get_running_loop() costs a getpid() system call
         self._loop: asyncio.AbstractEventLoop | None = None
         self.flow_controlled = 0
@@ -107,37 +108,52 @@ class Spooler:
     async def _run(self) -> None:
         try:
             await asyncio.sleep(0)  # let the rest of this turn's publishes join the batch
-            while self._pending:
-                await self._calls.wait_below(MAX_IN_FLIGHT)  # meanwhile the batch grows
-                batch = self._take_batch()
+            while self._pending or (self._retry_due and self._held):
+                retried = 0
+                if self._retry_due and self._held:
+                    # with nothing in flight, every refusal is in: the held list is whole
+                    await self._calls.wait_below(1)
+                    retried = len(self._held)
+                    self._pending[:0], self._held = self._held, []
+                    self._retry_due = False
+                else:
+                    await self._calls.wait_below(MAX_IN_FLIGHT)  # meanwhile the batch grows
+                    if not self._pending:
+                        continue
+                batch = self._take_batch(retried)
                 await self._calls.send(
                     lambda reply, batch=batch: self._answered(batch, reply),
                     "FCALL",
                     "gw_spool",
-                    *self._arguments(batch),
+                    *self._arguments(batch, retry=retried > 0),
                 )
         finally:
             self._task = None
-            if self._pending:  # raced with a submit during the finally
+            if self._pending or (self._retry_due and self._held):  # raced with the finally
                 self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def close(self) -> None:
         """Drop the spool connection; batches still unanswered are refused, never acked."""
         await self._calls.close()
 
-    def _take_batch(self) -> list[_Pending]:
+    def _take_batch(self, at_least: int) -> list[_Pending]:
+        """The next batch: `at_least` messages (retried ones go out together), then up to
+        the batch limits."""
         pending = self._pending
         total = 0
         for i, p in enumerate(pending):
             total += len(p[_BLOB])
+            if i + 1 < at_least:
+                continue
             if i + 1 >= MAX_BATCH_MESSAGES or total >= MAX_BATCH_BYTES:
                 batch, self._pending = pending[: i + 1], pending[i + 1 :]
                 return batch
         self._pending = []
         return pending
 
-    def _arguments(self, batch: list[_Pending]) -> list[object]:
-        """gw_spool's arguments for the batch (numkeys first)."""
+    def _arguments(self, batch: list[_Pending], retry: bool) -> list[object]:
+        """gw_spool's arguments for the batch (numkeys first); a retry batch, which starts
+        with held messages, says so with a negative queue count."""
         index: dict[str, int] = {}
         body: list[object] = []
         append, extend = body.append, body.extend
@@ -168,7 +184,7 @@ class Spooler:
                     blob,
                 )
             )
-        return [0, self._node, len(index), *index.keys(), *body]
+        return [0, self._node, -len(index) if retry else len(index), *index.keys(), *body]
 
     def _answered(self, batch: list[_Pending], reply: list[int] | BaseException) -> None:
         """gw_spool's outcome codes for the batch, or why Redis did not answer them."""
@@ -200,14 +216,15 @@ class Spooler:
             self._on_spooled(stored)
         if held:
             self.flow_controlled += len(held)
-            if not self._held:
+            if not self._held and not self._retry_due:
                 asyncio.get_running_loop().call_later(FLOW_CONTROL_RETRY, self._retry_held)
             self._held.extend(held)
 
     def _retry_held(self) -> None:
-        """Offer flow-controlled messages again, ahead of newer ones (order per publisher)."""
-        self._pending[:0], self._held = self._held, []
-        if self._task is None and self._pending:
+        """Offer the held messages again, ahead of newer ones (order per publisher; Redis
+        holds back this node's newer messages to their queues until then)."""
+        self._retry_due = True
+        if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
 
