@@ -130,7 +130,9 @@ class Broker:
         self._connected: dict[str, tuple[int, Callable[[], None]]] = {}
         self.router = Router(redis)
         self.dispatcher = Dispatcher(redis, self.node_id)
-        self.spooler = Spooler(redis, self.node_id, self._spooled)
+        self.spooler = Spooler(
+            redis, self.node_id, self._spooled, paced=lambda: self.dispatcher.behind
+        )
         self.liveness = NodeLiveness(
             redis, self.dispatcher, self.node_id, interval=heartbeat, ttl=node_ttl
         )

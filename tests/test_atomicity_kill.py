@@ -250,11 +250,15 @@ class Run:
         try:
             for p in node.pubs:
                 p.stop.set()
-            await wait_until(
-                lambda: counter(r, self.scenario.name, "msgs") == 0,
-                20,
-                f"{self.scenario.name} to drain",
-            )
+            for p in node.pubs:
+                await asyncio.to_thread(p.join, 10)
+            for _ in range(2):  # again after a pause: publishes the gateway had read when
+                await wait_until(  # the publisher closed its socket land late
+                    lambda: counter(r, self.scenario.name, "msgs") == 0,
+                    20,
+                    f"{self.scenario.name} to drain",
+                )
+                await asyncio.sleep(0.5)
         finally:
             await node.stop_clients(ask=True)
             assert await node.gw.stop() == 0, node.gw.stderr_tail()

@@ -162,3 +162,28 @@ async def _drained(broker: Broker) -> bool:
             return True
         await asyncio.sleep(0.05)
     return False
+
+
+async def _peak_in_flight(broker: Broker, count: int) -> int:
+    """Publish `count` messages to "q" over several loop turns; the most batches in flight."""
+    peak = 0
+    futures = []
+    for i in range(count):
+        futures.append(broker.publish_nowait(to_queue("q", b"%d" % i)))
+        if i % 100 == 99:
+            await asyncio.sleep(0)
+            peak = max(peak, broker.spooler._calls.in_flight)
+    assert set(await asyncio.gather(*futures)) == {Outcome.OK}
+    return peak
+
+
+async def test_publishers_go_at_the_pace_of_consumers_that_are_behind(broker: Broker) -> None:
+    await broker.queues.create(QueueConfig(name="q"))
+    assert await _peak_in_flight(broker, 4 * spool.MAX_BATCH_MESSAGES) > 1  # nobody behind
+    got: list[Delivery] = []
+    flow = await broker.bind("q", got.append, window=10)
+    await wait_for(lambda: len(got) == 10)  # a full fetch: the consumer is behind
+    assert broker.dispatcher.behind
+    assert await _peak_in_flight(broker, 4 * spool.MAX_BATCH_MESSAGES) == 1
+    await flow.close()
+    assert not broker.dispatcher.behind

@@ -243,6 +243,7 @@ class Dispatcher:
         self.flows: dict[str, list[Flow]] = {}
         self._want: dict[Flow, None] = {}
         self._fetching: set[Flow] = set()  # a fetch (or selection) of theirs is in flight
+        self._behind: set[Flow] = set()  # their last fetch came back full: more is waiting
         self._settles: dict[str, list[tuple[str, str, str, int]]] = {}
         self._unbinds: list[_Unbind] = []
         self._lease_checks: set[str] = set()
@@ -325,8 +326,15 @@ class Dispatcher:
         self._kick()
         await fut
 
+    @property
+    def behind(self) -> bool:
+        """Some local consumer's last fetch came back full: its queue holds more than it
+        could take, so messages arrive faster than it consumes them."""
+        return bool(self._behind)
+
     def _forget(self, flow: Flow) -> None:
         self._want.pop(flow, None)
+        self._behind.discard(flow)
         local = self.flows.get(flow.queue)
         if local and flow in local:
             local.remove(flow)
@@ -643,6 +651,10 @@ class Dispatcher:
                 log.exception("delivery callback of flow %s failed", flow.id)
             if flow.closed:
                 return
+        if got >= fetch.count:
+            self._behind.add(flow)
+        else:
+            self._behind.discard(flow)
         if fetch.partition is not None:
             if got < fetch.count:
                 flow.idle.add(fetch.partition)
