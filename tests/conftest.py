@@ -166,12 +166,20 @@ class Ports:
 
 
 @pytest.fixture
-async def ports(broker: Broker, amqp: AmqpListener, mqtt: MqttListener) -> AsyncIterator[Ports]:
-    """The AMQP and MQTT listeners and the admin API (no users: loopback is the operator)."""
-    http = HttpServer(AdminApi(broker))
-    admin_port = await http.start("127.0.0.1", 0)
-    yield Ports(amqp.port, mqtt.port, Admin(admin_port))
-    await http.close()
+async def admin(broker: Broker) -> AsyncIterator[Admin]:
+    """The admin API on a free loopback port (no users: loopback is the operator)."""
+    server = HttpServer(AdminApi(broker))
+    port = await server.start("127.0.0.1", 0)
+    try:
+        yield Admin(port)
+    finally:
+        await server.close()
+
+
+@pytest.fixture
+def ports(amqp: AmqpListener, mqtt: MqttListener, admin: Admin) -> Ports:
+    """The AMQP and MQTT listeners and the admin API."""
+    return Ports(amqp.port, mqtt.port, admin)
 
 
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict:

@@ -10,7 +10,6 @@ import socket
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,8 +17,6 @@ from urllib.parse import quote
 
 import pytest
 
-from gateway.admin.api import AdminApi
-from gateway.admin.http import HttpServer
 from gateway.broker import Broker
 
 # urllib honours *_proxy variables; this client and the CLI must talk to loopback directly
@@ -104,16 +101,6 @@ def free_port() -> int:
 def q(name: str, *rest: str) -> str:
     """Path of a queue resource, the name encoded as one segment (a/b -> a%2Fb)."""
     return "/".join(["/api/v1/queues", quote(name, safe=""), *rest])
-
-
-@pytest.fixture
-async def admin(broker: Broker) -> AsyncIterator[Admin]:
-    server = HttpServer(AdminApi(broker))
-    port = await server.start("127.0.0.1", 0)
-    try:
-        yield Admin(port)
-    finally:
-        await server.close()
 
 
 # -- queues ---------------------------------------------------------------------------------

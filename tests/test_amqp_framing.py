@@ -10,13 +10,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from proton import Disposition, Message, symbol
-from proton.handlers import MessagingHandler
-from proton.reactor import Container
 
 from gateway.broker import Broker, QueueConfig
 from gateway.model import Publisher
 from protocols.amqp import framing, mapping, sections
 from protocols.amqp.listener import Listener
+from tests.test_adapter_fixes import send_raw
 
 PUB = Publisher("amqp")
 SAMPLES = [
@@ -101,40 +100,14 @@ def test_nesting_up_to_the_limit_is_decoded() -> None:
     assert mapping.decode(data, PUB).message.payload.startswith(b"[")
 
 
-class RawSender(MessagingHandler):
-    """Sends raw transfer payloads (not proton Messages) and records each outcome."""
-
-    def __init__(self, url: str, payloads: list[bytes]) -> None:
-        super().__init__()
-        self.url, self.payloads = url, payloads
-        self.outcomes: list[tuple[int, str | None]] = []
-
-    def on_start(self, event) -> None:
-        conn = event.container.connect(self.url)
-        event.container.create_sender(conn, "raw-q")
-
-    def on_sendable(self, event) -> None:
-        while self.payloads and event.sender.credit:
-            event.sender.delivery(str(len(self.payloads)).encode())
-            event.sender.send(self.payloads.pop(0))
-            event.sender.advance()
-
-    def on_settled(self, event) -> None:
-        state = event.delivery.remote_state
-        condition = event.delivery.remote.condition
-        self.outcomes.append((state, condition.name if condition else None))
-        if not self.payloads and len(self.outcomes) == 3:
-            event.connection.close()
-
-
 async def test_a_truncated_transfer_is_rejected_and_nothing_is_stored(
     broker: Broker, amqp: Listener
 ) -> None:
     await broker.declare_queue(QueueConfig(name="raw-q"))
     good = bytes(Message(body=b"kept", durable=True).encode())
-    sender = RawSender(f"amqp://127.0.0.1:{amqp.port}", [good[:-2], b"\x00garbage", good])
-    await asyncio.wait_for(asyncio.to_thread(Container(sender).run), 20)
+    payloads = [good[:-2], b"\x00garbage", good]
+    outcomes = await asyncio.wait_for(asyncio.to_thread(send_raw, amqp, "raw-q", payloads), 20)
     rejected = (Disposition.REJECTED, "amqp:decode-error")
-    assert sender.outcomes == [rejected, rejected, (Disposition.ACCEPTED, None)], sender.outcomes
+    assert outcomes == [rejected, rejected, (Disposition.ACCEPTED, None)], outcomes
     info = await broker.queues.info("raw-q")
     assert info.messages == 1

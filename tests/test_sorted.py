@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 
 import pytest
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from proton.utils import BlockingConnection
 
-from gateway.admin.api import AdminApi
-from gateway.admin.http import HttpServer
 from gateway.broker import Broker
 from gateway.config import Settings
 from gateway.engine import keys
@@ -280,16 +277,6 @@ async def test_sort_key_is_fixed(broker: Broker) -> None:
         await broker.queues.repartition("sq", 2)
     assert err.value.code == "invalid"
     assert (await broker.queues.config("sq")).sort_key == "k"
-
-
-@pytest.fixture
-async def admin(broker: Broker) -> AsyncIterator[Admin]:
-    server = HttpServer(AdminApi(broker))
-    port = await server.start("127.0.0.1", 0)
-    try:
-        yield Admin(port)
-    finally:
-        await server.close()
 
 
 async def test_admin_api_declares_a_sorted_queue(admin: Admin) -> None:
