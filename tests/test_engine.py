@@ -462,3 +462,60 @@ async def test_direct_subscribers_on_another_node(broker: Broker, second_node: B
     await wait_for(lambda: not broker.direct._others)
     await broker.publish(Message(destination="sensors/1/temp", payload=b"22"))
     assert broker.direct.relayed == 2
+
+
+async def test_acked_entries_leave_the_stream_in_and_out_of_order(
+    redis_url: str, broker: Broker
+) -> None:
+    """Acks delete by trimming below the oldest unsettled entry, and one by one above it:
+    either way the stream keeps exactly the unsettled and the waiting messages."""
+    await broker.queues.create(QueueConfig(name="q"))
+    for i in range(12):
+        await broker.publish(to_queue("q", b"%d" % i))
+    first: list[Delivery] = []
+    second: list[Delivery] = []
+    a = await broker.bind("q", first.append, window=4)
+    await wait_for(lambda: len(first) == 4)
+    b = await broker.bind("q", second.append, window=4)
+    await wait_for(lambda: len(second) == 4)
+    client = aioredis.Redis.from_url(redis_url)
+    stream = keys.queue_stream("q")
+
+    async def stored() -> list[str]:
+        return [e[0].decode() for e in await client.xrange(stream)]
+
+    # the second flow acks ahead of the first flow's older, unsettled entries: deleted one
+    # by one, the older ones stay
+    for d in second[:3]:
+        b.ack(d.entry_id)
+    await wait_for(lambda: len(b.unacked) == 4)  # refilled with 3 more
+    await asyncio.sleep(0.1)
+    settled = {d.entry_id for d in second[:3]}
+    ids = await stored()
+    assert not settled & set(ids) and len(ids) == 9
+    # the first flow acks its oldest two in order, and requeues its third: a trim
+    a.ack(first[0].entry_id)
+    a.ack(first[1].entry_id)
+    a.requeue(first[2].entry_id)
+    await wait_for(lambda: first[2].entry_id in [d.entry_id for d in first[4:] + second[4:]])
+    await asyncio.sleep(0.1)
+    ids = await stored()
+    assert first[0].entry_id not in ids and first[1].entry_id not in ids
+    assert first[2].entry_id in ids, "a requeued entry is still on the queue"
+    assert len(ids) == 7 == (await broker.queues.info("q")).messages
+    # everything settled: nothing is left, and a browser sees no settled message
+    await a.close()
+    await b.close()
+    rest: list[Delivery] = []
+    c = await broker.bind("q", rest.append, window=100)
+    await wait_for(lambda: len(rest) == 7)
+    for d in rest:
+        c.ack(d.entry_id)
+    await wait_for(lambda: not c.unacked)
+    for _ in range(100):  # the acks reach Redis with the next dispatch round
+        if not await stored():
+            break
+        await asyncio.sleep(0.02)
+    assert await stored() == []
+    assert (await broker.queues.info("q")).messages == 0
+    await client.aclose()
