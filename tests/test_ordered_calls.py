@@ -63,20 +63,7 @@ async def test_a_broken_connection_tells_every_command_in_flight_then_reconnects
 async def test_batches_in_flight_keep_one_publishers_order(broker: Broker) -> None:
     await broker.queues.create(QueueConfig(name="q"))
     count = 4 * spool.MAX_BATCH_MESSAGES
-    peak = 0
-
-    async def publish() -> list[Outcome]:
-        nonlocal peak
-        futures = []
-        for i in range(count):
-            futures.append(broker.publish_nowait(to_queue("q", b"%d" % i)))
-            if i % 100 == 99:
-                await asyncio.sleep(0)  # a new batch goes out while earlier ones are in flight
-                peak = max(peak, broker.spooler._calls.in_flight)
-        return await asyncio.gather(*futures)
-
-    assert set(await publish()) == {Outcome.OK}
-    assert peak > 1
+    assert await _peak_in_flight(broker, count) > 1
     got: list[Delivery] = []
     flow = await broker.bind("q", got.append, window=count)
     await wait_for(lambda: len(got) == count)
@@ -165,15 +152,23 @@ async def _drained(broker: Broker) -> bool:
 
 
 async def _peak_in_flight(broker: Broker, count: int) -> int:
-    """Publish `count` messages to "q" over several loop turns; the most batches in flight."""
+    """Publish `count` messages to "q" in one turn (several batches); the most batches in
+    flight, read as each batch is sent."""
+    calls = broker.spooler._calls
+    send = calls.send
     peak = 0
-    futures = []
-    for i in range(count):
-        futures.append(broker.publish_nowait(to_queue("q", b"%d" % i)))
-        if i % 100 == 99:
-            await asyncio.sleep(0)
-            peak = max(peak, broker.spooler._calls.in_flight)
-    assert set(await asyncio.gather(*futures)) == {Outcome.OK}
+
+    async def send_and_count(*args: object) -> None:
+        nonlocal peak
+        await send(*args)
+        peak = max(peak, calls.in_flight)
+
+    calls.send = send_and_count  # type: ignore[method-assign]
+    try:
+        futures = [broker.publish_nowait(to_queue("q", b"%d" % i)) for i in range(count)]
+        assert set(await asyncio.gather(*futures)) == {Outcome.OK}
+    finally:
+        del calls.send
     return peak
 
 
