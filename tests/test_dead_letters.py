@@ -6,8 +6,10 @@ import asyncio
 import time
 
 import pytest
+import redis.asyncio as aioredis
 
 from gateway.broker import Broker
+from gateway.engine import keys
 from gateway.engine.queues import DEAD_MESSAGE_QUEUE, QueueConfig
 from gateway.model import DEAD_LETTER_REASON, ORIGIN_QUEUE, Delivery, Message
 from tests.test_engine import wait_for
@@ -220,3 +222,41 @@ async def wait_for_messages(broker: Broker, queue: str, count: int) -> None:
     while await depth() != count:
         assert time.monotonic() < deadline, f"{queue} never reached {count} messages"
         await asyncio.sleep(0.02)
+
+
+@pytest.mark.parametrize("window", [1, 100])
+async def test_an_unreadable_entry_is_dead_lettered_not_stuck(
+    broker: Broker, redis_url: str, window: int
+) -> None:
+    """A stream entry no node can decode (written by a broken or foreign writer) does not
+    hold a window slot forever: it goes to the dead message queue, and the messages around
+    it are delivered in order."""
+    await broker.declare_queue(QueueConfig(name=DEAD_MESSAGE_QUEUE))
+    await broker.declare_queue(QueueConfig(name="q", dmq_eligible_default=True))
+    client = aioredis.Redis.from_url(redis_url)
+    await broker.publish(msg(b"before"))
+    for garbage in (b"not msgpack \xff", b"\x91\xc4", b"\x93\x63\xc4\x01x\xa1q"):
+        await client.xadd(keys.queue_stream("q"), {"m": garbage})
+    await broker.publish(msg(b"after"))
+    got: list[Delivery] = []
+    flow = None
+
+    def ack(d: Delivery) -> None:
+        got.append(d)
+        flow.ack(d.entry_id)
+
+    flow = await broker.bind("q", ack, window=window)
+    await wait_for(lambda: len(got) == 2)
+    assert [d.message.payload for d in got] == [b"before", b"after"]
+    await broker.publish(msg(b"later"))
+    await wait_for(lambda: len(got) == 3)
+    await wait_for(lambda: not flow.unacked)
+    for _ in range(100):  # the rejections reach Redis with the next dispatch round
+        if await client.xlen(keys.queue_stream("q")) == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert await client.xlen(keys.queue_stream("q")) == 0, "nothing left behind"
+    info = await broker.queues.info("q")
+    assert info.counters.get("rejected") == 3 and info.counters.get("dead_lettered") == 3
+    assert (await broker.queues.info(DEAD_MESSAGE_QUEUE)).messages == 3
+    await client.aclose()

@@ -638,9 +638,14 @@ class Dispatcher:
                 level, _, raw_id = raw_id.partition("/")
                 queue = priority_queue(flow.queue, int(level))
             unacked[entry_id] = (queue, raw_id, size)
+            try:
+                message = decode(blob)
+            except ValueError as exc:  # unreadable: it would stall the flow's window
+                log.error("entry %s of queue %s rejected: %s", raw_id, queue, exc)
+                flow.reject(entry_id)  # to the dead message queue, or discarded
+                continue
             if flow.credit is not None:
                 flow.credit -= 1
-            message = decode(blob)
             meta = reply[i + 3]
             if meta:  # an expiry, or a dead message queue's entry
                 _apply_meta(message, meta)
@@ -697,7 +702,11 @@ class Dispatcher:
             blob = reply[i + 1]
             if not blob:
                 continue  # settled or expired: not on the queue
-            message = decode(blob)
+            try:
+                message = decode(blob)
+            except ValueError as exc:  # unreadable: a consumer's fetch dead-letters it
+                log.warning("browser skips entry %s of queue %s: %s", entry_id, flow.queue, exc)
+                continue
             if reply[i + 2]:
                 _apply_meta(message, reply[i + 2])
             if flow.selector is not None and not matches(flow.selector, message, 1):
@@ -725,7 +734,11 @@ class Dispatcher:
         for i in range(1, len(peeked), 3):
             if len(wanted) >= space:
                 break
-            message = decode(peeked[i + 2])
+            try:
+                message = decode(peeked[i + 2])
+            except ValueError:  # unreadable: taken, and rejected as any consumer's fetch does
+                wanted.append(peeked[i])
+                continue
             if matches(flow.selector, message, int(peeked[i + 1]) + 1):
                 wanted.append(peeked[i])
         if flow.closed:

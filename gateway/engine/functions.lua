@@ -458,9 +458,9 @@ local function message_flags(blob)
   if not b then return 0, 4 end
   if b >= 0x90 and b <= 0x9f then pos = pos + 1 elseif b == 0xdc then pos = pos + 3
   elseif b == 0xdd then pos = pos + 5 else return 0, 4 end
-  local function be(at, n)
+  local function be(at, n)  -- a big-endian length; 0 past the end (the next read fails)
     local v = 0
-    for i = 0, n - 1 do v = v * 256 + string.byte(blob, at + i) end
+    for i = 0, n - 1 do v = v * 256 + (string.byte(blob, at + i) or 0) end
     return v
   end
   for _ = 1, 4 do
