@@ -151,9 +151,9 @@ async def _drained(broker: Broker) -> bool:
     return False
 
 
-async def _peak_in_flight(broker: Broker, count: int) -> int:
-    """Publish `count` messages to "q" in one turn (several batches); the most batches in
-    flight, read as each batch is sent."""
+async def _peak_in_flight(broker: Broker, count: int, queue: str = "q") -> int:
+    """Publish `count` messages to `queue` in one turn (several batches); the most batches
+    in flight, read as each batch is sent."""
     calls = broker.spooler._calls
     send = calls.send
     peak = 0
@@ -165,7 +165,7 @@ async def _peak_in_flight(broker: Broker, count: int) -> int:
 
     calls.send = send_and_count  # type: ignore[method-assign]
     try:
-        futures = [broker.publish_nowait(to_queue("q", b"%d" % i)) for i in range(count)]
+        futures = [broker.publish_nowait(to_queue(queue, b"%d" % i)) for i in range(count)]
         assert set(await asyncio.gather(*futures)) == {Outcome.OK}
     finally:
         del calls.send
@@ -178,7 +178,11 @@ async def test_publishers_go_at_the_pace_of_consumers_that_are_behind(broker: Br
     got: list[Delivery] = []
     flow = await broker.bind("q", got.append, window=10)
     await wait_for(lambda: len(got) == 10)  # a full fetch: the consumer is behind
-    assert broker.dispatcher.behind
+    assert broker.dispatcher.behind_on(["q"])
     assert await _peak_in_flight(broker, 4 * spool.MAX_BATCH_MESSAGES) == 1
+    # publishers to another queue keep the pipeline (the consumer of "q" stays stalled)
+    await broker.queues.create(QueueConfig(name="other"))
+    assert not broker.dispatcher.behind_on(["other"])
+    assert await _peak_in_flight(broker, 4 * spool.MAX_BATCH_MESSAGES, "other") > 1
     await flow.close()
-    assert not broker.dispatcher.behind
+    assert not broker.dispatcher.behind_on(["q"])

@@ -32,7 +32,7 @@ import collections
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -326,11 +326,14 @@ class Dispatcher:
         self._kick()
         await fut
 
-    @property
-    def behind(self) -> bool:
-        """Some local consumer's last fetch came back full: its queue holds more than it
-        could take, so messages arrive faster than it consumes them."""
-        return bool(self._behind)
+    def behind_on(self, queues: Iterable[str]) -> bool:
+        """Some local consumer of one of these queues is behind: its last fetch came back
+        full, so its queue holds more than it could take (messages arrive faster than it
+        consumes them)."""
+        if not self._behind:
+            return False
+        lagging = {flow.queue for flow in self._behind}
+        return any(queue in lagging for queue in queues)
 
     def _forget(self, flow: Flow) -> None:
         self._want.pop(flow, None)

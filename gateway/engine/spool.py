@@ -7,9 +7,10 @@ The caller acks its publisher only when its future resolves, so nothing is acked
 is stored. Up to MAX_IN_FLIGHT batches are in flight on one connection (OrderedCalls):
 Redis runs them in the order sent, which keeps each publisher's messages in order, and the
 node no longer waits a round trip between batches (1 MQTT QoS 1 pair: +30 % msg/s).
-While local consumers are behind (`paced()`), one batch at a time: publishers are acked at
-about the pace the consumers take messages, so the queue does not fill for as long as they
-publish faster (4 KiB MQTT QoS 1, 1 pair: p50 229 -> 9 ms at the same msg/s).
+While a local consumer of a queue the next batch goes to is behind (`paced(queues)`), one
+batch at a time: publishers are acked at about the pace the consumers take messages, so the
+queue does not fill for as long as they publish faster (4 KiB MQTT QoS 1, 1 pair: p50 229 ->
+9 ms at the same msg/s). Publishers to other queues keep the pipeline.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class Spooler:
         redis: aioredis.Redis,
         node_id: str,
         on_spooled: Callable[[set[str]], None] | None = None,
-        paced: Callable[[], bool] | None = None,
+        paced: Callable[[Iterable[str]], bool] | None = None,
     ) -> None:
         self._calls = OrderedCalls(redis)
         self._node = node_id
@@ -122,7 +123,7 @@ class Spooler:
                     self._pending[:0], self._held = self._held, []
                     self._retry_due = False
                 else:
-                    paced = self._paced is not None and self._paced()
+                    paced = self._paced is not None and self._paced(self._next_queues())
                     # meanwhile the batch grows
                     await self._calls.wait_below(1 if paced else MAX_IN_FLIGHT)
                     if not self._pending:
@@ -142,6 +143,10 @@ class Spooler:
     async def close(self) -> None:
         """Drop the spool connection; batches still unanswered are refused, never acked."""
         await self._calls.close()
+
+    def _next_queues(self) -> Iterable[str]:
+        """The queues of the messages the next batch starts with."""
+        return (queue for p in self._pending[:MAX_BATCH_MESSAGES] for queue in p[0])
 
     def _take_batch(self, at_least: int) -> list[_Pending]:
         """The next batch: `at_least` messages (retried ones go out together), then up to
