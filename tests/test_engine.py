@@ -467,8 +467,8 @@ async def test_direct_subscribers_on_another_node(broker: Broker, second_node: B
 async def test_acked_entries_leave_the_stream_in_and_out_of_order(
     redis_url: str, broker: Broker
 ) -> None:
-    """Acks delete by trimming below the oldest unsettled entry, and one by one above it:
-    either way the stream keeps exactly the unsettled and the waiting messages."""
+    """Acked entries leave the stream at once, whether acked in order or ahead of older
+    unsettled ones: the stream keeps exactly the unsettled and the waiting messages."""
     await broker.queues.create(QueueConfig(name="q"))
     for i in range(12):
         await broker.publish(to_queue("q", b"%d" % i))

@@ -1286,33 +1286,6 @@ redis.register_function('gw_browse', function(_, a)
   return out
 end)
 
--- Acked entries leave the stream at once: browsing and the counters rely on that. XDEL
--- searches each entry's stream node, which cost Redis more than the ack itself. The
--- entries older than every unsettled one are all settled (everything up to the group's
--- last delivered id was delivered, and what is unsettled is pending), so they go in one
--- XTRIM MINID; only the entries acked ahead of an older unsettled one go by XDEL.
-local function delete_acked(s, ids)
-  local oldest = redis.call('XPENDING', s, GROUP, '-', '+', 1)
-  local fm, fs  -- the floor: entries below it go by the trim
-  if #oldest > 0 then
-    fm, fs = string.match(oldest[1][1], '^(%d+)-(%d+)$')
-    fm, fs = tonumber(fm), tonumber(fs)
-  end
-  local late, top_m, top_s = {}, -1, -1
-  for _, id in ipairs(ids) do
-    local m, q = string.match(id, '^(%d+)-(%d+)$')
-    m, q = tonumber(m), tonumber(q)
-    if fm and (m > fm or (m == fm and q >= fs)) then
-      late[#late + 1] = id
-    elseif m > top_m or (m == top_m and q > top_s) then
-      top_m, top_s = m, q
-    end
-  end
-  if not fm then fm, fs = top_m, top_s + 1 end  -- nothing unsettled: past the newest acked
-  if fm >= 0 then redis.call('XTRIM', s, 'MINID', string.format('%d-%d', fm, fs)) end
-  if #late > 0 then redis.call('XDEL', s, unpack(late)) end
-end
-
 -- Acks for entries of one flow in one XACK, the common case. If some were settled before
 -- (the count comes back short), deleting them one by one tells which were still there.
 local function ack_batch(q, s, a, first, n)
@@ -1343,7 +1316,7 @@ local function ack_batch(q, s, a, first, n)
         end
       end
     else
-      delete_acked(s, ids)
+      redis.call('XDEL', s, unpack(ids))
     end
   end
   if acked > 0 then
