@@ -519,3 +519,26 @@ async def test_acked_entries_leave_the_stream_in_and_out_of_order(
     assert await stored() == []
     assert (await broker.queues.info("q")).messages == 0
     await client.aclose()
+
+
+async def test_competing_flows_take_turns_at_small_batches(broker: Broker) -> None:
+    """Non-exclusive queue, two local consumers with room to spare, messages arriving a few
+    at a time: both get about half (the first woken does not take every batch)."""
+    await broker.queues.create(QueueConfig(name="q"))
+    got: dict[int, list[Delivery]] = {0: [], 1: []}
+    flows = {}
+    for i in range(2):
+
+        def on(d: Delivery, i: int = i) -> None:
+            got[i].append(d)
+            flows[i].ack(d.entry_id)
+
+        flows[i] = await broker.bind("q", on, window=256)
+    for n in range(40):
+        batch = [broker.publish_nowait(to_queue("q", b"%d" % (n * 5 + k))) for k in range(5)]
+        await asyncio.gather(*batch)
+        await wait_for(lambda n=n: sum(len(v) for v in got.values()) == 5 * (n + 1))
+    counts = {k: len(v) for k, v in got.items()}
+    assert all(60 <= c <= 140 for c in counts.values()), counts
+    for flow in flows.values():
+        await flow.close()

@@ -364,7 +364,17 @@ class Dispatcher:
             self._kick()
 
     def wake_queue(self, queue: str) -> None:
-        for flow in self.flows.get(queue, ()):
+        """New messages on the queue. Competing local flows take turns at being first to
+        fetch them: the first fetch takes all it has room for, so a fixed order would hand
+        every small batch to the same consumer."""
+        local = self.flows.get(queue)
+        if not local:
+            return
+        if len(local) > 1:
+            local.append(local.pop(0))
+            for flow in local:
+                self._want.pop(flow, None)  # wanted again below, in the new order
+        for flow in local:
             self.wake(flow)
 
     def wake_all(self) -> None:
