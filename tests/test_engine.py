@@ -484,8 +484,8 @@ async def test_acked_entries_leave_the_stream_in_and_out_of_order(
     async def stored() -> list[str]:
         return [e[0].decode() for e in await client.xrange(stream)]
 
-    # the second flow acks ahead of the first flow's older, unsettled entries: deleted one
-    # by one, the older ones stay
+    # the second flow acks ahead of the first flow's older, unsettled entries: those go,
+    # the older ones stay
     for d in second[:3]:
         b.ack(d.entry_id)
     await wait_for(lambda: len(b.unacked) == 4)  # refilled with 3 more
@@ -493,7 +493,7 @@ async def test_acked_entries_leave_the_stream_in_and_out_of_order(
     settled = {d.entry_id for d in second[:3]}
     ids = await stored()
     assert not settled & set(ids) and len(ids) == 9
-    # the first flow acks its oldest two in order, and requeues its third: a trim
+    # the first flow acks its oldest two in order, and requeues its third
     a.ack(first[0].entry_id)
     a.ack(first[1].entry_id)
     a.requeue(first[2].entry_id)
@@ -503,7 +503,7 @@ async def test_acked_entries_leave_the_stream_in_and_out_of_order(
     assert first[0].entry_id not in ids and first[1].entry_id not in ids
     assert first[2].entry_id in ids, "a requeued entry is still on the queue"
     assert len(ids) == 7 == (await broker.queues.info("q")).messages
-    # everything settled: nothing is left, and a browser sees no settled message
+    # everything settled: nothing is left
     await a.close()
     await b.close()
     rest: list[Delivery] = []

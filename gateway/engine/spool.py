@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Iterable
+from itertools import islice
 
 import redis.asyncio as aioredis
 
@@ -146,7 +147,7 @@ class Spooler:
 
     def _next_queues(self) -> Iterable[str]:
         """The queues of the messages the next batch starts with."""
-        return (queue for p in self._pending[:MAX_BATCH_MESSAGES] for queue in p[0])
+        return (queue for p in islice(self._pending, MAX_BATCH_MESSAGES) for queue in p[0])
 
     def _take_batch(self, at_least: int) -> list[_Pending]:
         """The next batch: `at_least` messages (retried ones go out together), then up to
