@@ -130,7 +130,7 @@ class Broker:
         self._connected: dict[str, tuple[int, Callable[[], None]]] = {}
         self.router = Router(redis)
         self.dispatcher = Dispatcher(redis, self.node_id)
-        self.spooler = Spooler(redis, self.node_id, self._spooled, paced=self.dispatcher.behind_on)
+        self.spooler = Spooler(redis, self.node_id, self._spooled, pacing=self.dispatcher)
         self.liveness = NodeLiveness(
             redis, self.dispatcher, self.node_id, interval=heartbeat, ttl=node_ttl
         )

@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from gateway.broker import Broker
-from gateway.engine import keys, spool
+from gateway.engine import flows, keys, spool
 from gateway.engine.ordered_calls import OrderedCalls
 from gateway.engine.queues import QueueConfig
 from gateway.model import Delivery, Outcome
@@ -186,3 +186,71 @@ async def test_publishers_go_at_the_pace_of_consumers_that_are_behind(broker: Br
     assert await _peak_in_flight(broker, 4 * spool.MAX_BATCH_MESSAGES, "other") > 1
     await flow.close()
     assert not broker.dispatcher.behind_on(["q"])
+
+
+async def test_a_publisher_waits_for_a_draining_consumer_to_catch_up(
+    broker: Broker, monkeypatch: Any
+) -> None:
+    monkeypatch.setattr(spool, "MAX_HOLD", 30.0)  # only catching up ends the wait here
+    await broker.queues.create(QueueConfig(name="q"))
+    for i in range(15):
+        assert await broker.publish(to_queue("q", b"old %d" % i)) is Outcome.OK
+    got: list[Delivery] = []
+    flow = await broker.bind("q", got.append, window=10)
+    await wait_for(lambda: len(got) == 10)  # a full fetch: 5 more wait, the consumer is behind
+    flow.ack(got[0].entry_id)  # it is taking messages: draining, not stalled
+    new = broker.publish_nowait(to_queue("q", b"new"))
+    await asyncio.sleep(0.02)
+    assert not new.done()  # held while the backlog drains
+    for d in got[1:10]:
+        flow.ack(d.entry_id)  # the next fetch takes the other 5: caught up
+    assert await asyncio.wait_for(new, 5) is Outcome.OK
+    await wait_for(lambda: len(got) == 16)
+    assert [d.message.payload for d in got[10:]] == [b"old %d" % i for i in range(10, 15)] + [
+        b"new"
+    ]
+    await flow.close()
+
+
+async def test_a_stalled_consumer_does_not_hold_publishers(
+    broker: Broker, monkeypatch: Any
+) -> None:
+    monkeypatch.setattr(spool, "MAX_HOLD", 3.0)  # a hold would outlast the wait below
+    await broker.queues.create(QueueConfig(name="q"))
+    for i in range(15):
+        assert await broker.publish(to_queue("q", b"old %d" % i)) is Outcome.OK
+    got: list[Delivery] = []
+    flow = await broker.bind("q", got.append, window=10)
+    await wait_for(lambda: len(got) == 10)  # behind, and never settles: stalled
+    assert broker.dispatcher.behind_on(["q"])
+    await asyncio.sleep(2 * flows.STALLED_AFTER)
+    outcomes = await asyncio.wait_for(
+        asyncio.gather(*(broker.publish_nowait(to_queue("q", b"new")) for _ in range(3))), 1.5
+    )
+    assert outcomes == [Outcome.OK] * 3
+    await flow.close()
+
+
+async def test_the_hold_for_a_draining_consumer_is_bounded(
+    broker: Broker, monkeypatch: Any
+) -> None:
+    monkeypatch.setattr(spool, "MAX_HOLD", 0.02)
+    await broker.queues.create(QueueConfig(name="q"))
+    backlog = 4000
+    futures = [broker.publish_nowait(to_queue("q", b"old %d" % i)) for i in range(backlog)]
+    assert set(await asyncio.gather(*futures)) == {Outcome.OK}
+    got: list[Delivery] = []
+    flow: Any = None
+
+    def take(delivery: Delivery) -> None:  # a consumer that keeps up its pace: it drains
+        got.append(delivery)
+        flow.ack(delivery.entry_id)
+
+    flow = await broker.bind("q", take, window=10)
+    await wait_for(lambda: len(got) >= 10)
+    assert broker.dispatcher.behind_on(["q"])
+    assert await broker.publish(to_queue("q", b"new")) is Outcome.OK
+    assert len(got) < backlog  # stored long before the consumer caught up
+    await wait_for(lambda: len(got) == backlog + 1, timeout=30)
+    assert got[-1].message.payload == b"new"
+    await flow.close()

@@ -52,6 +52,9 @@ DEFAULT_WINDOW = 256
 SELECT_SCAN = 1024  # a selector consumer considers this many of the oldest waiting messages
 MAX_ROUNDS_IN_FLIGHT = 2
 REBIND_RETRY = 0.5  # seconds between binds again while Redis is unreachable
+# A behind consumer that neither fetched nor settled nor gave credit for this long is
+# stalled (its window is full and stays full), not draining: publishers do not wait for it.
+STALLED_AFTER = 0.05  # seconds
 
 DeliverCallback = Callable[[Delivery], None]
 ClosedCallback = Callable[[str], None]
@@ -174,6 +177,7 @@ class Flow:
     def set_credit(self, credit: int | None) -> None:
         """AMQP link credit: decremented per delivery; None means window only."""
         self.credit = credit
+        self._dispatcher.consumer_active(self)
         self._dispatcher.wake(self)
 
     async def close(self) -> None:
@@ -243,7 +247,10 @@ class Dispatcher:
         self.flows: dict[str, list[Flow]] = {}
         self._want: dict[Flow, None] = {}
         self._fetching: set[Flow] = set()  # a fetch (or selection) of theirs is in flight
-        self._behind: set[Flow] = set()  # their last fetch came back full: more is waiting
+        # their last fetch came back full (more is waiting) -> when they last fetched,
+        # settled or gave credit (monotonic)
+        self._behind: dict[Flow, float] = {}
+        self._caught_up = asyncio.Event()  # a flow left _behind
         self._settles: dict[str, list[tuple[str, str, str, int]]] = {}
         self._unbinds: list[_Unbind] = []
         self._lease_checks: set[str] = set()
@@ -335,9 +342,38 @@ class Dispatcher:
         lagging = {flow.queue for flow in self._behind}
         return any(queue in lagging for queue in queues)
 
+    async def catch_up(self, queues: Callable[[], Iterable[str]], limit: float) -> None:
+        """Wait, at most `limit` seconds, while a local consumer of `queues()` is behind
+        and still taking messages (not stalled): a publisher's next batch then lets the
+        backlog drain instead of growing it."""
+        deadline = time.monotonic() + limit
+        while self._draining(queues()):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._caught_up.clear()
+            try:
+                async with asyncio.timeout(left):
+                    await self._caught_up.wait()
+            except TimeoutError:
+                return
+
+    def consumer_active(self, flow: Flow) -> None:
+        """The flow's consumer settled or gave credit: if it is behind, it is draining."""
+        if flow in self._behind:
+            self._behind[flow] = time.monotonic()
+
+    def _draining(self, queues: Iterable[str]) -> bool:
+        if not self._behind:
+            return False
+        recent = time.monotonic() - STALLED_AFTER
+        draining = {flow.queue for flow, at in self._behind.items() if at > recent}
+        return any(queue in draining for queue in queues)
+
     def _forget(self, flow: Flow) -> None:
         self._want.pop(flow, None)
-        self._behind.discard(flow)
+        if self._behind.pop(flow, None) is not None:
+            self._caught_up.set()
         local = self.flows.get(flow.queue)
         if local and flow in local:
             local.remove(flow)
@@ -383,6 +419,7 @@ class Dispatcher:
 
     def settle(self, mode: str, flow: Flow, queue: str, entry_id: str, size: int) -> None:
         self._settles.setdefault(mode, []).append((queue, flow.id, entry_id, size))
+        self.consumer_active(flow)
         if flow.partitioned and not flow.owns_partition(queue):
             self.request_rebalance(flow.queue)  # a handoff may be able to complete now
         self.wake(flow)
@@ -670,9 +707,9 @@ class Dispatcher:
             if flow.closed:
                 return
         if got >= fetch.count:
-            self._behind.add(flow)
-        else:
-            self._behind.discard(flow)
+            self._behind[flow] = time.monotonic()
+        elif self._behind.pop(flow, None) is not None:
+            self._caught_up.set()
         if fetch.partition is not None:
             if got < fetch.count:
                 flow.idle.add(fetch.partition)
