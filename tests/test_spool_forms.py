@@ -7,6 +7,7 @@ import redis.asyncio as aioredis
 
 from gateway.engine import keys, library
 from gateway.engine.queues import QueueConfig
+from gateway.engine.spool import short_head
 
 BLOB = b"\x96\x01\xc4\x03abc\xa1t\xa1i\x00\xc0"
 
@@ -26,8 +27,10 @@ def full(index: int, lo: int, blob: bytes) -> list[object]:
     return [1, index, 0, len(blob), 0, lo, "", 0, "", 4, 0, blob]
 
 
-def short(index: int, lo: int, blob: bytes) -> list[object]:
-    return [-1, index, 0, len(blob), lo, 4, blob]
+def short(
+    index: int, lo: int, blob: bytes, priority: int = 4, direct: bool = False
+) -> list[object]:
+    return [short_head([index], False, len(blob), lo, priority), blob]
 
 
 async def entries(r: aioredis.Redis, queue: str) -> list[dict]:
@@ -57,7 +60,7 @@ async def test_short_and_full_forms_store_the_same(client: aioredis.Redis) -> No
 async def test_short_form_picks_partition_and_priority(client: aioredis.Redis) -> None:
     await declare(client, QueueConfig(name="parts", partition_count=3))
     await declare(client, QueueConfig(name="prio", priorities=True))
-    body = [*short(1, 5, BLOB), -1, 2, 0, len(BLOB), 0, 9, BLOB]
+    body = [*short(1, 5, BLOB), *short(2, 0, BLOB, priority=9)]
     assert await client.fcall("gw_spool", 0, "n1", 2, "parts", "prio", *body) == [0, 0]
     # a keyless message's partition: the low hash bits modulo the partition count (hi is 0)
     assert len(await entries(client, "#P/2/parts")) == 1
@@ -66,7 +69,23 @@ async def test_short_form_picks_partition_and_priority(client: aioredis.Redis) -
 
 async def test_short_form_refusals(client: aioredis.Redis) -> None:
     await declare(client, QueueConfig(name="small", max_message_size=2))
-    body = [*short(1, 0, BLOB), -1, 2, 1, 1, 0, 4, BLOB]
+    body = [*short(1, 0, BLOB), short_head([2], True, 1, 0, 4), BLOB]
     codes = await client.fcall("gw_spool", 0, "n1", 2, "small", "nosuch", *body)
     assert codes == [4, 2]  # TOO_LARGE, NOT_FOUND (direct to a missing queue)
     assert await entries(client, "small") == []
+
+
+async def test_short_form_fans_out_to_several_queues(client: aioredis.Redis) -> None:
+    for name in ("a", "b", "c"):
+        await declare(client, QueueConfig(name=name))
+    body = [
+        short_head([3, 1], False, len(BLOB), 0, 4),
+        BLOB,
+        *full(2, 0, BLOB),
+        short_head([1, 2, 3], False, len(BLOB) + 1, 0, 4),
+        BLOB + b"x",
+    ]
+    assert await client.fcall("gw_spool", 0, "n1", 3, "a", "b", "c", *body) == [0, 0, 0]
+    assert await entries(client, "a") == [{b"m": BLOB}, {b"m": BLOB + b"x"}]
+    assert await entries(client, "b") == [{b"m": BLOB}, {b"m": BLOB + b"x"}]
+    assert await entries(client, "c") == [{b"m": BLOB}, {b"m": BLOB + b"x"}]

@@ -807,8 +807,10 @@ end
 -- keys name ("name\0value\0..."), priority (0-9: the level of a priority queue), the
 -- delivery time (epoch ms, 0: now; kept as field 'h'), blob.
 -- A message without key, expiry, properties or delivery time may come in the short form:
--- -k, queue indexes (k)..., direct, payload size, key hash low 32 bits (the high ones are
--- 0), priority, blob. Fewer arguments: each costs Redis and Lua a string object.
+-- two arguments, a binary head and the blob. The head (big-endian): a 0 byte (a full-form
+-- k never starts with one), k and the k queue indexes (4 bytes each), direct (1 byte), the
+-- payload size and the key hash low 32 bits (4 bytes each; the high ones are 0), priority
+-- (1 byte). Fewer arguments: each costs Redis and Lua a string object.
 -- Spooled bytes count the stored blob. A message that would pass the broker-wide quota or
 -- the quota of one of its queues' VPNs (gw_spool_limits) is refused with QUOTA_EXCEEDED.
 -- A negative nq (-nq) marks a retry batch: it starts with messages producer flow control held
@@ -829,28 +831,44 @@ redis.register_function('gw_spool', function(_, a)
     end
     return t
   end
-  local named = {}  -- by the index as sent (a decimal string): no number parsing per message
-  for i = 1, nq do named[tostring(i)] = a[2 + i] end
+  local named = {}  -- by the index as sent: a decimal string (full form) or a number
+  for i = 1, nq do
+    named[tostring(i)] = a[2 + i]
+    named[i] = a[2 + i]
+  end
+  local unpack_head = struct.unpack
   local sq  -- broker and VPN quotas, read at the first message that has a queue
   local out, nout = {}, 0
   local targets, nt = {}, 0  -- the queues one message goes to, reused by every message
+  local names = {}  -- the queue names one message goes to (its first k entries)
   local pos = 3 + nq
   local n = #a
   while pos <= n do
-    local k, short = a[pos], false
-    if k == '1' then k = 1 elseif k == '-1' then k, short = 1, true else
-      k = tonumber(k)
-      if k < 0 then k, short = -k, true end
-    end
-    local first, m = pos + 1, pos + k  -- the message's fields follow its queue indexes
-    local direct = a[m + 1] == '1'
-    local size = tonumber(a[m + 2])
-    local hi, lo, key, expires, props, priority, not_before, blob
-    if short then
-      hi, lo, key, expires, props, priority, not_before, blob =
-        '0', a[m + 3], '', 0, '', a[m + 4], 0, a[m + 5]
-      pos = m + 6
+    local head = a[pos]
+    local k, direct, size, hi, lo, key, expires, props, priority, not_before, blob
+    if string.byte(head, 1) == 0 then  -- the short form
+      if #head == 19 then  -- one queue: one unpack
+        local i
+        k, i, direct, size, lo, priority = unpack_head('>I4I4BI4I4B', head, 2)
+        names[1] = named[i]
+      else
+        local at, i
+        k, at = unpack_head('>I4', head, 2)
+        for j = 1, k do
+          i, at = unpack_head('>I4', head, at)
+          names[j] = named[i]
+        end
+        direct, size, lo, priority = unpack_head('>BI4I4B', head, at)
+      end
+      direct = direct == 1
+      hi, key, expires, props, not_before, blob = 0, '', 0, '', 0, a[pos + 1]
+      pos = pos + 2
     else
+      k = head == '1' and 1 or tonumber(head)
+      for j = 1, k do names[j] = named[a[pos + j]] end
+      local m = pos + k  -- the message's fields follow its queue indexes
+      direct = a[m + 1] == '1'
+      size = tonumber(a[m + 2])
       hi, lo, key, expires, props, priority, not_before, blob =
         a[m + 3], a[m + 4], a[m + 5], a[m + 6], a[m + 7], a[m + 8], a[m + 9], a[m + 10]
       expires = expires == '0' and 0 or tonumber(expires)
@@ -860,8 +878,8 @@ redis.register_function('gw_spool', function(_, a)
     local bytes = #blob
     local code = OK
     nt = 0
-    for j = first, m do
-      local q = target(named[a[j]])
+    for j = 1, k do
+      local q = target(names[j])
       if not q.missing and q.partitions > 0 then
         local np = q.partitions
         local h, l = tonumber(hi), tonumber(lo)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import struct
 from collections.abc import Callable, Iterable
 from itertools import islice
 from typing import Protocol
@@ -199,9 +200,8 @@ class Spooler:
                     i = index[q] = len(index) + 1
                 idx.append(i)
             if key is None and not expires and not props and not not_before:
-                append(-len(idx))  # gw_spool's short form: half the arguments
-                extend(idx)
-                extend((1 if direct else 0, size, key_hash(None)[1], priority, blob))
+                append(short_head(idx, direct, size, key_hash(None)[1], priority))
+                append(blob)
                 continue
             append(len(idx))
             extend(idx)
@@ -260,6 +260,22 @@ class Spooler:
         self._retry_due = True
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run())
+
+
+_HEAD_ONE_QUEUE = struct.Struct(">BIIBIIB")
+_HEAD_END = struct.Struct(">BIIB")
+
+
+def short_head(indexes: list[int], direct: bool, size: int, lo: int, priority: int) -> bytes:
+    """gw_spool's short form of a message's fields, one binary argument before its blob
+    (see functions.lua): hiredis packs each argument in ~80 ns and Redis makes a string of
+    each, so five small numbers as one string save ~1 µs a message on the two sides."""
+    flag = 1 if direct else 0
+    if len(indexes) == 1:
+        return _HEAD_ONE_QUEUE.pack(0, 1, indexes[0], flag, size, lo, priority)
+    return struct.pack(f">BI{len(indexes)}I", 0, len(indexes), *indexes) + _HEAD_END.pack(
+        flag, size, lo, priority
+    )
 
 
 def _resolve(p: _Pending, result: Outcome | BaseException) -> None:
