@@ -167,6 +167,16 @@ def test_egress_matches_proton(delivery: Delivery) -> None:
     assert fast == egress_fields(bytes(mapping.from_delivery(delivery).encode()))
 
 
+def test_kept_properties_section_matches_proton() -> None:
+    """A message whose only property is `to` reuses the section kept for its address."""
+    for to_queue in (True, False):
+        delivery = Delivery("q", "4-0", Message("kept/address", b"k", to_queue=to_queue))
+        first = sections.encode(delivery)
+        assert sections.encode(delivery) == first
+        proton = bytes(mapping.from_delivery(delivery).encode())
+        assert egress_fields(first) == egress_fields(proton)
+
+
 def test_kept_amqp_value_is_left_to_proton() -> None:
     msg = mapping.decode(bytes(AmqpMessage(body={"a": 1}).encode()), PUB).message
     with pytest.raises(sections.Unsupported):
