@@ -606,6 +606,54 @@ async def test_outcomes_settled_out_of_order_reach_their_messages(
     assert await queued(broker, "ooo", 0) == 0
 
 
+class TagWatcher(MessagingHandler):
+    """Container client: hold the first messages unsettled, accept the others at once, and
+    note each delivery's tag."""
+
+    def __init__(self, url: str, queue: str, total: int, hold: int) -> None:
+        super().__init__(auto_accept=False)
+        self.url, self.queue, self.total, self.hold = url, queue, total, hold
+        self.held: list = []
+        self.tags: list[str] = []
+        self.error: str | None = None
+
+    def on_start(self, event) -> None:
+        self.conn = event.container.connect(self.url)
+        event.container.create_receiver(self.conn, self.queue)
+        self.timer = event.container.schedule(TIMEOUT, self)
+
+    def on_timer_task(self, event) -> None:
+        self.error = "timed out"
+        self.conn.close()
+
+    def on_message(self, event) -> None:
+        self.tags.append(str(event.delivery.tag))
+        if len(self.held) < self.hold:
+            self.held.append(event.delivery)
+        else:
+            self.accept(event.delivery)
+        if len(self.tags) == self.total:
+            for delivery in self.held:
+                self.accept(delivery)
+            self.timer.cancel()
+            event.connection.close()
+
+
+async def test_delivery_tags_are_reused_only_once_settled(broker: Broker, amqp: Listener) -> None:
+    await broker.queues.create(QueueConfig(name="tags"))
+    for i in range(60):
+        await broker.publish(GatewayMessage("tags", b"%d" % i, to_queue=True))
+    handler = TagWatcher(url(amqp), "tags", total=60, hold=5)
+
+    await run_container(handler)
+    assert handler.error is None
+    held, later = handler.tags[:5], handler.tags[5:]
+    assert len(set(held)) == 5
+    assert not set(held) & set(later)  # unique among the unsettled deliveries
+    assert len(set(later)) < len(later)  # settled deliveries' tags came back
+    assert await queued(broker, "tags", 0) == 0
+
+
 RHEA_SCRIPT = r"""
 const container = require('rhea');
 const port = Number(process.argv[2]);

@@ -50,6 +50,8 @@ from protocols.amqp.links import NOT_FOUND, Endpoint, Host, parse_address
 
 log = logging.getLogger(__name__)
 
+_Tag = tuple[Any, Any, Any]  # a pn_delivery_tag_t, the cffi memory it is in and points to
+
 WINDOW = 500  # most unsettled deliveries per outbound link
 
 UNAUTHORIZED = "amqp:unauthorized-access"
@@ -71,9 +73,12 @@ class Outbound(Endpoint):
         self.flow: Flow | None = None
         self.presettled = False
         self.durable: str | None = None  # durable subscription queue, deleted on link close
-        # C delivery -> stream entry id (cffi pointers hash by address; proton reuses a
-        # delivery's memory only once it is settled, and then it has left this dict)
-        self.unsettled: dict[Any, str] = {}
+        # C delivery -> (stream entry id, its tag) (cffi pointers hash by address; proton
+        # reuses a delivery's memory only once it is settled, and then it has left this dict)
+        self.unsettled: dict[Any, tuple[str, _Tag]] = {}
+        # Tags of settled deliveries, for new ones: a tag must be unique only among the
+        # link's unsettled deliveries, and making one costs ~0.35 µs of a ~0.8 µs send.
+        self._free_tags: list[_Tag] = []
         self._tags = itertools.count(1)
 
     async def attach(self) -> None:
@@ -246,16 +251,22 @@ class Outbound(Endpoint):
             )
             flow.reject(delivery.entry_id)
             return
-        tag = b"%x" % next(self._tags)
-        dlv = lib.pn_delivery(impl, (len(tag), ffi.from_buffer(tag)))
+        tag = self._free_tags.pop() if self._free_tags else self._new_tag()
+        dlv = lib.pn_delivery(impl, tag[0])
         lib.pn_link_send(impl, body, len(body))
         pn_link_advance(impl)
         if self.presettled:
             pn_delivery_settle(dlv)
+            self._free_tags.append(tag)
             flow.ack(delivery.entry_id)
         else:
-            self.unsettled[dlv] = delivery.entry_id
+            self.unsettled[dlv] = (delivery.entry_id, tag)
         self.host.wake()
+
+    def _new_tag(self) -> _Tag:
+        raw = ffi.new("char[]", b"%x" % next(self._tags))
+        struct = ffi.new("pn_delivery_tag_t *", (len(raw) - 1, raw))
+        return struct[0], struct, raw  # the struct, and the memory it lives in and points to
 
     @staticmethod
     def _encode(delivery: GatewayDelivery) -> bytes:
@@ -293,8 +304,10 @@ class Outbound(Endpoint):
         state = pn_delivery_remote_state(dlv)
         if self.flow is None or not (state or pn_delivery_settled(dlv)):
             return
-        entry_id = self.unsettled.pop(dlv, None)
-        if entry_id is not None:
+        held = self.unsettled.pop(dlv, None)
+        if held is not None:
+            entry_id, tag = held
+            self._free_tags.append(tag)
             if state == PN_ACCEPTED:
                 self.flow.ack(entry_id)
             elif state == PN_REJECTED:
