@@ -247,6 +247,9 @@ class Broker:
     # MQTT topic when one is given; returns their AMQP addresses
     declare: Callable[[list[str], str | None, int], list[str]] | None = None
     delete: Callable[[list[str]], None] | None = None
+    # wait_assigned(names): return once every partition of these queues has a consumer
+    # (the gateway hands partitions out after the queue's rebalance delay)
+    wait_assigned: Callable[[list[str]], None] | None = None
     notes: list[str] = field(default_factory=list)
 
 
@@ -291,6 +294,16 @@ def gateway(tmp: Path) -> Iterator[Broker]:
                 with suppress(OSError):
                     http_json("DELETE", f"{admin}/{name}")
 
+        def wait_assigned(names: list[str]) -> None:
+            deadline = time.monotonic() + START_TIMEOUT
+            for name in names:
+                while not all(
+                    p["owner"] for p in http_json("GET", f"{admin}/{name}")["partitions"]
+                ):
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"partitions of {name} not assigned")
+                    time.sleep(0.05)
+
         say(f"[gateway] pid {proc.pid} (redis-server {redis_pid}), {ready}")
         yield Broker(
             "gateway",
@@ -299,6 +312,7 @@ def gateway(tmp: Path) -> Iterator[Broker]:
             amqp_port=ready["amqp_port"],
             declare=declare,
             delete=delete,
+            wait_assigned=wait_assigned,
         )
     finally:
         stop_group(proc)

@@ -279,6 +279,8 @@ def amqp_queue(tools: Tools, t: Target, size: int, pairs: int, n: int) -> dict:
     def body(addresses: list[str]) -> dict:
         assert tools.amqp and b.amqp_port
         receivers = amqp_receivers(tools, b, addresses * consumers, n, competing=consumers > 1)
+        if t.partitions and b.wait_assigned:  # steady state: not the rebalance delay
+            b.wait_assigned(addresses)
         start = amqp_senders(tools, b, addresses[0], n, size, pairs)
         return measured(b, n, lambda: amqp_load(receivers, start))
 
