@@ -557,15 +557,14 @@ async def test_container_client_round_trip(broker: Broker, amqp: Listener) -> No
     assert (await broker.queues.info("jobs")).messages == 0
 
 
-class OutOfOrder(MessagingHandler):
-    """Container client: take three messages unsettled, then settle them last first
-    (accept the third, reject the second, release the first) and take the redelivery."""
+class SettlingReceiver(MessagingHandler):
+    """Container client that settles by hand: one receiver on `queue`, given up (with
+    `error` set) after TIMEOUT."""
 
     def __init__(self, url: str, queue: str) -> None:
         super().__init__(auto_accept=False)
         self.url, self.queue = url, queue
         self.held: list = []
-        self.received: list[tuple[bytes, int]] = []
         self.error: str | None = None
 
     def on_start(self, event) -> None:
@@ -576,6 +575,15 @@ class OutOfOrder(MessagingHandler):
     def on_timer_task(self, event) -> None:
         self.error = "timed out"
         self.conn.close()
+
+
+class OutOfOrder(SettlingReceiver):
+    """Take three messages unsettled, then settle them last first (accept the third,
+    reject the second, release the first) and take the redelivery."""
+
+    def __init__(self, url: str, queue: str) -> None:
+        super().__init__(url, queue)
+        self.received: list[tuple[bytes, int]] = []
 
     def on_message(self, event) -> None:
         self.received.append((bytes(event.message.body), event.message.delivery_count))
@@ -606,25 +614,14 @@ async def test_outcomes_settled_out_of_order_reach_their_messages(
     assert await queued(broker, "ooo", 0) == 0
 
 
-class TagWatcher(MessagingHandler):
-    """Container client: hold the first messages unsettled, accept the others at once, and
-    note each delivery's tag."""
+class TagWatcher(SettlingReceiver):
+    """Hold the first messages unsettled, accept the others at once, and note each
+    delivery's tag."""
 
     def __init__(self, url: str, queue: str, total: int, hold: int) -> None:
-        super().__init__(auto_accept=False)
-        self.url, self.queue, self.total, self.hold = url, queue, total, hold
-        self.held: list = []
+        super().__init__(url, queue)
+        self.total, self.hold = total, hold
         self.tags: list[str] = []
-        self.error: str | None = None
-
-    def on_start(self, event) -> None:
-        self.conn = event.container.connect(self.url)
-        event.container.create_receiver(self.conn, self.queue)
-        self.timer = event.container.schedule(TIMEOUT, self)
-
-    def on_timer_task(self, event) -> None:
-        self.error = "timed out"
-        self.conn.close()
 
     def on_message(self, event) -> None:
         self.tags.append(str(event.delivery.tag))

@@ -11,6 +11,7 @@ from redis.exceptions import ResponseError
 
 from gateway.broker import Broker
 from gateway.engine import flows, keys, spool
+from gateway.engine.flows import Flow
 from gateway.engine.ordered_calls import OrderedCalls
 from gateway.engine.queues import QueueConfig
 from gateway.model import Delivery, Outcome
@@ -188,16 +189,24 @@ async def test_publishers_go_at_the_pace_of_consumers_that_are_behind(broker: Br
     assert not broker.dispatcher.behind_on(["q"])
 
 
-async def test_a_publisher_waits_for_a_draining_consumer_to_catch_up(
-    broker: Broker, monkeypatch: Any
-) -> None:
-    monkeypatch.setattr(spool, "MAX_HOLD", 30.0)  # only catching up ends the wait here
+async def _behind_consumer(broker: Broker) -> tuple[Flow, list[Delivery]]:
+    """A consumer of queue "q" with a window of 10 whose first fetch came back full: 5 more
+    messages wait, so it is behind. It settles nothing by itself."""
     await broker.queues.create(QueueConfig(name="q"))
     for i in range(15):
         assert await broker.publish(to_queue("q", b"old %d" % i)) is Outcome.OK
     got: list[Delivery] = []
     flow = await broker.bind("q", got.append, window=10)
-    await wait_for(lambda: len(got) == 10)  # a full fetch: 5 more wait, the consumer is behind
+    await wait_for(lambda: len(got) == 10)
+    assert broker.dispatcher.behind_on(["q"])
+    return flow, got
+
+
+async def test_a_publisher_waits_for_a_draining_consumer_to_catch_up(
+    broker: Broker, monkeypatch: Any
+) -> None:
+    monkeypatch.setattr(spool, "MAX_HOLD", 30.0)  # only catching up ends the wait here
+    flow, got = await _behind_consumer(broker)
     flow.ack(got[0].entry_id)  # it is taking messages: draining, not stalled
     new = broker.publish_nowait(to_queue("q", b"new"))
     await asyncio.sleep(0.02)
@@ -216,13 +225,7 @@ async def test_a_stalled_consumer_does_not_hold_publishers(
     broker: Broker, monkeypatch: Any
 ) -> None:
     monkeypatch.setattr(spool, "MAX_HOLD", 3.0)  # a hold would outlast the wait below
-    await broker.queues.create(QueueConfig(name="q"))
-    for i in range(15):
-        assert await broker.publish(to_queue("q", b"old %d" % i)) is Outcome.OK
-    got: list[Delivery] = []
-    flow = await broker.bind("q", got.append, window=10)
-    await wait_for(lambda: len(got) == 10)  # behind, and never settles: stalled
-    assert broker.dispatcher.behind_on(["q"])
+    flow, _ = await _behind_consumer(broker)  # and it never settles: stalled
     await asyncio.sleep(2 * flows.STALLED_AFTER)
     outcomes = await asyncio.wait_for(
         asyncio.gather(*(broker.publish_nowait(to_queue("q", b"new")) for _ in range(3))), 1.5
