@@ -177,7 +177,8 @@ class Flow:
     def set_credit(self, credit: int | None) -> None:
         """AMQP link credit: decremented per delivery; None means window only."""
         self.credit = credit
-        self._dispatcher.consumer_active(self)
+        if credit:  # given credit: a behind consumer doing so is still taking messages
+            self._dispatcher.consumer_active(self)
         self._dispatcher.wake(self)
 
     async def close(self) -> None:
@@ -337,17 +338,14 @@ class Dispatcher:
         """Some local consumer of one of these queues is behind: its last fetch came back
         full, so its queue holds more than it could take (messages arrive faster than it
         consumes them)."""
-        if not self._behind:
-            return False
-        lagging = {flow.queue for flow in self._behind}
-        return any(queue in lagging for queue in queues)
+        return self._lagging(queues, since=0.0)
 
     async def catch_up(self, queues: Callable[[], Iterable[str]], limit: float) -> None:
         """Wait, at most `limit` seconds, while a local consumer of `queues()` is behind
         and still taking messages (not stalled): a publisher's next batch then lets the
         backlog drain instead of growing it."""
         deadline = time.monotonic() + limit
-        while self._draining(queues()):
+        while self._lagging(queues(), since=time.monotonic() - STALLED_AFTER):
             left = deadline - time.monotonic()
             if left <= 0:
                 return
@@ -363,12 +361,13 @@ class Dispatcher:
         if flow in self._behind:
             self._behind[flow] = time.monotonic()
 
-    def _draining(self, queues: Iterable[str]) -> bool:
+    def _lagging(self, queues: Iterable[str], since: float) -> bool:
+        """A local consumer of one of `queues` is behind and was last active after `since`
+        (monotonic; 0: whenever)."""
         if not self._behind:
             return False
-        recent = time.monotonic() - STALLED_AFTER
-        draining = {flow.queue for flow, at in self._behind.items() if at > recent}
-        return any(queue in draining for queue in queues)
+        lagging = {flow.queue for flow, at in self._behind.items() if at > since}
+        return any(queue in lagging for queue in queues)
 
     def _forget(self, flow: Flow) -> None:
         self._want.pop(flow, None)
