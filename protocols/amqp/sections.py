@@ -174,10 +174,10 @@ def decode(data: bytes | bytearray, publisher: Publisher) -> tuple[Message, str 
 
 
 def _decode(data: bytes, publisher: Publisher) -> tuple[Message, str | None, int | None]:
-    header: list = []
-    props: list = []
-    annotations: dict = {}
-    app: dict = {}
+    header: list | None = None
+    props: list | None = None
+    annotations: dict | None = None
+    app: dict | None = None
     body: object = None
     bodies = 0
     i, n = 0, len(data)
@@ -191,29 +191,44 @@ def _decode(data: bytes, publisher: Publisher) -> tuple[Message, str | None, int
         else:
             raise Unsupported("symbolic descriptor")
         value, i = _read(data, i)
-        if code == HEADER:
-            header = value if isinstance(value, list) else []
+        if code in (DATA, VALUE):
+            bodies += 1
+            body = value
+            if code == DATA and value.__class__ is not bytes:
+                raise Unsupported("data section without binary")
+        elif code == HEADER:
+            header = value if value.__class__ is list else None
         elif code == PROPERTIES:
-            props = value if isinstance(value, list) else []
+            props = value if value.__class__ is list else None
         elif code == MESSAGE_ANN:
             annotations = _map(value)
         elif code == APP_PROPS:
             app = _map(value)
-        elif code in (DATA, VALUE):
-            bodies += 1
-            body = value
-            if code == DATA and not isinstance(body, bytes):
-                raise Unsupported("data section without binary")
         elif code not in (DELIVERY_ANN, FOOTER):
             raise Unsupported(f"section 0x{code:x}")
     if bodies > 1:
         raise Unsupported("several body sections")
-    content_type = props[6] if len(props) > 6 else None
-    if content_type is not None and not isinstance(content_type, str):
-        raise Unsupported("content-type type")
-    content_type = content_type if content_type and content_type != "None" else None
+    if props:
+        if len(props) < 13:
+            props += _NO_PROPERTIES[len(props) :]
+        to, subject, reply_to, group_id = props[2], props[3], props[4], props[10]
+        for text in (to, subject, reply_to, group_id):
+            if text is not None and text.__class__ is not str:
+                raise Unsupported("property type")
+        content_type = props[6]
+        if content_type is not None and content_type.__class__ is not str:
+            raise Unsupported("content-type type")
+        if not content_type or content_type == "None":
+            content_type = None
+        expiry = props[8]
+        message_id, correlation_id = _ident(props[0]), _ident(props[5])
+    else:
+        to = subject = reply_to = group_id = content_type = expiry = None
+        message_id = correlation_id = None
     if body is None:
         payload = b""
+    elif body.__class__ is bytes:
+        payload = body
     elif isinstance(body, bytes):
         payload = bytes(body)
     elif isinstance(body, str):
@@ -221,42 +236,42 @@ def _decode(data: bytes, publisher: Publisher) -> tuple[Message, str | None, int
         content_type = content_type or "text/plain"
     else:
         raise Unsupported("amqp-value of another type")
-    for key in app:
-        if not isinstance(key, str):
-            raise Unsupported("application property key")
-    if len(header) < 5:
-        header += [None] * (5 - len(header))
-    if props:
-        props += [None] * (13 - len(props))
-        to, subject, reply_to, group_id = props[2], props[3], props[4], props[10]
-        for text in (to, subject, reply_to, group_id):
-            if text is not None and not isinstance(text, str):
-                raise Unsupported("property type")
-    else:
-        props = _NO_PROPERTIES
-        to = subject = reply_to = group_id = None
-    priority = header[1]
-    expiry, ttl = props[8], header[2]
+    user_properties = []
+    if app:
+        for key, value in app.items():
+            if key.__class__ is not str:
+                raise Unsupported("application property key")
+            user_properties.append((key, _prop(value)))
+    durable = priority = ttl = None
+    if header:
+        durable = header[0]
+        if len(header) > 2:
+            priority, ttl = header[1], header[2]
+        elif len(header) > 1:
+            priority = header[1]
     if expiry:
         expiration: int | None = int(expiry)  # type: ignore[call-overload]
     elif ttl:
         expiration = int(time.time() * 1000 + ttl)  # type: ignore[operator]
     else:
         expiration = None
-    msg = Message(
-        destination="",
-        payload=payload,
-        partition_key=group_id or None,
-        priority=_priority(priority),
-        expiration=expiration,
-        persistent=bool(header[0]),
-        content_type=content_type,
-        correlation_id=_ident(props[5]),
-        reply_to=reply_to or None,
-        message_id=_ident(props[0]),
-        subject=subject or None,
-        user_properties=[(k, _prop(v)) for k, v in app.items()] if app else [],
-        publisher=publisher,
+    msg = Message(  # positional, in field order: measurably faster on the hot path
+        "",  # destination: the caller's
+        payload,
+        group_id or None,  # partition_key
+        DEFAULT_PRIORITY if priority is None else _priority(priority),
+        expiration,
+        None,  # not_before
+        bool(durable),  # persistent
+        None,  # dmq_eligible
+        content_type,
+        correlation_id,
+        reply_to or None,
+        message_id,
+        subject or None,
+        user_properties,
+        {},  # annotations
+        publisher,
     )
     if not annotations:
         return msg, to or None, None
