@@ -54,12 +54,24 @@ def now_ms() -> int:
 
 def to_message(publish: Publish | Will, publisher: Publisher, level: int) -> Message:
     """Build the Message for an inbound PUBLISH (or a will, which has the same fields)."""
-    msg = Message(
-        destination=publish.topic,
-        payload=publish.payload,
-        persistent=publish.qos > 0,
-        retain=publish.retain,
-        publisher=publisher,
+    msg = Message(  # all positional: 0.25 µs against 0.42 with five keywords
+        publish.topic,  # destination
+        publish.payload,
+        None,  # partition_key
+        DEFAULT_PRIORITY,
+        None,  # expiration
+        None,  # not_before
+        publish.qos > 0,  # persistent
+        None,  # dmq_eligible
+        None,  # content_type
+        None,  # correlation_id
+        None,  # reply_to
+        None,  # message_id
+        None,  # subject
+        [],  # user_properties
+        {},  # annotations
+        publisher,
+        publish.retain,
     )
     if publish.qos == 2:  # QoS 0 / 1 are told apart by `persistent`: no bytes spent on them
         msg.annotations[QOS] = 2
