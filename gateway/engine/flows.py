@@ -31,6 +31,7 @@ import asyncio
 import collections
 import itertools
 import logging
+import struct
 import time
 from collections.abc import Callable, Iterable
 
@@ -585,10 +586,8 @@ class Dispatcher:
         commands: list[tuple[object, ...]] = []
         for mode, items in sent.settles.items():
             args: list[object] = [mode]
-            for (queue, flow_id), group in _group(items).items():
-                args += [queue, flow_id, len(group)]
-                for entry_id, size in group:
-                    args += [entry_id, size]
+            for (queue, flow_id), (ids, sizes) in _group(items).items():
+                args += [queue, flow_id, len(ids), sum(sizes), _pack_sizes(sizes), *ids]
             commands.append(("gw_settle", 0, *args))
         for queue, flow_id, _ in sent.unbinds:
             commands.append(("gw_unbind", 0, queue, flow_id))
@@ -878,8 +877,22 @@ def flow_fence(flow: Flow, partition: int | None) -> str:
     return flow.fence if partition is None else flow.parts.get(partition, "")
 
 
-def _group(items: list[tuple[str, str, str, int]]) -> dict[tuple[str, str], list[tuple[str, int]]]:
-    groups: dict[tuple[str, str], list[tuple[str, int]]] = {}
+def _group(
+    items: list[tuple[str, str, str, int]],
+) -> dict[tuple[str, str], tuple[list[str], list[int]]]:
+    """Settlements by (queue, flow): their entry ids and, in the same order, their sizes."""
+    groups: dict[tuple[str, str], tuple[list[str], list[int]]] = {}
     for queue, flow_id, entry_id, size in items:
-        groups.setdefault((queue, flow_id), []).append((entry_id, size))
+        group = groups.get((queue, flow_id))
+        if group is None:
+            group = groups[queue, flow_id] = ([], [])
+        group[0].append(entry_id)
+        group[1].append(size)
     return groups
+
+
+def _pack_sizes(sizes: list[int]) -> bytes:
+    """gw_settle reads one entry's size only when it settles fewer than it was sent (some
+    were settled before): one binary argument of little-endian uint32s costs less to pack
+    and to hand to Lua than an argument per entry."""
+    return struct.pack(f"<{len(sizes)}I", *sizes)

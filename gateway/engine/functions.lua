@@ -1304,37 +1304,38 @@ redis.register_function('gw_browse', function(_, a)
   return out
 end)
 
+-- The size of a settlement group's j-th entry: its sizes come as one binary argument of
+-- little-endian uint32s, read only when the entries are settled one by one.
+local function size_at(sizes, j)
+  return (struct.unpack('<I4', sizes, 4 * j - 3))
+end
+
 -- Acks for entries of one flow in one XACK, the common case. If some were settled before
 -- (the count comes back short), deleting them one by one tells which were still there.
-local function ack_batch(q, s, a, first, n)
-  local ids, bytes = {}, 0
-  for j = 1, n do
-    local i = first + 2 * j - 2
-    ids[j] = a[i]
-    bytes = bytes + tonumber(a[i + 1])
-  end
+local function ack_batch(q, s, a, first, n, bytes, sizes)
+  local last = first + n - 1
   local acked
   if redis.call('EXISTS', k_queue_readers(q)) == 1 then
     -- kept for stream readers: acked one by one, so the bytes count only the acked ones
     acked, bytes = 0, 0
-    for i = first, first + 2 * n - 1, 2 do
+    for i = first, last do
       if redis.call('XACK', s, GROUP, a[i]) == 1 then
         acked = acked + 1
-        bytes = bytes + tonumber(a[i + 1])
+        bytes = bytes + size_at(sizes, i - first + 1)
       end
     end
   else
-    acked = redis.call('XACK', s, GROUP, unpack(ids))
+    acked = redis.call('XACK', s, GROUP, unpack(a, first, last))
     if acked < n then
       acked, bytes = 0, 0
-      for i = first, first + 2 * n - 1, 2 do
+      for i = first, last do
         if redis.call('XDEL', s, a[i]) == 1 then
           acked = acked + 1
-          bytes = bytes + tonumber(a[i + 1])
+          bytes = bytes + size_at(sizes, i - first + 1)
         end
       end
     else
-      redis.call('XDEL', s, unpack(ids))
+      redis.call('XDEL', s, unpack(a, first, last))
     end
   end
   if acked > 0 then
@@ -1345,32 +1346,36 @@ local function ack_batch(q, s, a, first, n)
 end
 
 -- Settle entries a flow holds. ARGV: mode ('ack' | 'reject' | 'requeue'), then groups of
--- queue, flow, n, then n pairs of entry id, size. A flow that is no longer bound (released
--- after its node was presumed dead: its entries went back to the queue) settles nothing;
--- entries already settled are skipped. Returns the count settled.
+-- queue, flow, n, their total size, their sizes (n little-endian uint32s in one argument),
+-- then n entry ids. A flow that is no longer bound (released after its node was presumed
+-- dead: its entries went back to the queue) settles nothing; entries already settled are
+-- skipped. Returns the count settled.
 redis.register_function('gw_settle', function(_, a)
   local mode = a[1]
   local pos, total = 2, 0
   while pos <= #a do
     local q, flow, n = a[pos], a[pos + 1], tonumber(a[pos + 2])
+    local bytes_total, sizes = tonumber(a[pos + 3]), a[pos + 4]
     local s = k_queue_stream(q)
-    local first = pos + 3
-    pos = first + 2 * n
+    local first = pos + 5
+    pos = first + n
     if n > 0 and redis.call('ZSCORE', k_queue_flows(q), flow) then
       local gmode = group_mode(q)
       local shared = gmode == 'shared'
       local default_group = shared and redis.call('HGET', k_queue_config(q), 'default_group')
       local mine, bytes = {}, 0
+      local each = first
       if mode == 'ack' and not shared then
-        total = total + ack_batch(q, s, a, first, n)
+        total = total + ack_batch(q, s, a, first, n, bytes_total, sizes)
+        each = pos  -- all settled in the batch
       end
-      for i = first, ((mode == 'ack' and not shared) and first - 1 or pos - 1), 2 do
+      for i = each, pos - 1 do
         local id = a[i]
         local g = shared and entry_group(s, id, gmode, default_group)
         local settled
         if mode == 'ack' then
           settled = redis.call('XACK', s, GROUP, id) == 1
-          if settled then bytes = bytes + tonumber(a[i + 1]) end
+          if settled then bytes = bytes + size_at(sizes, i - first + 1) end
         elseif mode == 'reject' then  -- to the dead message queue, or discarded
           local e = redis.call('XRANGE', s, id, id)
           settled = #e > 0 and #redis.call('XPENDING', s, GROUP, id, id, 1, flow) == 1
