@@ -44,6 +44,7 @@ _TOPIC = frozenset({"topic"})
 
 CREDIT = 500  # credit granted to publishing clients
 MAX_MESSAGE_SIZE = 16 * 1024 * 1024  # advertised on inbound links
+RECEIVE_BUFFER_MAX = 64 * 1024  # larger deliveries are read through a buffer of their own
 
 NOT_FOUND = "amqp:not-found"
 RESOURCE_LIMIT = "amqp:resource-limit-exceeded"
@@ -145,6 +146,8 @@ class Inbound(Endpoint):
         self.address: Address | None = None  # None: anonymous relay (per-message `to`)
         self.attached = False
         self.inflight = 0
+        self._buffer: Any = ffi.NULL  # see _receive_buffer
+        self._buffer_size = 0
 
     async def attach(self) -> None:
         link, broker = self.link, self.host.broker
@@ -192,7 +195,7 @@ class Inbound(Endpoint):
                 self.link.close()
             return
         impl = self.link._impl
-        buffer = ffi.new("char[]", size) if size else ffi.NULL
+        buffer = self._buffer if size <= self._buffer_size else self._receive_buffer(size)
         got = lib.pn_link_recv(impl, buffer, size) if size else 0
         data = ffi.unpack(buffer, got) if got > 0 else b""
         pn_link_advance(impl)
@@ -203,6 +206,16 @@ class Inbound(Endpoint):
         elif self._publish(dlv, data):
             return  # credit: the delivery used one, its publish holds one (see _top_up)
         self._top_up()
+
+    def _receive_buffer(self, size: int) -> Any:
+        """A buffer for a delivery of `size` bytes. The link keeps one (up to
+        RECEIVE_BUFFER_MAX) rather than allocating one per message: a fresh zeroed cdata cost
+        ~0.13 µs of each publish."""
+        if size > RECEIVE_BUFFER_MAX:
+            return ffi.new("char[]", size)
+        self._buffer_size = max(1024, 1 << (size - 1).bit_length())
+        self._buffer = ffi.new("char[]", self._buffer_size)
+        return self._buffer
 
     def _publish(self, dlv: Any, data: bytes) -> bool:
         """Decode and publish; False when the delivery was refused (settled) instead."""

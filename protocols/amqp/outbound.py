@@ -72,6 +72,7 @@ class Outbound(Endpoint):
         super().__init__(host, link)
         self.flow: Flow | None = None
         self.presettled = False
+        self.max_message_size = 0  # the client's, from its attach (0: no limit)
         self.durable: str | None = None  # durable subscription queue, deleted on link close
         # C delivery -> (stream entry id, its tag) (cffi pointers hash by address; proton
         # reuses a delivery's memory only once it is settled, and then it has left this dict)
@@ -130,6 +131,8 @@ class Outbound(Endpoint):
         applied = [f for f in (selector, replay if flow.browse else None) if f is not None]
         self._answer(remote, applied, topic, flow.browse)
         self.presettled = link.remote_snd_settle_mode == Link.SND_SETTLED
+        # the client's attach set it, once: read per delivery it cost a cffi call each
+        self.max_message_size = pn_link_remote_max_message_size(link._impl)
         link.snd_settle_mode = link.remote_snd_settle_mode
         link.open()
         self.on_flow()
@@ -243,14 +246,14 @@ class Outbound(Endpoint):
             log.exception("message %s cannot be encoded as AMQP; rejected", delivery.entry_id)
             flow.reject(delivery.entry_id)
             return
-        impl = self.link._impl  # cffi calls: proton's wrappers cost more than the send
-        limit = pn_link_remote_max_message_size(impl)
+        limit = self.max_message_size
         if limit and len(body) > limit:
             log.warning(
                 "message %s exceeds the client's max-message-size; rejected", delivery.entry_id
             )
             flow.reject(delivery.entry_id)
             return
+        impl = self.link._impl  # cffi calls: proton's wrappers cost more than the send
         tag = self._free_tags.pop() if self._free_tags else self._new_tag()
         dlv = lib.pn_delivery(impl, tag[0])
         lib.pn_link_send(impl, body, len(body))
