@@ -172,3 +172,24 @@ async def test_queue_alarms_follow_quota_and_percent_changes(broker: Broker) -> 
     assert not await raised(broker, "queue:q"), "7% of the larger quota"
     await broker.update_queue("q", {"max_spool_bytes": 8 * BLOB})
     assert await raised(broker, "queue:q")
+
+
+async def test_a_settlement_redis_refuses_is_logged(
+    broker: Broker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An error answer to gw_settle (not a lost connection, so not retried) is logged, not
+    dropped in silence."""
+    await broker.declare_queue(QueueConfig(name="q"))
+    assert await broker.publish(Message("q", b"x", to_queue=True)) is Outcome.OK
+    got = []
+    flow = await broker.bind("q", got.append, window=10)
+    await wait_for(lambda: len(got) == 1)
+    stream = keys.queue_stream("q")
+    await broker.redis.delete(stream)
+    await broker.redis.set(stream, "not a stream")  # XACK now answers WRONGTYPE
+    caplog.set_level(logging.ERROR, logger="gateway.engine.flows")
+    flow.ack(got[0].entry_id)
+    await wait_for(
+        lambda: any("settling 1 entries (ack) failed" in r.getMessage() for r in caplog.records)
+    )
+    await broker.redis.delete(stream)

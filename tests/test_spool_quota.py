@@ -412,3 +412,35 @@ async def test_settling_again_counts_each_entry_once(broker: Broker, kind: str) 
     info = await broker.queues.info("q")
     assert (info.messages, info.spooled_bytes, info.counters["acked"]) == (0, 0, 4)
     assert await consistent(broker) == 0
+
+
+async def test_one_settlement_of_more_ids_than_lua_can_unpack(broker: Broker) -> None:
+    """A flow with a window wider than Lua's unpack limit (~8,000 values) requeues, then acks,
+    everything in one turn: gw_settle hands the ids to XCLAIM, XACK and XDEL in several
+    calls."""
+    await broker.declare_queue(QueueConfig(name="wide"))
+    total = 9_000
+    outcomes = await asyncio.gather(
+        *(broker.publish_nowait(to_queue("wide", n)) for n in range(total))
+    )
+    assert set(outcomes) == {Outcome.OK}
+    got: list[Delivery] = []
+    flow = await broker.bind("wide", got.append, window=total)
+    await wait_for(lambda: len(got) == total, timeout=20)
+    for d in got:
+        flow.requeue(d.entry_id)
+    await wait_for(lambda: len(got) == 2 * total, timeout=20)
+    again = got[total:]
+    assert all(d.redelivered for d in again)
+    assert {d.message.id for d in again} == {d.message.id for d in got[:total]}
+    for d in again:
+        flow.ack(d.entry_id)
+
+    async def drained() -> bool:
+        return (await broker.queues.info("wide")).counters.get("acked") == total
+
+    await eventually(drained, timeout=20)
+    info = await broker.queues.info("wide")
+    assert (info.messages, info.spooled_bytes) == (0, 0)
+    assert await broker.redis.xlen(keys.queue_stream("wide")) == 0
+    assert await consistent(broker) == 0

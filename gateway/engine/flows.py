@@ -613,9 +613,12 @@ class Dispatcher:
         replies = iter(sent.replies)
         lost = False
         for mode, items in sent.settles.items():
-            if broke(next(replies)):
+            reply = next(replies)
+            if broke(reply):
                 self._settles.setdefault(mode, []).extend(items)
                 lost = True
+            elif isinstance(reply, Exception):  # not retried: it would fail the same way
+                log.error("settling %d entries (%s) failed: %s", len(items), mode, reply)
         for unbind in sent.unbinds:
             reply, fut = next(replies), unbind[2]
             if broke(reply):

@@ -34,12 +34,33 @@ local function last_delivered(s)
   return '0-0'
 end
 
+-- Lua's unpack is bounded by its C stack (about 8,000 values): commands that take a list of
+-- entry ids get them this many at a time.
+local IDS_PER_CALL = 1000
+
+-- XACK (cmd 'XACK') or XDEL of ids[first..last] on stream s, IDS_PER_CALL ids a call;
+-- returns how many the calls acked or deleted.
+local function ids_call(cmd, s, ids, first, last)
+  local done = 0
+  for from = first, last, IDS_PER_CALL do
+    local to = math.min(last, from + IDS_PER_CALL - 1)
+    if cmd == 'XACK' then
+      done = done + redis.call('XACK', s, GROUP, unpack(ids, from, to))
+    else
+      done = done + redis.call('XDEL', s, unpack(ids, from, to))
+    end
+  end
+  return done
+end
+
 -- XCLAIM ... JUSTID: moves entries between consumers without bumping the delivery count.
 local function claim_justid(s, consumer, ids)
-  local args = { 'XCLAIM', s, GROUP, consumer, 0 }
-  for _, id in ipairs(ids) do args[#args + 1] = id end
-  args[#args + 1] = 'JUSTID'
-  return redis.call(unpack(args))
+  for from = 1, #ids, IDS_PER_CALL do
+    local args = { 'XCLAIM', s, GROUP, consumer, 0 }
+    for i = from, math.min(#ids, from + IDS_PER_CALL - 1) do args[#args + 1] = ids[i] end
+    args[#args + 1] = 'JUSTID'
+    redis.call(unpack(args))
+  end
 end
 
 local function entry_field(fields, name)
@@ -1325,7 +1346,7 @@ local function ack_batch(q, s, a, first, n, bytes, sizes)
       end
     end
   else
-    acked = redis.call('XACK', s, GROUP, unpack(a, first, last))
+    acked = ids_call('XACK', s, a, first, last)
     if acked < n then
       acked, bytes = 0, 0
       for i = first, last do
@@ -1335,7 +1356,7 @@ local function ack_batch(q, s, a, first, n, bytes, sizes)
         end
       end
     else
-      redis.call('XDEL', s, unpack(a, first, last))
+      ids_call('XDEL', s, a, first, last)
     end
   end
   if acked > 0 then
@@ -1401,7 +1422,7 @@ redis.register_function('gw_settle', function(_, a)
           -- a queue with stream readers (the Spark source) keeps settled entries until
           -- every reader passed them (gw_reap trims); otherwise they go at once
           if redis.call('EXISTS', k_queue_readers(q)) == 0 then
-            redis.call('XDEL', s, unpack(mine))
+            ids_call('XDEL', s, mine, 1, #mine)
           end
           account(q, -#mine, -bytes)
           redis.call('HINCRBY', k_queue_stats(q), 'acked', #mine)
