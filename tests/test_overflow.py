@@ -9,7 +9,7 @@ import redis
 from gateway.broker import Broker
 from gateway.engine import keys
 from gateway.engine.queues import QueueConfig
-from gateway.model import Delivery, Message, Outcome
+from gateway.model import Delivery, Message, Outcome, encode
 from tests.test_engine import wait_for
 
 
@@ -38,6 +38,28 @@ async def test_ring_drops_the_oldest_undelivered(broker: Broker) -> None:
     await broker.bind("q", seen.append, browse=True)
     await wait_for(lambda: len(seen) == 3)
     assert [d.message.payload for d in seen] == [b"0", b"4", b"5"]
+
+
+async def test_one_big_message_drops_more_entries_than_lua_can_unpack(broker: Broker) -> None:
+    """A ring queue with a byte quota takes one message that displaces ~9,000 small ones:
+    the drop deletes them in several calls (Lua's unpack stops near 8,000 values)."""
+    small = [msg(f"{i:05d}") for i in range(9_000)]
+    for i, m in enumerate(small):
+        m.id = f"s{i:05d}"  # every stored entry the same size
+    blob = len(encode(small[0]))
+    quota = 9_000 * blob
+    await broker.declare_queue(QueueConfig(name="q", max_spool_bytes=quota, overflow="ring"))
+    outcomes = await asyncio.gather(*(broker.publish_nowait(m) for m in small))
+    assert set(outcomes) == {Outcome.OK}
+    big = msg("b" * (quota - 10 * blob))
+    big.id = "big"
+    kept = (quota - len(encode(big))) // blob
+    assert await broker.publish(big) is Outcome.OK
+    info = await broker.queues.info("q")
+    assert 9_000 - kept > 8_000
+    assert (info.counters["dropped"], info.messages) == (9_000 - kept, kept + 1)
+    assert info.spooled_bytes == kept * blob + len(encode(big))
+    assert await broker.redis.xlen(keys.queue_stream("q")) == kept + 1
 
 
 async def test_flow_control_withholds_acks_until_the_queue_drains(broker: Broker) -> None:

@@ -670,7 +670,7 @@ local function commit_drop(q)
   q.plan = nil
   local n = #plan.ids
   if n == 0 then return end
-  redis.call('XDEL', q.stream, unpack(plan.ids))
+  ids_call('XDEL', q.stream, plan.ids, 1, n)
   q.delivered_upto = plan.after
   q.count = q.count - n
   q.bytes = q.bytes - plan.bytes
