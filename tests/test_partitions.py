@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 import redis.asyncio as aioredis
@@ -231,3 +232,25 @@ async def test_http_publish_keys_and_active_flow_metrics(broker: Broker) -> None
         assert 'gateway_queue_flows{queue="hq",state="inactive"} 1' in text
     finally:
         await server.close()
+
+
+async def test_a_rebalance_redis_refuses_is_logged(
+    broker: Broker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An error answer to gw_rebalance (not a lost connection, so not retried) is logged."""
+    await make_queue(broker)
+    flow = await broker.bind("p", lambda d: None)
+    await wait_for(lambda: owned([flow]) == [4])
+    parts = keys.queue_parts("p")
+    saved = await broker.redis.hgetall(parts)
+    await broker.redis.delete(parts)
+    await broker.redis.set(parts, "not a hash")  # HGETALL now answers WRONGTYPE
+    caplog.set_level(logging.ERROR, logger="gateway.engine.flows")
+    broker.dispatcher.request_rebalance("p")
+    await wait_for(
+        lambda: any(
+            "rebalancing the partitions of p failed" in r.getMessage() for r in caplog.records
+        )
+    )
+    await broker.redis.delete(parts)
+    await broker.redis.hset(parts, mapping=saved)

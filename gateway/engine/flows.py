@@ -630,9 +630,12 @@ class Dispatcher:
                 else:
                     fut.set_result(None)
         for queue in sent.rebalances:
-            if broke(next(replies)):
+            reply = next(replies)
+            if broke(reply):
                 self._rebalances[queue] = 0.0
                 lost = True
+            elif isinstance(reply, Exception):
+                log.error("rebalancing the partitions of %s failed: %s", queue, reply)
         for f in sent.fetches:
             self._fetching.discard(f.flow)
         taken_unseen: set[Flow] = set()
