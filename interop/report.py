@@ -3,10 +3,25 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+import re
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 MARK = {"pass": "pass", "fail": "FAIL", "unsupported": "unsup"}
+
+# What changes from run to run in a cell's detail (the gateway's free port, the name of a
+# dynamic node): written as placeholders, so the tracked matrix changes only with results.
+_VOLATILE = (
+    (re.compile(r"127\.0\.0\.1:\d+"), "127.0.0.1:<port>"),
+    (re.compile(r"#tmp/[0-9a-z]+/[0-9a-f]+"), "#tmp/<node>/<id>"),
+)
+
+
+def stable(detail: str) -> str:
+    """`detail` with its run-specific parts replaced by placeholders."""
+    for pattern, placeholder in _VOLATILE:
+        detail = pattern.sub(placeholder, detail)
+    return detail
 
 
 @dataclass(frozen=True)
@@ -20,6 +35,7 @@ class Cell:
 def write(cells: list[Cell], clients: list[str], scenarios: list[str], out: Path) -> str:
     """Write matrix.json and matrix.md under `out`; return the markdown."""
     out.mkdir(parents=True, exist_ok=True)
+    cells = [replace(c, detail=stable(c.detail)) for c in cells]
     doc = {"clients": clients, "scenarios": scenarios, "cells": [asdict(c) for c in cells]}
     (out / "matrix.json").write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
     md = markdown(cells, clients, scenarios)
