@@ -3,6 +3,7 @@ rules on repartition, whole change sets and concurrent declares."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import pytest
@@ -193,3 +194,27 @@ async def test_a_settlement_redis_refuses_is_logged(
         lambda: any("settling 1 entries (ack) failed" in r.getMessage() for r in caplog.records)
     )
     await broker.redis.delete(stream)
+
+
+async def test_a_refused_fetch_is_tried_again_later_not_at_once(
+    broker: Broker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Redis refusing a flow's fetch (here: its stream key holds a string) is logged and tried
+    again after FETCH_RETRY, instead of thousands of times a second; once the key is sound,
+    the flow gets its message."""
+    await broker.declare_queue(QueueConfig(name="q"))
+    assert await broker.publish(Message("q", b"kept", to_queue=True)) is Outcome.OK
+    stream = keys.queue_stream("q")
+    aside = stream + ":aside"
+    await broker.redis.rename(stream, aside)
+    await broker.redis.set(stream, "not a stream")
+    caplog.set_level(logging.WARNING, logger="gateway.engine.flows")
+    got = []
+    await broker.bind("q", got.append, window=10)
+    await asyncio.sleep(0.5)
+    refusals = [r for r in caplog.records if "fetch for flow" in r.getMessage()]
+    assert len(refusals) == 1
+    await broker.redis.delete(stream)
+    await broker.redis.rename(aside, stream)
+    await wait_for(lambda: len(got) == 1, timeout=3)
+    assert got[0].message.payload == b"kept"

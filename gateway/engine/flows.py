@@ -56,6 +56,10 @@ REBIND_RETRY = 0.5  # seconds between binds again while Redis is unreachable
 # A behind consumer that neither fetched nor settled nor gave credit for this long is
 # stalled (its window is full and stays full), not draining: publishers do not wait for it.
 STALLED_AFTER = 0.05  # seconds
+# A fetch Redis refuses (not a lost connection) is tried again after this long: a refusal
+# that repeats (a damaged key) would otherwise spin the dispatcher, thousands of rounds a
+# second.
+FETCH_RETRY = 1.0  # seconds
 
 DeliverCallback = Callable[[Delivery], None]
 ClosedCallback = Callable[[str], None]
@@ -249,6 +253,7 @@ class Dispatcher:
         self.flows: dict[str, list[Flow]] = {}
         self._want: dict[Flow, None] = {}
         self._fetching: set[Flow] = set()  # a fetch (or selection) of theirs is in flight
+        self._refused: set[Flow] = set()  # their last fetch was refused: wait FETCH_RETRY
         # their last fetch came back full (more is waiting) -> when they last fetched,
         # settled or gave credit (monotonic)
         self._behind: dict[Flow, float] = {}
@@ -395,7 +400,7 @@ class Dispatcher:
     def wake(self, flow: Flow) -> None:
         """The flow may have work (new messages, more space)."""
         flow.idle.clear()
-        if not flow.closed and flow.active and flow.space > 0:
+        if not flow.closed and flow.active and flow.space > 0 and flow not in self._refused:
             self._want[flow] = None
             self._kick()
 
@@ -649,9 +654,11 @@ class Dispatcher:
                         self._fetch_lost(f.flow)
                     continue
             if isinstance(reply, Exception):
-                if not broke(reply):
+                if broke(reply):
+                    self._want[f.flow] = None
+                else:
                     log.warning("fetch for flow %s failed: %s", f.flow.id, reply)
-                self._want[f.flow] = None
+                    self._refuse(f.flow)
                 continue
             if f.flow.browse:
                 self._deliver_browsed(f, reply)
@@ -727,6 +734,16 @@ class Dispatcher:
                 self._want[flow] = None
         else:
             self._empty(flow)
+
+    def _refuse(self, flow: Flow) -> None:
+        """Redis refused the flow's fetch: it asks again after FETCH_RETRY."""
+        self._refused.add(flow)
+
+        def retry() -> None:
+            self._refused.discard(flow)
+            self.wake(flow)
+
+        asyncio.get_running_loop().call_later(FETCH_RETRY, retry)
 
     def _empty(self, flow: Flow) -> None:
         """Nothing more for the flow right now (AMQP drain answers on this)."""
