@@ -54,6 +54,32 @@ async def test_default_mode_keeps_a_group_on_one_consumer(broker: Broker) -> Non
             assert seq == sorted(seq), "a group's messages arrive in order"
 
 
+async def test_default_mode_consumers_bound_before_the_messages_never_share_a_group(
+    broker: Broker,
+) -> None:
+    """Both consumers compete from the first message on (which one first touches a group
+    is up to timing): still no group reaches both, and each group arrives in order."""
+    await broker.declare_queue(QueueConfig(name="g", message_groups="default"))
+    a, got_a = await consumer(broker, window=4)
+    b, got_b = await consumer(broker, window=4)
+    for i in range(30):
+        await broker.publish(grouped(f"g{i % 6}", f"{i}"))
+    acked = {a: 0, b: 0}
+    deadline = asyncio.get_running_loop().time() + 10
+    while len(got_a) + len(got_b) < 30:  # each acks what it got: its window refills
+        assert asyncio.get_running_loop().time() < deadline, "not every message arrived"
+        for flow, got in ((a, got_a), (b, got_b)):
+            for d in got[acked[flow] :]:
+                flow.ack(d.entry_id)
+            acked[flow] = len(got)
+        await asyncio.sleep(0.05)
+    assert not groups_of(got_a) & groups_of(got_b), "no group reaches two consumers"
+    for got in (got_a, got_b):
+        for group in groups_of(got):
+            seq = [int(d.message.payload) for d in got if d.message.partition_key == group]
+            assert seq == sorted(seq), "a group's messages arrive in order"
+
+
 async def test_a_closed_consumer_hands_its_groups_on(broker: Broker) -> None:
     await broker.declare_queue(QueueConfig(name="g", message_groups="default"))
     a, got_a = await consumer(broker, window=10)
