@@ -10,6 +10,7 @@ import pytest
 
 from gateway.broker import Broker
 from gateway.engine import keys
+from gateway.engine.flows import FLOWS_PER_ROUND
 from gateway.engine.queues import QueueConfig, QueueError
 from gateway.engine.spool_usage import (
     SpoolLimits,
@@ -218,3 +219,20 @@ async def test_a_refused_fetch_is_tried_again_later_not_at_once(
     await broker.redis.rename(aside, stream)
     await wait_for(lambda: len(got) == 1, timeout=3)
     assert got[0].message.payload == b"kept"
+
+
+async def test_flows_woken_together_fetch_a_few_to_a_round(broker: Broker) -> None:
+    """One publish wakes the consumers of every queue it reaches at once; their fetches go
+    FLOWS_PER_ROUND to a round (each flow's batch is handed over when its own round is
+    answered), the flows left over in the next rounds, and every consumer gets the message."""
+    n = 4 * FLOWS_PER_ROUND + 1
+    got: dict[int, list] = {i: [] for i in range(n)}
+    for i in range(n):
+        await broker.declare_queue(QueueConfig(name=f"q{i}"), [("t/x", "smf")])
+        await broker.bind(f"q{i}", got[i].append, window=10)
+    await asyncio.sleep(0.2)  # the binds' first fetches found nothing
+    before = broker.dispatcher.rounds
+    assert await broker.publish(topic(0)) is Outcome.OK
+    await wait_for(lambda: all(len(g) == 1 for g in got.values()))
+    assert broker.dispatcher.rounds - before >= -(-n // FLOWS_PER_ROUND)
+    assert {g[0].message.id for g in got.values()} == {"m00000000"}
