@@ -10,7 +10,7 @@ import pytest
 
 from gateway.broker import Broker
 from gateway.engine import keys
-from gateway.engine.flows import FLOWS_PER_ROUND
+from gateway.engine.flows import ROUND_MESSAGES
 from gateway.engine.queues import QueueConfig, QueueError
 from gateway.engine.spool_usage import (
     SpoolLimits,
@@ -221,18 +221,29 @@ async def test_a_refused_fetch_is_tried_again_later_not_at_once(
     assert got[0].message.payload == b"kept"
 
 
-async def test_flows_woken_together_fetch_a_few_to_a_round(broker: Broker) -> None:
-    """One publish wakes the consumers of every queue it reaches at once; their fetches go
-    FLOWS_PER_ROUND to a round (each flow's batch is handed over when its own round is
-    answered), the flows left over in the next rounds, and every consumer gets the message."""
-    n = 4 * FLOWS_PER_ROUND + 1
+async def woken_together(broker: Broker, n: int, window: int) -> int:
+    """Bind a consumer with `window` to each of n queues, wake them all with one publish
+    and return how many dispatch rounds it took until each had its message."""
     got: dict[int, list] = {i: [] for i in range(n)}
     for i in range(n):
         await broker.declare_queue(QueueConfig(name=f"q{i}"), [("t/x", "smf")])
-        await broker.bind(f"q{i}", got[i].append, window=10)
+        await broker.bind(f"q{i}", got[i].append, window=window)
     await asyncio.sleep(0.2)  # the binds' first fetches found nothing
     before = broker.dispatcher.rounds
     assert await broker.publish(topic(0)) is Outcome.OK
     await wait_for(lambda: all(len(g) == 1 for g in got.values()))
-    assert broker.dispatcher.rounds - before >= -(-n // FLOWS_PER_ROUND)
     assert {g[0].message.id for g in got.values()} == {"m00000000"}
+    return broker.dispatcher.rounds - before
+
+
+async def test_big_fetches_woken_together_go_in_rounds_of_their_own(broker: Broker) -> None:
+    """Flows whose fetches ask for ROUND_MESSAGES each, woken by one publish, fetch one to a
+    round: each flow's batch is handed over when its own round is answered, not once every
+    flow's is."""
+    assert await woken_together(broker, 5, window=ROUND_MESSAGES) >= 5
+
+
+async def test_small_fetches_woken_together_share_a_round(broker: Broker) -> None:
+    """Flows with small windows (a shared group's members) fetch many to a round: a round
+    per flow would cost the node a round's overhead for a few messages each."""
+    assert await woken_together(broker, 9, window=8) <= 2
