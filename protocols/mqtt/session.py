@@ -243,6 +243,13 @@ class Session:
         self._drain()
 
     def _dispatch(self, item: Packet | MqttProtocolError) -> Coroutine[Any, Any, None] | None:
+        cls = item.__class__  # the two packets of every QoS 1 message first
+        if cls is Publish and self._connect_seen:
+            self._on_publish(item)
+            return None
+        if cls is Puback and self._connect_seen:
+            self._on_puback(item)
+            return None
         if isinstance(item, MqttProtocolError):
             self._protocol_error(item)
             return None
