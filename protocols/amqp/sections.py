@@ -56,6 +56,12 @@ def _read(buf: bytes, i: int, depth: int = 0) -> tuple[object, int]:
     i += 1
     if code == 0x40:
         return None, i
+    if code == 0xC0 or code == 0xC1:  # list8 / map8: header, properties, annotations
+        return _items(buf, i + 2, buf[i + 1], depth + 1)
+    if code == 0xD0 or code == 0xD1:  # list32 / map32: proton's maps
+        return _items(buf, i + 8, _I(buf, i + 4)[0], depth + 1)
+    if code == 0x45:  # list0: an empty properties section
+        return [], i
     if code == 0x41:
         return True, i
     if code == 0x42:
@@ -66,8 +72,6 @@ def _read(buf: bytes, i: int, depth: int = 0) -> tuple[object, int]:
         if end > len(buf):
             raise Unsupported("truncated")
         return (raw if code == 0xA0 else raw.decode()), end
-    if code == 0xC0 or code == 0xC1:  # list8 / map8: header, properties, annotations
-        return _items(buf, i + 2, buf[i + 1], depth + 1)
     if code in (0xB1, 0xB3, 0xB0):
         end = i + 4 + _I(buf, i)[0]
         if end > len(buf):
@@ -100,17 +104,13 @@ def _read(buf: bytes, i: int, depth: int = 0) -> tuple[object, int]:
         return _d(buf, i)[0], i + 8
     if code == 0x98:
         return UUID(bytes=bytes(buf[i : i + 16])), i + 16
-    if code == 0x45:
-        return [], i
-    if code in (0xD0, 0xD1):
-        return _items(buf, i + 8, _I(buf, i + 4)[0], depth + 1)
     raise Unsupported(f"type 0x{code:02x}")
 
 
 def _items(buf: bytes, i: int, count: int, depth: int) -> tuple[list, int]:
-    """The `count` values of a list or map starting at offset i (nulls and short strings or
-    symbols, most of a properties list or a map, read inline: a call each was most of the
-    cost of a JMS client's message)."""
+    """The `count` values of a list or map starting at offset i (nulls, booleans and short
+    strings or symbols, most of a header, a properties list or a map, read inline: a call
+    each was most of the cost of a JMS client's message)."""
     if depth > MAX_DEPTH:
         raise Unsupported("values nested too deeply")
     items: list = []
@@ -120,6 +120,15 @@ def _items(buf: bytes, i: int, count: int, depth: int) -> tuple[list, int]:
         if code == 0x40:
             append(None)
             i += 1
+        elif code == 0x41 or code == 0x42:  # a header's durable flag
+            append(code == 0x41)
+            i += 1
+        elif code == 0x50 or code == 0x52 or code == 0x53:  # ubyte, smalluint, smallulong
+            append(buf[i + 1])
+            i += 2
+        elif code == 0x51 or code == 0x54 or code == 0x55:  # byte, smallint, smalllong
+            append(_B(buf, i + 1)[0])
+            i += 2
         elif code == 0xA1 or code == 0xA3:
             end = i + 2 + buf[i + 1]
             if end > len(buf):
@@ -132,6 +141,11 @@ def _items(buf: bytes, i: int, count: int, depth: int) -> tuple[list, int]:
     return items, i
 
 
+# isinstance with a tuple: a `str | bytes` union is built anew on every call (4 x slower)
+_IDENT_TYPES = (str, bytes, int)
+_PROPERTY_TYPES = (str, bytes, bool, int, float)
+
+
 def _map(value: object) -> dict:
     if value is None:
         return {}
@@ -141,7 +155,7 @@ def _map(value: object) -> dict:
 
 
 def _ident(value: object) -> str | bytes | int | None:
-    if value is None or (isinstance(value, str | bytes | int) and not isinstance(value, bool)):
+    if value is None or (isinstance(value, _IDENT_TYPES) and value.__class__ is not bool):
         return value
     if isinstance(value, UUID):
         return str(value)
@@ -149,7 +163,7 @@ def _ident(value: object) -> str | bytes | int | None:
 
 
 def _prop(value: object) -> PropertyValue:
-    if value is None or isinstance(value, str | bytes | bool | int | float):
+    if value is None or isinstance(value, _PROPERTY_TYPES):
         return value
     if isinstance(value, UUID):
         return str(value)
