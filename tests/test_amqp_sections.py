@@ -42,7 +42,7 @@ INGRESS = [
     AmqpMessage(),
     AmqpMessage(body=b"z" * 70_000, inferred=True, id=b"\x01\x02", expiry_time=NOW / 1000 + 60),
     AmqpMessage(body=b"u", id=uuid.uuid4(), correlation_id=uuid.uuid4(), ttl=30),
-    # a header of null, ubyte, null, true: values read inline and by _read
+    # a header of null, ubyte, null, true
     AmqpMessage(body=b"p", durable=False, priority=9, first_acquirer=True),
     AmqpMessage(
         body=b"full",

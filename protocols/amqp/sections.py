@@ -108,9 +108,9 @@ def _read(buf: bytes, i: int, depth: int = 0) -> tuple[object, int]:
 
 
 def _items(buf: bytes, i: int, count: int, depth: int) -> tuple[list, int]:
-    """The `count` values of a list or map starting at offset i (nulls, booleans and short
-    strings or symbols, most of a header, a properties list or a map, read inline: a call
-    each was most of the cost of a JMS client's message)."""
+    """The `count` values of a list or map starting at offset i (nulls, booleans, small
+    integers and short strings or symbols, most of a header, a properties list or a map,
+    read inline: a call each was most of the cost of a JMS client's message)."""
     if depth > MAX_DEPTH:
         raise Unsupported("values nested too deeply")
     items: list = []
@@ -120,7 +120,7 @@ def _items(buf: bytes, i: int, count: int, depth: int) -> tuple[list, int]:
         if code == 0x40:
             append(None)
             i += 1
-        elif code == 0x41 or code == 0x42:  # a header's durable flag
+        elif code == 0x41 or code == 0x42:  # true / false
             append(code == 0x41)
             i += 1
         elif code == 0x50 or code == 0x52 or code == 0x53:  # ubyte, smalluint, smallulong

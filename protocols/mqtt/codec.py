@@ -1127,7 +1127,7 @@ class MqttDecoder:
                 if b0 >> 4 == 3 and level:
                     out.append(_decode_publish(b0, data, hdr, end, level))
                 elif b0 == 0x40 and rl == 2 and level and (data[hdr] or data[hdr + 1]):
-                    # a PUBACK without reason code: one a QoS 1 delivery, decoded inline
+                    # a PUBACK without reason code (one per QoS 1 delivery), decoded inline
                     out.append(Puback(data[hdr] << 8 | data[hdr + 1]))
                 else:
                     out.append(self._decode_other(b0, data, hdr, end))
