@@ -22,7 +22,7 @@ import itertools
 import logging
 import os
 from collections import deque
-from collections.abc import Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from gateway.broker import ANONYMOUS, BindError, Flow, Outcome, QueueError
@@ -243,13 +243,9 @@ class Session:
         self._drain()
 
     def _dispatch(self, item: Packet | MqttProtocolError) -> Coroutine[Any, Any, None] | None:
-        cls = item.__class__  # the two packets of every QoS 1 message first
-        if cls is Publish and self._connect_seen:
-            self._on_publish(item)
-            return None
-        if cls is Puback and self._connect_seen:
-            self._on_puback(item)
-            return None
+        handler = _HANDLERS.get(item.__class__)  # one lookup: two packets a QoS 1 message
+        if handler is not None and self._connect_seen:
+            return handler(self, item)
         if isinstance(item, MqttProtocolError):
             self._protocol_error(item)
             return None
@@ -257,29 +253,13 @@ class Session:
             self._connect_seen = True
             assert isinstance(item, Connect)  # the decoder lets nothing else come first
             return self._on_connect(item)
-        match item:
-            case Publish():
-                self._on_publish(item)
-            case Puback():
-                self._on_puback(item)
-            case Pubrec():
-                self._on_pubrec(item)
-            case Pubrel():
-                return self._on_pubrel(item)
-            case Pubcomp():
-                self._on_pubcomp(item)
-            case Subscribe():
-                return self._on_subscribe(item)
-            case Unsubscribe():
-                return self._on_unsubscribe(item)
-            case Pingreq():
-                self._send(Pingresp())
-            case Disconnect():
-                self._on_disconnect(item)
-            case _:  # a second CONNECT, AUTH, or a packet only servers send
-                log.info("MQTT client %r sent unexpected %s", self.client_id, type(item).__name__)
-                self.fail(ReasonCode.PROTOCOL_ERROR)
+        # a second CONNECT, AUTH, or a packet only servers send
+        log.info("MQTT client %r sent unexpected %s", self.client_id, type(item).__name__)
+        self.fail(ReasonCode.PROTOCOL_ERROR)
         return None
+
+    def _on_pingreq(self, _: Pingreq) -> None:
+        self._send(Pingresp())
 
     def _protocol_error(self, exc: MqttProtocolError) -> None:
         log.info("MQTT client %r: %s", self.client_id, exc)
@@ -1019,3 +999,18 @@ class Session:
 
     def _send(self, packet: Packet) -> None:
         self.link.send(encode(packet, self.level))
+
+
+# What a connected session does with each packet a client may send (by exact class: the
+# decoder makes no subclasses); a handler returns a coroutine when the packet needs Redis.
+_HANDLERS: dict[type, Callable[[Session, Any], Coroutine[Any, Any, None] | None]] = {
+    Publish: Session._on_publish,
+    Puback: Session._on_puback,
+    Pubrec: Session._on_pubrec,
+    Pubrel: Session._on_pubrel,
+    Pubcomp: Session._on_pubcomp,
+    Subscribe: Session._on_subscribe,
+    Unsubscribe: Session._on_unsubscribe,
+    Pingreq: Session._on_pingreq,
+    Disconnect: Session._on_disconnect,
+}
