@@ -306,6 +306,17 @@ def test_delivery_redelivered(count: int, redelivered: bool) -> None:
     assert d.redelivered is redelivered
 
 
+def test_message_field_order_is_the_one_positional_builders_use() -> None:
+    """model.decode, protocols/mqtt/mapping.to_message and protocols/amqp/sections build a
+    Message positionally (for speed): a reordered field would silently mislabel values."""
+    assert [f.name for f in dataclasses.fields(Message)] == [
+        "destination", "payload", "partition_key", "priority", "expiration", "not_before",
+        "persistent", "dmq_eligible", "content_type", "correlation_id", "reply_to",
+        "message_id", "subject", "user_properties", "annotations", "publisher", "retain",
+        "to_queue", "id",
+    ]  # fmt: skip
+
+
 def test_message_has_the_documented_fields() -> None:
     names = {f.name for f in dataclasses.fields(Message)}
     assert names >= {
