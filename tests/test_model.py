@@ -315,13 +315,3 @@ def test_message_field_order_is_the_one_positional_builders_use() -> None:
         "message_id", "subject", "user_properties", "annotations", "publisher", "retain",
         "to_queue", "id",
     ]  # fmt: skip
-
-
-def test_message_has_the_documented_fields() -> None:
-    names = {f.name for f in dataclasses.fields(Message)}
-    assert names >= {
-        "id", "destination", "payload", "partition_key", "priority", "expiration",
-        "not_before", "persistent", "dmq_eligible", "content_type", "correlation_id",
-        "reply_to", "message_id", "subject", "user_properties", "annotations", "publisher",
-        "retain",
-    }  # fmt: skip
