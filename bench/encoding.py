@@ -11,12 +11,11 @@ and the server CPU of XADD for one field against one field per attribute.
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 import timeit
-from pathlib import Path
 
 import redis
+from peers import process_cpu
 
 from gateway.model import Message, Publisher, decode, encode
 from gateway.redis_server import EmbeddedRedis
@@ -59,20 +58,15 @@ def as_fields(msg: Message) -> dict[str, bytes | str]:
     }
 
 
-def cpu(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def redis_cost(client: redis.Redis, pid: int, key: str, entry: dict) -> tuple[float, float]:
     """(bytes per entry, server CPU µs per XADD) for N entries."""
-    before = cpu(pid)
+    before = process_cpu(pid)
     for start in range(0, N, 500):
         pipe = client.pipeline(transaction=False)
         for _ in range(min(500, N - start)):
             pipe.xadd(key, entry)
         pipe.execute()
-    used = cpu(pid) - before
+    used = process_cpu(pid) - before
     return client.memory_usage(key, samples=0) / N, used / N * 1e6
 
 

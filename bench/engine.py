@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import redis.asyncio as aioredis
+from peers import process_cpu
 
 from gateway.broker import Broker
 from gateway.engine import library
@@ -26,13 +27,7 @@ from gateway.engine.queues import QueueConfig
 from gateway.model import Delivery, Message
 from gateway.redis_server import EmbeddedRedis
 
-TICK = os.sysconf("SC_CLK_TCK")
 RAW_BATCH = 100
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
 
 
 class Meter:
@@ -42,13 +37,13 @@ class Meter:
         self.pids = [os.getpid(), redis_pid]
 
     def __enter__(self) -> Meter:
-        self.cpu0 = [cpu_seconds(p) for p in self.pids]
+        self.cpu0 = [process_cpu(p) for p in self.pids]
         self.t0 = time.perf_counter()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.wall = time.perf_counter() - self.t0
-        cpu1 = [cpu_seconds(p) for p in self.pids]
+        cpu1 = [process_cpu(p) for p in self.pids]
         self.cpu = [b - a for a, b in zip(self.cpu0, cpu1, strict=True)]
 
 
