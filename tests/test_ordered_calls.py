@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any
 
+import hiredis
 import redis
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from gateway.broker import Broker
-from gateway.engine import flows, keys, spool
+from gateway.engine import flows, keys, library, spool
 from gateway.engine.flows import Flow
 from gateway.engine.ordered_calls import OrderedCalls
 from gateway.engine.queues import QueueConfig
@@ -59,6 +61,43 @@ async def test_a_broken_connection_tells_every_command_in_flight_then_reconnects
     assert after == [b"PONG"]
     await calls.close()
     await client.aclose()
+
+
+def test_long_arguments_are_packed_in_place() -> None:
+    long, longer = b"a" * library.IN_PLACE_BYTES, b"\r\n" * 3000
+    args = ("FCALL", "f", 0, 7, long, b"short", "text", longer, 2.5)
+    chunks = library.pack_in_place(args)
+    assert b"".join(chunks) == hiredis.pack_command(args)
+    assert any(c is long for c in chunks) and any(c is longer for c in chunks)  # not copied
+    assert b"".join(library.pack_in_place(("PING",))) == hiredis.pack_command(("PING",))
+
+
+async def test_a_command_packed_in_place_reaches_redis_whole(redis_url: str) -> None:
+    client = aioredis.Redis.from_url(redis_url)
+    calls = OrderedCalls(client)
+    items = [b"x", os.urandom(5000), b"", os.urandom(library.IN_PLACE_BYTES), b"\r\n"]
+    replies: list[Any] = []
+    await calls.send(replies.append, "RPUSH", "list", *items, in_place=True)
+    await calls.send(replies.append, "LRANGE", "list", 0, -1)
+    await wait_for(lambda: len(replies) == 2)
+    assert replies == [len(items), items]
+    await calls.close()
+    await client.aclose()
+
+
+async def test_a_batch_of_long_messages_is_stored_whole(broker: Broker) -> None:
+    await broker.queues.create(QueueConfig(name="q"))
+    payloads = [os.urandom(4096) for _ in range(60)]
+    assert sum(map(len, payloads)) >= spool.IN_PLACE_BATCH_BYTES
+    before = broker.spooler.batches
+    futures = [broker.publish_nowait(to_queue("q", p)) for p in payloads]
+    assert set(await asyncio.gather(*futures)) == {Outcome.OK}
+    assert broker.spooler.batches == before + 1  # one batch, packed in place
+    got: list[Delivery] = []
+    flow = await broker.bind("q", got.append, window=100)
+    await wait_for(lambda: len(got) == len(payloads))
+    assert [d.message.payload for d in got] == payloads
+    await flow.close()
 
 
 async def test_batches_in_flight_keep_one_publishers_order(broker: Broker) -> None:
@@ -159,9 +198,9 @@ async def _peak_in_flight(broker: Broker, count: int, queue: str = "q") -> int:
     send = calls.send
     peak = 0
 
-    async def send_and_count(*args: object) -> None:
+    async def send_and_count(*args: Any, **kwargs: Any) -> None:
         nonlocal peak
-        await send(*args)
+        await send(*args, **kwargs)
         peak = max(peak, calls.in_flight)
 
     calls.send = send_and_count  # type: ignore[method-assign]

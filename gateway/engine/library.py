@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from importlib import resources
 from typing import Any
 
@@ -39,6 +40,31 @@ class _HiredisPacking:
         if b" " in first:  # redis-py sends e.g. "CLIENT SETINFO" as one argument
             args = (*first.split(), *args[1:])
         return [hiredis.pack_command(args)]
+
+
+# A bytes argument this long is written from its own buffer rather than copied into the
+# packed command (see pack_in_place).
+IN_PLACE_BYTES = 1024
+
+
+def pack_in_place(args: Sequence[Any]) -> list[bytes]:
+    """One command in RESP as chunks for a vectored write, its long bytes arguments as
+    chunks of their own. hiredis copies every argument three times into one new buffer;
+    for a spool batch of 4 KiB messages that buffer is ~400 KB, freshly faulted in each
+    time (8 MQTT pairs: 2.3 page faults and ~5 µs of node CPU a message)."""
+    chunks = [b"*%d\r\n" % len(args)]
+    start = 0
+    for i, arg in enumerate(args):
+        if arg.__class__ is bytes and len(arg) >= IN_PLACE_BYTES:
+            if start < i:
+                packed = hiredis.pack_command(tuple(args[start:i]))
+                chunks.append(packed[packed.index(b"\n") + 1 :])  # without its "*<n>" line
+            chunks += (b"$%d\r\n" % len(arg), arg, b"\r\n")
+            start = i + 1
+    if start < len(args):
+        packed = hiredis.pack_command(tuple(args[start:]))
+        chunks.append(packed[packed.index(b"\n") + 1 :])
+    return chunks
 
 
 class _TcpConnection(_HiredisPacking, aioredis.Connection):

@@ -17,6 +17,8 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
+from gateway.engine.library import pack_in_place
+
 log = logging.getLogger(__name__)
 
 Reply = Callable[[Any], None]  # gets the command's reply, or the exception that ended it
@@ -37,19 +39,21 @@ class OrderedCalls:
     def in_flight(self) -> int:
         return len(self._waiting)
 
-    async def send(self, on_reply: Reply, *args: Any) -> None:
+    async def send(self, on_reply: Reply, *args: Any, in_place: bool = False) -> None:
         """Write one command; `on_reply` is called with its reply (a ResponseError for a
         command Redis refused) or with the error that broke the connection, in which case
         every command still in flight is told the same and the next send reconnects.
-        Whether a command told of a broken connection ran is unknown."""
+        Whether a command told of a broken connection ran is unknown.
+        `in_place` writes its long bytes arguments from their own buffers (pack_in_place)."""
         self._waiting.append(on_reply)
         conn = self._conn
         try:
             if conn is None:
                 conn = await self._connect()
+            packed = pack_in_place(args) if in_place else conn.pack_command(*args)
             # writes are synchronous up to the drain, so commands reach the socket in the
             # order their replies are expected
-            await conn.send_packed_command(conn.pack_command(*args), check_health=False)
+            await conn.send_packed_command(packed, check_health=False)
         except Exception as exc:
             await self._broken(conn, exc)
             return
