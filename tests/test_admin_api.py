@@ -382,6 +382,15 @@ async def test_topic_publish_validation(admin: Admin) -> None:
     assert bad_priority.status == 400
     bad_props = await admin.publish("q1", "x", user_properties=[["a", 1]])
     assert bad_props.status == 400
+    nested = await admin.publish("q1", "x", user_properties={"a": {"b": 1}})
+    assert nested.status == 400 and "'a'" in nested.error
+    not_text = await admin.publish("q1", "x", content_type=["text/plain"])
+    assert not_text.status == 400 and "content_type" in not_text.error
+    for fields in ({"reply_to": "\ud800"}, {"user_properties": {"k": "\udfff"}}):
+        surrogate = await admin.publish("q1", "x", **fields)
+        assert surrogate.status == 400 and "surrogate" in surrogate.error
+    surrogate_payload = await admin.publish("q1", "\ud800")
+    assert surrogate_payload.status == 400 and "payload" in surrogate_payload.error
     assert await admin.depth("q1") == 0
 
 

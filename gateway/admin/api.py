@@ -256,10 +256,16 @@ def _message(body: dict[str, Any]) -> Message:
         except (ValueError, TypeError):
             raise HttpError(400, "payload_base64 is not valid base64") from None
     else:
-        payload = str(body.get("payload", "")).encode()
+        payload = _utf8(str(body.get("payload", "")), "payload")
     props = body.get("user_properties", {})
     if not isinstance(props, dict):
         raise HttpError(400, "user_properties must be an object")
+    for name, value in props.items():
+        _utf8(name, "a user property name")
+        if isinstance(value, str):
+            _utf8(value, f"user property {name!r}")
+        elif value is not None and not isinstance(value, int | float):  # bool is an int
+            raise HttpError(400, f"user property {name!r} must be a string, number or boolean")
     priority = body.get("priority", 4)
     if not isinstance(priority, int) or not 0 <= priority <= 9:
         raise HttpError(400, "priority must be an integer from 0 to 9")
@@ -267,15 +273,33 @@ def _message(body: dict[str, Any]) -> Message:
         destination=queue if queue is not None else topic,
         to_queue=queue is not None,
         payload=payload,
-        partition_key=body.get("partition_key"),
+        partition_key=_optional_text(body, "partition_key"),
         priority=priority,
         persistent=bool(body.get("persistent", True)),
-        content_type=body.get("content_type"),
-        correlation_id=body.get("correlation_id"),
-        reply_to=body.get("reply_to"),
+        content_type=_optional_text(body, "content_type"),
+        correlation_id=_optional_text(body, "correlation_id"),
+        reply_to=_optional_text(body, "reply_to"),
         user_properties=list(props.items()),
         publisher=Publisher("http"),
     )
+
+
+def _utf8(text: str, what: str) -> bytes:
+    """`text` as UTF-8; JSON can carry lone surrogates ("\\ud800"), which no protocol can."""
+    try:
+        return text.encode()
+    except UnicodeEncodeError:
+        raise HttpError(400, f"{what} is not valid Unicode (a lone surrogate)") from None
+
+
+def _optional_text(body: dict[str, Any], name: str) -> str | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise HttpError(400, f"{name} must be a string")
+    _utf8(value, name)
+    return value
 
 
 def _delivery_json(d: Delivery) -> dict[str, Any]:
