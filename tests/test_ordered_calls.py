@@ -85,16 +85,22 @@ async def test_a_command_packed_in_place_reaches_redis_whole(redis_url: str) -> 
     await client.aclose()
 
 
-async def test_a_batch_of_long_messages_is_stored_whole(broker: Broker) -> None:
+async def test_batches_of_long_messages_are_stored_whole_and_in_order(broker: Broker) -> None:
     await broker.queues.create(QueueConfig(name="q"))
-    payloads = [os.urandom(4096) for _ in range(60)]
-    assert sum(map(len, payloads)) >= spool.IN_PLACE_BATCH_BYTES
+    one_batch = spool.IN_PLACE_BATCH_BYTES // 4096 + 4
+    assert spool.IN_PLACE_BATCH_BYTES <= one_batch * 4096 < spool.MAX_BATCH_BYTES
+    payloads = [os.urandom(4096) for _ in range(one_batch)]
     before = broker.spooler.batches
     futures = [broker.publish_nowait(to_queue("q", p)) for p in payloads]
     assert set(await asyncio.gather(*futures)) == {Outcome.OK}
     assert broker.spooler.batches == before + 1  # one batch, packed in place
+    more = [os.urandom(4096) for _ in range(3 * spool.MAX_BATCH_BYTES // 4096)]
+    futures = [broker.publish_nowait(to_queue("q", p)) for p in more]
+    assert set(await asyncio.gather(*futures)) == {Outcome.OK}
+    assert broker.spooler.batches >= before + 4  # split by MAX_BATCH_BYTES
+    payloads += more
     got: list[Delivery] = []
-    flow = await broker.bind("q", got.append, window=100)
+    flow = await broker.bind("q", got.append, window=len(payloads))
     await wait_for(lambda: len(got) == len(payloads))
     assert [d.message.payload for d in got] == payloads
     await flow.close()
