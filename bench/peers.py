@@ -273,13 +273,22 @@ def http_json(method: str, url: str, body: dict | None = None) -> dict:
     return json.loads(text) if text else {}
 
 
+def gateway_env() -> dict[str, str]:
+    """The environment that runs this checkout's gateway code, even when the virtualenv's
+    editable install points at another checkout (a worktree sharing one .venv)."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path}
+
+
 @contextmanager
 def gateway(tmp: Path) -> Iterator[Broker]:
     """`gateway serve` (embedded redis-server, AOF everysec) with MQTT, AMQP and admin."""
     data = tmp / "gateway"
     argv = [str(GATEWAY), "serve", "--data-dir", str(data), "--admin-port", str(free_port()),
             "--mqtt-port", str(free_port()), "--amqp-port", str(free_port())]  # fmt: skip
-    proc = spawn(argv, tmp / "gateway.log", stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = spawn(
+        argv, tmp / "gateway.log", stdout=subprocess.PIPE, text=True, cwd=ROOT, env=gateway_env()
+    )
     try:
         deadline = time.monotonic() + START_TIMEOUT
         while '"ready"' not in (line := read_line(proc, 1.0)):

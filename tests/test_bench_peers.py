@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+
+import pytest
 
 from bench import peers
 
@@ -34,3 +37,20 @@ def test_tree_cpu_counts_a_child_that_ran_and_exited_between_readings() -> None:
     finally:
         parent.stdin.close()
         parent.wait(timeout=10)
+
+
+def test_the_gateway_runs_from_this_checkout_whatever_the_venv_points_at(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    env = peers.gateway_env()
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(peers.ROOT), "/elsewhere"]
+    where = subprocess.run(
+        [sys.executable, "-c", "import gateway; print(gateway.__file__)"],
+        env=env,
+        cwd="/",
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert where == str(peers.ROOT / "gateway" / "__init__.py")
