@@ -68,7 +68,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any, overload
 
 import redis.asyncio as aioredis
@@ -174,7 +174,7 @@ class Broker:
             msg.id = new_message_id()
         self.published += 1
         if msg.to_queue:
-            queues: Iterable[str] = (msg.destination,)
+            queues: Collection[str] = (msg.destination,)
         else:
             self.direct.publish(msg)
             queues = self.router.match(msg.destination)

@@ -16,7 +16,7 @@ from gateway.engine import flows, keys, library, spool
 from gateway.engine.flows import Flow
 from gateway.engine.ordered_calls import OrderedCalls
 from gateway.engine.queues import QueueConfig
-from gateway.model import Delivery, Outcome
+from gateway.model import Delivery, Message, Outcome
 from tests.test_engine import to_queue, wait_for
 
 
@@ -104,6 +104,27 @@ async def test_batches_of_long_messages_are_stored_whole_and_in_order(broker: Br
     await wait_for(lambda: len(got) == len(payloads))
     assert [d.message.payload for d in got] == payloads
     await flow.close()
+
+
+async def test_a_fanned_out_message_counts_once_per_queue_against_the_batch_size(
+    broker: Broker,
+) -> None:
+    names = [f"q{i}" for i in range(10)]
+    for name in names:
+        await broker.queues.create(QueueConfig(name=name), [("t", "smf")])
+    await broker.router.reload()
+    payloads = [os.urandom(4096) for _ in range(8)]  # 32 KiB, stored 10 times: 320 KiB
+    assert sum(map(len, payloads)) * len(names) >= 2 * spool.MAX_BATCH_BYTES
+    before = broker.spooler.batches
+    futures = [broker.publish_nowait(Message(destination="t", payload=p)) for p in payloads]
+    assert set(await asyncio.gather(*futures)) == {Outcome.OK}
+    assert broker.spooler.batches >= before + 2
+    for name in names:
+        got: list[Delivery] = []
+        flow = await broker.bind(name, got.append, window=10)
+        await wait_for(lambda got=got: len(got) == len(payloads))
+        assert [d.message.payload for d in got] == payloads
+        await flow.close()
 
 
 async def test_batches_in_flight_keep_one_publishers_order(broker: Broker) -> None:

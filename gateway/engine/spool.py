@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from itertools import islice
 from typing import Protocol
 
@@ -56,7 +56,7 @@ _OUTCOMES = tuple(Outcome)  # by code: indexing costs a tenth of Outcome(code)
 # (None when it has a callback) and its callback (None when it has a future). A plain tuple:
 # a dataclass instance per message costs measurably more on the publish path.
 _Pending = tuple[
-    Iterable[str],
+    Collection[str],
     bool,
     int,
     "str | None",
@@ -107,7 +107,7 @@ class Spooler:
 
     def submit(
         self,
-        queues: Iterable[str],
+        queues: Collection[str],
         direct: bool,
         size: int,
         key: str | None,
@@ -180,18 +180,22 @@ class Spooler:
 
     def _take_batch(self, at_least: int) -> tuple[list[_Pending], int]:
         """The next batch and its messages' bytes: `at_least` messages (retried ones go out
-        together), then up to the batch limits."""
+        together), then up to the batch limits. A message counts against MAX_BATCH_BYTES
+        once per queue it goes to: Redis stores it in each (fan-out to 10 queues at 4 KiB:
+        p99 365-490 -> 110-140 ms against counting it once)."""
         pending = self._pending
-        total = 0
+        sent = stored = 0
         for i, p in enumerate(pending):
-            total += len(p[_BLOB])
+            size = len(p[_BLOB])
+            sent += size
+            stored += size * len(p[0])
             if i + 1 < at_least:
                 continue
-            if i + 1 >= MAX_BATCH_MESSAGES or total >= MAX_BATCH_BYTES:
+            if i + 1 >= MAX_BATCH_MESSAGES or stored >= MAX_BATCH_BYTES:
                 batch, self._pending = pending[: i + 1], pending[i + 1 :]
-                return batch, total
+                return batch, sent
         self._pending = []
-        return pending, total
+        return pending, sent
 
     def _arguments(self, batch: list[_Pending], retry: bool) -> list[object]:
         """gw_spool's arguments for the batch (numkeys first); a retry batch, which starts
