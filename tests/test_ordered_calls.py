@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 import hiredis
+import pytest
 import redis
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
@@ -85,15 +86,27 @@ async def test_a_command_packed_in_place_reaches_redis_whole(redis_url: str) -> 
     await client.aclose()
 
 
-async def test_batches_of_long_messages_are_stored_whole_and_in_order(broker: Broker) -> None:
+async def test_batches_of_long_messages_are_stored_whole_and_in_order(
+    broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    packed_in_place: list[int] = []
+
+    def counting(args: tuple) -> list[bytes]:
+        packed_in_place.append(len(args))
+        return library.pack_in_place(args)
+
+    monkeypatch.setattr("gateway.engine.ordered_calls.pack_in_place", counting)
     await broker.queues.create(QueueConfig(name="q"))
+    assert await broker.publish(to_queue("q", b"short")) is Outcome.OK
+    assert packed_in_place == []  # short messages: hiredis packs the batch
     one_batch = spool.IN_PLACE_BATCH_BYTES // 4096 + 4
     assert spool.IN_PLACE_BATCH_BYTES <= one_batch * 4096 < spool.MAX_BATCH_BYTES
     payloads = [os.urandom(4096) for _ in range(one_batch)]
     before = broker.spooler.batches
     futures = [broker.publish_nowait(to_queue("q", p)) for p in payloads]
     assert set(await asyncio.gather(*futures)) == {Outcome.OK}
-    assert broker.spooler.batches == before + 1  # one batch, packed in place
+    assert broker.spooler.batches == before + 1 and len(packed_in_place) == 1
+    payloads.insert(0, b"short")
     more = [os.urandom(4096) for _ in range(3 * spool.MAX_BATCH_BYTES // 4096)]
     futures = [broker.publish_nowait(to_queue("q", p)) for p in more]
     assert set(await asyncio.gather(*futures)) == {Outcome.OK}

@@ -30,6 +30,7 @@ from typing import Protocol
 
 import redis.asyncio as aioredis
 
+from gateway.engine.library import IN_PLACE_BYTES
 from gateway.engine.ordered_calls import OrderedCalls
 from gateway.engine.partitions import key_hash
 from gateway.model import Outcome
@@ -41,8 +42,9 @@ MAX_BATCH_MESSAGES = 512
 # waiting: a batch of 512 messages of 4 KiB (2 MB) kept consumers waiting ~13 ms, and a
 # backlog built (8 MQTT QoS 1 pairs: p50 100-250 ms); at 128 KiB a batch, 20-50 ms.
 MAX_BATCH_BYTES = 128 * 1024
-# A batch this large writes its long messages from their own buffers (library.pack_in_place)
-# instead of copying them into one new one; below it, hiredis packs faster.
+# A batch with this many bytes of long messages writes them from their own buffers
+# (library.pack_in_place) instead of copying them into one new one; below it, hiredis packs
+# faster.
 IN_PLACE_BATCH_BYTES = 64 * 1024
 MAX_IN_FLIGHT = 4  # batches sent and not yet answered (2 measured as good; 8 no better)
 # How long a paced batch waits for the behind consumers of its queues to catch up (see
@@ -157,13 +159,13 @@ class Spooler:
                         await pacing.catch_up(self._next_queues, MAX_HOLD)
                     if not self._pending:
                         continue
-                batch, size = self._take_batch(retried)
+                batch, long_bytes = self._take_batch(retried)
                 await self._calls.send(
                     lambda reply, batch=batch: self._answered(batch, reply),
                     "FCALL",
                     "gw_spool",
                     *self._arguments(batch, retry=retried > 0),
-                    in_place=size >= IN_PLACE_BATCH_BYTES,
+                    in_place=long_bytes >= IN_PLACE_BATCH_BYTES,
                 )
         finally:
             self._task = None
@@ -179,23 +181,25 @@ class Spooler:
         return (queue for p in islice(self._pending, MAX_BATCH_MESSAGES) for queue in p[0])
 
     def _take_batch(self, at_least: int) -> tuple[list[_Pending], int]:
-        """The next batch and its messages' bytes: `at_least` messages (retried ones go out
-        together), then up to the batch limits. A message counts against MAX_BATCH_BYTES
-        once per queue it goes to: Redis stores it in each (fan-out to 10 queues at 4 KiB:
-        p99 365-490 -> 110-140 ms against counting it once)."""
+        """The next batch and the bytes of its long messages (IN_PLACE_BYTES or more):
+        `at_least` messages (retried ones go out together), then up to the batch limits.
+        A message counts against MAX_BATCH_BYTES once per queue it goes to: Redis stores it
+        in each (fan-out to 10 queues at 4 KiB: p99 365-490 -> 110-140 ms against counting
+        it once)."""
         pending = self._pending
-        sent = stored = 0
+        long_bytes = stored = 0
         for i, p in enumerate(pending):
             size = len(p[_BLOB])
-            sent += size
+            if size >= IN_PLACE_BYTES:
+                long_bytes += size
             stored += size * len(p[0])
             if i + 1 < at_least:
                 continue
             if i + 1 >= MAX_BATCH_MESSAGES or stored >= MAX_BATCH_BYTES:
                 batch, self._pending = pending[: i + 1], pending[i + 1 :]
-                return batch, sent
+                return batch, long_bytes
         self._pending = []
-        return pending, sent
+        return pending, long_bytes
 
     def _arguments(self, batch: list[_Pending], retry: bool) -> list[object]:
         """gw_spool's arguments for the batch (numkeys first); a retry batch, which starts
