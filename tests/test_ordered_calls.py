@@ -268,6 +268,35 @@ async def test_publishers_go_at_the_pace_of_consumers_that_are_behind(broker: Br
     assert not broker.dispatcher.behind_on(["q"])
 
 
+async def test_pacing_looks_only_at_the_queues_of_the_next_batch(broker: Broker) -> None:
+    """Long messages end a batch by bytes, well before MAX_BATCH_MESSAGES: a message to a
+    queue with a behind consumer that waits past the next batch does not pace it."""
+    await broker.queues.create(QueueConfig(name="other"))
+    await _behind_consumer(broker)
+    per_batch = spool.MAX_BATCH_BYTES // 4096
+    assert 3 * per_batch < spool.MAX_BATCH_MESSAGES
+    calls = broker.spooler._calls
+    send = calls.send
+    in_flight: list[int] = []
+
+    async def send_and_count(*args: Any, **kwargs: Any) -> None:
+        await send(*args, **kwargs)
+        in_flight.append(calls.in_flight)
+
+    calls.send = send_and_count  # type: ignore[method-assign]
+    try:
+        futures = [
+            broker.publish_nowait(to_queue("other", os.urandom(4096))) for _ in range(3 * per_batch)
+        ]
+        futures.append(broker.publish_nowait(to_queue("q", b"last")))
+        assert set(await asyncio.gather(*futures)) == {Outcome.OK}
+    finally:
+        del calls.send
+    assert len(in_flight) == 4  # three batches for "other", then the one for "q"
+    assert max(in_flight[:3]) > 1  # not paced: the pipeline fills
+    assert in_flight[3] == 1  # paced: it waited until nothing was in flight
+
+
 async def _behind_consumer(broker: Broker) -> tuple[Flow, list[Delivery]]:
     """A consumer of queue "q" with a window of 10 whose first fetch came back full: 5 more
     messages wait, so it is behind. It settles nothing by itself."""

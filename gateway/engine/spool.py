@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Iterator
 from itertools import islice
 from typing import Protocol
 
@@ -176,19 +176,31 @@ class Spooler:
         """Drop the spool connection; batches still unanswered are refused, never acked."""
         await self._calls.close()
 
-    def _next_queues(self) -> Iterable[str]:
-        """The queues of the messages the next batch starts with."""
-        return (queue for p in islice(self._pending, MAX_BATCH_MESSAGES) for queue in p[0])
+    def _next_queues(self) -> Iterator[str]:
+        """The queues of the messages the next batch takes (worked out when first asked:
+        pacing asks only while some consumer is behind)."""
+        count = self._batch_length(0)[0]
+        for p in islice(self._pending, count):
+            yield from p[0]
 
     def _take_batch(self, at_least: int) -> tuple[list[_Pending], int]:
-        """The next batch and the bytes of its long messages (IN_PLACE_BYTES or more):
-        `at_least` messages (retried ones go out together), then up to the batch limits.
-        A message counts against MAX_BATCH_BYTES once per queue it goes to: Redis stores it
-        in each (fan-out to 10 queues at 4 KiB: p99 365-490 -> 110-140 ms against counting
-        it once)."""
+        """The next batch and the bytes of its long messages (see `_batch_length`)."""
         pending = self._pending
+        count, long_bytes = self._batch_length(at_least)
+        if count == len(pending):
+            self._pending = []
+            return pending, long_bytes
+        self._pending = pending[count:]
+        return pending[:count], long_bytes
+
+    def _batch_length(self, at_least: int) -> tuple[int, int]:
+        """How many pending messages the next batch takes, and the bytes of its long
+        messages (IN_PLACE_BYTES or more): `at_least` messages (retried ones go out
+        together), then up to the batch limits. A message counts against MAX_BATCH_BYTES
+        once per queue it goes to: Redis stores it in each (fan-out to 10 queues at 4 KiB:
+        p99 365-490 -> 110-140 ms against counting it once)."""
         long_bytes = stored = 0
-        for i, p in enumerate(pending):
+        for i, p in enumerate(self._pending):
             size = len(p[_BLOB])
             if size >= IN_PLACE_BYTES:
                 long_bytes += size
@@ -196,10 +208,8 @@ class Spooler:
             if i + 1 < at_least:
                 continue
             if i + 1 >= MAX_BATCH_MESSAGES or stored >= MAX_BATCH_BYTES:
-                batch, self._pending = pending[: i + 1], pending[i + 1 :]
-                return batch, long_bytes
-        self._pending = []
-        return pending, long_bytes
+                return i + 1, long_bytes
+        return len(self._pending), long_bytes
 
     def _arguments(self, batch: list[_Pending], retry: bool) -> list[object]:
         """gw_spool's arguments for the batch (numkeys first); a retry batch, which starts
