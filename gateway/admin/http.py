@@ -10,9 +10,9 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 import h11
 
@@ -31,12 +31,21 @@ class Request:
     peer: str = ""  # the client's IP address: the admin API trusts loopback when open
 
     def json(self) -> object:
+        """The body as strict JSON (an empty body is {}). Python's parser takes NaN and
+        Infinity, which are not JSON, and lone surrogates ("\\ud800" is valid JSON), which
+        no protocol can carry: both are refused here, for every field of every endpoint."""
         if not self.body:
             return {}
         try:
-            return json.loads(self.body)
+            data = json.loads(self.body, parse_constant=_not_json)
+        except RecursionError:
+            raise HttpError(400, "request body is nested too deeply") from None
         except (ValueError, UnicodeDecodeError) as exc:
             raise HttpError(400, f"request body is not valid JSON: {exc}") from None
+        where = _lone_surrogate(data)
+        if where is not None:
+            raise HttpError(400, f"{where} is not valid Unicode (a lone surrogate)")
+        return data
 
 
 @dataclass(slots=True)
@@ -63,6 +72,53 @@ class HttpError(Exception):
 
 
 Handler = Callable[[Request], Awaitable[Response]]
+
+
+def _not_json(constant: str) -> float:
+    """json.loads' hook for NaN, Infinity and -Infinity: not JSON (RFC 8259), and not a
+    value any field takes."""
+    raise ValueError(f"{constant} is not a JSON number")
+
+
+def _lone_surrogate(data: object) -> str | None:
+    """Where in parsed JSON a string or object key has a lone surrogate (None: nowhere),
+    as a field path such as `subscriptions[0].pattern`. Iterative: bodies may nest deep."""
+    if isinstance(data, str):
+        return None if _is_utf8(data) else "the request body"
+    todo: list[tuple[object, str]] = [(data, "")]
+    while todo:
+        node, where = todo.pop()
+        if isinstance(node, dict):
+            if not all(_is_utf8(key) for key in node):
+                return f"a field name in {where or 'the request body'}"
+            items: Iterable[tuple[str | int, object]] = node.items()
+        elif isinstance(node, list):
+            items = enumerate(node)
+        else:
+            continue
+        for key, item in items:
+            if isinstance(item, str):
+                if not _is_utf8(item):
+                    return _field_path(where, key)
+            elif isinstance(item, dict | list):
+                todo.append((item, _field_path(where, key)))
+    return None
+
+
+def _field_path(where: str, key: str | int) -> str:
+    if isinstance(key, int):
+        return f"{where}[{key}]"
+    return f"{where}.{key}" if where else key
+
+
+def _is_utf8(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def error_response(status: int, message: str) -> Response:
@@ -141,6 +197,9 @@ class HttpServer:
                 continue
             if isinstance(event, h11.Request):
                 head = event
+                if _declared_length(head) > MAX_BODY:  # refused before it is sent
+                    await self._send_error(conn, writer, 413, "request body too large")
+                    return None
             elif isinstance(event, h11.Data):
                 body += event.data
                 if len(body) > MAX_BODY:
@@ -148,7 +207,11 @@ class HttpServer:
                     return None
             elif isinstance(event, h11.EndOfMessage):
                 assert head is not None
-                return _to_request(head, bytes(body))
+                try:
+                    return _to_request(head, bytes(body))
+                except HttpError as exc:
+                    await self._send_error(conn, writer, exc.status, str(exc))
+                    return None
             elif isinstance(event, h11.ConnectionClosed):
                 return None
 
@@ -169,9 +232,28 @@ class HttpServer:
         await writer.drain()
 
 
+def _declared_length(head: h11.Request) -> int:
+    """The Content-Length a request announces (h11 has checked it is a number), else 0."""
+    for name, value in head.headers:
+        if name == b"content-length":
+            return int(value)
+    return 0
+
+
 def _to_request(head: h11.Request, body: bytes) -> Request:
+    """HttpError 400 for percent-escapes that are not UTF-8 (decoded with replacement
+    characters, "%FF" named the queue "\\ufffd") and for a query parameter given twice.
+    A blank parameter is kept: dropped, it left the handler to use its default."""
     target = urlsplit(head.target.decode("latin-1"))
-    segments = [unquote(s) for s in target.path.split("/") if s]
-    query = {k: v[-1] for k, v in parse_qs(target.query).items()}
+    try:
+        segments = [unquote(s, errors="strict") for s in target.path.split("/") if s]
+        pairs = parse_qsl(target.query, keep_blank_values=True, errors="strict")
+    except UnicodeDecodeError:
+        raise HttpError(400, "the request target's percent-escapes are not UTF-8") from None
+    query: dict[str, str] = {}
+    for name, value in pairs:
+        if name in query:
+            raise HttpError(400, f"query parameter {name!r} is given more than once")
+        query[name] = value
     headers = {k.decode().lower(): v.decode("latin-1") for k, v in head.headers}
     return Request(head.method.decode(), segments, query, headers, body)
