@@ -9,12 +9,16 @@ readable and deliverable. JSON carries what no protocol can (lone surrogates suc
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 from urllib.parse import quote
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from gateway.admin.http import MAX_BODY
+from gateway.engine.queues import MAX_CONFIG_INT
 from tests.test_admin_api import Admin, Reply, q
 
 QUEUES = "/api/v1/queues"
@@ -66,12 +70,38 @@ async def shown(admin: Admin, name: str) -> dict[str, Any]:
     ("body", "needle"),
     [
         ({"name": "\ud800"}, "name"),
+        ({"name": ["q"]}, "name"),
         ({"name": "ok", "owner": "\udfff"}, "owner"),
+        ({"name": "ok", "owner": 7}, "owner"),
         ({"name": "ok", "lvq_key": "k\ud800"}, "lvq_key"),
+        ({"name": "ok", "lvq_key": "a\x00b"}, "lvq_key"),
+        ({"name": "ok", "sort_key": "a\x00b"}, "sort_key"),
         ({"name": "ok", "default_group": "\ud800"}, "default_group"),
+        ({"name": "ok", "default_group": None}, "default_group"),
+        ({"name": "ok", "lvq_key": None}, "lvq_key"),  # was stored as the key "None"
+        ({"name": "ok", "sort_key": None}, "sort_key"),
+        ({"name": "ok", "subscription_selector": None}, "subscription_selector"),
         ({"name": "ok", "subscription_selector": "a = '\ud800'"}, "subscription_selector"),
         ({"name": "ok", "dead_message_queue": "\ud800"}, "dead_message_queue"),
+        ({"name": "ok", "dead_message_queue": ""}, "dead_message_queue"),
+        ({"name": "ok", "dead_message_queue": "bad*dmq"}, "dead_message_queue"),
+        ({"name": "ok", "resume_percent": 50.5}, "resume_percent"),
+        ({"name": "ok", "resume_percent": True}, "resume_percent"),
+        ({"name": "ok", "resume_percent": "50"}, "resume_percent"),
+        ({"name": "ok", "resume_percent": None}, "resume_percent"),
+        ({"name": "ok", "resume_percent": 0}, "resume_percent"),
+        ({"name": "ok", "max_messages": True}, "max_messages"),
+        ({"name": "ok", "max_messages": 1.0}, "max_messages"),
+        ({"name": "ok", "max_messages": MAX_CONFIG_INT + 1}, "max_messages"),
+        ({"name": "ok", "max_ttl_ms": 10**17}, "max_ttl_ms"),
+        ({"name": "ok", "max_redelivery": 2**64}, "max_redelivery"),
+        ({"name": "ok", "partition_rebalance_delay_ms": -1}, "partition_rebalance_delay_ms"),
+        ({"name": "ok", "partition_count": 1025}, "partition_count"),
+        ({"name": "ok", "durable": 1}, "durable"),
+        ({"name": "ok", "priorities": None}, "priorities"),
+        ({"name": "ok", "permission": ["consume"]}, "permission"),
         ({"name": "ok", "vpn": "\ud800"}, "vpn"),
+        ({"name": "ok", "created_ms": 5}, "created_ms"),
         ({"name": "ok", "subscriptions": [{"pattern": "a\ud800"}]}, "subscriptions[0].pattern"),
     ],
 )
@@ -81,13 +111,47 @@ async def test_create_refuses_bad_values(admin: Admin, body: dict, needle: str) 
     assert (await admin.get(q("ok"))).status == 404
 
 
+async def test_refused_creates_leave_the_queue_list_working(admin: Admin) -> None:
+    """A refused create must not have stored a config that every later read fails on."""
+    await admin.create("kept")
+    for body in ({"name": "ok", "resume_percent": 50.5}, {"name": "ok", "owner": "\ud800"}):
+        assert (await admin.post(QUEUES, body)).status == 400
+    assert await queue_list(admin) == ["kept"]
+    assert (await admin.create("ok")).status == 201
+    assert await queue_list(admin) == ["kept", "ok"]
+
+
+async def test_the_largest_integers_accepted_are_honoured(admin: Admin) -> None:
+    """A longer max_ttl_ms once made every message vanish: the expiry it gave went past
+    what the Redis functions' double-precision numbers print as an integer."""
+    created = await admin.create("long", max_ttl_ms=MAX_CONFIG_INT, max_messages=MAX_CONFIG_INT)
+    assert created.status == 201, created
+    assert created.body["max_ttl_ms"] == MAX_CONFIG_INT
+    assert (await admin.publish("long", "kept")).status == 200
+    got = await admin.take("long")
+    assert [m["payload"] for m in got] == ["kept"]
+
+
 # -- changing a queue -------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
     ("changes", "needle"),
     [
+        ({"resume_percent": 50.5}, "resume_percent"),
+        ({"resume_percent": "5"}, "resume_percent"),
+        ({"resume_percent": False}, "resume_percent"),
         ({"owner": "\ud800"}, "owner"),
+        ({"owner": 5}, "owner"),
+        ({"max_messages": 2**70}, "max_messages"),
+        ({"max_message_size": None}, "max_message_size"),
+        ({"max_spool_bytes": 1.5}, "max_spool_bytes"),
+        ({"partition_count": True}, "partition_count"),
+        ({"partition_count": 1.0}, "partition_count"),
+        ({"overflow": None}, "overflow"),
+        ({"ingress_enabled": 0}, "ingress_enabled"),
+        ({"name": "other"}, "name"),
+        ({"ingress_enabled": False, "max_messages": -1}, "max_messages"),
     ],
 )
 async def test_patch_refuses_bad_values(admin: Admin, changes: dict, needle: str) -> None:
@@ -96,6 +160,20 @@ async def test_patch_refuses_bad_values(admin: Admin, changes: dict, needle: str
     before = await shown(admin, "q1")
     refused(await admin.request("PATCH", q("q1"), changes), needle)
     assert await shown(admin, "q1") == before  # nothing applied, and still readable
+
+
+async def test_patch_with_a_repartition_is_all_or_nothing(admin: Admin) -> None:
+    """The repartition ran before the other changes were stored: a bad value among them
+    left the queue repartitioned and its config unreadable."""
+    await admin.create("pq", egress_enabled=False)
+    before = await shown(admin, "pq")
+    for bad in ({"resume_percent": 50.5}, {"max_messages": MAX_CONFIG_INT + 1}):
+        reply = await admin.request("PATCH", q("pq"), {"partition_count": 2, **bad})
+        refused(reply, *bad)
+        assert await shown(admin, "pq") == before
+    ok = await admin.request("PATCH", q("pq"), {"partition_count": 2, "resume_percent": 50})
+    assert ok.status == 200, ok
+    assert (ok.body["partition_count"], ok.body["resume_percent"]) == (2, 50)
 
 
 # -- topic subscriptions ----------------------------------------------------------------------
@@ -204,3 +282,105 @@ async def test_a_body_declared_over_the_limit_is_refused_before_it_is_read(admin
     refused(reply, "too large", status=413)
     assert await queue_list(admin) == []
     assert (await admin.get("/api/v1/health")).status == 200
+
+
+# -- any value in any field -------------------------------------------------------------------
+
+CONFIG_FIELDS = [
+    "name", "access_type", "durable", "owner", "ingress_enabled", "egress_enabled",
+    "max_message_size", "max_spool_bytes", "max_messages", "max_redelivery",
+    "dead_message_queue", "max_ttl_ms", "respect_ttl", "dmq_eligible_default",
+    "partition_count", "partition_rebalance_delay_ms", "partition_handoff_timeout_ms",
+    "message_groups", "default_group", "non_destructive", "lvq_key", "priorities",
+    "sort_key", "subscription_selector", "permission", "auto_delete", "overflow",
+    "resume_percent", "vpn",
+]  # fmt: skip
+RUNTIME_FIELDS = [
+    "permission", "overflow", "resume_percent", "ingress_enabled", "egress_enabled",
+    "max_message_size", "max_spool_bytes", "max_messages", "owner", "partition_count",
+]  # fmt: skip
+
+LONE_SURROGATE = st.characters(categories=["Cs"])  # one: two may be a pair in JSON
+JSON_VALUES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.sampled_from([0, 1, 80, 100, 1024, MAX_CONFIG_INT, MAX_CONFIG_INT + 1, 2**63]),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=8),
+    st.builds(str.__add__, st.text(max_size=3), LONE_SURROGATE),
+    st.sampled_from(["exclusive", "ring", "shared", "consume", "a = 1", "default", "a\x00"]),
+    st.lists(st.integers(), max_size=2),
+    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+)
+PROPERTY_SETTINGS = settings(
+    max_examples=40,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+
+
+def stored_as(field: str, value: object) -> object:
+    """What a queue shows for an accepted value (an empty owner is no owner)."""
+    return None if field == "owner" and value == "" else value
+
+
+def call(admin: Admin, method: str, path: str, body: object = None) -> Reply:
+    """A request from the property tests' thread (the server runs on the test's loop)."""
+    data = None if body is None else json.dumps(body).encode()
+    return admin._call(method, path, data, "application/json" if data else None)
+
+
+def no_queues(admin: Admin) -> None:
+    """Start each example afresh, whatever an earlier failing one left."""
+    for row in call(admin, "GET", QUEUES).body:
+        call(admin, "DELETE", q(row["name"]))
+
+
+def check_accepted_queue(admin: Admin, name: str) -> None:
+    """The queue reads back, and a message published to it can be got, or is refused as
+    the queue's settings say (too large, ingress disabled, full; egress disabled)."""
+    assert call(admin, "GET", q(name)).status == 200
+    published = call(admin, "POST", q(name, "messages"), {"payload": "m"})
+    assert published.status in (200, 413, 503, 507), published
+    got = call(admin, "POST", q(name, "get"), {"count": 1})
+    assert got.status in (200, 409), got
+    assert call(admin, "GET", QUEUES).status == 200
+
+
+async def test_create_with_any_value_in_any_field(admin: Admin) -> None:
+    @PROPERTY_SETTINGS
+    @given(field=st.sampled_from(CONFIG_FIELDS), value=JSON_VALUES)
+    def create(field: str, value: object) -> None:
+        no_queues(admin)
+        body = {"name": "h", field: value}
+        reply = call(admin, "POST", QUEUES, body)
+        assert reply.status in (201, 400), (body, reply)
+        if reply.status == 400:
+            assert field in reply.error, (body, reply.error)
+            assert call(admin, "GET", QUEUES).body == []
+            return
+        assert reply.body[field] == stored_as(field, value)
+        check_accepted_queue(admin, body["name"])
+
+    await asyncio.to_thread(create)
+
+
+async def test_patch_with_any_value_in_any_runtime_field(admin: Admin) -> None:
+    @PROPERTY_SETTINGS
+    @given(field=st.sampled_from(RUNTIME_FIELDS), value=JSON_VALUES)
+    def patch(field: str, value: object) -> None:
+        no_queues(admin)
+        assert call(admin, "POST", QUEUES, {"name": "p", "egress_enabled": False}).status == 201
+        before = call(admin, "GET", q("p")).body
+        reply = call(admin, "PATCH", q("p"), {field: value})
+        assert reply.status in (200, 400), (field, value, reply)
+        if reply.status == 400:
+            assert field in reply.error, (field, value, reply.error)
+            assert call(admin, "GET", q("p")).body == before
+            return
+        assert reply.body[field] == stored_as(field, value)
+        check_accepted_queue(admin, "p")
+
+    await asyncio.to_thread(patch)

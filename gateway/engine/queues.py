@@ -24,6 +24,7 @@ from gateway.selectors import MAX_SELECTOR_BYTES, SelectorError, compile_selecto
 from gateway.topics import TopicError, parse_pattern
 
 MAX_NAME_BYTES = 255
+MAX_CONFIG_INT = 2**53 - 1  # the Redis functions count in doubles, exact up to here
 DEAD_MESSAGE_QUEUE = "#DEAD_MSG_QUEUE"
 TEMPORARY_PREFIX = "#tmp/"
 RESERVED_PREFIXES = ("#", "amq.")
@@ -74,6 +75,13 @@ def validate_queue_name(name: str, *, reserved_ok: bool = False) -> None:
             "invalid",
             f"queue name {name!r} uses a reserved prefix ({', '.join(RESERVED_PREFIXES)})",
         )
+
+
+def _config_int(value: object) -> bool:
+    """Whether `value` may be an integer setting: JSON gives floats and booleans too (bool
+    is an int), and a number past MAX_CONFIG_INT (a ttl added to the clock) came back from
+    the Redis functions in exponent form, which no integer field can be read from."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_CONFIG_INT
 
 
 partition_queue_name = keys.partition_queue
@@ -161,24 +169,20 @@ class QueueConfig:
             value = getattr(self, f.name)
             if f.type == "bool" and not isinstance(value, bool):
                 raise QueueError("invalid", f"{f.name} must be true or false")
-            if f.type in ("str", "str | None") and not isinstance(value, str | None):
+            if f.type == "str" and not isinstance(value, str):  # null would be stored as "None"
                 raise QueueError("invalid", f"{f.name} must be a string")
+            if f.type == "str | None" and not isinstance(value, str | None):
+                raise QueueError("invalid", f"{f.name} must be a string or null")
+            if f.type == "int" and not _config_int(value):
+                raise QueueError(
+                    "invalid", f"{f.name} must be an integer from 0 to {MAX_CONFIG_INT}"
+                )
         if self.access_type not in ACCESS_TYPES:
             raise QueueError("invalid", f"access_type must be one of {', '.join(ACCESS_TYPES)}")
-        for name in (
-            "max_message_size",
-            "max_spool_bytes",
-            "max_messages",
-            "max_redelivery",
-            "max_ttl_ms",
-            "partition_count",
-            "partition_rebalance_delay_ms",
-            "partition_handoff_timeout_ms",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise QueueError("invalid", f"{name} must be a non-negative integer")
-        validate_queue_name(self.dead_message_queue, reserved_ok=True)
+        try:
+            validate_queue_name(self.dead_message_queue, reserved_ok=True)
+        except QueueError as exc:
+            raise QueueError("invalid", f"dead_message_queue: {exc}") from None
         if self.partition_count and self.access_type != "non-exclusive":
             raise QueueError("invalid", "only non-exclusive queues can be partitioned")
         if self.message_groups not in GROUP_MODES:
@@ -202,6 +206,9 @@ class QueueConfig:
             raise QueueError("invalid", "default_group must not be empty")
         if self.partition_count > 1024:
             raise QueueError("invalid", "partition_count must be at most 1024")
+        for name in ("lvq_key", "sort_key"):  # spooled as "name\0value\0" (Router)
+            if "\0" in getattr(self, name):
+                raise QueueError("invalid", f"{name} must not contain NUL characters")
         self._validate_sorted()
         self._validate_selector()
 
@@ -224,8 +231,6 @@ class QueueConfig:
         oldest (ring overflow) cannot be honoured with it."""
         if not self.sort_key:
             return
-        if "\0" in self.sort_key:
-            raise QueueError("invalid", "sort_key must not contain NUL characters")
         clashes = [
             name
             for name, on in (
