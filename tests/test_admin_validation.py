@@ -17,8 +17,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gateway.admin.api import MESSAGE_FIELDS
 from gateway.admin.http import MAX_BODY
 from gateway.engine.queues import MAX_CONFIG_INT
+from tests.conftest import CLIENT_TIMEOUT, Ports
 from tests.test_admin_api import Admin, Reply, q
 
 QUEUES = "/api/v1/queues"
@@ -102,7 +104,12 @@ async def shown(admin: Admin, name: str) -> dict[str, Any]:
         ({"name": "ok", "permission": ["consume"]}, "permission"),
         ({"name": "ok", "vpn": "\ud800"}, "vpn"),
         ({"name": "ok", "created_ms": 5}, "created_ms"),
+        ({"name": "ok", "subscriptions": [{"pattern": "a", "sintax": "mqtt"}]}, "sintax"),
+        ({"name": "ok", "subscriptions": [{"pattern": "a", "syntax": 1}]}, "syntax"),
+        ({"name": "ok", "subscriptions": [{"pattern": "a", "syntax": ["mqtt"]}]}, "syntax"),
         ({"name": "ok", "subscriptions": [{"pattern": "a\ud800"}]}, "subscriptions[0].pattern"),
+        ({"name": "ok", "subscriptions": ["ok/>", 5]}, "subscription"),
+        ({"name": "ok", "subscriptions": None}, "subscriptions"),
     ],
 )
 async def test_create_refuses_bad_values(admin: Admin, body: dict, needle: str) -> None:
@@ -182,7 +189,13 @@ async def test_patch_with_a_repartition_is_all_or_nothing(admin: Admin) -> None:
 @pytest.mark.parametrize(
     ("body", "needle"),
     [
+        ({"pattern": "a", "sintax": "mqtt"}, "sintax"),
+        ({"pattern": "a", "syntax": True}, "syntax"),
+        ({"pattern": "a", "syntax": ""}, "syntax"),
         ({"pattern": "a\ud800"}, "pattern"),
+        ({"pattern": ["a"]}, "pattern"),
+        ({"pattern": ""}, "empty"),
+        ({"pattern": "a\x00b"}, "U+0000"),
     ],
 )
 async def test_subscribe_refuses_bad_values(admin: Admin, body: dict, needle: str) -> None:
@@ -241,14 +254,95 @@ async def test_reader_names_are_taken_as_given(admin: Admin) -> None:
 @pytest.mark.parametrize(
     ("body", "needle"),
     [
+        ({"topic": 5}, "topic"),
+        ({"topic": ["t/a"]}, "topic"),
+        ({"queue": 5}, "queue"),
+        ({"queue": None, "topic": None}, "queue or topic"),
         ({"topic": "t/\ud800"}, "topic"),
+        ({"topic": "t/a", "payload": 5}, "payload"),
+        ({"topic": "t/a", "payload": {"text": "x"}}, "payload"),
+        ({"topic": "t/a", "payload_base64": None}, "payload_base64"),
+        ({"topic": "t/a", "priority": True}, "priority"),
+        ({"topic": "t/a", "priority": 4.0}, "priority"),
+        ({"topic": "t/a", "persistent": "false"}, "persistent"),
+        ({"topic": "t/a", "persistent": 0}, "persistent"),
+        ({"topic": "t/a", "partition_key": 7}, "partition_key"),
+        ({"topic": "t/a", "user_properties": {"n": 2**63}}, "'n'"),
+        ({"topic": "t/a", "user_properties": {"n": -(2**63) - 1}}, "'n'"),
+        ({"topic": "t/a", "user_properties": {"n": 2**64}}, "'n'"),
         ({"topic": "t/a", "user_properties": {"\ud800": 1}}, "user_properties"),
+        ({"topic": "t/a", "paylod": "x"}, "paylod"),
     ],
 )
 async def test_publish_refuses_bad_values(admin: Admin, body: dict, needle: str) -> None:
     await admin.create("q1", subscriptions=["t/>"])
     refused(await admin.post(MESSAGES, body), needle)
     assert await admin.depth("q1") == 0
+
+
+async def test_publish_keeps_properties_deliverable_over_amqp(ports: Ports) -> None:
+    """The integer limits are AMQP's (a long): 2**63, once accepted, stopped the queue's
+    AMQP deliveries; what is accepted now reaches an AMQP consumer as it was sent."""
+    admin = ports.admin
+    await admin.create("q1")
+    props = {"max": 2**63 - 1, "min": -(2**63), "f": 1.5, "b": True, "s": "é"}
+    assert (await admin.publish("q1", "x", user_properties=props)).status == 200
+
+    def receive() -> dict[str, Any]:
+        conn = ports.connect()
+        try:
+            receiver = conn.create_receiver("q1")
+            message = receiver.receive(timeout=CLIENT_TIMEOUT)
+            receiver.accept()
+            return dict(message.properties)
+        finally:
+            conn.close()
+
+    assert await asyncio.to_thread(receive) == props
+    assert await admin.depth("q1") == 0
+
+
+async def test_publish_null_payload_is_empty(admin: Admin) -> None:
+    """It was published as the text "None"."""
+    await admin.create("q1")
+    assert (await admin.post(q("q1", "messages"), {"payload": None})).status == 200
+    [got] = await admin.take("q1")
+    assert got["payload"] == ""
+
+
+async def test_publish_header_property_needs_a_name(admin: Admin) -> None:
+    await admin.create("q1")
+    body = b'{"payload": "x"}'
+    head = "POST /api/v1/queues/q1/messages HTTP/1.1\r\nSolace-User-Property-: v"
+    refused(await raw_http(admin.port, head, body), "Solace-User-Property-")
+    assert await admin.depth("q1") == 0
+    named = "POST /api/v1/queues/q1/messages HTTP/1.1\r\nSolace-User-Property-colour: red"
+    assert (await raw_http(admin.port, named, body)).status == 200
+    [got] = await admin.take("q1")
+    assert got["user_properties"] == {"colour": "red"}
+
+
+# -- getting ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ({"cout": 5}, "cout"),
+        ({"count": 2**64}, "count"),
+        ({"timeout_ms": 1.5}, "timeout_ms"),
+        ({"browse": "true"}, "browse"),
+        ({"browse": 1}, "browse"),
+        ({"ackmode": ["ack"]}, "ackmode"),
+        ({"ackmode": None}, "ackmode"),
+        ({"selector": "a = 1"}, "selector"),
+    ],
+)
+async def test_get_refuses_bad_values(admin: Admin, body: dict, needle: str) -> None:
+    await admin.create("q1")
+    await admin.publish("q1", "keep")
+    refused(await admin.post(q("q1", "get"), body), needle)
+    assert await admin.depth("q1") == 1
 
 
 # -- the request as a whole -------------------------------------------------------------------
@@ -273,6 +367,21 @@ async def test_bodies_must_be_strict_json(admin: Admin, raw: bytes, needle: str)
     refused(await admin.request("PATCH", q("q1"), raw=raw), needle)
     assert await queue_list(admin) == ["q1"]
     assert await shown(admin, "q1") == before
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("POST", "/api/v1/spool"),
+        ("PUT", MESSAGES),
+        ("GET", MESSAGES),
+        ("POST", "/metrics"),
+        ("POST", "/api/v1/health"),
+        ("PUT", "/api/v1/queues"),
+    ],
+)
+async def test_wrong_method_on_a_resource_is_405(admin: Admin, method: str, path: str) -> None:
+    refused(await admin.request(method, path, {}), method, status=405)
 
 
 async def test_a_body_declared_over_the_limit_is_refused_before_it_is_read(admin: Admin) -> None:
@@ -384,3 +493,23 @@ async def test_patch_with_any_value_in_any_runtime_field(admin: Admin) -> None:
         check_accepted_queue(admin, "p")
 
     await asyncio.to_thread(patch)
+
+
+async def test_publish_with_any_value_in_any_field(admin: Admin) -> None:
+    await admin.create("m")
+
+    @PROPERTY_SETTINGS
+    @given(field=st.sampled_from(MESSAGE_FIELDS), value=JSON_VALUES)
+    def publish(field: str, value: object) -> None:
+        reply = call(admin, "POST", q("m", "messages"), {field: value})
+        assert reply.status in (200, 400), (field, value, reply)
+        if reply.status == 400:
+            named = field.replace("_properties", " propert")  # user property 'k' ...
+            assert field in reply.error or named in reply.error, (field, value, reply.error)
+            assert call(admin, "GET", q("m")).body["messages"] == 0
+            return
+        [got] = call(admin, "POST", q("m", "get"), {"count": 1}).body
+        if field == "user_properties":
+            assert got["user_properties"] == value
+
+    await asyncio.to_thread(publish)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
 from gateway.admin.auth import AdminAuth
@@ -39,6 +39,24 @@ OUTCOME_STATUS = {
 }
 MAX_GET = 1000
 USER_PROPERTY_HEADER = "solace-user-property-"  # header names arrive lower-cased
+INT64 = range(-(2**63), 2**63)  # an integer user property as AMQP carries it (long)
+MESSAGE_FIELDS = (
+    "queue",
+    "topic",
+    "payload",
+    "payload_base64",
+    "partition_key",
+    "priority",
+    "persistent",
+    "content_type",
+    "correlation_id",
+    "reply_to",
+    "user_properties",
+)
+GET_FIELDS = ("count", "timeout_ms", "browse", "ackmode")
+SUBSCRIPTION_FIELDS = ("pattern", "syntax")
+# what each resource answers (others get 405): /api/v1/queues/... routes on its own
+RESOURCES = {("api", "v1", "spool"), ("api", "v1", "messages"), ("api", "v1", "health")}
 
 
 BIND_STATUS = {"not_found": 404, "unauthorized": 403}
@@ -68,7 +86,9 @@ class AdminApi:
     async def _route(self, req: Request, user: str | None) -> Response:
         """`user` None is the operator; a user name is checked by the broker."""
         p, m = req.path, req.method
-        if p == ["metrics"] and m == "GET":
+        if p == ["metrics"]:
+            if m != "GET":
+                raise HttpError(405, f"no route for {m} /metrics")
             text = await render_metrics(self.broker)
             return Response(200, text.encode(), [("Content-Type", "text/plain; version=0.0.4")])
         if p[:2] != ["api", "v1"]:
@@ -104,9 +124,8 @@ class AdminApi:
             return await self._get(rest[1], _object(req), user)
         if rest == ["messages"] and m == "POST":
             return await self._publish(_object(req), req.headers, user)
-        raise HttpError(
-            405 if rest and rest[0] == "queues" else 404, f"no route for {m} /{'/'.join(p)}"
-        )
+        known = rest[:1] == ["queues"] or tuple(p) in RESOURCES
+        raise HttpError(405 if known else 404, f"no route for {m} /{'/'.join(p)}")
 
     async def _list_queues(self) -> list[dict[str, Any]]:
         out = []
@@ -167,6 +186,8 @@ class AdminApi:
         for name, value in headers.items():
             if name.startswith(USER_PROPERTY_HEADER):
                 prop = name[len(USER_PROPERTY_HEADER) :]
+                if not prop:
+                    raise HttpError(400, "a Solace-User-Property- header needs a property name")
                 if prop == "jmsxgroupid":
                     msg.partition_key = value
                 else:
@@ -180,11 +201,10 @@ class AdminApi:
 
     async def _get(self, name: str, body: dict[str, Any], user: str | None) -> Response:
         """Take (consume permission) or, with `browse`, copy (read-only) messages."""
+        _known(body, GET_FIELDS, "get")
         count = _int(body, "count", 1, 1, MAX_GET)
         timeout = _int(body, "timeout_ms", 0, 0, 30_000) / 1000
-        browse = body.get("browse", False)
-        if not isinstance(browse, bool):
-            raise HttpError(400, "browse must be true or false")
+        browse = _bool(body, "browse", False)
         mode = body.get("ackmode", "ack")
         if mode not in ("ack", "requeue", "reject"):
             raise HttpError(400, "ackmode must be ack, requeue or reject")
@@ -220,10 +240,26 @@ def _object(req: Request) -> dict[str, Any]:
     return body
 
 
+def _known(body: dict[str, Any], fields: Collection[str], what: str) -> None:
+    """Refuse fields a request does not take: a misspelt optional field ("cout") would be
+    ignored and its default used without a word."""
+    unknown = sorted(set(body) - set(fields))
+    if unknown:
+        raise HttpError(400, f"unknown {what} fields: {', '.join(unknown)}")
+
+
 def _int(body: dict[str, Any], key: str, default: int, lo: int, hi: int) -> int:
     value = body.get(key, default)
     if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
         raise HttpError(400, f"{key} must be an integer from {lo} to {hi}")
+    return value
+
+
+def _bool(body: dict[str, Any], key: str, default: bool) -> bool:
+    """A switch must be true or false: "false" (a string) is true to Python."""
+    value = body.get(key, default)
+    if not isinstance(value, bool):
+        raise HttpError(400, f"{key} must be true or false")
     return value
 
 
@@ -235,14 +271,17 @@ def _subscriptions(items: Any) -> list[tuple[str, str]]:
         if isinstance(item, str):
             out.append((item, "smf"))
         elif isinstance(item, dict) and isinstance(item.get("pattern"), str):
-            out.append((item["pattern"], str(item.get("syntax", "smf"))))
+            _known(item, SUBSCRIPTION_FIELDS, "subscription")
+            syntax = _optional_text(item, "syntax")
+            out.append((item["pattern"], "smf" if syntax is None else syntax))
         else:
             raise HttpError(400, "a subscription is a pattern string or {pattern, syntax}")
     return out
 
 
 def _message(body: dict[str, Any]) -> Message:
-    queue, topic = body.get("queue"), body.get("topic")
+    _known(body, MESSAGE_FIELDS, "message")
+    queue, topic = _optional_text(body, "queue"), _optional_text(body, "topic")
     if (queue is None) == (topic is None):
         raise HttpError(400, "give exactly one of queue or topic")
     if topic is not None:
@@ -256,23 +295,22 @@ def _message(body: dict[str, Any]) -> Message:
         except (ValueError, TypeError):
             raise HttpError(400, "payload_base64 is not valid base64") from None
     else:
-        payload = str(body.get("payload", "")).encode()
+        payload = (_optional_text(body, "payload") or "").encode()
     props = body.get("user_properties", {})
     if not isinstance(props, dict):
         raise HttpError(400, "user_properties must be an object")
     for name, value in props.items():
         if value is not None and not isinstance(value, str | int | float):  # bool is an int
             raise HttpError(400, f"user property {name!r} must be a string, number or boolean")
-    priority = body.get("priority", 4)
-    if not isinstance(priority, int) or not 0 <= priority <= 9:
-        raise HttpError(400, "priority must be an integer from 0 to 9")
+        if isinstance(value, int) and value not in INT64:
+            raise HttpError(400, f"user property {name!r} must fit in a signed 64-bit integer")
     return Message(
         destination=queue if queue is not None else topic,
         to_queue=queue is not None,
         payload=payload,
         partition_key=_optional_text(body, "partition_key"),
-        priority=priority,
-        persistent=bool(body.get("persistent", True)),
+        priority=_int(body, "priority", 4, 0, 9),
+        persistent=_bool(body, "persistent", True),
         content_type=_optional_text(body, "content_type"),
         correlation_id=_optional_text(body, "correlation_id"),
         reply_to=_optional_text(body, "reply_to"),
