@@ -60,6 +60,7 @@ from protocols.amqp.links import Inbound
 from protocols.amqp.nodes import DynamicNodes
 from protocols.amqp.outbound import Outbound
 from protocols.amqp.sasl import SaslServer, State
+from protocols.amqp.terminus import InvalidField
 
 if TYPE_CHECKING:
     from protocols.amqp.listener import Registry
@@ -317,7 +318,7 @@ class AmqpConnection(asyncio.Protocol):
     async def _run_attach(self, endpoint: Inbound | Outbound) -> None:
         try:
             await endpoint.attach()
-        except QueueError as exc:  # e.g. an invalid topic pattern for a subscription
+        except (QueueError, InvalidField) as exc:  # e.g. an invalid topic pattern, a bad filter
             endpoint.refuse("amqp:invalid-field", str(exc))
         except Exception as exc:
             log.exception("AMQP attach failed")

@@ -24,6 +24,7 @@ from enum import Enum
 from proton import Described, Terminus, symbol, ulong
 
 from gateway.broker import Broker, QueueError
+from protocols.amqp.terminus import first
 
 LIFETIME_POLICY = symbol("lifetime-policy")
 
@@ -52,9 +53,7 @@ _CODES = {
 def lifetime(terminus: Terminus) -> Lifetime:
     """The lifetime policy a dynamic terminus asks for (by symbolic or numeric descriptor);
     delete-on-close when it names none or one this code does not know."""
-    data = terminus.properties
-    data.rewind()
-    props = data.get_object() if data.next() else None
+    props = first(terminus.properties)
     policy = props.get(LIFETIME_POLICY) if isinstance(props, dict) else None
     if not isinstance(policy, Described):
         return Lifetime.LINK

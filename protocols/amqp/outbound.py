@@ -85,12 +85,8 @@ class Outbound(Endpoint):
     async def attach(self) -> None:
         link, broker = self.link, self.host.broker
         remote = link.remote_source
-        selector = terminus.selector(remote)
-        try:
-            replay = terminus.replay_period(remote)
-        except terminus.InvalidFilter as exc:
-            self.refuse(INVALID_FIELD, str(exc))
-            return
+        selector = terminus.selector(remote)  # these raise InvalidField: see _run_attach
+        replay = terminus.replay_period(remote)
         try:
             source = await self._source(remote, selector)
         except QueueError as exc:

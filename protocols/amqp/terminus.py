@@ -23,8 +23,9 @@ DURABLE_PREFIX = "#dts/"  # reserved: clients cannot create or name such queues 
 MAX_QUEUE_NAME = 255
 
 
-class InvalidFilter(ValueError):
-    """A filter the node would apply has a value it cannot use (amqp:invalid-field)."""
+class InvalidField(ValueError):
+    """A terminus field the node reads has a value it cannot use (amqp:invalid-field): a
+    filter it would apply, or a map proton cannot decode (binary keys)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +62,7 @@ def echo(terminus: Terminus, filters: list[SelectorFilter | ReplayFilter]) -> No
 
 def capabilities(terminus: Terminus) -> frozenset[str]:
     """The symbols of a terminus' capabilities (a single symbol or an array)."""
-    value = _first(terminus.capabilities)
+    value = first(terminus.capabilities)
     if value is None:
         return frozenset()
     values = value.elements if hasattr(value, "elements") else [value]
@@ -77,13 +78,13 @@ def selector(terminus: Terminus) -> SelectorFilter | None:
 
 
 def replay_period(terminus: Terminus) -> ReplayFilter | None:
-    """The replay period a source's filter map asks for, if any; InvalidFilter unless it is
+    """The replay period a source's filter map asks for, if any; InvalidField unless it is
     a positive whole number of milliseconds."""
     for key, value in _filters(terminus):
         if value.descriptor == REPLAY_SYMBOL:
             ms = value.value
             if not isinstance(ms, int) or isinstance(ms, bool) or ms < 1:
-                raise InvalidFilter(
+                raise InvalidField(
                     f"{REPLAY_SYMBOL} needs a positive number of milliseconds, not {ms!r}"
                 )
             return ReplayFilter(key, value.descriptor, int(ms), ms)
@@ -92,7 +93,7 @@ def replay_period(terminus: Terminus) -> ReplayFilter | None:
 
 def _filters(terminus: Terminus) -> list[tuple[object, Described]]:
     """The described entries of a terminus' filter map."""
-    filters = _first(terminus.filter)
+    filters = first(terminus.filter)
     if not isinstance(filters, dict):
         return []
     return [(k, v) for k, v in filters.items() if isinstance(v, Described)]
@@ -117,6 +118,11 @@ def durable_queue_name(container_id: str, link_name: str) -> str:
     return f"{DURABLE_PREFIX}h/{digest}"
 
 
-def _first(data: Data) -> object:
+def first(data: Data) -> object:
+    """The first value of a terminus field (None if empty); InvalidField if proton cannot
+    make it a Python value (a map with binary keys: memoryviews do not hash)."""
     data.rewind()
-    return data.get_object() if data.next() else None
+    try:
+        return data.get_object() if data.next() else None
+    except (TypeError, ValueError) as exc:
+        raise InvalidField(f"unreadable terminus field: {exc}") from None
