@@ -30,6 +30,7 @@ from cproton import (
     PN_SESSION_REMOTE_CLOSE,
     PN_SESSION_REMOTE_OPEN,
     PN_TRANSPORT_ERROR,
+    PN_TRANSPORT_TAIL_CLOSED,
     pn_collector_peek,
     pn_collector_pop,
     pn_delivery_link,
@@ -80,6 +81,7 @@ _HANDLED = frozenset(
         PN_CONNECTION_REMOTE_OPEN,
         PN_CONNECTION_REMOTE_CLOSE,
         PN_TRANSPORT_ERROR,
+        PN_TRANSPORT_TAIL_CLOSED,
     }
 )  # events `_dispatch` acts on (through proton's Event wrapper: rare)
 
@@ -112,17 +114,23 @@ class AmqpConnection(asyncio.Protocol):
         self._woken = False
         self._tick: asyncio.TimerHandle | None = None
         self._deadline = 0.0
+        self._shutdown: asyncio.TimerHandle | None = None  # the abort after CLOSE_GRACE
 
     # -- asyncio.Protocol ------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.socket = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         self.registry.connections.add(self)
+        # proton's idle timeout runs only once it has input: until SASL is done, this does
+        self._tick = self._loop.call_later(IDLE_TIMEOUT, self._handshake_expired)
 
     def data_received(self, data: bytes) -> None:
         if self.closed:
             return
-        if self.sasl.state is State.NEGOTIATING:
+        state = self.sasl.state
+        if state is not State.DONE:
+            if state is State.FAILED:
+                return  # closing: what the client still sends is drained unread
             self.sasl.feed(data)
             self._write(bytes(self.sasl.output))
             self.sasl.output.clear()
@@ -148,8 +156,9 @@ class AmqpConnection(asyncio.Protocol):
         if self.closed:
             return
         self.closed = True
-        if self._tick is not None:
-            self._tick.cancel()
+        for timer in (self._tick, self._shutdown):
+            if timer is not None:
+                timer.cancel()
         for endpoint in self.endpoints.values():
             self.spawn(endpoint.close())
         self.endpoints.clear()
@@ -217,8 +226,11 @@ class AmqpConnection(asyncio.Protocol):
                 if kind == PN_DELIVERY:
                     dlv = pn_event_delivery(event)
                     endpoint = endpoints.get(pn_delivery_link(dlv))
-                    if endpoint is not None and not endpoint.closed:
-                        endpoint.on_delivery(dlv)
+                    if endpoint is not None:
+                        if not endpoint.closed:
+                            endpoint.on_delivery(dlv)
+                        else:  # sent on after we closed the link: proton would keep it
+                            endpoint.discard(dlv)
                 elif kind == PN_LINK_FLOW:
                     endpoint = endpoints.get(pn_event_link(event))
                     if endpoint is not None and not endpoint.closed:
@@ -249,10 +261,24 @@ class AmqpConnection(asyncio.Protocol):
             self.socket.write(data)
 
     def _close_socket(self) -> None:
+        """Close the socket after what was written. Where it can, only the sending side is
+        shut and the client's bytes are read on until it closes (or CLOSE_GRACE passes):
+        closing with unread input makes the kernel reset the connection, and the reset can
+        overtake the close frame that says why."""
         socket = self.socket
-        if socket is not None and not socket.is_closing():
+        if socket is None or socket.is_closing() or self._shutdown is not None:
+            return
+        if socket.can_write_eof():
+            socket.write_eof()
+        else:
             socket.close()
-            asyncio.get_running_loop().call_later(CLOSE_GRACE, socket.abort)
+        self._shutdown = self._loop.call_later(CLOSE_GRACE, socket.abort)
+
+    def _handshake_expired(self) -> None:
+        self._tick = None
+        if not self.closed and self.sasl.state is State.NEGOTIATING:
+            log.info("AMQP client did not finish the protocol header and SASL in time")
+            self._close_socket()
 
     def _schedule_tick(self) -> None:
         loop = self._loop
@@ -309,6 +335,18 @@ class AmqpConnection(asyncio.Protocol):
         elif kind == Event.TRANSPORT_ERROR:
             cond = self.transport.condition
             log.info("AMQP connection error: %s", cond.description if cond else "?")
+        elif kind == Event.TRANSPORT_TAIL_CLOSED:
+            self._tail_closed()
+
+    def _tail_closed(self) -> None:
+        """Proton stops reading, without a word, at a frame it cannot decode (a body that is
+        not a described list, an unknown performative or frame type): answer with a close
+        carrying amqp:decode-error, not a connection left open and deaf. Its other reasons
+        (the client's close or EOF, a protocol error) have a close of their own."""
+        if self.transport.condition is None and not self.conn.state & Endpoint.REMOTE_CLOSED:
+            log.info("AMQP connection error: a frame could not be decoded")
+            self.conn.condition = Condition("amqp:decode-error", "a frame could not be decoded")
+            self.conn.close()
 
     def _attach(self, link: Link) -> None:
         endpoint: LinkEndpoint = Inbound(self, link) if link.is_receiver else Outbound(self, link)

@@ -6,8 +6,9 @@ layer itself (protocol header, sasl-mechanisms, sasl-init, sasl-outcome) and the
 bytes that follow to a proton transport that has no SASL layer at all.
 
 A client that skips SASL and sends the plain AMQP header goes straight to proton when
-anonymous access is allowed; anything that is neither header also goes to proton, which
-answers with its own header and the right protocol error.
+anonymous access is allowed; one that asks for a TLS tunnel gets the SASL header and a
+close; anything else also goes to proton, which answers with its own header and the right
+protocol error.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from proton import UNDESCRIBED, Array, Data, Described, symbol, ubyte, ulong
 
 SASL_HEADER = b"AMQP\x03\x01\x00\x00"
 AMQP_HEADER = b"AMQP\x00\x01\x00\x00"
+TLS_PREFIX = b"AMQP\x02"  # protocol id 2: a TLS tunnel (amqps is TLS from the first byte)
 SASL_FRAME = 1
 MECHANISMS = 0x40
 INIT = 0x41
@@ -75,8 +77,10 @@ class SaslServer:
             self.output += SASL_HEADER + _frame(
                 Described(ulong(MECHANISMS), [_symbols(self.mechanisms)])
             )
-        elif head == AMQP_HEADER and not self.allow_anonymous:
-            self.output += SASL_HEADER  # "speak SASL to me", then close
+        elif (head == AMQP_HEADER and not self.allow_anonymous) or head.startswith(TLS_PREFIX):
+            # "speak SASL to me", then close (AMQP 1.0 §2.2); proton would start TLS itself
+            # on a TLS header, and close without a word as it has no certificate
+            self.output += SASL_HEADER
             self.state = State.FAILED
         elif AMQP_HEADER.startswith(head) and len(head) < 8:
             return
