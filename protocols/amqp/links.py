@@ -48,6 +48,7 @@ RECEIVE_BUFFER_MAX = 64 * 1024  # larger deliveries are read through a buffer of
 
 NOT_FOUND = "amqp:not-found"
 RESOURCE_LIMIT = "amqp:resource-limit-exceeded"
+TRANSFER_LIMIT = "amqp:link:transfer-limit-exceeded"
 REFUSALS = {
     Outcome.NOT_FOUND: NOT_FOUND,
     Outcome.TOO_LARGE: RESOURCE_LIMIT,
@@ -116,6 +117,11 @@ class Endpoint:
     def on_flow(self) -> None:
         """LINK_FLOW event: the client's flow frame changed this link's credit."""
 
+    def discard(self, dlv: Any) -> None:
+        """DELIVERY event after we closed the link, before the client detached: settled, or
+        proton would keep it (and the bytes of all the client sends on) until then."""
+        pn_delivery_settle(dlv)
+
     def refuse(self, name: str, description: str) -> None:
         """Answer the attach with a null terminus (the client's target, or source) and a
         detach carrying the error, as the spec asks of a refused link."""
@@ -126,6 +132,14 @@ class Endpoint:
             link.condition = Condition(name, description)
             link.open()
             link.close()
+            self.host.wake()
+
+    def fail(self, name: str, description: str | None = None) -> None:
+        """End the attached link with an error (a detach with closed=true carrying it)."""
+        if self.live:
+            self.closed = True
+            self.link.condition = Condition(name, description)
+            self.link.close()
             self.host.wake()
 
     async def close(self, ended: bool = False) -> None:
@@ -190,9 +204,8 @@ class Inbound(Endpoint):
         size = pn_delivery_pending(dlv)
         if pn_delivery_partial(dlv):
             if size > MAX_MESSAGE_SIZE:  # a link error, as the spec asks
-                self.closed = True
-                self.link.condition = Condition("amqp:link:message-size-exceeded")
-                self.link.close()
+                self.fail("amqp:link:message-size-exceeded", f"over {MAX_MESSAGE_SIZE} bytes")
+                self.discard(dlv)  # proton drops its bytes, and those still to come
             return
         impl = self.link._impl
         buffer = self._buffer if size <= self._buffer_size else self._receive_buffer(size)
@@ -207,6 +220,13 @@ class Inbound(Endpoint):
             return  # credit: the delivery used one, its publish holds one (see _top_up)
         self._top_up()
 
+    def discard(self, dlv: Any) -> None:
+        """Refused with the error the link was closed with: not stored (see Endpoint)."""
+        condition = self.link.condition
+        if condition is None:
+            condition = Condition("amqp:illegal-state", "the link is closed")
+        self._settle(dlv, Disposition.REJECTED, condition.name, condition.description or "")
+
     def _receive_buffer(self, size: int) -> Any:
         """A buffer for a delivery of `size` bytes. The link keeps one (up to
         RECEIVE_BUFFER_MAX) rather than allocating one per message: a fresh zeroed cdata cost
@@ -219,10 +239,14 @@ class Inbound(Endpoint):
 
     def _publish(self, dlv: Any, data: bytes) -> bool:
         """Decode and publish; False when the delivery was refused (settled) instead."""
+        if self.inflight >= CREDIT:  # more than _top_up ever granted: flow control ignored
+            self.fail(TRANSFER_LIMIT, f"more than {CREDIT} messages sent without credit")
+            self.discard(dlv)
+            return False
         try:
             ingress = mapping.decode(data, self.host.publisher)
         except mapping.BodyError as exc:
-            self._settle(dlv, Disposition.REJECTED, "amqp:decode-error", str(exc))
+            self._settle(dlv, Disposition.REJECTED, exc.condition, str(exc))
             return False
         address = self.address
         if address is None:  # the anonymous relay

@@ -41,7 +41,7 @@ from cproton import (
     pn_link_remote_max_message_size,
 )
 from cproton_ffi import ffi, lib
-from proton import Condition, Link, Terminus
+from proton import Link, Terminus
 
 from gateway.broker import BindError, Flow, QueueConfig, QueueError
 from gateway.model import Delivery as GatewayDelivery
@@ -226,11 +226,7 @@ class Outbound(Endpoint):
         return name
 
     def _on_flow_closed(self, reason: str) -> None:
-        if self.live:
-            self.closed = True
-            self.link.condition = Condition("amqp:resource-deleted", reason)
-            self.link.close()
-            self.host.wake()
+        self.fail("amqp:resource-deleted", reason)
 
     def _on_deliver(self, delivery: GatewayDelivery) -> None:
         if not self.live or self.flow is None:
