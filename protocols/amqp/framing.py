@@ -9,9 +9,21 @@ from __future__ import annotations
 
 import struct
 
-# section descriptors: header (0x70) ... footer (0x78), as smallulong or ulong codes
+# section descriptors, header (0x70) ... footer (0x78), as smallulong / ulong codes or symbols
 SECTION_CODES = range(0x70, 0x79)
-SECTION_PREFIX = "amqp:"  # symbolic descriptors: amqp:header:list, amqp:data:binary, ...
+SECTION_NAMES = {
+    "amqp:header:list": 0x70,
+    "amqp:delivery-annotations:map": 0x71,
+    "amqp:message-annotations:map": 0x72,
+    "amqp:properties:list": 0x73,
+    "amqp:application-properties:map": 0x74,
+    "amqp:data:binary": 0x75,
+    "amqp:amqp-sequence:list": 0x76,
+    "amqp:amqp-value:*": 0x77,
+    "amqp:footer:map": 0x78,
+}
+BODY_CODES = range(0x75, 0x78)  # data, amqp-sequence, amqp-value
+REPEATABLE = (0x75, 0x76)  # a body may be several data or several amqp-sequence sections
 
 _U32 = struct.Struct(">I").unpack_from
 _FIXED_WIDTH = {0x4: 0, 0x5: 1, 0x6: 2, 0x7: 4, 0x8: 8, 0x9: 16}
@@ -22,21 +34,30 @@ class Malformed(ValueError):
     """Not a complete, well-formed AMQP message encoding."""
 
 
-def check_message(data: bytes | bytearray) -> None:
-    """Raise Malformed unless `data` is one or more message sections and nothing else."""
+def check_message(data: bytes | bytearray) -> int:
+    """Raise Malformed unless `data` is one or more message sections and nothing else, in
+    the order AMQP 1.0 §3.2 gives them, each at most once, with a body of one kind: data
+    sections, amqp-sequence sections or one amqp-value. Returns how many body sections."""
     buf = bytes(data)
     if not buf:
         raise Malformed("empty message")
-    pos = 0
+    pos, last, bodies = 0, -1, 0
     while pos < len(buf):
         if buf[pos] != 0x00:
             raise Malformed(f"byte {pos}: a section must be a described type")
         descriptor, after = _descriptor(buf, pos + 1)
-        if descriptor not in SECTION_CODES and not (
-            isinstance(descriptor, str) and descriptor.startswith(SECTION_PREFIX)
-        ):
+        code = descriptor if descriptor in SECTION_CODES else SECTION_NAMES.get(descriptor)
+        if code is None:
             raise Malformed(f"byte {pos}: unknown section descriptor {descriptor!r}")
+        if code < last or (code == last and code not in REPEATABLE):
+            raise Malformed(f"byte {pos}: section 0x{code:02x} repeated or out of order")
+        if code in BODY_CODES:
+            if last in BODY_CODES and code != last:
+                raise Malformed(f"byte {pos}: a body of more than one kind")
+            bodies += 1
+        last = code
         pos = _skip(buf, after, 0)
+    return bodies
 
 
 def _descriptor(buf: bytes, pos: int) -> tuple[int | str | None, int]:
@@ -89,6 +110,8 @@ def _end(buf: bytes, start: int, size: int, code: int, compound: bool, depth: in
         if size < width:
             raise Malformed("compound value shorter than its count")
         count = _U32(buf, start)[0] if wide else buf[start]
+        if code & 1 and count % 2:  # map8 / map32: keys and values in pairs
+            raise Malformed("map with an odd number of items")
         pos = start + width
         for _ in range(count):
             pos = _skip(buf, pos, depth + 1)

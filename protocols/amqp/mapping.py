@@ -20,6 +20,8 @@
 |                  | other amqp-values (map, list...): JSON payload for other         |
 |                  | protocols, the value itself kept (annotation x-amqp-value) and   |
 |                  | sent back as that amqp-value to AMQP consumers                   |
+|                  | several data (or amqp-sequence) sections: refused on ingress     |
+|                  | (amqp:not-implemented), proton's Message would keep one          |
 | delivery_count   | header.delivery-count = count - 1, first-acquirer = count == 1   |
 | dmq_eligible     | message-annotation x-opt-dmq-eligible (bool, ingress)            |
 | not_before       | message-annotation x-opt-delivery-time / x-qpid-not-valid-before |
@@ -37,7 +39,7 @@ import json
 import time
 from dataclasses import dataclass
 
-from proton import Data, byte, symbol
+from proton import Data, byte, symbol, ulong
 from proton import Message as AmqpMessage
 
 from gateway.model import Delivery, Message, PropertyValue, Publisher
@@ -51,7 +53,16 @@ NOT_BEFORE = ("x-opt-delivery-time", "x-qpid-not-valid-before")
 
 
 class BodyError(ValueError):
-    """The message cannot be decoded, or its body is not one the gateway stores as bytes."""
+    """The message cannot be decoded, or its body is not one the gateway stores as bytes;
+    `condition` is the error the refusal carries."""
+
+    condition = "amqp:decode-error"
+
+
+class UnsupportedBody(BodyError):
+    """A well-formed message the gateway cannot store as it was sent."""
+
+    condition = "amqp:not-implemented"
 
 
 @dataclass(slots=True)
@@ -75,14 +86,19 @@ def decode(data: bytes, publisher: Publisher) -> Ingress:
     except sections.Unsupported:
         pass
     try:
-        framing.check_message(data)
+        bodies = framing.check_message(data)
     except framing.Malformed as exc:
         raise BodyError(f"malformed AMQP message: {exc}") from None
+    if bodies > 1:  # proton's Message would keep one of them
+        raise UnsupportedBody(f"{bodies} body sections: the gateway stores one payload")
     amqp = AmqpMessage()
     try:
         amqp.decode(data)
     except Exception as exc:
         raise BodyError(f"undecodable AMQP message: {exc}") from exc
+    properties, annotations = amqp.properties or {}, amqp.annotations or {}
+    if not isinstance(properties, dict) or not isinstance(annotations, dict):
+        raise BodyError("application-properties and message-annotations must be maps")
     body = amqp.body
     content_type = _content_type(amqp)
     amqp_value: bytes | None = None
@@ -99,7 +115,7 @@ def decode(data: bytes, publisher: Publisher) -> Ingress:
             payload = json.dumps(_json_ready(body), default=str).encode()
             amqp_value = _encode_value(body)
         except Exception as exc:
-            raise BodyError(f"unsupported AMQP body {type(body).__name__}: {exc}") from exc
+            raise UnsupportedBody(f"unsupported AMQP body {type(body).__name__}: {exc}") from exc
         content_type = content_type or "application/json"
     msg = Message(
         destination="",
@@ -113,12 +129,11 @@ def decode(data: bytes, publisher: Publisher) -> Ingress:
         reply_to=amqp.reply_to or None,
         message_id=_ident(amqp.id),
         subject=amqp.subject or None,
-        user_properties=[(str(k), _value(v)) for k, v in (amqp.properties or {}).items()],
+        user_properties=[(str(k), _value(v)) for k, v in properties.items()],
         publisher=publisher,
     )
     if amqp_value is not None:
         msg.annotations[AMQP_VALUE] = amqp_value
-    annotations = amqp.annotations or {}
     eligible = annotations.get("x-opt-dmq-eligible")
     if isinstance(eligible, bool):
         msg.dmq_eligible = eligible
@@ -162,9 +177,13 @@ def from_delivery(delivery: Delivery) -> AmqpMessage:
         amqp.id = msg.message_id
     if msg.subject is not None:
         amqp.subject = msg.subject
-    if msg.user_properties:
-        amqp.properties = dict(msg.user_properties)
+    if msg.user_properties:  # ints past a long's range came in as ulong
+        amqp.properties = {k: ulong(v) if _past_long(v) else v for k, v in msg.user_properties}
     return amqp
+
+
+def _past_long(value: object) -> bool:
+    return isinstance(value, int) and value >= 1 << 63
 
 
 def _encode_value(value: object) -> bytes:

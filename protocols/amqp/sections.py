@@ -6,7 +6,8 @@ calls). Here the wire sections are read and written directly: header, delivery a
 annotations, properties, application properties and footer of simple values, with one data
 section or an amqp-value that is binary, a string or null. Anything else (an amqp-sequence,
 several data sections, an amqp-value map / list, a symbolic descriptor, a value type not
-listed below, malformed bytes) raises `Unsupported`, and `mapping` falls back to proton, so
+listed below, sections repeated or out of order, malformed bytes) raises `Unsupported`, and
+`mapping` falls back to proton (or refuses what proton would store otherwise than sent), so
 both paths give the same message. The field mapping is the one in mapping.py's table.
 """
 
@@ -142,7 +143,7 @@ def _items(buf: bytes, i: int, count: int, depth: int) -> tuple[list, int]:
 
 
 # isinstance with a tuple: a `str | bytes` union is built anew on every call (4 x slower)
-_IDENT_TYPES = (str, bytes, int)
+_TEXT_TYPES = (str, bytes)
 _PROPERTY_TYPES = (str, bytes, bool, int, float)
 
 
@@ -155,8 +156,11 @@ def _map(value: object) -> dict:
 
 
 def _ident(value: object) -> str | bytes | int | None:
-    if value is None or (isinstance(value, _IDENT_TYPES) and value.__class__ is not bool):
+    if value is None or isinstance(value, _TEXT_TYPES):
         return value
+    if isinstance(value, int) and value >= 0 and value.__class__ is not bool:
+        return value  # a ulong; a negative long is no id type: proton drops it (and a
+        # stored one could not be sent on to AMQP receivers)
     if isinstance(value, UUID):
         return str(value)
     raise Unsupported("message id type")
@@ -193,7 +197,7 @@ def _decode(data: bytes, publisher: Publisher) -> tuple[Message, str | None, int
     annotations: dict | None = None
     app: dict | None = None
     body: object = None
-    bodies = 0
+    bodies, last = 0, -1
     i, n = 0, len(data)
     while i < n:
         if data[i] != 0x00:
@@ -204,6 +208,9 @@ def _decode(data: bytes, publisher: Publisher) -> tuple[Message, str | None, int
             code, i = _Q(data, i + 2)[0], i + 10
         else:
             raise Unsupported("symbolic descriptor")
+        if code <= last:  # repeated or out of order: framing tells which (or several data)
+            raise Unsupported("section order")
+        last = code
         value, i = _read(data, i)
         if code in (DATA, VALUE):
             bodies += 1
@@ -327,9 +334,11 @@ def _sym(value: str) -> bytes:
 def _long(value: int) -> bytes:
     if -128 <= value <= 127:
         return bytes((0x55, value & 0xFF))
-    if not -(1 << 63) <= value < 1 << 63:
-        raise Unsupported("integer out of range")
-    return b"\x81" + _pack_q(value)
+    if -(1 << 63) <= value < 1 << 63:
+        return b"\x81" + _pack_q(value)
+    if 0 <= value < 1 << 64:  # a ulong the client sent
+        return b"\x80" + _pack_Q(value)
+    raise Unsupported("integer out of range")
 
 
 def _uint(value: int) -> bytes:
