@@ -1,0 +1,423 @@
+"""Hostile and malformed AMQP 1.0 input over real sockets against a real gateway and Redis:
+each is answered with the protocol's error (a close, detach or rejected outcome carrying the
+condition, then EOF where the spec says so), the gateway keeps serving, and messages accepted
+before are still delivered."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import time
+from collections.abc import Awaitable, Callable
+
+import pytest
+from proton import Described, Message, symbol, ubyte, uint, ulong
+
+from gateway.broker import Broker, QueueConfig
+from protocols.amqp import connection, links
+from protocols.amqp.listener import Listener
+from tests.amqp_raw import (
+    ACCEPTED,
+    AMQP_HEADER,
+    ATTACH,
+    BEGIN,
+    CLOSE,
+    DETACH,
+    DISPOSITION,
+    END,
+    RECEIVER,
+    REJECTED,
+    SASL_HEADER,
+    SENDER,
+    SOURCE,
+    TARGET,
+    TRANSFER,
+    Peer,
+    encode,
+    flow,
+    frame,
+    performative,
+    sasl_init,
+)
+from tests.conftest import Ports
+from tests.test_mqtt_paho import V5, Client
+
+QUEUE = "hostile-q"
+KEPT = bytes(Message(body=b"kept", durable=True).encode())
+OK = (ACCEPTED, None)
+
+
+@pytest.fixture
+async def port(broker: Broker, amqp: Listener) -> int:
+    """The gateway's AMQP port, with QUEUE declared and one message accepted on it."""
+    await broker.declare_queue(QueueConfig(name=QUEUE))
+    peer = await Peer.opened(amqp.port)
+    await peer.sender(0, QUEUE)
+    assert await peer.send_all(0, [KEPT]) == [OK]
+    peer.close()
+    return amqp.port
+
+
+async def still_serving(port: int, kept: int = 1) -> None:
+    """A fresh connection can publish to QUEUE and receive, with accept, the `kept` messages
+    accepted before (each 'kept') and its own."""
+    peer = await Peer.opened(port)
+    await peer.sender(0, QUEUE)
+    assert await peer.send_all(0, [bytes(Message(body=b"fresh").encode())]) == [OK]
+    got = await peer.receive(1, QUEUE, kept + 1)
+    bodies = []
+    for payload in got:
+        msg = Message()
+        msg.decode(payload)
+        bodies.append(bytes(msg.body))
+    assert bodies == [b"kept"] * kept + [b"fresh"]
+    peer.close()
+
+
+def data(payload: bytes = b"x") -> bytes:
+    return b"\x00\x53\x75\xa0" + bytes((len(payload),)) + payload
+
+
+def section(code: int, value: object) -> bytes:
+    return bytes((0x00, 0x53, code)) + encode(value)
+
+
+# -- frames the engine cannot decode -------------------------------------------------------------
+
+BEGIN_FRAME = frame(performative(BEGIN, None, uint(0), uint(10), uint(10)))
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        frame(b"\x00\x53\x99\x45"),  # a described list with an unknown performative code
+        frame(b"\x45"),  # a body that is not a described type
+        frame(b"\x00\x53\x12\xd0\x00\x00\x01\x00"),  # an attach whose list is cut short
+        frame(b"\x00\x53\x13\x40"),  # a flow whose fields are not a list
+        frame(performative(BEGIN, None, uint(0), uint(10), uint(10)), kind=7),  # frame type 7
+        sasl_init("ANONYMOUS"),  # a SASL frame after open
+    ],
+    ids=["unknown-performative", "not-described", "truncated", "not-a-list", "type-7", "sasl"],
+)
+async def test_an_undecodable_frame_closes_with_decode_error(port: int, bad: bytes) -> None:
+    """Proton stopped reading at such a frame and said nothing: the connection stayed open
+    and deaf until the client gave up."""
+    peer = await Peer.opened(port)
+    peer.send(bad + BEGIN_FRAME)
+    assert await peer.closed_with() == "amqp:decode-error"
+    await still_serving(port)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        struct.pack(">IBBH", 4, 2, 0, 0),  # size below the 8-byte header
+        struct.pack(">IBBH", 8, 1, 0, 0),  # doff 1: the header is at least 2 words
+        struct.pack(">IBBH", 12, 5, 0, 0) + bytes(4),  # doff past the frame's end
+        frame(performative(ATTACH, "big", uint(0), SENDER, None, None, None, "x" * 300_000)),
+    ],
+    ids=["size-4", "doff-1", "doff-beyond", "over-max-frame-size"],
+)
+async def test_a_malformed_frame_closes_with_framing_error(port: int, bad: bytes) -> None:
+    """The over-sized frame is sent whole: the close must not be lost to a reset, as it was
+    when the socket was closed with the rest unread."""
+    peer = await Peer.opened(port)
+    peer.send(bad)
+    assert await peer.closed_with() == "amqp:connection:framing-error"
+    await still_serving(port)
+
+
+@pytest.mark.parametrize(
+    ("bad", "condition"),
+    [
+        (
+            frame(performative(BEGIN, None, uint(0), uint(9), uint(9)), channel=60000),
+            "amqp:connection:framing-error",
+        ),
+        (frame(performative(END), channel=7), "amqp:not-allowed"),
+        (frame(performative(DETACH, uint(42), True)), "amqp:invalid-field"),
+        (frame(performative(TRANSFER, uint(9), uint(0), b"t") + KEPT), "amqp:invalid-field"),
+        (flow(77, 0xFFFFFFFF), "amqp:invalid-field"),
+    ],
+    ids=[
+        "channel-above-max",
+        "end-unknown-channel",
+        "detach-unknown",
+        "transfer-unattached",
+        "flow",
+    ],
+)
+async def test_unknown_channels_and_handles_close_the_connection(
+    port: int, bad: bytes, condition: str
+) -> None:
+    peer = await Peer.opened(port)
+    peer.send(frame() + bad)  # an empty frame (heartbeat) first: ignored
+    assert await peer.closed_with() == condition
+    await still_serving(port)
+
+
+async def test_an_interleaved_delivery_closes_and_loses_nothing_accepted(port: int) -> None:
+    peer = await Peer.opened(port)
+    await peer.sender(0, QUEUE)
+    assert await peer.send_all(0, [KEPT], first_id=0) == [OK]
+    peer.transfer(0, 1, KEPT[:5], more=True, tag=b"a")
+    peer.transfer(0, 2, KEPT, tag=b"b")  # a new delivery before the first one ended
+    assert await peer.closed_with() == "amqp:invalid-field"
+    await still_serving(port, kept=2)
+
+
+# -- the protocol header and SASL ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("header", [b"AMQP\x02\x01\x00\x00", b"AMQP\x02"])
+async def test_a_tls_header_on_the_plain_port_gets_the_sasl_header_then_eof(
+    port: int, header: bytes
+) -> None:
+    """AMQP 1.0 §2.2: answer with a supported header and close. Proton started a TLS
+    session of its own and closed without a byte."""
+    peer = await Peer.connect(port)
+    peer.send(header)
+    assert await peer.read_header() == SASL_HEADER
+    assert await peer.eof()
+    await still_serving(port)
+
+
+@pytest.mark.parametrize("sent", [b"", b"AM", SASL_HEADER], ids=["nothing", "partial", "sasl"])
+async def test_a_client_that_never_finishes_the_handshake_is_dropped(
+    broker: Broker, amqp: Listener, monkeypatch: pytest.MonkeyPatch, sent: bytes
+) -> None:
+    """Proton's idle timeout starts with its first input: before this, a client that sent
+    nothing (or stopped inside SASL) held its socket for ever."""
+    monkeypatch.setattr(connection, "IDLE_TIMEOUT", 0.3)
+    peer = await Peer.connect(amqp.port)
+    peer.send(sent)
+    start = time.monotonic()
+    assert await peer.eof()
+    assert time.monotonic() - start < 3
+
+
+async def test_sasl_frames_after_the_outcome_are_a_framing_error(port: int) -> None:
+    peer = await Peer.connect(port)
+    peer.send(SASL_HEADER + sasl_init("ANONYMOUS") + sasl_init("ANONYMOUS"))
+    assert await peer.read_header() == SASL_HEADER
+    await peer.read()  # mechanisms
+    assert (await peer.read()).fields == [ubyte(0)]  # outcome: ok
+    assert await peer.read_header() == AMQP_HEADER  # the next "header" is a SASL frame
+    assert await peer.closed_with() == "amqp:connection:framing-error"
+    await still_serving(port)
+
+
+async def test_an_unknown_sasl_mechanism_fails_authentication(port: int) -> None:
+    peer = await Peer.connect(port)
+    peer.send(SASL_HEADER + sasl_init("NO-SUCH-MECH", b"x"))
+    assert await peer.read_header() == SASL_HEADER
+    await peer.read()
+    assert (await peer.read()).fields == [ubyte(1)]  # auth
+    assert await peer.eof()
+
+
+# -- links -----------------------------------------------------------------------------------
+
+
+async def test_transfers_beyond_the_credit_end_the_link(port: int, broker: Broker) -> None:
+    """Proton does not enforce credit on what it receives: a client ignoring it had every
+    transfer published, with no bound on what was in flight."""
+    peer = await Peer.opened(port)
+    await peer.sender(0, QUEUE)
+    sent = links.CREDIT * 3
+    for i in range(sent):
+        peer.transfer(0, i, KEPT, tag=b"%d" % i)
+    outcomes: dict[tuple[int, str | None], int] = {}
+    while (got := await peer.read()) is not None and got.code != DETACH:
+        if got.code == DISPOSITION:
+            outcome = got.outcome()
+            outcomes[outcome] = outcomes.get(outcome, 0) + len(got.deliveries())
+    assert got is not None and got.error() == links.TRANSFER_LIMIT and got.fields[1] is True
+    accepted = outcomes.pop(OK, 0)
+    assert set(outcomes) == {(REJECTED, links.TRANSFER_LIMIT)}, outcomes
+    stored = (await broker.queues.info(QUEUE)).messages - 1  # the fixture's
+    assert accepted <= stored <= links.CREDIT + accepted
+    peer.close()
+    peer = await Peer.opened(port)
+    got = await peer.receive(1, QUEUE, stored + 1)
+    assert len(got) == stored + 1
+    peer.close()
+
+
+async def test_an_oversized_multi_frame_delivery_is_rejected_and_dropped(port: int) -> None:
+    """The delivery gets a rejected outcome and the link a detach with
+    message-size-exceeded; what the client sends on is settled, not kept by proton."""
+    peer = await Peer.opened(port)
+    await peer.sender(0, QUEUE)
+    chunk = bytes(16_000)
+    peer.transfer(0, 0, chunk, more=True, tag=b"big")
+    for _ in range(links.MAX_MESSAGE_SIZE // len(chunk) + 200):
+        peer.transfer(0, None, chunk, more=True, tag=None)
+        await peer.writer.drain()
+    outcome = await peer.expect(DISPOSITION)
+    assert outcome.fields[1] == 0 and int(outcome.fields[4].descriptor) == REJECTED
+    detach = await peer.expect(DETACH)
+    assert detach.error() == "amqp:link:message-size-exceeded"
+    peer.close()
+    await still_serving(port)
+
+
+async def test_an_aborted_delivery_is_dropped_and_the_next_one_stored(port: int) -> None:
+    peer = await Peer.opened(port)
+    await peer.sender(0, QUEUE)
+    peer.transfer(0, 0, KEPT[:5], more=True, tag=b"a")
+    peer.transfer(0, None, b"", aborted=True, tag=None)
+    assert await peer.send_all(0, [KEPT], first_id=1) == [OK]
+    peer.close()
+    await still_serving(port, kept=2)
+
+
+def source(address: str | None, filters: object = None) -> Described:
+    return Described(ulong(SOURCE), [address, None, None, None, None, None, None, filters])
+
+
+@pytest.mark.parametrize(
+    "filters",
+    [
+        {b"binary-key": Described(symbol("apache.org:selector-filter:string"), "a = 1")},
+        {symbol("s"): Described(symbol("gateway:replay-period"), -5)},
+        {symbol("s"): Described(symbol("apache.org:selector-filter:string"), "a = = 1")},
+    ],
+    ids=["binary-key", "negative-replay", "bad-selector"],
+)
+async def test_a_bad_filter_refuses_the_link_with_invalid_field(port: int, filters) -> None:
+    """A filter map proton cannot decode (binary keys do not hash) was an internal-error."""
+    peer = await Peer.opened(port)
+    target = Described(ulong(TARGET), [None])
+    peer.send(
+        frame(
+            performative(ATTACH, "r", uint(0), RECEIVER, None, None, source(QUEUE, filters), target)
+        )
+    )
+    answer = await peer.expect(ATTACH)
+    assert answer.fields[5] is None  # a null source: refused
+    assert (await peer.expect(DETACH)).error() == "amqp:invalid-field"
+    peer.close()
+    await still_serving(port)
+
+
+# -- message payloads ---------------------------------------------------------------------------
+
+HEADER = section(0x70, [True])
+
+
+@pytest.mark.parametrize(
+    ("payload", "condition"),
+    [
+        (section(0x74, [1, 2, 3]) + data(), "amqp:decode-error"),  # properties: a list
+        (section(0x72, 5) + data(), "amqp:decode-error"),  # annotations: a number
+        (HEADER + HEADER + data(), "amqp:decode-error"),  # a header twice
+        (data() + HEADER, "amqp:decode-error"),  # out of order
+        (data() + section(0x77, 5), "amqp:decode-error"),  # a body of two kinds
+        (b"\x00\xa3\x08amqp:foo" + encode(1) + data(), "amqp:decode-error"),  # unknown section
+        (section(0x74, {}) + b"\x00\x53\x74\xc1\x04\x03\x41\x41\x41" + data(), "amqp:decode"),
+        (b"\x00\x53\x74\xc1\x04\x03\x41\x41\x41" + data(), "amqp:decode-error"),  # odd map
+        (data(b"a") + data(b"b"), "amqp:not-implemented"),  # proton kept one of them
+    ],
+    ids=[
+        "app-props-list",
+        "annotations-number",
+        "header-twice",
+        "out-of-order",
+        "data-and-value",
+        "unknown-symbolic-section",
+        "app-props-twice",
+        "odd-map",
+        "two-data-sections",
+    ],
+)
+async def test_a_message_that_cannot_be_stored_as_sent_is_rejected(
+    port: int, payload: bytes, condition: str
+) -> None:
+    """Non-map application properties raised AttributeError: the delivery was never
+    settled. The rest were stored with sections (or data) silently dropped."""
+    peer = await Peer.opened(port)
+    await peer.sender(0, QUEUE)
+    outcomes = await peer.send_all(0, [payload, KEPT])
+    assert outcomes[0][0] == REJECTED and outcomes[0][1].startswith(condition), outcomes
+    assert outcomes[1] == OK
+    peer.close()
+    await still_serving(port, kept=2)
+
+
+async def test_a_message_with_negative_ids_is_stored_deliverable(port: int) -> None:
+    """A long message-id or correlation-id (not an id type) was stored as sent and then
+    could not be encoded for an AMQP receiver: rejected at delivery, lost to it. Dropped
+    at publish now, as proton drops every property of the wrong type."""
+    peer = await Peer.opened(port)
+    await peer.sender(0, QUEUE)
+    odd = section(0x73, [-5, None, None, "subj", None, -7]) + data(b"kept")
+    assert await peer.send_all(0, [odd]) == [OK]
+    got = await peer.receive(1, QUEUE, 2)
+    msg = Message()
+    msg.decode(got[1])
+    assert (msg.id, msg.correlation_id, bytes(msg.body)) == (None, None, b"kept")
+    peer.close()
+
+
+async def test_odd_property_values_reach_amqp_and_mqtt_receivers(
+    broker: Broker, ports: Ports
+) -> None:
+    """A ulong past a long's range was stored but could not be encoded for an AMQP
+    receiver (either encoder): rejected at delivery, so lost to it."""
+    await broker.declare_queue(QueueConfig(name=QUEUE), [("odd/>", "smf")])
+    props = {"big": ulong(2**64 - 1), "neg": -5, "sym": symbol("s"), "list": [1, 2]}
+    payloads = [section(0x74, props) + data(b"odd"), section(0x74, props) + section(0x77, [7])]
+    subscriber = await asyncio.to_thread(Client, ports.mqtt, V5, "odd-sub")
+    try:
+        await asyncio.to_thread(subscriber.subscribe, "odd/#", 1)
+        peer = await Peer.opened(ports.amqp)
+        await peer.sender(0, "topic://odd/x")
+        assert await peer.send_all(0, payloads) == [OK, OK]
+        bodies = []
+        for got in await peer.receive(1, QUEUE, 2):
+            msg = Message()
+            msg.decode(got)
+            assert msg.properties == {"big": 2**64 - 1, "neg": -5, "sym": "s", "list": "[1, 2]"}
+            body = msg.body  # binary: a view into `msg`, copied while it lives
+            bodies.append(bytes(body) if isinstance(body, memoryview) else body)
+        assert bodies == [b"odd", [7]]
+        peer.close()
+        received = await asyncio.to_thread(subscriber.receive, 2)
+        assert [m.payload for m in received] == [b"odd", b"[7]"]
+        for mqtt_msg in received:
+            user = dict(mqtt_msg.properties.UserProperty)
+            assert user["big"] == str(2**64 - 1) and user["neg"] == "-5"
+    finally:
+        await asyncio.to_thread(subscriber.close)
+
+
+async def test_many_hostile_connections_at_once_leave_others_unaffected(port: int) -> None:
+    """Other connections are unaffected while hostile ones are closed."""
+    good = await Peer.opened(port)
+    await good.sender(0, QUEUE)
+
+    async def hostile(bad: bytes) -> str | None:
+        peer = await Peer.opened(port)
+        peer.send(bad)
+        return await peer.closed_with()
+
+    closes: list[Callable[[], Awaitable[str | None]]] = [
+        lambda: hostile(frame(b"\x45")),
+        lambda: hostile(struct.pack(">IBBH", 4, 2, 0, 0)),
+        lambda: hostile(frame(performative(END), channel=9)),
+    ]
+    results = await asyncio.gather(*(make() for make in closes * 3))
+    assert all(results)
+    assert await good.send_all(0, [KEPT]) == [OK]
+    good.close()
+    await still_serving(port, kept=2)
+
+
+async def test_a_close_is_answered_and_data_after_it_ignored(port: int) -> None:
+    peer = await Peer.opened(port)
+    peer.send(frame(performative(CLOSE)) + BEGIN_FRAME)
+    close = await peer.expect(CLOSE)
+    assert close.error() is None
+    assert await peer.eof()
+    await still_serving(port)
