@@ -4,7 +4,8 @@
 the MQTT connection a `FramedTransport`, so the MQTT code is the same for every listener:
 binary frame payloads (fragments too; MQTT is a byte stream, so they need no reassembly)
 go to its `data_received`, its writes go out as binary frames. Pings are answered, a
-close frame is echoed; anything else a client must not send closes with 1002.
+valid close frame is answered; anything else a client must not send closes with 1002
+(1003 for text, 1007 for a close reason that is not UTF-8, 1009 for an oversized frame).
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ MAX_FRAME = MAX_PACKET_SIZE + 16  # bytes of one frame's payload (the decoder ca
 HANDSHAKE_TIMEOUT = 10.0  # seconds a new socket has to complete the upgrade request
 CLOSE_WAIT = 1.0  # seconds to wait for the client's close frame before closing the socket
 CONTINUATION, TEXT, BINARY, CLOSE, PING, PONG = 0x0, 0x1, 0x2, 0x8, 0x9, 0xA
-PROTOCOL_ERROR, UNSUPPORTED_DATA, TOO_BIG = 1002, 1003, 1009
+PROTOCOL_ERROR, UNSUPPORTED_DATA, INVALID_DATA, TOO_BIG = 1002, 1003, 1007, 1009
+# Close codes a peer may send (RFC 6455 §7.4; 1012-1014 registered with IANA since).
+VALID_CLOSE_CODES = frozenset((1000, 1001, 1002, 1003, *range(1007, 1015), *range(3000, 5000)))
 
 
 def frame(opcode: int, payload: bytes) -> bytes:
@@ -47,6 +50,20 @@ def unmask(data: bytes, key: bytes) -> bytes:
     n = len(data)
     pad = (key * (n // 4 + 1))[:n]
     return (int.from_bytes(data, "big") ^ int.from_bytes(pad, "big")).to_bytes(n, "big")
+
+
+def close_frame_error(payload: bytes) -> int | None:
+    """The close code to fail with for a bad close frame body (RFC 6455 §5.5.1, §7.4:
+    empty, or a valid code and a UTF-8 reason), else None."""
+    if not payload:
+        return None
+    if len(payload) < 2 or struct.unpack_from("!H", payload)[0] not in VALID_CLOSE_CODES:
+        return PROTOCOL_ERROR
+    try:
+        payload[2:].decode()
+    except UnicodeDecodeError:
+        return INVALID_DATA
+    return None
 
 
 def accept_key(key: str) -> str:
@@ -233,8 +250,12 @@ class WebSocketConnection(asyncio.Protocol):
         if opcode >= CLOSE and (not fin or len(payload) > 125):
             self.framed.fail(PROTOCOL_ERROR)
         elif opcode == CLOSE:  # the client's answer, or its own close: we answer
-            self.framed.close()
-            self.framed.socket.close()
+            error = close_frame_error(payload)
+            if error is not None:
+                self.framed.fail(error)
+            else:
+                self.framed.close()
+                self.framed.socket.close()
         elif opcode == PING:
             self.framed.socket.write(frame(PONG, payload))
         elif opcode == PONG:
