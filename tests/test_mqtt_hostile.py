@@ -914,3 +914,35 @@ async def test_will_published_after_protocol_error(
     await delivered(watch, "h/will", b"bye")
     peer.close()
     watch.close()
+
+
+@pytest.mark.parametrize("level", [4, 5])
+async def test_subscriptions_per_session_are_capped(
+    gw: Listener, monkeypatch: pytest.MonkeyPatch, level: int
+) -> None:
+    """One SUBSCRIBE can carry 150 000 filters and a client can send many: past the cap a
+    new filter is refused (v5: 0x97 quota exceeded, v3.1.1: 0x80), while changing one it
+    holds, or taking a new one after an UNSUBSCRIBE, still works."""
+    monkeypatch.setattr(session_module, "MAX_SUBSCRIPTIONS", 3)
+    refused = 0x97 if level == 5 else 0x80
+    peer = await connected(gw.port, level, "collector")
+
+    async def suback(pid: int, *filters: tuple[str, int]) -> bytes:
+        await peer.send(subscribe(level, pid, *filters))
+        got = await peer.packet()
+        assert got[:4] == b"\x90" + bytes((len(got) - 2,)) + struct.pack("!H", pid), got
+        return got[-len(filters) :]
+
+    assert await suback(1, ("q/a", 0), ("q/b", 1), ("q/c", 1), ("q/d", 1)) == bytes(
+        (0, 1, 1, refused)
+    )
+    assert await suback(2, ("q/e", 0), ("q/a", 1)) == bytes((refused, 1))
+    await peer.send(frame(0xA2, b"\x00\x03" + (b"\x00" if level == 5 else b"") + s("q/b")))
+    unsuback = b"\xb0\x04\x00\x03\x00\x00" if level == 5 else b"\xb0\x02\x00\x03"
+    assert await peer.packet() == unsuback
+    assert await suback(4, ("q/e", 1)) == b"\x01"
+    await published(peer, level, "q/d", b"not subscribed")
+    await published(peer, level, "q/e", b"subscribed", pid=2)
+    await delivered(peer, "q/e", b"subscribed")
+    peer.close()
+    await assert_serving(gw.port)

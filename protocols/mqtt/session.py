@@ -76,6 +76,9 @@ MAX_PENDING_PUBLISHES = 1024  # publishes awaiting the spool before input is pau
 # spooled, so a small one spreads a burst over the group's members instead of one taking all.
 SHARED_WINDOW = 8
 MAX_CACHED_ROUTES = 4096  # topics whose delivery options a session keeps (see _deliver)
+# Topic filters one session may hold: each costs about 1.5 KB here and its share of the state
+# saved in Redis, and one 2 MiB SUBSCRIBE can carry 150 000 of them.
+MAX_SUBSCRIPTIONS = 10_000
 _connection_ids = itertools.count(1)
 
 # Refused spool outcomes -> MQTT 5 PUBACK/PUBREC reason codes. PUBACK cannot carry 0x95
@@ -790,9 +793,13 @@ class Session:
             sub_id = p.properties.subscription_identifiers[0]
         codes: list[int] = []
         retained: list[tuple[str, SubscriptionOptions]] = []
+        over_quota = 0
         for pattern, options in p.subscriptions:
             previous = state.subscriptions.get(pattern)
             rc = self._check_filter(pattern)
+            if rc is None and previous is None and len(state.subscriptions) >= MAX_SUBSCRIPTIONS:
+                rc = ReasonCode.QUOTA_EXCEEDED
+                over_quota += 1
             if rc is None:
                 try:
                     rc = await self._subscribe(pattern, options, previous)
@@ -812,6 +819,13 @@ class Session:
                 ):
                     retained.append((pattern, options))
             codes.append(rc)
+        if over_quota:
+            log.warning(
+                "MQTT client %r: %d filters refused, %d subscriptions is the maximum",
+                self.client_id,
+                over_quota,
+                MAX_SUBSCRIPTIONS,
+            )
         await self.registry.save(self)
         self._send(Suback(p.packet_id, codes))
         for pattern, options in retained:
