@@ -36,7 +36,7 @@ valid UTF-8 (no lone surrogates) and free of U+0000.  Empty levels are allowed
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from itertools import islice
 from typing import Any, Final, Generic, TypeAlias, TypeVar
 
@@ -54,7 +54,9 @@ __all__ = [
     "SubscriptionTrie",
     "Token",
     "TopicError",
+    "literal_topic",
     "parse_pattern",
+    "pattern_matcher",
     "pattern_matches",
     "validate_topic",
 ]
@@ -222,9 +224,23 @@ def pattern_matches(pattern: str, topic: str, syntax: str = SMF) -> bool:
     The topic gets the same syntax-independent checks as :meth:`SubscriptionTrie.match`
     (``syntax`` describes the pattern), so both always agree.
     """
+    return pattern_matcher(pattern, syntax)(topic)
+
+
+def pattern_matcher(pattern: str, syntax: str = SMF) -> Callable[[str], bool]:
+    """:func:`pattern_matches` for one pattern and many topics: the pattern is parsed once."""
     tokens = parse_pattern(pattern, syntax)
-    _check_common(topic, "topic")
-    return _tokens_match(tokens, topic.split("/"))
+
+    def matches(topic: str) -> bool:
+        _check_common(topic, "topic")
+        return _tokens_match(tokens, topic.split("/"))
+
+    return matches
+
+
+def literal_topic(pattern: str, syntax: str = SMF) -> bool:
+    """Whether ``pattern`` has no wildcard, so it matches exactly the topic it spells."""
+    return all(token[0] == LIT for token in parse_pattern(pattern, syntax))
 
 
 # --------------------------------------------------------------------------------- trie

@@ -372,6 +372,25 @@ async def test_retained_messages_follow_the_last_publish(broker: Broker) -> None
     assert [m.destination for m in await broker.retained.matching("#", "mqtt")] == ["home/2/temp"]
 
 
+async def test_a_filter_without_wildcards_reads_one_retained_message(
+    broker: Broker, redis_url: str
+) -> None:
+    client = aioredis.Redis.from_url(redis_url)
+    for i in range(50):
+        await broker.publish(Message(destination=f"dev/{i}/state", payload=b"%d" % i, retain=True))
+    await client.config_resetstat()
+    got = await broker.retained.matching("dev/7/state", "mqtt")
+    assert [(m.destination, m.payload) for m in got] == [("dev/7/state", b"7")]
+    assert await broker.retained.matching("dev/77/state", "mqtt") == []
+    assert await broker.retained.matching("dev/*/state", "mqtt") == []  # "*": a level in MQTT
+    stats = await client.info("commandstats")
+    assert "cmdstat_hscan" not in stats  # looked up, not scanned
+    smf = await broker.retained.matching("dev/1*/state", "smf")  # a prefix: scanned
+    assert [m.destination for m in smf] == [f"dev/{i}/state" for i in (1, *range(10, 20))]
+    assert "cmdstat_hscan" in await client.info("commandstats")
+    await client.aclose()
+
+
 async def test_client_state_and_exactly_once_receipt(broker: Broker) -> None:
     clients = broker.clients
     await clients.save("dev:1", b"state", expiry_s=None)

@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 
 from gateway.engine import keys
 from gateway.model import Message, decode, encode
-from gateway.topics import pattern_matches
+from gateway.topics import literal_topic, pattern_matcher
 
 
 class ClientStore:
@@ -71,10 +71,16 @@ class RetainedStore:
             await self._redis.hdel(keys.retained, msg.destination)
 
     async def matching(self, pattern: str, syntax: str = "mqtt") -> list[Message]:
-        """Retained messages whose topic matches `pattern`, in topic order."""
+        """Retained messages whose topic matches `pattern`, in topic order. A filter without
+        wildcards names one topic: one HGET, not a scan of every retained message (devices
+        that each subscribe to their own topics, with a retained message per device)."""
+        if literal_topic(pattern, syntax):
+            blob = await self._redis.hget(keys.retained, pattern)
+            return [] if blob is None else [decode(blob)]
+        matches = pattern_matcher(pattern, syntax)
         out = []
         async for topic, blob in self._redis.hscan_iter(keys.retained, count=1000):
-            if pattern_matches(pattern, topic.decode(), syntax):
+            if matches(topic.decode()):
                 out.append(decode(blob))
         out.sort(key=lambda m: m.destination)
         return out
