@@ -16,8 +16,11 @@ from proton.utils import BlockingConnection
 
 from gateway.broker import Broker, QueueConfig
 from gateway.config import Settings
+from gateway.model import Message
 from protocols.amqp.listener import start as start_amqp
+from protocols.mqtt.codec import MqttDecoder, Publish
 from protocols.mqtt.listener import start as start_mqtt
+from protocols.mqtt.mapping import encode_delivery
 
 TIMEOUT = 10.0
 
@@ -81,9 +84,9 @@ async def test_mqtt5_publish_reaches_amqp_receiver_mapped(
     assert "JMSXGroupId" not in props, "the group travels as group-id, not a property"
 
 
-async def test_amqp_send_reaches_mqtt5_subscriber_mapped(
-    broker: Broker, ports: tuple[int, int]
-) -> None:
+async def amqp_to_mqtt5(ports: tuple[int, int], message: AmqpMessage) -> paho.MQTTMessage:
+    """Send `message` over AMQP to topic://replies/pub-1; what an MQTT 5 subscriber of
+    replies/# receives."""
     mqtt_port, amqp_port = ports
     got: list[paho.MQTTMessage] = []
     arrived = threading.Event()
@@ -109,18 +112,7 @@ async def test_amqp_send_reaches_mqtt5_subscriber_mapped(
         def send() -> None:
             conn = BlockingConnection(f"amqp://127.0.0.1:{amqp_port}")
             try:
-                sender = conn.create_sender("topic://replies/pub-1")
-                sender.send(
-                    AmqpMessage(
-                        body=b"pong",
-                        group_id="dev-7",
-                        correlation_id=b"corr-42",
-                        reply_to="devices/dev-7/cmd",
-                        content_type="text/plain",
-                        properties={"attempt": "2"},
-                        durable=True,
-                    )
-                )
+                conn.create_sender("topic://replies/pub-1").send(message)
             finally:
                 conn.close()
 
@@ -129,7 +121,24 @@ async def test_amqp_send_reaches_mqtt5_subscriber_mapped(
     finally:
         client.loop_stop()
         client.disconnect()
-    m = got[0]
+    return got[0]
+
+
+async def test_amqp_send_reaches_mqtt5_subscriber_mapped(
+    broker: Broker, ports: tuple[int, int]
+) -> None:
+    m = await amqp_to_mqtt5(
+        ports,
+        AmqpMessage(
+            body=b"pong",
+            group_id="dev-7",
+            correlation_id=b"corr-42",
+            reply_to="devices/dev-7/cmd",
+            content_type="text/plain",
+            properties={"attempt": "2"},
+            durable=True,
+        ),
+    )
     assert m.topic == "replies/pub-1" and m.payload == b"pong" and m.qos == 1
     props = m.properties
     assert props.CorrelationData == b"corr-42"
@@ -137,3 +146,40 @@ async def test_amqp_send_reaches_mqtt5_subscriber_mapped(
     assert props.ContentType == "text/plain"
     assert ("attempt", "2") in props.UserProperty
     assert ("JMSXGroupId", "dev-7") in props.UserProperty
+
+
+async def test_amqp_text_with_nul_reaches_mqtt5_subscriber(
+    broker: Broker, ports: tuple[int, int]
+) -> None:
+    """MQTT strings cannot hold U+0000, AMQP's can: it arrives as U+FFFD, not never."""
+    m = await amqp_to_mqtt5(
+        ports,
+        AmqpMessage(
+            body=b"x",
+            properties={"k\x00": "v\x00", "b": b"\x00"},
+            durable=True,  # queued: undeliverable, it would have held a window slot for good
+        ),
+    )
+    assert m.payload == b"x"
+    assert ("k\ufffd", "v\ufffd") in m.properties.UserProperty
+    assert ("b", "\ufffd") in m.properties.UserProperty
+
+
+def test_mqtt5_egress_replaces_nul_in_every_text_property() -> None:
+    """The fields proton's client cuts at U+0000 may still hold one (the admin API)."""
+    msg = Message("t", b"x", partition_key="g\x00", content_type="c\x00", reply_to="r\x00")
+    data = encode_delivery(
+        msg,
+        qos=0,
+        packet_id=None,
+        dup=False,
+        retain=False,
+        subscription_ids=[],
+        expiry=None,
+        level=5,
+    )
+    (publish,) = MqttDecoder(protocol_level=5).feed(data)
+    assert isinstance(publish, Publish) and publish.properties is not None
+    assert publish.properties.content_type == "c\ufffd"
+    assert publish.properties.response_topic == "r\ufffd"
+    assert publish.properties.user_properties == [("JMSXGroupId", "g\ufffd")]

@@ -131,10 +131,17 @@ def message_qos(msg: Message) -> int:
 
 def _text(value: PropertyValue) -> str:
     if isinstance(value, str):
-        return value
+        return _mqtt_string(value)
     if isinstance(value, bytes):
-        return value.decode("utf-8", "replace")
+        return _mqtt_string(value.decode("utf-8", "replace"))
     return "" if value is None else str(value)
+
+
+def _mqtt_string(text: str) -> str:
+    """MQTT strings may not hold U+0000 (§1.5.4); AMQP's and the admin API's may. It becomes
+    U+FFFD, as bytes that are not UTF-8 do: the PUBLISH could not be encoded otherwise, and
+    the message would stay undelivered."""
+    return text.replace("\x00", "\ufffd") if "\x00" in text else text
 
 
 def egress_properties(
@@ -143,10 +150,10 @@ def egress_properties(
     """MQTT 5 PUBLISH properties for `msg` (None when it needs none)."""
     user: list[tuple[str, str]] = []
     if msg.partition_key is not None:
-        user.append((GROUP_ID, msg.partition_key))
+        user.append((GROUP_ID, _mqtt_string(msg.partition_key)))
     if msg.priority != DEFAULT_PRIORITY:
         user.append((PRIORITY, str(msg.priority)))
-    user.extend((k, _text(v)) for k, v in msg.user_properties)
+    user.extend((_mqtt_string(k), _text(v)) for k, v in msg.user_properties)
     corr = msg.correlation_id
     if corr is not None and not isinstance(corr, bytes):
         corr = str(corr).encode()
@@ -154,8 +161,8 @@ def egress_properties(
     props = Properties(
         payload_format_indicator=fmt if fmt in (0, 1) else None,
         message_expiry_interval=expiry,
-        content_type=msg.content_type,
-        response_topic=msg.reply_to,
+        content_type=msg.content_type and _mqtt_string(msg.content_type),
+        response_topic=msg.reply_to and _mqtt_string(msg.reply_to),
         correlation_data=corr,
         subscription_identifiers=subscription_ids,
         user_properties=user,
