@@ -21,7 +21,8 @@ The MQTT rows of the mapping table (ARCHITECTURE.md), both directions:
 | publisher | ("mqtt", client id, user name) | same |
 
 Messages from other protocols carry no `x-mqtt-qos`: they go out at QoS 1 when persistent,
-else QoS 0 (always capped by the subscription's QoS).
+else QoS 0 (always capped by the subscription's QoS). Their text that MQTT 5 cannot carry
+goes out with U+FFFD in place of each U+0000 and of bytes that are not UTF-8.
 
 The DMQ and delivery-time user properties (ingress only) mirror the AMQP message annotations
 of the same names, `x-qpid-not-valid-before` included as an alias of `x-opt-delivery-time`;
