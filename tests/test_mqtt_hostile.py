@@ -28,6 +28,7 @@ from protocols.mqtt import session as session_module
 from protocols.mqtt.codec import Disconnect, MqttDecoder, Packet, Pingresp, encode
 from protocols.mqtt.listener import Listener, start
 from tests.test_mqtt_codec import packet_strategies
+from tests.test_mqtt_websocket import RawClient
 
 WAIT = 5.0
 ACKED = b"acked before the bad packet"
@@ -112,6 +113,13 @@ def disconnect(level: int, rc: int) -> bytes:
     return bytes((0xE0, 1, rc)) if level == 5 else b""
 
 
+async def stopped(task: asyncio.Task) -> None:
+    """Cancel a trickling sender; the server closing on it is what the test expected."""
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, ConnectionError):
+        await task
+
+
 class Peer:
     """A raw client socket: bytes in, bytes out, with a tiny parser for what comes back."""
 
@@ -128,6 +136,12 @@ class Peer:
     async def send(self, data: bytes) -> None:
         self.writer.write(data)
         await self.writer.drain()
+
+    async def trickle(self, data: bytes, pause: float) -> None:
+        """Send `data` a byte at a time, each its own segment, `pause` seconds apart."""
+        for i in range(len(data)):
+            await self.send(data[i : i + 1])
+            await asyncio.sleep(pause)
 
     async def packet(self) -> bytes:
         """The next whole packet the server sent."""
@@ -529,31 +543,25 @@ async def test_byte_at_a_time(gw: Listener, level: int) -> None:
     """Valid packets split into single bytes, each its own TCP segment, still work: CONNECT,
     SUBSCRIBE, PUBLISH QoS 1 and 2 (with PUBREL), PINGREQ."""
     peer = await Peer.open(gw.port)
-
-    async def trickle(data: bytes) -> None:
-        for i in range(len(data)):
-            await peer.send(data[i : i + 1])
-            await asyncio.sleep(0.001)
-
-    await trickle(connect(level, "trickle", keep_alive=30))
+    await peer.trickle(connect(level, "trickle", keep_alive=30), 0.001)
     ack = await peer.packet()
     assert ack[0] == 0x20 and ack[3] == 0, ack
-    await trickle(subscribe(level, 1, ("h/trickle", 2)))
+    await peer.trickle(subscribe(level, 1, ("h/trickle", 2)), 0.001)
     suback = await peer.packet()
     assert suback[:4] == b"\x90" + bytes((len(suback) - 2,)) + b"\x00\x01" and suback[-1] == 2
     offset = 2 + len(s("h/trickle"))  # of the packet id in a delivery
-    await trickle(publish(level, "h/trickle", b"one", qos=1, pid=7))
+    await peer.trickle(publish(level, "h/trickle", b"one", qos=1, pid=7), 0.001)
     got = sorted([await peer.packet(), await peer.packet()])
     assert got[0][0] == 0x32 and got[0].endswith(b"one") and got[1] == b"\x40\x02\x00\x07"
-    await trickle(b"\x40\x02" + got[0][offset : offset + 2])
-    await trickle(publish(level, "h/trickle", b"two", qos=2, pid=8))
+    await peer.trickle(b"\x40\x02" + got[0][offset : offset + 2], 0.001)
+    await peer.trickle(publish(level, "h/trickle", b"two", qos=2, pid=8), 0.001)
     got = sorted([await peer.packet(), await peer.packet()])
     assert got[0][0] == 0x34 and got[0].endswith(b"two") and got[1] == b"\x50\x02\x00\x08"
     pid = got[0][offset : offset + 2]
-    await trickle(b"\x50\x02" + pid + b"\x62\x02\x00\x08")  # PUBREC, PUBREL
+    await peer.trickle(b"\x50\x02" + pid + b"\x62\x02\x00\x08", 0.001)  # PUBREC, PUBREL
     got = sorted([await peer.packet(), await peer.packet()])
     assert got == [b"\x62\x02" + pid, b"\x70\x02\x00\x08"]
-    await trickle(b"\x70\x02" + pid + b"\xc0\x00")  # PUBCOMP, PINGREQ
+    await peer.trickle(b"\x70\x02" + pid + b"\xc0\x00", 0.001)  # PUBCOMP, PINGREQ
     assert await peer.packet() == b"\xd0\x00"
     peer.close()
 
@@ -563,22 +571,14 @@ async def test_slowloris_partial_packet_hits_keep_alive(gw: Listener, level: int
     """A client that keeps a packet incomplete, one byte at a time, is not alive for
     keep alive purposes: it is dropped 1.5 keep alive periods after its last packet."""
     peer = await connected(gw.port, level, "slow", keep_alive=1)
-    body = publish(level, "h/slow", b"x" * 100)
-
-    async def trickle() -> None:
-        with contextlib.suppress(ConnectionError):
-            for i in range(len(body)):
-                await peer.send(body[i : i + 1])
-                await asyncio.sleep(0.2)
-
     loop = asyncio.get_running_loop()
     began = loop.time()
-    task = asyncio.create_task(trickle())
+    task = asyncio.create_task(peer.trickle(publish(level, "h/slow", b"x" * 100), 0.2))
     try:
         assert await peer.until_eof() == disconnect(level, 0x8D)
         assert 1.4 <= loop.time() - began < 3
     finally:
-        task.cancel()
+        await stopped(task)
     peer.close()
     await assert_serving(gw.port)
 
@@ -589,72 +589,35 @@ async def test_slowloris_before_connect_hits_connect_timeout(
     """A CONNECT trickled slower than the CONNECT timeout allows: closed at the timeout."""
     monkeypatch.setattr(session_module, "CONNECT_TIMEOUT", 1.0)
     peer = await Peer.open(gw.port)
-    body = connect(4, "c" * 50)
-
-    async def trickle() -> None:
-        with contextlib.suppress(ConnectionError):
-            for i in range(len(body)):
-                await peer.send(body[i : i + 1])
-                await asyncio.sleep(0.1)
-
     loop = asyncio.get_running_loop()
     began = loop.time()
-    task = asyncio.create_task(trickle())
+    task = asyncio.create_task(peer.trickle(connect(4, "c" * 50), 0.1))
     try:
         assert await peer.until_eof() == b""
         assert 0.9 <= loop.time() - began < 2.5
     finally:
-        task.cancel()
+        await stopped(task)
     peer.close()
     await assert_serving(gw.port)
 
 
-class WsPeer:
-    """A raw WebSocket client carrying MQTT: masked frames out, frames parsed in."""
+class WsPeer(RawClient):
+    """A raw WebSocket client carrying MQTT: MQTT packets read across binary frames."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
+        super().__init__(reader, writer)
         self.mqtt = b""  # binary payloads not yet taken as packets
 
     @classmethod
-    async def open(cls, port: int) -> WsPeer:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(
-            b"GET /mqtt HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-            b"Sec-WebSocket-Key: MDEyMzQ1Njc4OWFiY2RlZg==\r\nSec-WebSocket-Version: 13\r\n"
-            b"Sec-WebSocket-Protocol: mqtt\r\n\r\n"
-        )
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WAIT)
+    async def open(cls, listener: Listener) -> WsPeer:
+        peer, head = await cls.upgrade(listener)
         assert head.startswith(b"HTTP/1.1 101 "), head
-        return cls(reader, writer)
-
-    def send(self, opcode: int, payload: bytes, *, fin: bool = True, rsv: int = 0) -> None:
-        mask = b"\x5a\x01\xc3\x99"
-        n = len(payload)
-        if n < 126:
-            length = bytes((0x80 | n,))
-        elif n < 0x10000:
-            length = b"\xfe" + struct.pack("!H", n)
-        else:
-            length = b"\xff" + struct.pack("!Q", n)
-        body = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
-        first = (0x80 if fin else 0) | rsv << 4 | opcode
-        self.writer.write(bytes((first,)) + length + mask + body)
-
-    async def frame(self) -> tuple[int, bytes]:
-        head = await self.reader.readexactly(2)
-        assert not head[1] & 0x80, "server frames are not masked"
-        n = head[1] & 0x7F
-        if n == 126:
-            n = struct.unpack("!H", await self.reader.readexactly(2))[0]
-        elif n == 127:
-            n = struct.unpack("!Q", await self.reader.readexactly(8))[0]
-        return head[0] & 0x0F, await self.reader.readexactly(n)
+        return peer
 
     async def packet(self) -> bytes:
         async with asyncio.timeout(WAIT):
             while (size := _packet_size(self.mqtt)) is None:
-                opcode, payload = await self.frame()
+                opcode, payload = await self.receive()
                 assert opcode == WS_BINARY, (opcode, payload)
                 self.mqtt += payload
         out, self.mqtt = self.mqtt[:size], self.mqtt[size:]
@@ -666,12 +629,12 @@ class WsPeer:
         async with asyncio.timeout(WAIT):
             while True:
                 try:
-                    frames.append(await self.frame())
+                    frames.append(await self.receive())
                 except (asyncio.IncompleteReadError, ConnectionResetError) as exc:
                     assert not getattr(exc, "partial", b""), exc
                     return frames
 
-    def close(self) -> None:
+    def abort(self) -> None:
         self.writer.transport.abort()
 
 
@@ -738,7 +701,7 @@ async def test_websocket_bad_frames(
     """After an acknowledged QoS 1 publish over WebSocket, bad frames close the connection
     with the WebSocket (or, inside binary frames, the MQTT) reason; the message survives."""
     watch = await watcher(gw.port, "h/ws")
-    peer = await WsPeer.open(gw.extra_ports["mqtt_ws_port"])
+    peer = await WsPeer.open(gw)
     peer.send(WS_BINARY, connect(5, "ws-victim") + publish(5, "h/ws", ACKED, qos=1, pid=3))
     ack = await peer.packet()
     assert ack[0] == 0x20 and ack[3] == 0, ack
@@ -746,7 +709,7 @@ async def test_websocket_bad_frames(
     for opcode, payload, fin, rsv in frames:
         peer.send(opcode, payload, fin=fin, rsv=rsv)
     assert await peer.until_eof() == expected
-    peer.close()
+    peer.abort()
     await delivered(watch, "h/ws", ACKED)
     watch.close()
     await assert_serving(gw.port)
@@ -754,16 +717,16 @@ async def test_websocket_bad_frames(
 
 async def test_websocket_oversized_frame_header(gw: Listener) -> None:
     """A frame header announcing 2**40 bytes is refused with 1009 before any body."""
-    peer = await WsPeer.open(gw.extra_ports["mqtt_ws_port"])
+    peer = await WsPeer.open(gw)
     peer.writer.write(b"\x82\xff" + struct.pack("!Q", 1 << 40) + b"\x00\x00\x00\x00")
     assert await peer.until_eof() == [ws_close(1009)]
-    peer.close()
+    peer.abort()
     await assert_serving(gw.port)
 
 
 async def test_websocket_byte_at_a_time(gw: Listener) -> None:
     """MQTT packets cut into one-byte fragments of one message, and one-byte messages."""
-    peer = await WsPeer.open(gw.extra_ports["mqtt_ws_port"])
+    peer = await WsPeer.open(gw)
     data = connect(5, "ws-trickle") + subscribe(5, 1, ("h/wt", 1))
     for i in range(len(data)):
         opcode = WS_BINARY if i == 0 else WS_CONTINUATION
@@ -778,7 +741,7 @@ async def test_websocket_byte_at_a_time(gw: Listener) -> None:
         await asyncio.sleep(0.001)
     got = sorted([await peer.packet(), await peer.packet()])
     assert got[0][0] == 0x32 and got[0].endswith(b"bytes") and got[1] == b"\x40\x02\x00\x04"
-    peer.close()
+    peer.abort()
 
 
 _fuzz_ids = itertools.count()

@@ -81,13 +81,20 @@ class RawClient:
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), TIMEOUT)
         return cls(reader, writer), head
 
-    def send(self, opcode: int, payload: bytes, fin: bool = True, masked: bool = True) -> None:
+    def send(
+        self, opcode: int, payload: bytes, fin: bool = True, masked: bool = True, rsv: int = 0
+    ) -> None:
         mask = b"\x37\xfa\x21\x3d"
         n = len(payload)
         bit = 0x80 if masked else 0
-        length = struct.pack("!BH", 126 | bit, n) if n >= 126 else bytes([n | bit])
+        if n < 126:
+            length = bytes([n | bit])
+        elif n < 0x10000:
+            length = struct.pack("!BH", 126 | bit, n)
+        else:
+            length = struct.pack("!BQ", 127 | bit, n)
         body = bytes(b ^ mask[i % 4] for i, b in enumerate(payload)) if masked else payload
-        first = (0x80 if fin else 0) | opcode
+        first = (0x80 if fin else 0) | rsv << 4 | opcode
         self.writer.write(bytes([first]) + length + (mask if masked else b"") + body)
 
     async def receive(self) -> tuple[int, bytes]:
