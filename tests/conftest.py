@@ -4,6 +4,7 @@ and AMQP listeners with default settings on free loopback ports, and all three f
 
 from __future__ import annotations
 
+import logging
 import shutil
 import socket
 import subprocess
@@ -27,6 +28,17 @@ from protocols.amqp.listener import start as start_amqp
 from protocols.mqtt.listener import Listener as MqttListener
 from protocols.mqtt.listener import start as start_mqtt
 from tests.test_admin_api import Admin
+
+
+def logged_errors(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """ERROR records of the whole test so far: `caplog.records`, read in a fixture's
+    teardown, holds only the teardown's."""
+    return [
+        record.getMessage()
+        for when in ("setup", "call", "teardown")
+        for record in caplog.get_records(when)
+        if record.levelno >= logging.ERROR
+    ]
 
 
 def free_port() -> int:

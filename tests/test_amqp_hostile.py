@@ -6,9 +6,10 @@ before are still delivered."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import struct
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 
 import pytest
 from proton import Described, Message, symbol, ubyte, uint, ulong
@@ -39,12 +40,21 @@ from tests.amqp_raw import (
     performative,
     sasl_init,
 )
-from tests.conftest import Ports
+from tests.conftest import Ports, logged_errors
+from tests.test_engine import wait_for
 from tests.test_mqtt_paho import V5, Client
 
 QUEUE = "hostile-q"
 KEPT = bytes(Message(body=b"kept", durable=True).encode())
 OK = (ACCEPTED, None)
+
+
+@pytest.fixture(autouse=True)
+def no_error_logged(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+    """Hostile input is the client's problem: nothing it sends may reach an ERROR log."""
+    caplog.set_level(logging.WARNING)
+    yield
+    assert not logged_errors(caplog)
 
 
 @pytest.fixture
@@ -188,12 +198,25 @@ async def test_a_client_that_never_finishes_the_handshake_is_dropped(
 ) -> None:
     """Proton's idle timeout starts with its first input: before this, a client that sent
     nothing (or stopped inside SASL) held its socket for ever."""
-    monkeypatch.setattr(connection, "IDLE_TIMEOUT", 0.3)
+    monkeypatch.setattr(connection, "HANDSHAKE_TIMEOUT", 0.3)
     peer = await Peer.connect(amqp.port)
     peer.send(sent)
     start = time.monotonic()
     assert await peer.eof()
     assert time.monotonic() - start < 3
+
+
+async def test_a_handshake_sent_after_its_timeout_is_not_answered(
+    broker: Broker, amqp: Listener, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The socket is shut for writing at the timeout: a header arriving in the grace period
+    after it is drained unread (answering it failed the transport with an ERROR log)."""
+    monkeypatch.setattr(connection, "HANDSHAKE_TIMEOUT", 0.2)
+    peer = await Peer.connect(amqp.port)
+    await asyncio.sleep(0.4)
+    peer.send(SASL_HEADER)
+    assert await peer.eof()
+    await wait_for(lambda: not amqp.registry.connections)  # the header was taken in
 
 
 async def test_sasl_frames_after_the_outcome_are_a_framing_error(port: int) -> None:

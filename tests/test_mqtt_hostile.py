@@ -27,6 +27,7 @@ from gateway.config import Settings, User
 from protocols.mqtt import session as session_module
 from protocols.mqtt.codec import Disconnect, MqttDecoder, Packet, Pingresp, encode
 from protocols.mqtt.listener import Listener, start
+from tests.conftest import logged_errors
 from tests.test_mqtt_codec import packet_strategies
 from tests.test_mqtt_websocket import RawClient
 
@@ -201,8 +202,7 @@ async def gw(broker: Broker, caplog: pytest.LogCaptureFixture) -> AsyncIterator[
     assert listener is not None
     yield listener
     await listener.close()
-    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
-    assert not errors, [r.getMessage() for r in errors]
+    assert not logged_errors(caplog)
 
 
 async def watcher(port: int, topic: str) -> Peer:

@@ -70,6 +70,7 @@ log = logging.getLogger(__name__)
 
 IDLE_TIMEOUT = 60.0  # seconds of silence from the client before proton closes the connection
 CLOSE_GRACE = 1.0
+HANDSHAKE_TIMEOUT = 10.0  # seconds a new socket has for the protocol header and SASL
 _connection_ids = itertools.count(1)
 _HANDLED = frozenset(
     {
@@ -115,6 +116,7 @@ class AmqpConnection(asyncio.Protocol):
         self._tick: asyncio.TimerHandle | None = None
         self._deadline = 0.0
         self._shutdown: asyncio.TimerHandle | None = None  # the abort after CLOSE_GRACE
+        self._handshake: asyncio.TimerHandle | None = None
 
     # -- asyncio.Protocol ------------------------------------------------------------------
 
@@ -122,15 +124,12 @@ class AmqpConnection(asyncio.Protocol):
         self.socket = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         self.registry.connections.add(self)
         # proton's idle timeout runs only once it has input: until SASL is done, this does
-        self._tick = self._loop.call_later(IDLE_TIMEOUT, self._handshake_expired)
+        self._handshake = self._loop.call_later(HANDSHAKE_TIMEOUT, self._handshake_expired)
 
     def data_received(self, data: bytes) -> None:
-        if self.closed:
-            return
-        state = self.sasl.state
-        if state is not State.DONE:
-            if state is State.FAILED:
-                return  # closing: what the client still sends is drained unread
+        if self.closed or self._shutdown is not None:
+            return  # closing: what the client still sends is drained unread
+        if self.sasl.state is not State.DONE:
             self.sasl.feed(data)
             self._write(bytes(self.sasl.output))
             self.sasl.output.clear()
@@ -156,7 +155,7 @@ class AmqpConnection(asyncio.Protocol):
         if self.closed:
             return
         self.closed = True
-        for timer in (self._tick, self._shutdown):
+        for timer in (self._tick, self._shutdown, self._handshake):
             if timer is not None:
                 timer.cancel()
         for endpoint in self.endpoints.values():
@@ -257,8 +256,10 @@ class AmqpConnection(asyncio.Protocol):
             pn_transport_pop(impl, pending)
 
     def _write(self, data: bytes) -> None:
-        if data and self.socket is not None and not self.socket.is_closing():
-            self.socket.write(data)
+        """Nothing once the socket is shut for writing (`_close_socket`)."""
+        socket = self.socket
+        if data and self._shutdown is None and socket is not None and not socket.is_closing():
+            socket.write(data)
 
     def _close_socket(self) -> None:
         """Close the socket after what was written. Where it can, only the sending side is
@@ -275,7 +276,7 @@ class AmqpConnection(asyncio.Protocol):
         self._shutdown = self._loop.call_later(CLOSE_GRACE, socket.abort)
 
     def _handshake_expired(self) -> None:
-        self._tick = None
+        self._handshake = None
         if not self.closed and self.sasl.state is State.NEGOTIATING:
             log.info("AMQP client did not finish the protocol header and SASL in time")
             self._close_socket()
