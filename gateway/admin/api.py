@@ -39,7 +39,7 @@ OUTCOME_STATUS = {
 }
 MAX_GET = 1000
 USER_PROPERTY_HEADER = "solace-user-property-"  # header names arrive lower-cased
-INT64 = range(-(2**63), 2**63)  # an integer user property as AMQP carries it (long)
+AMQP_INTEGERS = range(-(2**63), 2**64)  # a user property as AMQP carries it: long or ulong
 MESSAGE_FIELDS = (
     "queue",
     "topic",
@@ -302,8 +302,8 @@ def _message(body: dict[str, Any]) -> Message:
     for name, value in props.items():
         if value is not None and not isinstance(value, str | int | float):  # bool is an int
             raise HttpError(400, f"user property {name!r} must be a string, number or boolean")
-        if isinstance(value, int) and value not in INT64:
-            raise HttpError(400, f"user property {name!r} must fit in a signed 64-bit integer")
+        if isinstance(value, int) and value not in AMQP_INTEGERS:
+            raise HttpError(400, f"user property {name!r} must be from -2**63 to 2**64 - 1")
     return Message(
         destination=queue if queue is not None else topic,
         to_queue=queue is not None,

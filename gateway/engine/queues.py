@@ -84,6 +84,13 @@ def _config_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_CONFIG_INT
 
 
+def _stored_int(h: dict[str, str], name: str, default: int) -> int:
+    """An integer setting as stored. One stored before settings were bounded by
+    MAX_CONFIG_INT reads as the bound, the same "no practical limit": else the queue could
+    not be changed at all (every update validates the whole config)."""
+    return min(int(h.get(name, default)), MAX_CONFIG_INT)
+
+
 partition_queue_name = keys.partition_queue
 
 # What QueueStore.update may change on an existing queue.
@@ -299,17 +306,17 @@ class QueueConfig:
             owner_node=h.get("owner_node") or None,
             ingress_enabled=h.get("ingress", "1") == "1",
             egress_enabled=h.get("egress", "1") == "1",
-            max_message_size=int(h.get("max_message_size", 0)),
-            max_spool_bytes=int(h.get("max_spool_bytes", 0)),
-            max_messages=int(h.get("max_messages", 0)),
-            max_redelivery=int(h.get("max_redelivery", 0)),
+            max_message_size=_stored_int(h, "max_message_size", 0),
+            max_spool_bytes=_stored_int(h, "max_spool_bytes", 0),
+            max_messages=_stored_int(h, "max_messages", 0),
+            max_redelivery=_stored_int(h, "max_redelivery", 0),
             dead_message_queue=h.get("dead_message_queue", DEAD_MESSAGE_QUEUE),
-            max_ttl_ms=int(h.get("max_ttl_ms", 0)),
+            max_ttl_ms=_stored_int(h, "max_ttl_ms", 0),
             respect_ttl=h.get("respect_ttl", "0") == "1",
             dmq_eligible_default=h.get("dmq_eligible_default", "0") == "1",
-            partition_count=int(h.get("partition_count", 0)),
-            partition_rebalance_delay_ms=int(h.get("partition_rebalance_delay_ms", 500)),
-            partition_handoff_timeout_ms=int(h.get("partition_handoff_timeout_ms", 3000)),
+            partition_count=_stored_int(h, "partition_count", 0),
+            partition_rebalance_delay_ms=_stored_int(h, "partition_rebalance_delay_ms", 500),
+            partition_handoff_timeout_ms=_stored_int(h, "partition_handoff_timeout_ms", 3000),
             message_groups=h.get("message_groups", ""),
             default_group=h.get("default_group", "qpid.no-group"),
             non_destructive=h.get("non_destructive", "0") == "1",
@@ -321,9 +328,9 @@ class QueueConfig:
             auto_delete=h.get("auto_delete", "0") == "1",
             owner_connection=h.get("owner_connection", ""),
             overflow=h.get("overflow", "reject"),
-            resume_percent=int(h.get("resume_percent", 80)),
+            resume_percent=_stored_int(h, "resume_percent", 80),
             vpn=h.get("vpn", DEFAULT_VPN),
-            created_ms=int(h.get("created_ms", 0)),
+            created_ms=_stored_int(h, "created_ms", 0),
         )
 
     def to_json(self) -> dict[str, Any]:
