@@ -7,7 +7,7 @@ import struct
 import time
 
 import pytest
-from proton import Connection, Data, Described, Link, Message, Terminus, symbol, ulong
+from proton import Connection, Data, Described, Link, Message, Terminus, symbol
 from proton.reactor import DurableSubscription, Filter, LinkOption, Selector
 
 from gateway.broker import QueueConfig
@@ -16,19 +16,13 @@ from gateway.model import Message as GatewayMessage
 from protocols.amqp import mapping, terminus
 from protocols.amqp.links import Address, parse_address
 from protocols.amqp.sasl import AMQP_HEADER, SASL_HEADER, SaslServer, State
+from tests.amqp_raw import sasl_init
 
 USERS = {"alice": "s3cret"}
 
 
 def server(anonymous: bool = True) -> SaslServer:
     return SaslServer(anonymous, lambda u, p: USERS.get(u) == p)
-
-
-def init_frame(mechanism: str, response: bytes | None) -> bytes:
-    data = Data()
-    data.put_object(Described(ulong(0x41), [symbol(mechanism), response]))
-    body = bytes(data.encode())
-    return struct.pack(">IBBH", 8 + len(body), 2, 1, 0) + body
 
 
 def outcome_code(output: bytes) -> int:
@@ -52,7 +46,7 @@ def _last_frame_size(output: bytes) -> int:
 
 def test_plain_fed_byte_by_byte_keeps_pipelined_bytes() -> None:
     sasl = server(anonymous=False)
-    wire = SASL_HEADER + init_frame("PLAIN", b"\0alice\0s3cret") + AMQP_HEADER + b"more"
+    wire = SASL_HEADER + sasl_init("PLAIN", b"\0alice\0s3cret") + AMQP_HEADER + b"more"
     for i in range(len(wire)):
         sasl.feed(wire[i : i + 1])
         if sasl.state is not State.NEGOTIATING:
@@ -72,14 +66,14 @@ def test_plain_fed_byte_by_byte_keeps_pipelined_bytes() -> None:
 )
 def test_refused_logins(mechanism: str, response: bytes | None) -> None:
     sasl = server(anonymous=False)
-    sasl.feed(SASL_HEADER + init_frame(mechanism, response))
+    sasl.feed(SASL_HEADER + sasl_init(mechanism, response))
     assert sasl.state is State.FAILED
     assert outcome_code(bytes(sasl.output)) == 1
 
 
 def test_anonymous_and_headers() -> None:
     sasl = server()
-    sasl.feed(SASL_HEADER + init_frame("ANONYMOUS", b""))
+    sasl.feed(SASL_HEADER + sasl_init("ANONYMOUS", b""))
     assert (sasl.state, sasl.user) == (State.DONE, None)
     plain = server()
     plain.feed(AMQP_HEADER[:4])

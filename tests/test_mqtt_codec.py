@@ -436,17 +436,19 @@ def expect_error(data: bytes, level: int | None, code: int, **kw) -> MqttProtoco
     return info.value
 
 
+def vbi(n: int) -> bytes:
+    """Independent Variable Byte Integer encoder for hand-made negative cases."""
+    out = bytearray()
+    while True:
+        b, n = n & 0x7F, n >> 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
 def frame(b0: int, body: bytes) -> bytes:
     """Independent fixed-header builder for hand-made negative cases."""
-    n = len(body)
-    rl = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        rl.append(b | (0x80 if n else 0))
-        if not n:
-            break
-    return bytes((b0,)) + bytes(rl) + body
+    return bytes((b0,)) + vbi(len(body)) + body
 
 
 def s(text_: str | bytes) -> bytes:

@@ -28,24 +28,11 @@ from protocols.mqtt import session as session_module
 from protocols.mqtt.codec import Disconnect, MqttDecoder, Packet, Pingresp, encode
 from protocols.mqtt.listener import Listener, start
 from tests.conftest import logged_errors
-from tests.test_mqtt_codec import packet_strategies
+from tests.test_mqtt_codec import frame, packet_strategies, vbi
 from tests.test_mqtt_websocket import RawClient
 
 WAIT = 5.0
 ACKED = b"acked before the bad packet"
-
-
-def vbi(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b, n = n & 0x7F, n >> 7
-        out.append(b | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-def frame(b0: int, body: bytes) -> bytes:
-    return bytes((b0,)) + vbi(len(body)) + body
 
 
 def s(text: str | bytes) -> bytes:
@@ -624,15 +611,19 @@ class WsPeer(RawClient):
         return out
 
     async def until_eof(self) -> list[tuple[int, bytes]]:
-        """The frames the server sends until it closes the socket."""
+        """The frames the server sends until it closes the socket. Its close frame is
+        answered, as a client does: the server then closes without waiting CLOSE_WAIT."""
         frames = []
         async with asyncio.timeout(WAIT):
             while True:
                 try:
-                    frames.append(await self.receive())
+                    opcode, payload = await self.receive()
                 except (asyncio.IncompleteReadError, ConnectionResetError) as exc:
                     assert not getattr(exc, "partial", b""), exc
                     return frames
+                frames.append((opcode, payload))
+                if opcode == WS_CLOSE:
+                    self.send(WS_CLOSE, payload[:2])
 
     def abort(self) -> None:
         self.writer.transport.abort()

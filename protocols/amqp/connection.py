@@ -265,7 +265,9 @@ class AmqpConnection(asyncio.Protocol):
         """Close the socket after what was written. Where it can, only the sending side is
         shut and the client's bytes are read on until it closes (or CLOSE_GRACE passes):
         closing with unread input makes the kernel reset the connection, and the reset can
-        overtake the close frame that says why."""
+        overtake the close frame that says why. The links' flows are released when the
+        socket closes (connection_lost): for a client that does not close, CLOSE_GRACE
+        later."""
         socket = self.socket
         if socket is None or socket.is_closing() or self._shutdown is not None:
             return
