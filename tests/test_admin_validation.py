@@ -29,15 +29,19 @@ QUEUES = "/api/v1/queues"
 MESSAGES = "/api/v1/messages"
 
 
-async def raw_http(port: int, head: str, body: bytes = b"", length: int | None = None) -> Reply:
+async def raw_http(
+    port: int, head: str | bytes, body: bytes = b"", length: int | None = None
+) -> Reply:
     """One request as written (target, headers and body not touched by a client library);
     `head` is the request line and headers without the blank line; `length` the declared
     Content-Length (default: the body's)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         declared = len(body) if length is None else length
+        start = head.encode() if isinstance(head, str) else head
         writer.write(
-            f"{head}\r\nHost: x\r\nConnection: close\r\nContent-Length: {declared}\r\n\r\n".encode()
+            start
+            + f"\r\nHost: x\r\nConnection: close\r\nContent-Length: {declared}\r\n\r\n".encode()
             + body
         )
         await writer.drain()
@@ -338,6 +342,18 @@ async def test_publish_header_property_needs_a_name(admin: Admin) -> None:
     assert (await raw_http(admin.port, named, body)).status == 200
     [got] = await admin.take("q1")
     assert got["user_properties"] == {"colour": "red"}
+
+
+async def test_publish_header_properties_are_utf8(admin: Admin) -> None:
+    await admin.create("q1")
+    body = b'{"payload": "x"}'
+    head = "POST /api/v1/queues/q1/messages HTTP/1.1\r\nSolace-User-Property-city: Zürich"
+    assert (await raw_http(admin.port, head, body)).status == 200  # sent as UTF-8
+    [got] = await admin.take("q1")
+    assert got["user_properties"] == {"city": "Zürich"}
+    bad = b"POST /api/v1/queues/q1/messages HTTP/1.1\r\nSolace-User-Property-city: \xff"
+    refused(await raw_http(admin.port, bad, body), "solace-user-property-city", "UTF-8")
+    assert await admin.depth("q1") == 0
 
 
 # -- getting ----------------------------------------------------------------------------------

@@ -188,10 +188,11 @@ class AdminApi:
                 prop = name[len(USER_PROPERTY_HEADER) :]
                 if not prop:
                     raise HttpError(400, "a Solace-User-Property- header needs a property name")
+                text = _header_text(value, name)
                 if prop == "jmsxgroupid":
-                    msg.partition_key = value
+                    msg.partition_key = text
                 else:
-                    msg.user_properties.append((prop, value))
+                    msg.user_properties.append((prop, text))
         outcome = await self.broker.publish(msg)
         status = OUTCOME_STATUS.get(outcome, 200)
         result = {"outcome": outcome.name.lower(), "id": msg.id}
@@ -238,6 +239,15 @@ def _object(req: Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise HttpError(400, "request body must be a JSON object")
     return body
+
+
+def _header_text(value: str, name: str) -> str:
+    """A header value as the UTF-8 its client sent: the HTTP layer keeps header bytes as
+    latin-1, which turned "Zürich" into "ZÃ¼rich"."""
+    try:
+        return value.encode("latin-1").decode()
+    except UnicodeDecodeError:
+        raise HttpError(400, f"header {name} is not UTF-8") from None
 
 
 def _known(body: dict[str, Any], fields: Collection[str], what: str) -> None:
