@@ -271,6 +271,7 @@ AFTER_CONNECT: list[tuple[str, int, bytes, int]] = [
     ("publish-topic-alias-over-max", 5, pub5(pprops=props(u16(0x23, 65))), 0x94),
     ("publish-topic-alias-unknown", 5, pub5("", props(u16(0x23, 5))), 0x82),
     ("publish-subscription-id", 5, pub5(pprops=props(b"\x0b\x01")), 0x82),
+    ("publish-response-topic-wildcard", 5, pub5(pprops=props(b"\x08" + s("r/#"))), 0x82),
     ("publish-duplicate-expiry", 5, pub5(pprops=props(u32(2, 9), u32(2, 9))), 0x82),
     (
         "publish-duplicate-content-type",
@@ -392,6 +393,11 @@ BAD_CONNECT: list[tuple[str, bytes, bytes]] = [
     ("will-topic-wildcard-v4", connect(4, "c", flags=0x06, rest=will(4, "w/#")), b""),
     ("will-topic-wildcard-v5", connect(5, "c", flags=0x06, rest=will(5, "w/#")), connack(5, 0x90)),
     ("will-topic-empty-v5", connect(5, "c", flags=0x06, rest=will(5, "")), connack(5, 0x90)),
+    (
+        "will-response-topic-wildcard-v5",
+        connect(5, "c", flags=0x06, rest=will(5, "w", props(b"\x08" + s("r/+")))),
+        connack(5, 0x82),
+    ),
     ("will-topic-nul-v5", connect(5, "c", flags=0x06, rest=will(5, b"w\x00")), connack(5, 0x81)),
     (
         "will-property-not-allowed",

@@ -126,6 +126,12 @@ def _covered(patterns: list[str], topic: str) -> bool:
     return False
 
 
+def _wildcard(response_topic: str | None) -> bool:
+    """A Response Topic is a topic name: MQTT 5 §3.3.2.3.5 forbids wildcards in it (a reply
+    published to it would be refused)."""
+    return response_topic is not None and ("+" in response_topic or "#" in response_topic)
+
+
 _DECIDED = object()  # an `_Ack` answered on arrival, with its own reason code
 
 
@@ -289,6 +295,10 @@ class Session:
         props = p.properties or Properties()
         if props.authentication_method is not None:
             self._refuse_connect(ReasonCode.BAD_AUTHENTICATION_METHOD)
+            return
+        will_props = p.will.properties if p.will is not None else None
+        if will_props is not None and _wildcard(will_props.response_topic):
+            self._refuse_connect(ReasonCode.PROTOCOL_ERROR)
             return
         refusal = self._authenticate(p)
         if refusal is not None:
@@ -508,7 +518,7 @@ class Session:
         props = p.properties
         if props is None:
             return True
-        if props.subscription_identifiers:
+        if props.subscription_identifiers or _wildcard(props.response_topic):
             self.fail(ReasonCode.PROTOCOL_ERROR)
             return False
         alias = props.topic_alias
