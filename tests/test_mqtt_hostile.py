@@ -852,6 +852,37 @@ async def test_unacked_delivery_survives_bad_packet(gw: Listener, level: int) ->
     pub.close()
 
 
+@pytest.mark.parametrize("level", [4, 5])
+@pytest.mark.parametrize(
+    ("qos", "wrong"), [(1, 0x50), (2, 0x40)], ids=["pubrec-for-1", "puback-for-2"]
+)
+async def test_a_delivery_acked_at_the_wrong_qos(
+    gw: Listener, level: int, qos: int, wrong: int
+) -> None:
+    """PUBREC for a QoS 1 delivery, PUBACK for a QoS 2 one: a protocol error, and the
+    message is not settled by it: the next subscriber of the queue gets it."""
+    kw = {"flags": 0x00} if level == 4 else {"cprops": props(u32(0x11, 60))}
+    sub = await connected(gw.port, level, "wrong-ack", **kw)  # type: ignore[arg-type]
+    await sub.send(subscribe(level, 1, ("h/wrong", qos)))
+    assert (await sub.packet())[-1] == qos
+    pub = await connected(gw.port, 4, "wrong-sender")
+    await pub.send(publish(4, "h/wrong", b"m", qos=qos, pid=2))
+    assert (await pub.packet())[0] == (0x40 if qos == 1 else 0x50)
+    got = await sub.packet()
+    assert got[0] & 0x06 == qos << 1 and got.endswith(b"m"), got
+    offset = 2 + len(s("h/wrong"))
+    await sub.send(bytes((wrong, 2)) + got[offset : offset + 2])
+    assert await sub.until_eof() == disconnect(level, 0x82)
+    sub.close()
+    again = await Peer.open(gw.port)
+    await again.send(connect(level, "wrong-ack", flags=0x00))
+    assert (await again.packet())[2:4] == b"\x01\x00"  # session present
+    redelivered = await again.packet()
+    assert redelivered[0] & 0x0F == 0x08 | qos << 1 and redelivered.endswith(b"m")  # DUP
+    again.close()
+    pub.close()
+
+
 @pytest.mark.parametrize(
     ("level", "bad", "rc"),
     [

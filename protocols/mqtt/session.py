@@ -760,6 +760,9 @@ class Session:
     def _on_puback(self, p: Puback) -> None:
         item = self._inflight.pop(p.packet_id, None)
         if item is not None:
+            if item[2] != 1:  # the QoS 2 flow answered as QoS 1
+                self._wrong_ack(item[2])
+                return
             self._settle(item[0], item[1])
 
     def _on_pubrec(self, p: Pubrec) -> None:
@@ -769,6 +772,9 @@ class Session:
         assert state is not None
         item = self._inflight.pop(p.packet_id, None)
         if item is not None:
+            if item[2] != 2:  # the QoS 1 flow answered as QoS 2
+                self._wrong_ack(item[2])
+                return
             self._settle(item[0], item[1])
             if p.reason_code < 0x80:
                 state.pubrel_out.add(p.packet_id)
@@ -778,6 +784,12 @@ class Session:
             self._send(Pubrel(p.packet_id))
         elif self.level == 5:
             self._send(Pubrel(p.packet_id, ReasonCode.PACKET_IDENTIFIER_NOT_FOUND))
+
+    def _wrong_ack(self, qos: int) -> None:
+        """A PUBACK for a QoS 2 delivery or a PUBREC for a QoS 1 one: a protocol error (as
+        Mosquitto has it). The delivery stays unsettled, so it is delivered again."""
+        log.info("MQTT client %r acknowledged a QoS %d delivery wrongly", self.client_id, qos)
+        self.fail(ReasonCode.PROTOCOL_ERROR)
 
     def _on_pubcomp(self, p: Pubcomp) -> None:
         state = self.state
