@@ -25,7 +25,6 @@ import asyncio
 import logging
 import struct
 from collections.abc import Callable, Collection, Iterable, Iterator
-from itertools import islice
 from typing import Protocol
 
 import redis.asyncio as aioredis
@@ -177,11 +176,14 @@ class Spooler:
         await self._calls.close()
 
     def _next_queues(self) -> Iterator[str]:
-        """The queues of the messages the next batch takes (worked out when first asked:
-        pacing asks only while some consumer is behind)."""
-        count = self._batch_length(0)[0]
-        for p in islice(self._pending, count):
+        """The queues of the messages the next batch takes, walked only as far as asked:
+        pacing asks only while some consumer is behind, and stops at its first queue."""
+        stored = 0
+        for count, p in enumerate(self._pending, 1):
             yield from p[0]
+            stored += len(p[_BLOB]) * len(p[0])
+            if count >= MAX_BATCH_MESSAGES or stored >= MAX_BATCH_BYTES:  # as _batch_length
+                return
 
     def _take_batch(self, at_least: int) -> tuple[list[_Pending], int]:
         """The next batch and the bytes of its long messages (see `_batch_length`)."""
@@ -205,9 +207,7 @@ class Spooler:
             if size >= IN_PLACE_BYTES:
                 long_bytes += size
             stored += size * len(p[0])
-            if i + 1 < at_least:
-                continue
-            if i + 1 >= MAX_BATCH_MESSAGES or stored >= MAX_BATCH_BYTES:
+            if i + 1 >= at_least and (i + 1 >= MAX_BATCH_MESSAGES or stored >= MAX_BATCH_BYTES):
                 return i + 1, long_bytes
         return len(self._pending), long_bytes
 
