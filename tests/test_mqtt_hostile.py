@@ -16,6 +16,7 @@ import itertools
 import logging
 import socket
 import struct
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -26,6 +27,7 @@ from gateway.broker import Broker
 from gateway.config import Settings, User
 from protocols.mqtt import session as session_module
 from protocols.mqtt.codec import Disconnect, MqttDecoder, Packet, Pingresp, encode
+from protocols.mqtt.connection import MqttConnection
 from protocols.mqtt.listener import Listener, start
 from tests.conftest import logged_errors
 from tests.test_mqtt_codec import frame, packet_strategies, vbi
@@ -592,6 +594,81 @@ async def test_slowloris_before_connect_hits_connect_timeout(
         await stopped(task)
     peer.close()
     await assert_serving(gw.port)
+
+
+FLOOD = 7 * 1024 * 1024  # more than the kernel's buffers and the pause mark, under the cap
+BULK = 64 * 1024
+
+
+async def reading_little(port: int, client_id: str) -> Peer:
+    """A v4 client with a tiny receive buffer, subscribed at QoS 0 to h/<client_id> (keep
+    alive 1 s), and FLOOD bytes published to that topic: the gateway stopped reading it."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+    reader, writer = await asyncio.open_connection(sock=sock)
+    peer = Peer(reader, writer)
+    await peer.send(connect(4, client_id, keep_alive=1))
+    assert (await peer.packet())[0] == 0x20
+    await peer.send(subscribe(4, 1, (f"h/{client_id}", 0)))
+    assert (await peer.packet())[0] == 0x90
+    pub = await connected(port, 4, f"flood-{client_id}")
+    for _ in range(FLOOD // BULK):
+        await pub.send(publish(4, f"h/{client_id}", b"x" * BULK))
+    await pub.send(publish(4, "h/flooded", b"", qos=1, pid=1))  # after the flood, in order
+    assert await pub.packet() == b"\x40\x02\x00\x01"
+    pub.close()
+    return peer
+
+
+def mqtt_connection(gw: Listener, client_id: str) -> MqttConnection | None:
+    return next(
+        (c for c in gw.registry.connections if c.session and c.session.client_id == client_id),
+        None,
+    )
+
+
+async def test_a_client_that_stops_reading_hits_keep_alive(
+    gw: Listener, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client that takes none of its output while its pings wait unread behind the paused
+    input cannot show it is alive: keep alive drops it (within two periods), well before
+    its output reaches the write buffer's cap."""
+    caplog.set_level(logging.INFO, logger=session_module.__name__)
+    stuck = await reading_little(gw.port, "stuck")
+    conn = mqtt_connection(gw, "stuck")
+    assert conn is not None and conn.input_paused  # the premise: its input is not read
+    began = time.time()
+    for _ in range(8):  # pings every 0.5 s, never read
+        await stuck.send(b"\xc0\x00")
+        await asyncio.sleep(0.5)
+    assert mqtt_connection(gw, "stuck") is None
+    dropped = [r for r in caplog.records if "keep alive timed out" in r.getMessage()]
+    assert len(dropped) == 1 and 1.4 <= dropped[0].created - began < 3.6
+    await stuck.until_eof()
+    stuck.close()
+    await assert_serving(gw.port)
+
+
+async def test_a_client_that_reads_slowly_stays(
+    gw: Listener, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A subscriber that reads slowly, its pings unread behind the paused input, takes some
+    of its output each keep alive period: it is alive, and stays connected."""
+    caplog.set_level(logging.INFO, logger=session_module.__name__)
+    slow = await reading_little(gw.port, "slow")
+    conn = mqtt_connection(gw, "slow")
+    assert conn is not None and conn.input_paused
+    for i in range(40):  # 4 s at ~160 KiB/s
+        if i % 5 == 0:
+            await slow.send(b"\xc0\x00")
+        slow.buf = b""
+        await slow.reader.read(16384)
+        await asyncio.sleep(0.1)
+    assert mqtt_connection(gw, "slow") is conn
+    assert "keep alive timed out" not in caplog.text
+    slow.close()
 
 
 class WsPeer(RawClient):

@@ -5,13 +5,17 @@ packet: on uvloop each write is a syscall). Flow control lives here because it i
 sockets: reading pauses while the session is busy or the spool is behind (several reasons
 may hold it at once) and while the peer's receive side is full; a peer that stops reading is
 cut off once WRITE_BUFFER_CAP bytes are queued for it, so a slow subscriber cannot make the
-gateway's memory grow without bound.
+gateway's memory grow without bound, and by keep alive once it has taken none of its output
+for a keep alive period (its pings wait unread behind the paused input).
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
+import sys
+import termios
 from typing import TYPE_CHECKING, cast
 
 from protocols.mqtt.codec import MqttDecoder, MqttProtocolError
@@ -27,6 +31,19 @@ WRITE_BUFFER_CAP = 8 * 1024 * 1024  # drop the client when this much is already 
 CLOSE_GRACE = 1.0  # seconds a closing transport may take to flush before it is aborted
 
 
+def _kernel_queued(transport: asyncio.Transport) -> int:
+    """Bytes in the socket's send queue not yet acknowledged by the peer (Linux's
+    TIOCOUTQ; 0 where it cannot be asked)."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return 0
+    try:
+        raw = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+    except OSError:
+        return 0
+    return int.from_bytes(raw, sys.byteorder)
+
+
 class MqttConnection(asyncio.Protocol):
     """One client's socket; implements the session's `Link`."""
 
@@ -38,6 +55,8 @@ class MqttConnection(asyncio.Protocol):
         self._paused: set[str] = set()
         self._dead = False
         self._out: list[bytes] | None = None  # this turn's output, written by _flush
+        self._written = 0  # bytes handed to the transport so far
+        self._acked_seen = 0  # output the client's TCP acknowledged, when last asked
 
     @property
     def protocol_level(self) -> int | None:
@@ -46,6 +65,20 @@ class MqttConnection(asyncio.Protocol):
     @property
     def input_paused(self) -> bool:
         return bool(self._paused)
+
+    def output_moved(self) -> bool:
+        """Whether the client may have sent something we have not read: reading is paused
+        on our side (busy, spool), or the client took some of its output since the last
+        call (its TCP acknowledged more). A client that neither reads nor is read from
+        cannot show that it is alive."""
+        if self._paused - {"writing"}:
+            return True
+        transport = self.transport
+        if transport is None:
+            return False
+        acked = self._written - transport.get_write_buffer_size() - _kernel_queued(transport)
+        moved, self._acked_seen = acked > self._acked_seen, acked
+        return moved
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass of it
@@ -95,7 +128,9 @@ class MqttConnection(asyncio.Protocol):
             )
             transport.abort()
             return
-        transport.write(b"".join(out))
+        data = b"".join(out)
+        self._written += len(data)
+        transport.write(data)
 
     def close(self) -> None:
         transport = self.transport

@@ -112,6 +112,7 @@ class Link(Protocol):
     def close(self) -> None: ...
     def pause_input(self, reason: str) -> None: ...
     def resume_input(self, reason: str) -> None: ...
+    def output_moved(self) -> bool: ...
 
 
 def _covered(patterns: list[str], topic: str) -> bool:
@@ -440,7 +441,7 @@ class Session:
             self._timer = self.loop.call_later(self._keep_alive, self._check_keep_alive)
 
     def _check_keep_alive(self) -> None:
-        if self.link.input_paused:  # we are not reading: the client is not idle
+        if self.link.input_paused and self.link.output_moved():  # we are not reading
             self._last_rx = self.loop.time()
         idle = self.loop.time() - self._last_rx
         if idle >= self._keep_alive:

@@ -105,6 +105,9 @@ class FramedTransport:
     def get_write_buffer_size(self) -> int:
         return self.socket.get_write_buffer_size()
 
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return self.socket.get_extra_info(name, default)
+
     def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
         self.socket.set_write_buffer_limits(high, low)
 
