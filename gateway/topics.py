@@ -54,7 +54,7 @@ __all__ = [
     "SubscriptionTrie",
     "Token",
     "TopicError",
-    "literal_topic",
+    "literal_prefix",
     "parse_pattern",
     "pattern_matcher",
     "pattern_matches",
@@ -238,9 +238,21 @@ def pattern_matcher(pattern: str, syntax: str = SMF) -> Callable[[str], bool]:
     return matches
 
 
-def literal_topic(pattern: str, syntax: str = SMF) -> bool:
-    """Whether ``pattern`` has no wildcard, so it matches exactly the topic it spells."""
-    return all(token[0] == LIT for token in parse_pattern(pattern, syntax))
+def literal_prefix(pattern: str, syntax: str = SMF) -> tuple[str, bool]:
+    """What every topic ``pattern`` matches starts with (its levels before the first
+    wildcard), and whether the pattern has no wildcard, so it matches that topic alone."""
+    text = ""
+    for i, token in enumerate(parse_pattern(pattern, syntax)):
+        kind = token[0]
+        if kind == ZERO_OR_MORE:  # "a/#" matches "a" itself
+            return text, False
+        if i:
+            text += "/"
+        if kind == LIT:
+            text += token[1]
+            continue
+        return (text + token[1] if kind == PREFIX else text), False
+    return text, True
 
 
 # --------------------------------------------------------------------------------- trie

@@ -13,6 +13,7 @@ from gateway.engine import keys, library
 from gateway.engine.flows import BindError
 from gateway.engine.queues import QueueConfig, QueueError
 from gateway.model import Delivery, Message, Outcome
+from gateway.topics import pattern_matches
 
 
 async def wait_for(predicate, timeout: float = 5.0) -> None:
@@ -388,6 +389,49 @@ async def test_a_filter_without_wildcards_reads_one_retained_message(
     smf = await broker.retained.matching("dev/1*/state", "smf")  # a prefix: scanned
     assert [m.destination for m in smf] == [f"dev/{i}/state" for i in (1, *range(10, 20))]
     assert "cmdstat_hscan" in await client.info("commandstats")
+    await client.aclose()
+
+
+async def test_a_wildcard_filter_scans_only_its_literal_start(
+    broker: Broker, redis_url: str
+) -> None:
+    """Redis sends a filter with a literal start only the retained messages that start so,
+    and the MATCH pattern reads the topics' own "*", "?", "[", "]" and "\\" literally."""
+    topics = [
+        *(f"other/{i}" for i in range(200)),
+        "site/7",
+        "site/7/a/temp",
+        "site/7/b/temp",
+        "site/70/a/temp",
+        "site/7/a/hum",
+        "s*te/7/a/temp",
+        "site/[7]/a/temp",
+        "site/7?/a",
+        "site\\7/a/temp",
+        "$SYS/site/7",
+    ]
+    for topic in topics:
+        await broker.retained.put(Message(destination=topic, payload=b"p" * 1024, retain=True))
+    filters = [
+        ("site/7/+/temp", "mqtt"),
+        ("site/7/#", "mqtt"),
+        ("site/+/a/temp", "mqtt"),
+        ("s*te/7/#", "mqtt"),
+        ("site/[7]/#", "mqtt"),
+        ("site/7?/#", "mqtt"),
+        ("site\\7/#", "mqtt"),
+        ("site/7*/a", "smf"),
+        ("site/*/a/>", "smf"),
+        ("#", "mqtt"),
+    ]
+    for pattern, syntax in filters:
+        got = [m.destination for m in await broker.retained.matching(pattern, syntax)]
+        assert got == sorted(t for t in topics if pattern_matches(pattern, t, syntax)), pattern
+    client = aioredis.Redis.from_url(redis_url)
+    before = (await client.info("stats"))["total_net_output_bytes"]
+    got = await broker.retained.matching("site/7/#", "mqtt")
+    sent = (await client.info("stats"))["total_net_output_bytes"] - before
+    assert len(got) == 4 and sent < 50_000, sent  # not the 200 KiB under other/
     await client.aclose()
 
 

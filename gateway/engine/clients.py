@@ -9,11 +9,15 @@ channel, so a reconnect elsewhere takes the session over.
 
 from __future__ import annotations
 
+import re
+
 import redis.asyncio as aioredis
 
 from gateway.engine import keys
 from gateway.model import Message, decode, encode
-from gateway.topics import literal_topic, pattern_matcher
+from gateway.topics import literal_prefix, pattern_matcher
+
+_GLOB_SPECIAL = re.compile(r"[\\*?\[\]]")  # what a Redis MATCH pattern would read as a wildcard
 
 
 class ClientStore:
@@ -73,13 +77,17 @@ class RetainedStore:
     async def matching(self, pattern: str, syntax: str = "mqtt") -> list[Message]:
         """Retained messages whose topic matches `pattern`, in topic order. A filter without
         wildcards names one topic: one HGET, not a scan of every retained message (devices
-        that each subscribe to their own topics, with a retained message per device)."""
-        if literal_topic(pattern, syntax):
+        that each subscribe to their own topics, with a retained message per device). A
+        filter with a literal start ("site/7/+/temp") has Redis send only the topics with
+        that start, not every retained message."""
+        prefix, exact = literal_prefix(pattern, syntax)
+        if exact:
             blob = await self._redis.hget(keys.retained, pattern)
             return [] if blob is None else [decode(blob)]
         matches = pattern_matcher(pattern, syntax)
         out = []
-        async for topic, blob in self._redis.hscan_iter(keys.retained, count=1000):
+        glob = _GLOB_SPECIAL.sub(r"\\\g<0>", prefix) + "*"
+        async for topic, blob in self._redis.hscan_iter(keys.retained, glob, count=1000):
             if matches(topic.decode()):
                 out.append(decode(blob))
         out.sort(key=lambda m: m.destination)
