@@ -13,6 +13,7 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
+from gateway import cpus
 from gateway.config import APPENDFSYNC, ConfigError, load_settings
 from gateway.engine.library import RedisTooOld
 from gateway.logs import setup_logging
@@ -47,6 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--data-dir", help="embedded Redis data directory (.gateway-data)")
     serve.add_argument("--redis-url", help="use this Redis (7.0+) instead of an embedded one")
     serve.add_argument("--appendfsync", choices=APPENDFSYNC, help="embedded Redis AOF fsync")
+    serve.add_argument(
+        "--no-pin-cpus",
+        dest="pin_cpus",
+        action="store_const",
+        const=False,
+        help="let the node and the embedded Redis run on any CPU (default: separate halves)",
+    )
     serve.add_argument("--log-level", help="DEBUG, INFO, WARNING ...")
 
     add_pipeline_parser(sub)
@@ -105,6 +113,7 @@ def serve(args: argparse.Namespace) -> int:
         "data_dir": args.data_dir,
         "redis_url": args.redis_url,
         "appendfsync": args.appendfsync,
+        "pin_cpus": args.pin_cpus,
         "log_level": args.log_level,
     }
     try:
@@ -118,13 +127,23 @@ def serve(args: argparse.Namespace) -> int:
     embedded = None
     try:
         if settings.redis_url is None:
-            embedded = EmbeddedRedis(settings.data_dir, settings.appendfsync)
+            halves = cpus.split(cpus.usable()) if settings.pin_cpus else None
+            embedded = EmbeddedRedis(
+                settings.data_dir, settings.appendfsync, halves[1] if halves else None
+            )
             embedded.start()
             logging.getLogger("gateway").info(
                 "embedded redis-server on %s (appendfsync %s)",
                 embedded.socket,
                 settings.appendfsync,
             )
+            if halves is not None:
+                os.sched_setaffinity(0, halves[0])
+                logging.getLogger("gateway").info(
+                    "node on CPUs %s, embedded redis-server on CPUs %s",
+                    ",".join(map(str, sorted(halves[0]))),
+                    ",".join(map(str, sorted(halves[1]))),
+                )
         run(settings, settings.redis_url or embedded.url)  # type: ignore[union-attr]
     except (RedisStartError, RedisTooOld) as exc:
         print(f"gateway: {exc}", file=sys.stderr)

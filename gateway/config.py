@@ -52,6 +52,7 @@ class Settings:
     data_dir: str = ".gateway-data"
     redis_url: str | None = None  # None: run an embedded redis-server under data_dir
     appendfsync: str = "everysec"
+    pin_cpus: bool = True  # embedded Redis: it and the node on separate halves of the CPUs
     allow_anonymous: bool = True
     heartbeat_s: float = 1.0
     node_ttl_s: float = 5.0

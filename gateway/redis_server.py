@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import redis
@@ -35,10 +36,25 @@ def _die_with_parent() -> None:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def _child_setup(cpus: set[int] | None) -> Callable[[], None]:
+    """What the child runs before exec: die with the gateway, keep to `cpus` (all of its
+    threads, started after this, inherit them)."""
+
+    def setup() -> None:
+        _die_with_parent()
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+
+    return setup
+
+
 class EmbeddedRedis:
-    def __init__(self, data_dir: str | Path, appendfsync: str = "everysec") -> None:
+    def __init__(
+        self, data_dir: str | Path, appendfsync: str = "everysec", cpus: set[int] | None = None
+    ) -> None:
         self.data_dir = Path(data_dir).resolve()
         self.appendfsync = appendfsync
+        self.cpus = cpus  # None: wherever the gateway may run
         self.socket = self.data_dir / "redis.sock"
         self.pidfile = self.data_dir / "redis.pid"
         self.proc: subprocess.Popen | None = None
@@ -83,7 +99,7 @@ class EmbeddedRedis:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent,
+            preexec_fn=_child_setup(self.cpus),
         )
         self._wait_ready(timeout)
 

@@ -100,6 +100,7 @@ def test_env_values_are_coerced() -> None:
             "GATEWAY_NODE_TTL_S": "2",
             "GATEWAY_ALLOW_ANONYMOUS": "off",
             "GATEWAY_APPENDFSYNC": "always",
+            "GATEWAY_PIN_CPUS": "false",
             "GATEWAY_REDIS_URL": "unix:///tmp/redis.sock",
             "GATEWAY_HOST": "::1",
             "UNRELATED": "x",
@@ -108,7 +109,7 @@ def test_env_values_are_coerced() -> None:
     assert s.admin_port == 0
     assert s.heartbeat_s == 0.5 and s.node_ttl_s == 2.0
     assert s.allow_anonymous is False
-    assert s.appendfsync == "always"
+    assert s.appendfsync == "always" and s.pin_cpus is False
     assert s.redis_url == "unix:///tmp/redis.sock"
     assert s.host == "::1"
 

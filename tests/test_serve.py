@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from gateway.cpus import split
 from gateway.engine.library import MIN_REDIS, parse_version
 from tests.processes import GATEWAY, Proc, serve_argv
 
@@ -28,6 +29,41 @@ async def test_sigint_stops_node_and_embedded_redis(tmp_path: Path) -> None:
     gw.proc.send_signal(signal.SIGINT)
     assert await asyncio.wait_for(gw.proc.wait(), 20) == 0
     assert not Path(f"/proc/{redis_pid}").exists(), "no orphaned redis-server"
+
+
+def allowed_cpus(pid: int) -> set[int]:
+    return os.sched_getaffinity(pid)
+
+
+@pytest.mark.parametrize(
+    ("cpus", "halves"),
+    [
+        ({0}, None),
+        ({0, 1}, ({0}, {1})),
+        ({4, 2, 7}, ({2}, {4, 7})),
+        ({0, 1, 2, 3}, ({0, 1}, {2, 3})),
+    ],
+)
+def test_cpu_halves(cpus: set[int], halves: tuple[set[int], set[int]] | None) -> None:
+    assert split(cpus) == halves
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to split")
+async def test_node_and_embedded_redis_run_on_separate_cpus(tmp_path: Path) -> None:
+    """By default the node keeps to the first half of its CPUs and its redis-server (every
+    thread of it) to the second; --no-pin-cpus leaves both on all of them."""
+    mine = os.sched_getaffinity(0)
+    for argv, expected in (([], split(mine)), (["--no-pin-cpus"], (mine, mine))):
+        data_dir = tmp_path / f"d{len(argv)}"
+        gw = await Proc.start(serve_argv(data_dir, *argv))
+        await gw.wait_event("ready")
+        redis_pid = int((data_dir / "redis.pid").read_text())
+        threads = [int(t) for t in os.listdir(f"/proc/{redis_pid}/task")]
+        assert (allowed_cpus(gw.proc.pid), *{frozenset(allowed_cpus(t)) for t in threads}) == (
+            expected[0],
+            frozenset(expected[1]),
+        ), argv
+        assert await gw.stop() == 0
 
 
 async def test_external_redis_url(tmp_path: Path, redis_url: str) -> None:
