@@ -137,12 +137,11 @@ def serve(args: argparse.Namespace) -> int:
                 embedded.socket,
                 settings.appendfsync,
             )
-            if halves is not None:
-                os.sched_setaffinity(0, halves[0])
+            if halves is not None and cpus.pin(halves[0]):
                 logging.getLogger("gateway").info(
                     "node on CPUs %s, embedded redis-server on CPUs %s",
                     ",".join(map(str, sorted(halves[0]))),
-                    ",".join(map(str, sorted(halves[1]))),
+                    ",".join(map(str, sorted(os.sched_getaffinity(embedded.pid)))),
                 )
         run(settings, settings.redis_url or embedded.url)  # type: ignore[union-attr]
     except (RedisStartError, RedisTooOld) as exc:

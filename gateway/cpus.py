@@ -28,3 +28,13 @@ def usable() -> set[int]:
     """The CPUs this process may run on (empty where the platform does not say)."""
     getaffinity = getattr(os, "sched_getaffinity", None)
     return set(getaffinity(0)) if getaffinity is not None else set()
+
+
+def pin(cpus: set[int]) -> bool:
+    """Keep the calling process (its threads started from now on too) to `cpus`; False
+    where the system refuses (a cpuset that changed under us, say): it runs anywhere."""
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError:
+        return False
+    return True

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import redis
 
+from gateway.cpus import pin
+
 INSTALL_HINT = (
     "redis-server not found: install it (Debian/Ubuntu: apt-get install redis-server) "
     "or pass --redis-url"
@@ -43,7 +45,7 @@ def _child_setup(cpus: set[int] | None) -> Callable[[], None]:
     def setup() -> None:
         _die_with_parent()
         if cpus:
-            os.sched_setaffinity(0, cpus)
+            pin(cpus)
 
     return setup
 
@@ -58,6 +60,12 @@ class EmbeddedRedis:
         self.socket = self.data_dir / "redis.sock"
         self.pidfile = self.data_dir / "redis.pid"
         self.proc: subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int:
+        if self.proc is None:
+            raise RedisStartError("the embedded redis-server was not started")
+        return self.proc.pid
 
     @property
     def url(self) -> str:
