@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 
 import pytest
@@ -489,7 +490,10 @@ async def test_tests_run_on_uvloop() -> None:
     assert type(asyncio.get_running_loop()).__module__.startswith("uvloop")
 
 
-async def test_competing_flows_share_a_backlog(broker: Broker) -> None:
+async def test_competing_flows_share_a_backlog(
+    broker: Broker, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
     await broker.queues.create(QueueConfig(name="q"))
     got: dict[int, list[Delivery]] = {0: [], 1: [], 2: []}
     for i in range(3):
@@ -497,7 +501,9 @@ async def test_competing_flows_share_a_backlog(broker: Broker) -> None:
     await asyncio.gather(*[broker.publish_nowait(to_queue("q", b"%d" % i)) for i in range(300)])
     await wait_for(lambda: sum(len(v) for v in got.values()) == 300)
     counts = {k: len(v) for k, v in got.items()}
-    assert all(0 < n <= 200 for n in counts.values()), counts  # none takes the whole backlog
+    # none takes the whole backlog (the log says why, should one go without: a rare failure
+    # in a full run, {0: 0, 1: 85, 2: 215}, never reproduced since)
+    assert all(0 < n <= 200 for n in counts.values()), (counts, caplog.text)
 
 
 async def test_forgetting_a_stream_reader_lets_trimming_resume(
