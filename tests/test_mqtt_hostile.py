@@ -17,7 +17,7 @@ import logging
 import socket
 import struct
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -600,6 +600,16 @@ FLOOD = 7 * 1024 * 1024  # more than the kernel's buffers and the pause mark, un
 BULK = 64 * 1024
 
 
+async def flood(port: int, topic: str) -> None:
+    """FLOOD bytes of QoS 0 messages to `topic`; returns once the gateway took them all."""
+    pub = await connected(port, 4, f"flood-{topic}")
+    for _ in range(FLOOD // BULK):
+        await pub.send(publish(4, topic, b"x" * BULK))
+    await pub.send(publish(4, "h/flooded", b"", qos=1, pid=1))  # after the flood, in order
+    assert await pub.packet() == b"\x40\x02\x00\x01"
+    pub.close()
+
+
 async def reading_little(port: int, client_id: str) -> Peer:
     """A v4 client with a tiny receive buffer, subscribed at QoS 0 to h/<client_id> (keep
     alive 1 s), and FLOOD bytes published to that topic: the gateway stopped reading it."""
@@ -613,12 +623,7 @@ async def reading_little(port: int, client_id: str) -> Peer:
     assert (await peer.packet())[0] == 0x20
     await peer.send(subscribe(4, 1, (f"h/{client_id}", 0)))
     assert (await peer.packet())[0] == 0x90
-    pub = await connected(port, 4, f"flood-{client_id}")
-    for _ in range(FLOOD // BULK):
-        await pub.send(publish(4, f"h/{client_id}", b"x" * BULK))
-    await pub.send(publish(4, "h/flooded", b"", qos=1, pid=1))  # after the flood, in order
-    assert await pub.packet() == b"\x40\x02\x00\x01"
-    pub.close()
+    await flood(port, f"h/{client_id}")
     return peer
 
 
@@ -637,18 +642,42 @@ async def test_a_client_that_stops_reading_hits_keep_alive(
     its output reaches the write buffer's cap."""
     caplog.set_level(logging.INFO, logger=session_module.__name__)
     stuck = await reading_little(gw.port, "stuck")
-    conn = mqtt_connection(gw, "stuck")
-    assert conn is not None and conn.input_paused  # the premise: its input is not read
-    began = time.time()
-    for _ in range(8):  # pings every 0.5 s, never read
-        await stuck.send(b"\xc0\x00")
-        await asyncio.sleep(0.5)
-    assert mqtt_connection(gw, "stuck") is None
-    dropped = [r for r in caplog.records if "keep alive timed out" in r.getMessage()]
-    assert len(dropped) == 1 and 1.4 <= dropped[0].created - began < 3.6
+    await dropped_by_keep_alive(gw, "stuck", lambda: stuck.writer.write(b"\xc0\x00"), caplog)
     await stuck.until_eof()
     stuck.close()
     await assert_serving(gw.port)
+
+
+async def test_a_websocket_client_that_stops_reading_hits_keep_alive(
+    gw: Listener, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The same over WebSocket: what its TCP acknowledged is asked of the socket under the
+    WebSocket framing."""
+    caplog.set_level(logging.INFO, logger=session_module.__name__)
+    stuck = await WsPeer.open(gw, rcvbuf=4096)
+    stuck.send(WS_BINARY, connect(4, "stuck-ws", keep_alive=1) + subscribe(4, 1, ("h/ws-stuck", 0)))
+    assert (await stuck.packet())[0] == 0x20 and (await stuck.packet())[0] == 0x90
+    await flood(gw.port, "h/ws-stuck")
+    await dropped_by_keep_alive(gw, "stuck-ws", lambda: stuck.send(WS_BINARY, b"\xc0\x00"), caplog)
+    await stuck.until_eof()
+    stuck.abort()
+    await assert_serving(gw.port)
+
+
+async def dropped_by_keep_alive(
+    gw: Listener, client_id: str, ping: Callable[[], None], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The client's input is paused, it pings every 0.5 s (never read) and takes nothing:
+    keep alive (1 s, so 1.5 s a period) drops it within two periods."""
+    conn = mqtt_connection(gw, client_id)
+    assert conn is not None and conn.input_paused  # the premise: its input is not read
+    began = time.time()
+    for _ in range(8):
+        ping()
+        await asyncio.sleep(0.5)
+    assert mqtt_connection(gw, client_id) is None
+    dropped = [r for r in caplog.records if "keep alive timed out" in r.getMessage()]
+    assert len(dropped) == 1 and 1.4 <= dropped[0].created - began < 3.6, dropped
 
 
 async def test_a_client_that_reads_slowly_stays(
@@ -679,8 +708,8 @@ class WsPeer(RawClient):
         self.mqtt = b""  # binary payloads not yet taken as packets
 
     @classmethod
-    async def open(cls, listener: Listener) -> WsPeer:
-        peer, head = await cls.upgrade(listener)
+    async def open(cls, listener: Listener, rcvbuf: int | None = None) -> WsPeer:
+        peer, head = await cls.upgrade(listener, rcvbuf=rcvbuf)
         assert head.startswith(b"HTTP/1.1 101 "), head
         return peer
 

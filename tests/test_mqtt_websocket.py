@@ -10,6 +10,7 @@ import json
 import os
 import queue
 import shutil
+import socket
 import struct
 import subprocess
 from collections.abc import AsyncIterator
@@ -62,11 +63,21 @@ class RawClient:
 
     @classmethod
     async def upgrade(
-        cls, listener: Listener, path: str = "/mqtt", protocol: str | None = "mqtt"
+        cls,
+        listener: Listener,
+        path: str = "/mqtt",
+        protocol: str | None = "mqtt",
+        rcvbuf: int | None = None,
     ) -> tuple[RawClient, bytes]:
-        """Connect and send the upgrade request; the client and the response head."""
+        """Connect (with a receive buffer of `rcvbuf` bytes, if given) and send the upgrade
+        request; the client and the response head."""
         port = listener.extra_ports["mqtt_ws_port"]
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        sock = socket.socket()
+        if rcvbuf is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+        reader, writer = await asyncio.open_connection(sock=sock)
         lines = [
             f"GET {path} HTTP/1.1",
             f"Host: 127.0.0.1:{port}",
