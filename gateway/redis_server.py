@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 import shutil
 import signal
@@ -20,6 +21,8 @@ from pathlib import Path
 import redis
 
 from gateway.cpus import pin
+
+log = logging.getLogger(__name__)
 
 INSTALL_HINT = (
     "redis-server not found: install it (Debian/Ubuntu: apt-get install redis-server) "
@@ -50,6 +53,29 @@ def _child_setup(cpus: set[int] | None) -> Callable[[], None]:
     return setup
 
 
+def repair_aof(data_dir: Path) -> str | None:
+    """Cut a torn transaction off the end of the AOF in `data_dir`, before redis-server
+    loads it; returns redis-check-aof's report when it cut something.
+
+    A crash in the middle of writing a function's effects (one MULTI/EXEC in the AOF)
+    leaves a torn tail. Redis 7.0 cuts it at the last whole command, which can leave a
+    MULTI without its EXEC at the end of the file; whatever it appends afterwards is read
+    into that transaction at the following start, and is lost, or applied together with
+    the torn function's first effects (a spool batch's entries without their counters).
+    redis-check-aof --fix cuts at the MULTI, so the torn function is dropped whole."""
+    manifests = sorted((data_dir / "appendonlydir").glob("*.manifest"))
+    tool = shutil.which("redis-check-aof")
+    if not manifests or tool is None:
+        return None
+    done = subprocess.run(
+        [tool, "--fix", str(manifests[0])], input=b"y\n", capture_output=True, timeout=600
+    )
+    report = done.stdout.decode(errors="replace")
+    if "Successfully truncated" not in report:
+        return None
+    return " | ".join(line for line in report.splitlines() if "AOF" in line and "shrink" in line)
+
+
 class EmbeddedRedis:
     def __init__(
         self, data_dir: str | Path, appendfsync: str = "everysec", cpus: set[int] | None = None
@@ -77,6 +103,9 @@ class EmbeddedRedis:
             raise RedisStartError(INSTALL_HINT)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._wait_previous_exit(timeout)
+        cut = repair_aof(self.data_dir)
+        if cut is not None:
+            log.warning("the AOF ended in a torn transaction, dropped whole: %s", cut)
         with contextlib.suppress(FileNotFoundError):
             self.socket.unlink()
         args = [

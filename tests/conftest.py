@@ -23,6 +23,7 @@ from gateway.admin.http import HttpServer
 from gateway.broker import Broker
 from gateway.config import Settings
 from gateway.engine import library
+from gateway.redis_server import repair_aof
 from protocols.amqp.listener import Listener as AmqpListener
 from protocols.amqp.listener import start as start_amqp
 from protocols.mqtt.listener import Listener as MqttListener
@@ -61,9 +62,13 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
+        """Start, or restart after a crash: a torn transaction at the end of the AOF is cut
+        first, as the README tells operators of an external Redis to do."""
         binary = shutil.which("redis-server")
         if binary is None:
             pytest.fail("redis-server is not installed (apt-get install redis-server)")
+        if self.appendonly:
+            repair_aof(self.workdir)
         self.proc = subprocess.Popen(
             [
                 binary,
