@@ -241,7 +241,7 @@ class Broker:
         same id, on this node or another, gets `on_takeover()` called and should close.
         Claims are ordered by a Redis counter, so a late event never ends a newer claim.
         Returns the claim's number for `release_client`."""
-        claim = int(await self.redis.incr(keys.seq))
+        claim = int(await self.redis.fcall("gw_claim", 0))
         previous = self._connected.get(client_id)
         self._connected[client_id] = (claim, on_takeover)
         if previous is not None:

@@ -15,9 +15,9 @@ from typing import Any
 
 from gateway import cpus
 from gateway.config import APPENDFSYNC, ConfigError, load_settings
-from gateway.engine.library import RedisTooOld
+from gateway.engine.library import RedisUnsuitable
 from gateway.logs import setup_logging
-from gateway.redis_server import EmbeddedRedis, RedisStartError
+from gateway.redis_server import EmbeddedRedis, RedisStartError, memory_limit
 from gateway.spark.cli import add_pipeline_parser
 
 DEFAULT_ADMIN_URL = "http://127.0.0.1:8080"
@@ -129,13 +129,17 @@ def serve(args: argparse.Namespace) -> int:
         if settings.redis_url is None:
             halves = cpus.split(cpus.usable()) if settings.pin_cpus else None
             embedded = EmbeddedRedis(
-                settings.data_dir, settings.appendfsync, halves[1] if halves else None
+                settings.data_dir,
+                settings.appendfsync,
+                halves[1] if halves else None,
+                memory_limit(settings.redis_max_memory_percent),
             )
             embedded.start()
             logging.getLogger("gateway").info(
-                "embedded redis-server on %s (appendfsync %s)",
+                "embedded redis-server on %s (appendfsync %s, maxmemory %s)",
                 embedded.socket,
                 settings.appendfsync,
+                f"{embedded.maxmemory >> 20} MiB" if embedded.maxmemory else "none",
             )
             if halves is not None and cpus.pin(halves[0]):
                 logging.getLogger("gateway").info(
@@ -144,7 +148,7 @@ def serve(args: argparse.Namespace) -> int:
                     ",".join(map(str, sorted(os.sched_getaffinity(embedded.pid)))),
                 )
         run(settings, settings.redis_url or embedded.url)  # type: ignore[union-attr]
-    except (RedisStartError, RedisTooOld) as exc:
+    except (RedisStartError, RedisUnsuitable) as exc:
         print(f"gateway: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:

@@ -53,6 +53,9 @@ class Settings:
     redis_url: str | None = None  # None: run an embedded redis-server under data_dir
     appendfsync: str = "everysec"
     pin_cpus: bool = True  # embedded Redis: it and the node on separate halves of the CPUs
+    # embedded Redis: its maxmemory, as a share of the machine's memory (0: no limit). When
+    # full it refuses new messages (publishers are NACKed) while consumers drain it.
+    redis_max_memory_percent: int = 40
     allow_anonymous: bool = True
     heartbeat_s: float = 1.0
     node_ttl_s: float = 5.0
@@ -86,6 +89,8 @@ class Settings:
             ("redis://", "rediss://", "unix://")
         ):
             raise ConfigError("redis_url must be a redis://, rediss:// or unix:// URL")
+        if not 0 <= self.redis_max_memory_percent <= 90:
+            raise ConfigError("redis_max_memory_percent must be 0 (no limit) to 90")
         if self.node_ttl_s <= self.heartbeat_s:
             raise ConfigError("node_ttl_s must be longer than heartbeat_s")
         self._validate_spool()

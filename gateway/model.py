@@ -85,6 +85,7 @@ class Outcome(IntEnum):
     QUOTA_EXCEEDED = 5  # queue byte quota (max_spool_bytes)
     QUEUE_FULL = 6  # queue message-count limit (max_messages)
     FLOW_CONTROLLED = 7  # full, overflow = flow_control: the spooler retries (ack withheld)
+    OUT_OF_MEMORY = 8  # Redis is over its maxmemory: the node refuses, Redis never returns it
 
     @property
     def accepted(self) -> bool:

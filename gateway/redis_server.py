@@ -76,13 +76,30 @@ def repair_aof(data_dir: Path) -> str | None:
     return " | ".join(line for line in report.splitlines() if "AOF" in line and "shrink" in line)
 
 
+def memory_limit(percent: int) -> int:
+    """`percent` of the memory this process may use (the machine's, or its cgroup's limit
+    when lower), in bytes; 0 for 0 %."""
+    if percent <= 0:
+        return 0
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    with contextlib.suppress(OSError, ValueError):
+        total = min(total, int(Path("/sys/fs/cgroup/memory.max").read_text()))  # "max": none
+    return total * percent // 100
+
+
 class EmbeddedRedis:
     def __init__(
-        self, data_dir: str | Path, appendfsync: str = "everysec", cpus: set[int] | None = None
+        self,
+        data_dir: str | Path,
+        appendfsync: str = "everysec",
+        cpus: set[int] | None = None,
+        maxmemory: int = 0,
     ) -> None:
         self.data_dir = Path(data_dir).resolve()
         self.appendfsync = appendfsync
         self.cpus = cpus  # None: wherever the gateway may run
+        # bytes (0: none); once there, Redis refuses new messages and never evicts any
+        self.maxmemory = maxmemory
         self.socket = self.data_dir / "redis.sock"
         self.pidfile = self.data_dir / "redis.pid"
         self.proc: subprocess.Popen | None = None
@@ -126,6 +143,10 @@ class EmbeddedRedis:
             self.appendfsync,
             "--save",
             "",
+            "--maxmemory",
+            str(self.maxmemory),
+            "--maxmemory-policy",
+            "noeviction",
             "--logfile",
             str(self.data_dir / "redis.log"),
             "--daemonize",

@@ -101,6 +101,7 @@ def test_env_values_are_coerced() -> None:
             "GATEWAY_ALLOW_ANONYMOUS": "off",
             "GATEWAY_APPENDFSYNC": "always",
             "GATEWAY_PIN_CPUS": "false",
+            "GATEWAY_REDIS_MAX_MEMORY_PERCENT": "25",
             "GATEWAY_REDIS_URL": "unix:///tmp/redis.sock",
             "GATEWAY_HOST": "::1",
             "UNRELATED": "x",
@@ -110,6 +111,7 @@ def test_env_values_are_coerced() -> None:
     assert s.heartbeat_s == 0.5 and s.node_ttl_s == 2.0
     assert s.allow_anonymous is False
     assert s.appendfsync == "always" and s.pin_cpus is False
+    assert s.redis_max_memory_percent == 25
     assert s.redis_url == "unix:///tmp/redis.sock"
     assert s.host == "::1"
 
@@ -285,6 +287,12 @@ def test_bad_float_in_env() -> None:
 def test_bad_redis_url(url: str) -> None:
     with pytest.raises(ConfigError, match="redis_url"):
         load_settings(env={"GATEWAY_REDIS_URL": url})
+
+
+@pytest.mark.parametrize("percent", ["-1", "91", "half"])
+def test_bad_redis_max_memory_percent(percent: str) -> None:
+    with pytest.raises(ConfigError, match="redis_max_memory_percent"):
+        load_settings(env={"GATEWAY_REDIS_MAX_MEMORY_PERCENT": percent})
 
 
 def test_node_ttl_must_exceed_heartbeat() -> None:

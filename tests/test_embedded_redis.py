@@ -1,14 +1,16 @@
 """The embedded redis-server across crashes: a torn transaction at the end of its AOF is
-dropped whole before it loads, so what is written after the restart survives the next."""
+dropped whole before it loads, so what is written after the restart survives the next. And
+its memory limit: a share of the machine's, reached without evicting anything."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import redis
 
-from gateway.redis_server import EmbeddedRedis
+from gateway.redis_server import EmbeddedRedis, memory_limit
 
 # three writes in one call: Redis puts the effects in the AOF as one MULTI ... EXEC
 THREE_WRITES = "redis.call('SET', 'x1', 1); redis.call('SET', 'x2', 2); redis.call('SET', 'x3', 3)"
@@ -53,5 +55,20 @@ def test_a_torn_transaction_is_dropped_whole_and_later_writes_survive(
         assert (c.get("before"), c.get("after"), c.get("x1"), c.get("x2")) == ("1", "1", None, None)
         c.close()
         assert "the AOF ended in a torn transaction" in caplog.text
+    finally:
+        server.stop()
+
+
+def test_the_memory_limit_is_a_share_of_the_machine_and_never_evicts(tmp_path: Path) -> None:
+    machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert 0 < memory_limit(40) <= machine * 40 // 100
+    assert memory_limit(0) == 0
+    server = EmbeddedRedis(tmp_path, maxmemory=64 << 20)
+    server.start()
+    try:
+        c = client(server)
+        assert c.config_get("maxmemory") == {"maxmemory": str(64 << 20)}
+        assert c.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
+        c.close()
     finally:
         server.stop()

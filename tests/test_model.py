@@ -274,6 +274,7 @@ ACCEPTED = {
     Outcome.QUOTA_EXCEEDED: False,
     Outcome.QUEUE_FULL: False,
     Outcome.FLOW_CONTROLLED: False,  # never reaches a publisher: the spooler retries
+    Outcome.OUT_OF_MEMORY: False,
 }
 
 
@@ -297,6 +298,7 @@ def test_outcome_codes_are_stable() -> None:
         ("QUOTA_EXCEEDED", 5),
         ("QUEUE_FULL", 6),
         ("FLOW_CONTROLLED", 7),
+        ("OUT_OF_MEMORY", 8),
     ]
 
 

@@ -9,9 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import redis
 
 from gateway.cpus import split
 from gateway.engine.library import MIN_REDIS, parse_version
+from gateway.redis_server import memory_limit
 from tests.processes import GATEWAY, Proc, serve_argv
 
 pytestmark = pytest.mark.slow
@@ -26,6 +28,10 @@ async def test_sigint_stops_node_and_embedded_redis(tmp_path: Path) -> None:
     assert (
         "appendonly.aof" in " ".join(os.listdir(data_dir)) or (data_dir / "appendonlydir").is_dir()
     )
+    embedded = redis.Redis(unix_socket_path=str(data_dir / "redis.sock"), decode_responses=True)
+    limits = {**embedded.config_get("maxmemory"), **embedded.config_get("maxmemory-policy")}
+    embedded.close()
+    assert limits == {"maxmemory": str(memory_limit(40)), "maxmemory-policy": "noeviction"}
     gw.proc.send_signal(signal.SIGINT)
     assert await asyncio.wait_for(gw.proc.wait(), 20) == 0
     assert not Path(f"/proc/{redis_pid}").exists(), "no orphaned redis-server"

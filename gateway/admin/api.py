@@ -36,6 +36,7 @@ OUTCOME_STATUS = {
     Outcome.TOO_LARGE: 413,
     Outcome.QUOTA_EXCEEDED: 507,
     Outcome.QUEUE_FULL: 507,
+    Outcome.OUT_OF_MEMORY: 507,
 }
 MAX_GET = 1000
 USER_PROPERTY_HEADER = "solace-user-property-"  # header names arrive lower-cased

@@ -26,34 +26,36 @@ class ClientStore:
 
     async def save(self, client_id: str, state: bytes, expiry_s: int | None = None) -> None:
         """Store a session's state; it vanishes `expiry_s` seconds later unless saved again."""
-        await self._redis.set(keys.client_state(client_id), state, ex=expiry_s or None)
+        await self._redis.fcall(
+            "gw_client_save", 1, keys.client_state(client_id), state, expiry_s or 0
+        )
 
     async def load(self, client_id: str) -> bytes | None:
         return await self._redis.get(keys.client_state(client_id))
 
     async def expire(self, client_id: str, expiry_s: int) -> None:
-        """Start the expiry clock (e.g. when the client disconnects)."""
-        pipe = self._redis.pipeline(transaction=True)
-        for key in (keys.client_state(client_id), keys.client_received(client_id)):
-            if expiry_s > 0:
-                pipe.expire(key, expiry_s)
-            else:
-                pipe.delete(key)
-        await pipe.execute()
+        """Start the expiry clock (e.g. when the client disconnects); 0 deletes now."""
+        await self._expire(client_id, max(0, expiry_s))
 
     async def persist(self, client_id: str) -> None:
         """Stop the expiry clock (the client is connected again)."""
-        pipe = self._redis.pipeline(transaction=True)
-        pipe.persist(keys.client_state(client_id))
-        pipe.persist(keys.client_received(client_id))
-        await pipe.execute()
+        await self._expire(client_id, -1)
+
+    async def _expire(self, client_id: str, seconds: int) -> None:
+        """One function call for both keys (it runs while Redis is full, see functions.lua)."""
+        state, received = keys.client_state(client_id), keys.client_received(client_id)
+        await self._redis.fcall("gw_client_expire", 2, state, received, seconds)
 
     async def delete(self, client_id: str) -> None:
         await self._redis.delete(keys.client_state(client_id), keys.client_received(client_id))
 
     async def mark_received(self, client_id: str, message_id: int | str) -> bool:
         """Record an inbound message id; False if it was already recorded (a duplicate)."""
-        return bool(await self._redis.sadd(keys.client_received(client_id), message_id))
+        return bool(
+            await self._redis.fcall(
+                "gw_client_mark", 1, keys.client_received(client_id), message_id
+            )
+        )
 
     async def release_received(self, client_id: str, message_id: int | str) -> None:
         await self._redis.srem(keys.client_received(client_id), message_id)

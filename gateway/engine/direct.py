@@ -79,9 +79,8 @@ class DirectRelay:
     async def _announce(self, present: bool) -> None:
         if present:
             await self._events.watch_channel(keys.direct_channel, self._received)
-            await self._redis.sadd(keys.direct_nodes, self._node)
-        else:
-            await self._redis.srem(keys.direct_nodes, self._node)
+        await self._redis.fcall("gw_direct_node", 0, self._node, 1 if present else 0)
+        if not present:
             await self._events.unwatch_channel(keys.direct_channel)
         await self._redis.publish(keys.events, "direct")
 

@@ -4,6 +4,15 @@
 -- prelude (gateway/engine/keys.py), inserted below at load time.
 -- {{PRELUDE}}
 
+-- While Redis is over its maxmemory it refuses a function call whole, before it runs,
+-- unless the function has the allow-oom flag. Only gw_spool, which stores messages, goes
+-- without it: its publishers are refused (NACKed). Every other function frees memory or
+-- writes a few bytes of bookkeeping and must go on running, so consumers can drain a full
+-- Redis, nodes keep their heartbeats and operators can still change queues and quotas.
+local function register_always(name, fn)
+  redis.register_function { function_name = name, callback = fn, flags = { 'allow-oom' } }
+end
+
 local OK, NO_SUBSCRIBERS, NOT_FOUND, INGRESS_DISABLED = 0, 1, 2, 3
 local TOO_LARGE, QUOTA_EXCEEDED, QUEUE_FULL, FLOW_CONTROLLED = 4, 5, 6, 7
 
@@ -1168,7 +1177,7 @@ local function fetch_stream(q, s, flow, count, lim, out, prefix)
   end
 end
 
-redis.register_function('gw_fetch', function(_, a)
+register_always('gw_fetch', function(_, a)
   local q, flow, count, fence = a[1], a[2], tonumber(a[3]), a[4]
   local c = redis.call('HMGET', k_queue_config(q), 'egress', 'access', 'message_groups',
     'default_group', 'selective', 'priorities', 'sort_key', 'max_redelivery', 'respect_ttl')
@@ -1218,7 +1227,7 @@ end
 
 -- ARGV: queue, flow, scan. The oldest `scan` messages waiting for a selector flow (on a
 -- sorted queue, the lowest): {'ok', id, delivery count, blob, ...}.
-redis.register_function('gw_peek', function(_, a)
+register_always('gw_peek', function(_, a)
   local q, flow, scan = a[1], a[2], tonumber(a[3])
   local c = redis.call('HMGET', k_queue_config(q), 'egress')
   if not c[1] then return { 'noqueue' } end
@@ -1249,7 +1258,7 @@ end)
 
 -- ARGV: queue, flow, ids... Takes the given entries if they are still waiting (another
 -- flow may have taken one since the peek). Same reply as gw_fetch.
-redis.register_function('gw_take', function(_, a)
+register_always('gw_take', function(_, a)
   local q, flow = a[1], a[2]
   if not redis.call('ZSCORE', k_queue_flows(q), flow) then return { 'noflow' } end
   local s = k_queue_stream(q)
@@ -1292,7 +1301,7 @@ local function browse_sorted(q, s, cursor, count, since)
   return out
 end
 
-redis.register_function('gw_browse', function(_, a)
+register_always('gw_browse', function(_, a)
   local q, cursor, count, since = a[1], a[2], tonumber(a[3]), tonumber(a[4])
   local c = redis.call('HMGET', k_queue_config(q), 'egress', 'sort_key')
   if not c[1] then return { 'noqueue' } end
@@ -1371,7 +1380,7 @@ end
 -- then n entry ids. A flow that is no longer bound (released after its node was presumed
 -- dead: its entries went back to the queue) settles nothing; entries already settled are
 -- skipped. Returns the count settled.
-redis.register_function('gw_settle', function(_, a)
+register_always('gw_settle', function(_, a)
   local mode = a[1]
   local pos, total = 2, 0
   while pos <= #a do
@@ -1440,7 +1449,7 @@ end)
 -- Returns {'ok', bind sequence, access type, partition count, rebalance delay ms, mode,
 -- 1 for a priority queue} or {'noqueue'} / {'egress'} / {'partitioned'} / {'grouped'} /
 -- {'prioritised'}.
-redis.register_function('gw_bind', function(_, a)
+register_always('gw_bind', function(_, a)
   local q, flow, node, mode = a[1], a[2], a[3], a[4]
   local c = redis.call('HMGET', k_queue_config(q), 'egress', 'access', 'partition_count',
     'partition_rebalance_delay_ms', 'message_groups', 'non_destructive')
@@ -1468,14 +1477,14 @@ redis.register_function('gw_bind', function(_, a)
 end)
 
 -- ARGV: queue, flow. Unbinds a flow; its unacked messages go back for redelivery.
-redis.register_function('gw_unbind', function(_, a)
+register_always('gw_unbind', function(_, a)
   return release_flow(a[1], a[2])
 end)
 
 -- ARGV: queue. Exclusive access: the earliest-bound flow on a live node is active. Dead
 -- nodes' flows met on the way are released first, so their messages are redelivered in order.
 -- Returns {fence, active flow, every bound flow...} or {0, ''} with no live flow.
-redis.register_function('gw_lease', function(_, a)
+register_always('gw_lease', function(_, a)
   local q = a[1]
   local active = false
   local live = {}
@@ -1505,14 +1514,55 @@ redis.register_function('gw_lease', function(_, a)
 end)
 
 -- ARGV: node, ttl_ms. Registers a node and its liveness key.
-redis.register_function('gw_node_up', function(_, a)
+register_always('gw_node_up', function(_, a)
   redis.call('SADD', K_NODES, a[1])
   redis.call('SET', k_node_alive(a[1]), '1', 'PX', a[2])
   return 1
 end)
 
+-- ARGV: node, 1 or 0: whether it has direct (not spooled) subscribers now.
+register_always('gw_direct_node', function(_, a)
+  if a[2] == '1' then return redis.call('SADD', K_DIRECT_NODES, a[1]) end
+  return redis.call('SREM', K_DIRECT_NODES, a[1])
+end)
+
+-- A new number from the node-wide counter (client claims are ordered by it).
+register_always('gw_claim', function()
+  return redis.call('INCR', K_SEQ)
+end)
+
+-- KEYS: a client's state key. ARGV: state, expiry in seconds (0: none). Protocol sessions
+-- keep their state while Redis is full, so clients can reconnect and drain their queues.
+register_always('gw_client_save', function(k, a)
+  if tonumber(a[2]) > 0 then
+    return redis.call('SET', k[1], a[1], 'EX', a[2])
+  end
+  return redis.call('SET', k[1], a[1])
+end)
+
+-- KEYS: a client's state and received-ids keys. ARGV: seconds until both expire; 0 deletes
+-- them now, -1 keeps them for good (the client is connected again).
+register_always('gw_client_expire', function(k, a)
+  local seconds = tonumber(a[1])
+  for _, key in ipairs(k) do
+    if seconds > 0 then
+      redis.call('EXPIRE', key, seconds)
+    elseif seconds == 0 then
+      redis.call('DEL', key)
+    else
+      redis.call('PERSIST', key)
+    end
+  end
+  return 1
+end)
+
+-- KEYS: a client's received-ids key. ARGV: a message id. 1 if it was new, 0 if recorded.
+register_always('gw_client_mark', function(k, a)
+  return redis.call('SADD', k[1], a[1])
+end)
+
 -- ARGV: node. A clean shutdown: same clean-up as for a dead node.
-redis.register_function('gw_node_down', function(_, a)
+register_always('gw_node_down', function(_, a)
   return reap_node(a[1])
 end)
 
@@ -1552,7 +1602,7 @@ end
 
 -- Reap every node whose liveness key expired. Returns the number of flows released.
 -- Also trims the queues that stream readers hold open (see trim_read_queue).
-redis.register_function('gw_reap', function(_, _)
+register_always('gw_reap', function(_, _)
   local released = 0
   for _, n in ipairs(redis.call('SMEMBERS', K_NODES)) do
     if redis.call('EXISTS', k_node_alive(n)) == 0 then released = released + reap_node(n) end
@@ -1590,7 +1640,7 @@ end
 
 -- ARGV: queue, then field/value pairs. Creates the queue (and its partitions) unless it
 -- exists. Returns {1} when created, else {0, field, value, ...} of the existing config.
-redis.register_function('gw_queue_create', function(_, a)
+register_always('gw_queue_create', function(_, a)
   local q = a[1]
   local cfg = k_queue_config(q)
   if redis.call('EXISTS', cfg) == 1 then
@@ -1622,7 +1672,7 @@ end)
 -- ARGV: queue, then field/value pairs to change (partitions follow their parent).
 -- Returns 0 if the queue does not exist. A changed max_spool_bytes re-evaluates the
 -- queue's threshold alarms.
-redis.register_function('gw_queue_update', function(_, a)
+register_always('gw_queue_update', function(_, a)
   local q = a[1]
   local cfg = k_queue_config(q)
   if redis.call('EXISTS', cfg) == 0 then return 0 end
@@ -1640,7 +1690,7 @@ end)
 -- Returns {'ok', deleted messages} or {'noqueue'} / {'egress'}, or a refusal of what
 -- cannot be partitioned: {'exclusive'} / {'sorted'} / {'priority'} / {'grouped'} /
 -- {'non_destructive'}.
-redis.register_function('gw_repartition', function(_, a)
+register_always('gw_repartition', function(_, a)
   local q, new_n = a[1], tonumber(a[2])
   local cfg = k_queue_config(q)
   local c = redis.call('HMGET', cfg, 'egress', 'partition_count', 'access', 'priorities',
@@ -1677,14 +1727,14 @@ redis.register_function('gw_repartition', function(_, a)
 end)
 
 -- ARGV: queue. Rebalances a partitioned queue's partitions (and moves handoffs along).
-redis.register_function('gw_rebalance', function(_, a)
+register_always('gw_rebalance', function(_, a)
   return rebalance(a[1], now_ms()) and 1 or 0
 end)
 
 -- ARGV: queue. Returns {n, then per partition: owner flow, fence, target flow, holder,
 -- then every flow bound to the queue}: the owner dispatches (with that fence); a holder
 -- differing from the target is handing off.
-redis.register_function('gw_partitions', function(_, a)
+register_always('gw_partitions', function(_, a)
   local q = a[1]
   local n = partition_count(q)
   local parts = k_queue_parts(q)
@@ -1704,14 +1754,14 @@ redis.register_function('gw_partitions', function(_, a)
 end)
 
 -- ARGV: queue. Deletes the queue, its messages and its topic subscriptions.
-redis.register_function('gw_queue_delete', function(_, a)
+register_always('gw_queue_delete', function(_, a)
   return delete_queue(a[1])
 end)
 
 -- ARGV: queue, member, until (epoch ms, or 'inf'). Records a member of a queue that lives
 -- while it has members (an MQTT shared subscription group), before its queue is declared
 -- and bound, so a concurrent gw_queue_leave of the last other member keeps the queue.
-redis.register_function('gw_queue_join', function(_, a)
+register_always('gw_queue_join', function(_, a)
   redis.call('ZADD', k_queue_members(a[1]), a[3], a[2])
   return 1
 end)
@@ -1720,7 +1770,7 @@ end)
 -- lapsed go too. With no member left and no flow of a live node bound, the queue is
 -- deleted with its messages. Returns 1 when deleted, 0 while members remain, 2 when only
 -- bound flows keep it (a member that is leaving elsewhere: ask again later).
-redis.register_function('gw_queue_leave', function(_, a)
+register_always('gw_queue_leave', function(_, a)
   local q, member, now = a[1], a[2], tonumber(a[3])
   local m = k_queue_members(q)
   if member ~= '' then redis.call('ZREM', m, member) end
@@ -1733,7 +1783,7 @@ end)
 
 -- ARGV: queue, 'add' | 'remove', subscription entries... Returns the number changed,
 -- or -1 if the queue does not exist.
-redis.register_function('gw_subscription', function(_, a)
+register_always('gw_subscription', function(_, a)
   local q = a[1]
   if redis.call('EXISTS', k_queue_config(q)) == 0 then return -1 end
   local cmd = a[2] == 'add' and 'SADD' or 'SREM'
@@ -1749,7 +1799,7 @@ end)
 -- or sort key; its subscription selector, applied by the routing node), for a node's
 -- routing trie.
 -- Returns {version, queue, key, selector, n, entry..., queue, key, selector, n, ...}.
-redis.register_function('gw_routes', function(_, _)
+register_always('gw_routes', function(_, _)
   local out = { tonumber(redis.call('GET', K_SUB_VERSION) or '0') }
   for _, q in ipairs(redis.call('SMEMBERS', K_QUEUES)) do
     local subs = redis.call('SMEMBERS', k_queue_subs(q))
@@ -1770,7 +1820,7 @@ end)
 -- No ARGV. Computes the broker and VPN totals from every queue's own byte counter (hidden
 -- children counted in their parent's VPN) when the totals hash lacks its 'format' marker:
 -- a Redis written before the totals existed, or after they were lost. Returns 1 if rebuilt.
-redis.register_function('gw_spool_rebuild', function()
+register_always('gw_spool_rebuild', function()
   if redis.call('HEXISTS', K_SPOOL_USAGE, 'format') == 1 then return 0 end
   local totals = { broker = 0 }
   for _, q in ipairs(redis.call('SMEMBERS', K_QUEUES)) do
@@ -1793,7 +1843,7 @@ redis.register_function('gw_spool_rebuild', function()
   return 1
 end)
 
-redis.register_function('gw_spool_limits', function(_, a)
+register_always('gw_spool_limits', function(_, a)
   redis.call('DEL', K_SPOOL_LIMITS)
   redis.call('HSET', K_SPOOL_LIMITS, 'broker', a[1], 'set', a[2], 'clear', a[3])
   for i = 4, #a - 1, 2 do redis.call('HSET', K_SPOOL_LIMITS, 'v:' .. a[i], a[i + 1]) end

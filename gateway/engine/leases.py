@@ -15,7 +15,6 @@ import os
 
 import redis.asyncio as aioredis
 
-from gateway.engine import keys
 from gateway.engine.flows import Dispatcher
 
 log = logging.getLogger(__name__)
@@ -62,10 +61,9 @@ class NodeLiveness:
     async def beat(self) -> None:
         """Refresh our liveness, release dead nodes' flows, re-check standby leases."""
         pipe = self._redis.pipeline(transaction=False)
-        pipe.sadd(keys.nodes, self.node_id)
-        pipe.set(keys.node_alive(self.node_id), "1", px=self.ttl_ms)
+        pipe.fcall("gw_node_up", 0, self.node_id, self.ttl_ms)  # it runs while Redis is full
         pipe.fcall("gw_reap", 0)
-        _, _, released = await pipe.execute()
+        _, released = await pipe.execute()
         if released:
             self.reaped += int(released)
             log.info("released %s flows of dead nodes", released)

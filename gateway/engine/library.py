@@ -15,7 +15,11 @@ MIN_REDIS = (7, 0)
 LIBRARY = "gw"  # the name in functions.lua's shebang line
 
 
-class RedisTooOld(RuntimeError):
+class RedisUnsuitable(RuntimeError):
+    """This Redis cannot keep the gateway's messages safely; the message says why."""
+
+
+class RedisTooOld(RedisUnsuitable):
     """Redis Functions and the stream commands we rely on need Redis 7.0 or newer."""
 
 
@@ -85,8 +89,19 @@ def client_for(url: str) -> aioredis.Redis:
     return aioredis.Redis(connection_pool=pool)
 
 
+async def loaded_library(client: aioredis.Redis) -> str | None:
+    """The source of the gateway's function library as Redis has it; None if not loaded."""
+    reply = await client.execute_command("FUNCTION", "LIST", "LIBRARYNAME", LIBRARY, "WITHCODE")
+    for library in reply:
+        fields = dict(zip(library[::2], library[1::2], strict=True))
+        if fields.get(b"library_name") == LIBRARY.encode():
+            return fields[b"library_code"].decode()
+    return None
+
+
 async def connect(url: str, *, replace: bool = True) -> aioredis.Redis:
-    """A client with the library loaded; raises RedisTooOld before touching any data.
+    """A client with the library loaded; raises RedisTooOld, or RedisUnsuitable for a Redis
+    that evicts keys when full (it would delete stored messages), before touching any data.
 
     A gateway node replaces the library with its own version; other clients (Spark
     executors, which may run an older package) pass replace=False and load it only if
@@ -99,9 +114,18 @@ async def connect(url: str, *, replace: bool = True) -> aioredis.Redis:
             raise RedisTooOld(
                 f"Redis {version} at {url} is too old: the gateway needs Redis 7.0 or newer"
             )
-        loaded = await client.execute_command("FUNCTION", "LIST", "LIBRARYNAME", LIBRARY)
-        if replace or not loaded:
-            await client.execute_command("FUNCTION", "LOAD", "REPLACE", library_source())
+        policy = str((await client.info("memory")).get("maxmemory_policy", "noeviction"))
+        if policy != "noeviction":
+            raise RedisUnsuitable(
+                f"Redis at {url} evicts keys when full (maxmemory-policy {policy}), which "
+                "would delete stored messages: set maxmemory-policy noeviction"
+            )
+        loaded = await loaded_library(client)
+        source = library_source()
+        # not loaded again when it is already there: Redis refuses FUNCTION LOAD while it is
+        # full, and a node must still start then, so its consumers can drain it
+        if loaded is None or (replace and loaded != source):
+            await client.execute_command("FUNCTION", "LOAD", "REPLACE", source)
     except BaseException:
         await client.aclose()
         raise

@@ -54,6 +54,7 @@ REFUSALS = {
     Outcome.TOO_LARGE: RESOURCE_LIMIT,
     Outcome.QUOTA_EXCEEDED: RESOURCE_LIMIT,
     Outcome.QUEUE_FULL: RESOURCE_LIMIT,
+    Outcome.OUT_OF_MEMORY: RESOURCE_LIMIT,
     Outcome.INGRESS_DISABLED: "amqp:precondition-failed",
 }
 

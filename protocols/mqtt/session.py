@@ -87,6 +87,7 @@ _REFUSAL_CODES = {
     Outcome.QUOTA_EXCEEDED: ReasonCode.QUOTA_EXCEEDED,
     Outcome.QUEUE_FULL: ReasonCode.QUOTA_EXCEEDED,
     Outcome.TOO_LARGE: ReasonCode.QUOTA_EXCEEDED,
+    Outcome.OUT_OF_MEMORY: ReasonCode.QUOTA_EXCEEDED,
     Outcome.INGRESS_DISABLED: ReasonCode.UNSPECIFIED_ERROR,
     Outcome.NOT_FOUND: ReasonCode.UNSPECIFIED_ERROR,
 }

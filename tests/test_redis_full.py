@@ -1,0 +1,193 @@
+"""A Redis over its maxmemory, against a real redis-server (maxmemory set at run time) and
+real clients: new messages are refused whole and their publishers NACKed, while consumers
+connect, fetch and settle, so they drain it, and nodes keep their heartbeats and start.
+An evicting Redis is refused outright: it would delete stored messages."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+from proton import Disposition
+from proton import Message as AmqpMessage
+from proton.utils import BlockingConnection
+
+from gateway.broker import Broker
+from gateway.engine import keys, library
+from gateway.engine.queues import QueueConfig
+from gateway.model import Delivery, Message, Outcome
+from protocols.amqp.listener import Listener as AmqpListener
+from protocols.mqtt.listener import Listener as MqttListener
+from tests.processes import Proc, serve_argv
+from tests.test_amqp_clients import TIMEOUT, send_outcome, url
+from tests.test_engine import wait_for
+from tests.test_mqtt_paho import V5, V311, Client
+
+
+@pytest.fixture
+async def admin(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    """A plain client for CONFIG; the limits go back to none after the test."""
+    client = aioredis.Redis.from_url(redis_url)
+    yield client
+    await client.config_set("maxmemory", 0)
+    await client.config_set("maxmemory-policy", "noeviction")
+    await client.aclose()
+
+
+async def fill(admin: aioredis.Redis) -> None:
+    """Redis over its maxmemory from now on, whatever it holds."""
+    await admin.config_set("maxmemory", 1)
+
+
+def to_queue(name: str, body: bytes) -> Message:
+    return Message(destination=name, to_queue=True, payload=body)
+
+
+async def test_publishes_are_refused_whole_and_consumers_drain(
+    broker: Broker, admin: aioredis.Redis
+) -> None:
+    await broker.queues.create(QueueConfig(name="q"))
+    for i in range(3):
+        assert await broker.publish(to_queue("q", b"%d" % i)) is Outcome.OK
+    await fill(admin)
+    refused = await asyncio.gather(*(broker.publish_nowait(to_queue("q", b"x")) for _ in range(5)))
+    assert refused == [Outcome.OUT_OF_MEMORY] * 5
+    assert broker.spooler.redis_full
+    assert await admin.xlen(keys.queue_stream("q")) == 3  # nothing of the refused batch
+    assert (await broker.queues.info("q")).messages == 3
+
+    got: list[Delivery] = []
+    flow = await broker.bind("q", got.append)
+    await wait_for(lambda: len(got) == 3)
+    assert [d.message.payload for d in got] == [b"0", b"1", b"2"]
+    for d in got:
+        flow.ack(d.entry_id)
+    await wait_for_async(lambda: queue_length(admin, "q"), 0)
+    await broker.liveness.beat()  # the heartbeat still runs: the node is not presumed dead
+
+    await admin.config_set("maxmemory", 0)
+    assert await broker.publish(to_queue("q", b"again")) is Outcome.OK
+    assert not broker.spooler.redis_full
+    await wait_for(lambda: len(got) == 4)
+
+
+async def test_a_node_starts_on_a_full_redis(redis_url: str, admin: aioredis.Redis) -> None:
+    first = await library.connect(redis_url)  # loads the function library
+    await first.aclose()
+    await fill(admin)
+    client = await library.connect(redis_url)
+    node = Broker(client, heartbeat=0.2, node_ttl=1.0)
+    try:
+        await node.start()
+        await node.queues.create(QueueConfig(name="later"))
+        assert await node.publish(to_queue("later", b"x")) is Outcome.OUT_OF_MEMORY
+    finally:
+        await node.stop()
+        await client.aclose()
+
+
+async def test_gateway_serve_starts_on_a_full_redis(
+    tmp_path: Path, redis_url: str, admin: aioredis.Redis
+) -> None:
+    client = await library.connect(redis_url)  # the library is loaded, as after any node ran
+    await client.aclose()
+    await fill(admin)
+    gw = await Proc.start(serve_argv(tmp_path / "unused", "--redis-url", redis_url))
+    try:
+        await gw.wait_event("ready")
+    finally:
+        assert await gw.stop() == 0, gw.stderr_tail()
+
+
+async def test_an_evicting_redis_is_refused(redis_url: str, admin: aioredis.Redis) -> None:
+    await admin.config_set("maxmemory-policy", "allkeys-lru")
+    with pytest.raises(library.RedisUnsuitable, match="maxmemory-policy allkeys-lru"):
+        await library.connect(redis_url)
+
+
+async def test_only_storing_messages_is_refused_when_full(redis_url: str) -> None:
+    client = await library.connect(redis_url)
+    try:
+        reply = await client.execute_command("FUNCTION", "LIST", "LIBRARYNAME", library.LIBRARY)
+    finally:
+        await client.aclose()
+    flags = {}
+    for function in dict(zip(reply[0][::2], reply[0][1::2], strict=True))[b"functions"]:
+        fields = dict(zip(function[::2], function[1::2], strict=True))
+        flags[fields[b"name"].decode()] = {f.decode() for f in fields[b"flags"]}
+    assert flags.pop("gw_spool") == set()
+    assert flags and all(f == {"allow-oom"} for f in flags.values()), flags
+
+
+async def test_mqtt_publisher_nacked_and_persistent_subscriber_drains(
+    broker: Broker, mqtt: MqttListener, admin: aioredis.Redis
+) -> None:
+    port = mqtt.port
+
+    def publish_v5(payload: bytes) -> int:
+        codes: list[int] = []
+        pub = Client(port, V5, "loud")
+        pub.c.on_publish = lambda _c, _u, _mid, reason, _p: codes.append(int(reason.value))
+        try:
+            assert pub.publish("full/a", payload, 1).is_published()
+        finally:
+            pub.close()
+        return codes[0]
+
+    def keeper(subscribe: bool) -> list[bytes]:
+        """A persistent session: subscribes, or comes back for what was kept for it."""
+        sub = Client(port, V311, "keeper", clean=False)
+        try:
+            if subscribe:
+                assert [int(getattr(c, "value", c)) for c in sub.subscribe("full/#", 1)] == [1]
+                return []
+            return [m.payload for m in sub.receive(3)]
+        finally:
+            sub.close()
+
+    def glance() -> list[int]:
+        """A clean session subscribing at QoS 0: a direct subscriber."""
+        sub = Client(port, V311, "glance")
+        try:
+            return [int(getattr(c, "value", c)) for c in sub.subscribe("full/#", 0)]
+        finally:
+            sub.close()
+
+    await asyncio.to_thread(keeper, True)
+    for i in range(3):
+        assert await asyncio.to_thread(publish_v5, b"m%d" % i) == 0
+    await fill(admin)
+    assert await asyncio.to_thread(publish_v5, b"refused") == 0x97  # quota exceeded
+    assert await asyncio.to_thread(glance) == [0]
+    assert sorted(await asyncio.to_thread(keeper, False)) == [b"m0", b"m1", b"m2"]
+
+
+async def test_amqp_sender_rejected_with_resource_limit(
+    broker: Broker, amqp: AmqpListener, admin: aioredis.Redis
+) -> None:
+    await broker.queues.create(QueueConfig(name="dq"))
+    conn = await asyncio.to_thread(BlockingConnection, url(amqp), timeout=TIMEOUT)
+    try:
+        snd = await asyncio.to_thread(conn.create_sender, "dq")
+        before = await asyncio.to_thread(send_outcome, conn, snd, AmqpMessage(body=b"kept"))
+        await fill(admin)
+        after = await asyncio.to_thread(send_outcome, conn, snd, AmqpMessage(body=b"refused"))
+    finally:
+        await asyncio.to_thread(conn.close)
+    assert before == (Disposition.ACCEPTED, None)
+    assert after == (Disposition.REJECTED, "amqp:resource-limit-exceeded")
+    assert (await broker.queues.info("dq")).messages == 1
+
+
+async def queue_length(admin: aioredis.Redis, queue: str) -> int:
+    return await admin.xlen(keys.queue_stream(queue))
+
+
+async def wait_for_async(read, expected: object, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while (value := await read()) != expected:
+        assert asyncio.get_running_loop().time() < deadline, f"{value!r}, not {expected!r}"
+        await asyncio.sleep(0.02)
