@@ -404,18 +404,36 @@ async def test_bodies_must_be_strict_json(admin: Admin, raw: bytes, needle: str)
 
 
 @pytest.mark.parametrize(
-    ("method", "path"),
+    ("method", "path", "allow"),
     [
-        ("POST", "/api/v1/spool"),
-        ("PUT", MESSAGES),
-        ("GET", MESSAGES),
-        ("POST", "/metrics"),
-        ("POST", "/api/v1/health"),
-        ("PUT", "/api/v1/queues"),
+        ("POST", "/api/v1/spool", "GET"),
+        ("PUT", MESSAGES, "POST"),
+        ("GET", MESSAGES, "POST"),
+        ("POST", "/metrics", "GET"),
+        ("POST", "/api/v1/health", "GET"),
+        ("PUT", QUEUES, "GET, POST"),
+        ("POST", q("q1"), "GET, PATCH, DELETE"),
+        ("GET", q("q1", "subscriptions"), "POST, DELETE"),
+        ("PUT", q("q1", "subscriptions"), "POST, DELETE"),
+        ("GET", q("q1", "messages"), "POST"),
+        ("DELETE", q("q1", "get"), "POST"),
+        ("GET", q("q1", "readers", "spark"), "DELETE"),
     ],
 )
-async def test_wrong_method_on_a_resource_is_405(admin: Admin, method: str, path: str) -> None:
-    refused(await admin.request(method, path, {}), method, status=405)
+async def test_wrong_method_on_a_resource_is_405_with_allow(
+    admin: Admin, method: str, path: str, allow: str
+) -> None:
+    reply = await admin.request(method, path, {})
+    refused(reply, method, status=405)
+    assert reply.headers.get("Allow") == allow, reply.headers
+
+
+@pytest.mark.parametrize("path", [q("q1", "nothing"), "/api/v1", "/api/v1/queues/q1/readers"])
+async def test_a_path_naming_no_resource_is_404(admin: Admin, path: str) -> None:
+    for method in ("GET", "POST"):
+        reply = await admin.request(method, path, {})
+        refused(reply, "no such resource", status=404)
+        assert "Allow" not in reply.headers
 
 
 async def test_a_body_declared_over_the_limit_is_refused_before_it_is_read(admin: Admin) -> None:

@@ -56,11 +56,35 @@ MESSAGE_FIELDS = (
 )
 GET_FIELDS = ("count", "timeout_ms", "browse", "ackmode")
 SUBSCRIPTION_FIELDS = ("pattern", "syntax")
-# what each resource answers (others get 405): /api/v1/queues/... routes on its own
-RESOURCES = {("api", "v1", "spool"), ("api", "v1", "messages"), ("api", "v1", "health")}
+# The methods each resource answers, by path ("*": any one segment). Another method gets a
+# 405 that names them in its Allow header (RFC 9110 §15.5.6); another path, a 404.
+METHODS = {
+    ("metrics",): ("GET",),
+    ("api", "v1", "health"): ("GET",),
+    ("api", "v1", "spool"): ("GET",),
+    ("api", "v1", "messages"): ("POST",),
+    ("api", "v1", "queues"): ("GET", "POST"),
+    ("api", "v1", "queues", "*"): ("GET", "PATCH", "DELETE"),
+    ("api", "v1", "queues", "*", "subscriptions"): ("POST", "DELETE"),
+    ("api", "v1", "queues", "*", "messages"): ("POST",),
+    ("api", "v1", "queues", "*", "get"): ("POST",),
+    ("api", "v1", "queues", "*", "readers", "*"): ("DELETE",),
+}
 
 
 BIND_STATUS = {"not_found": 404, "unauthorized": 403}
+
+
+def not_routed(path: list[str], method: str) -> HttpError:
+    """A 405 naming the methods of a resource the path names, else a 404."""
+    where = f"/{'/'.join(path)}"
+    for shape, methods in METHODS.items():
+        if len(shape) == len(path) and all(
+            s in ("*", seg) for s, seg in zip(shape, path, strict=True)
+        ):
+            allow = ", ".join(methods)
+            return HttpError(405, f"no route for {method} {where}: use {allow}", [("Allow", allow)])
+    return HttpError(404, f"no such resource: {where}")
 
 
 class AdminApi:
@@ -87,14 +111,10 @@ class AdminApi:
     async def _route(self, req: Request, user: str | None) -> Response:
         """`user` None is the operator; a user name is checked by the broker."""
         p, m = req.path, req.method
-        if p == ["metrics"]:
-            if m != "GET":
-                raise HttpError(405, f"no route for {m} /metrics")
+        if p == ["metrics"] and m == "GET":
             text = await render_metrics(self.broker)
             return Response(200, text.encode(), [("Content-Type", "text/plain; version=0.0.4")])
-        if p[:2] != ["api", "v1"]:
-            raise HttpError(404, f"no such resource: /{'/'.join(p)}")
-        rest = p[2:]
+        rest = p[2:] if p[:2] == ["api", "v1"] else []
         if rest == ["spool"] and m == "GET":
             return Response.json((await read_usage(self.broker.redis)).to_json())
         if rest == ["queues"]:
@@ -111,7 +131,12 @@ class AdminApi:
             if m == "DELETE":
                 await self.broker.delete_queue(name, user=user)
                 return Response(204)
-        if len(rest) == 3 and rest[0] == "queues" and rest[2] == "subscriptions":
+        if (
+            len(rest) == 3
+            and rest[0] == "queues"
+            and rest[2] == "subscriptions"
+            and m in ("POST", "DELETE")
+        ):
             return await self._subscriptions(rest[1], req, user)
         if len(rest) == 4 and rest[0] == "queues" and rest[2] == "readers" and m == "DELETE":
             if user is not None:
@@ -125,8 +150,7 @@ class AdminApi:
             return await self._get(rest[1], _object(req), user)
         if rest == ["messages"] and m == "POST":
             return await self._publish(_object(req), req.headers, user)
-        known = rest[:1] == ["queues"] or tuple(p) in RESOURCES
-        raise HttpError(405 if known else 404, f"no route for {m} /{'/'.join(p)}")
+        raise not_routed(p, m)
 
     async def _list_queues(self) -> list[dict[str, Any]]:
         out = []
@@ -167,14 +191,12 @@ class AdminApi:
         if req.method == "POST":
             [(pattern, syntax)] = _subscriptions([_object(req)])
             change = self.broker.subscribe_queue
-        elif req.method == "DELETE":
+        else:  # DELETE
             pattern = req.query.get("pattern", "")
             if not pattern:
                 raise HttpError(400, "DELETE needs ?pattern=...&syntax=smf|mqtt")
             syntax = req.query.get("syntax", "smf")
             change = self.broker.unsubscribe_queue
-        else:
-            raise HttpError(405, "use POST or DELETE on subscriptions")
         changed = await change(name, [pattern], syntax, user=user)
         return Response.json({"changed": changed})
 
