@@ -273,6 +273,21 @@ async def test_registered_reader_sees_entries_consumers_acked(
     assert [p for b in batches for p in b] == [f"a{n}".encode() for n in range(5)]
 
 
+async def test_a_registered_reader_reads_and_commits_while_redis_is_full(
+    spark: SparkSession, broker: Broker, redis_url: str, tmp_path: Path
+) -> None:
+    await broker.declare_queue(QueueConfig(name="full"))
+    await publish_to(broker, "full", [b"f0", b"f1", b"f2"])
+    await broker.redis.config_set("maxmemory", 1)  # over it from now on: nothing new is stored
+    try:
+        batches = await stream_available_now(spark, redis_url, "full", tmp_path, readerName="r")
+        place = await broker.redis.hget(keys.queue_readers("full"), "r")
+    finally:
+        await broker.redis.config_set("maxmemory", 0)
+    assert [p for b in batches for p in b] == [b"f0", b"f1", b"f2"]
+    assert place is not None and await broker.redis.sismember(keys.read_queues, "full")
+
+
 async def test_fail_on_data_loss_detects_trimmed_and_deleted_ranges(
     spark: SparkSession, broker: Broker, redis_url: str
 ) -> None:

@@ -1526,6 +1526,18 @@ register_always('gw_direct_node', function(_, a)
   return redis.call('SREM', K_DIRECT_NODES, a[1])
 end)
 
+-- ARGV: queue, reader, entry id, 1 to keep a place the reader already has. A (Spark)
+-- reader's place in a queue it reads without taking: entries stay until every reader is
+-- past them and they are settled.
+register_always('gw_reader_at', function(_, a)
+  if a[4] == '1' then
+    redis.call('HSETNX', k_queue_readers(a[1]), a[2], a[3])
+  else
+    redis.call('HSET', k_queue_readers(a[1]), a[2], a[3])
+  end
+  return redis.call('SADD', K_READ_QUEUES, a[1])
+end)
+
 -- A new number from the node-wide counter (client claims are ordered by it).
 register_always('gw_claim', function()
   return redis.call('INCR', K_SEQ)

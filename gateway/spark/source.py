@@ -443,9 +443,8 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         if self._registered or self.opts.reader_name is None:
             return
         pipe = self.client.pipeline(transaction=False)
-        for queue, sid in start.items():
-            pipe.hsetnx(keys.queue_readers(queue), self.opts.reader_name, sid)
-            pipe.sadd(keys.read_queues, queue)
+        for queue, sid in start.items():  # a function: it runs while Redis is full
+            pipe.fcall("gw_reader_at", 0, queue, self.opts.reader_name, sid, 1)
         pipe.execute()
         self._registered = True
 
@@ -454,8 +453,7 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             return
         pipe = self.client.pipeline(transaction=False)
         for queue, sid in end.items():
-            pipe.hset(keys.queue_readers(queue), self.opts.reader_name, sid)
-            pipe.sadd(keys.read_queues, queue)
+            pipe.fcall("gw_reader_at", 0, queue, self.opts.reader_name, sid, 0)
         pipe.execute()
 
     def stop(self) -> None:
