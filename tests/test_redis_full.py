@@ -15,6 +15,7 @@ from proton import Disposition
 from proton import Message as AmqpMessage
 from proton.utils import BlockingConnection
 
+from gateway.admin.metrics import render_metrics
 from gateway.broker import Broker
 from gateway.engine import keys, library
 from gateway.engine.queues import QueueConfig
@@ -52,12 +53,14 @@ async def test_publishes_are_refused_whole_and_consumers_drain(
     await broker.queues.create(QueueConfig(name="q"))
     for i in range(3):
         assert await broker.publish(to_queue("q", b"%d" % i)) is Outcome.OK
+    await admin.fcall("gw_reader_at", 0, "q", "job", "0-0", 1)  # as a Spark reader does
     await fill(admin)
     refused = await asyncio.gather(*(broker.publish_nowait(to_queue("q", b"x")) for _ in range(5)))
     assert refused == [Outcome.OUT_OF_MEMORY] * 5
     assert broker.spooler.redis_full
     assert await admin.xlen(keys.queue_stream("q")) == 3  # nothing of the refused batch
     assert (await broker.queues.info("q")).messages == 3
+    assert await broker.queues.forget_reader("q", "job") == 1  # it would hold settled entries
 
     got: list[Delivery] = []
     flow = await broker.bind("q", got.append)
@@ -67,6 +70,12 @@ async def test_publishes_are_refused_whole_and_consumers_drain(
         flow.ack(d.entry_id)
     await wait_for_async(lambda: queue_length(admin, "q"), 0)
     await broker.liveness.beat()  # the heartbeat still runs: the node is not presumed dead
+
+    metrics = await render_metrics(broker)
+    assert "gateway_refused_out_of_memory 5" in metrics.replace(f'{{node="{broker.node_id}"}}', "")
+    assert "gateway_redis_maxmemory_bytes 1\n" in metrics
+    used = int(metrics.split("\ngateway_redis_used_memory_bytes ")[1].split()[0])
+    assert used > 1_000_000  # an empty Redis uses about a megabyte
 
     await admin.config_set("maxmemory", 0)
     assert await broker.publish(to_queue("q", b"again")) is Outcome.OK

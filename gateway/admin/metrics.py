@@ -1,4 +1,5 @@
-"""Prometheus text exposition of node counters, per-queue depth and spool usage."""
+"""Prometheus text exposition of node counters, per-queue depth, spool usage and Redis's
+memory against its maxmemory."""
 
 from __future__ import annotations
 
@@ -47,6 +48,12 @@ async def render_metrics(broker: Broker) -> str:
         lines.append(f"# TYPE {metric} {kind}")
         lines.extend(rows)
     lines += _spool_lines(await read_usage(broker.redis))
+    memory = await broker.redis.info("memory")  # how close Redis is to refusing messages
+    for name in ("used_memory", "maxmemory"):
+        lines += [
+            f"# TYPE gateway_redis_{name}_bytes gauge",
+            f"gateway_redis_{name}_bytes {memory[name]}",
+        ]
     return "\n".join(lines) + "\n"
 
 

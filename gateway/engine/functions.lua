@@ -1538,6 +1538,22 @@ register_always('gw_reader_at', function(_, a)
   return redis.call('SADD', K_READ_QUEUES, a[1])
 end)
 
+-- ARGV: queue, reader. Forgets the reader's place; returns 1 if it had one (0 if not).
+register_always('gw_forget_reader', function(_, a)
+  local readers = k_queue_readers(a[1])
+  local removed = redis.call('HDEL', readers, a[2])
+  if redis.call('HLEN', readers) == 0 then redis.call('SREM', K_READ_QUEUES, a[1]) end
+  return removed
+end)
+
+-- The spool totals, quotas, raised alarms and alarm event counts, as one snapshot.
+register_always('gw_spool_report', function()
+  return {
+    redis.call('HGETALL', K_SPOOL_USAGE), redis.call('HGETALL', K_SPOOL_LIMITS),
+    redis.call('HGETALL', K_SPOOL_ALARMS), redis.call('HGETALL', K_SPOOL_ALARM_COUNTS),
+  }
+end)
+
 -- A new number from the node-wide counter (client claims are ordered by it).
 register_always('gw_claim', function()
   return redis.call('INCR', K_SEQ)

@@ -598,13 +598,7 @@ class QueueStore:
         config = await self.config(name)
         dropped = 0
         for _, queue in stream_queues(name, config.partition_count):
-            pipe = self._redis.pipeline(transaction=True)
-            pipe.hdel(keys.queue_readers(queue), reader)
-            pipe.hlen(keys.queue_readers(queue))
-            removed, left = await pipe.execute()
-            dropped += removed
-            if not left:
-                await self._redis.srem(keys.read_queues, queue)
+            dropped += await self._redis.fcall("gw_forget_reader", 0, queue, reader)
         return dropped
 
     async def repartition(self, name: str, partition_count: int) -> int:

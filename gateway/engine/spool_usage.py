@@ -145,11 +145,12 @@ def _decoded(raw: dict[bytes, bytes]) -> dict[str, str]:
 
 
 async def read_usage(redis: aioredis.Redis) -> SpoolReport:
-    """A consistent snapshot (one MULTI) of the totals, quotas, alarms and event counts."""
-    pipe = redis.pipeline(transaction=True)
-    for key in (keys.spool_usage, keys.spool_limits, keys.spool_alarms, keys.spool_alarm_counts):
-        pipe.hgetall(key)
-    usage, limits, alarms, counts = (_decoded(r) for r in await pipe.execute())
+    """A consistent snapshot (one function call, which runs while Redis is full, unlike a
+    MULTI) of the totals, quotas, alarms and event counts."""
+    report = await redis.fcall("gw_spool_report", 0)
+    usage, limits, alarms, counts = (
+        _decoded(dict(zip(flat[::2], flat[1::2], strict=True))) for flat in report
+    )
     names: dict[str, set[str]] = {"vpn": {DEFAULT_VPN}, "queue": set()}
     for f in usage:
         if f.startswith("v:"):
