@@ -147,7 +147,10 @@ def serve(args: argparse.Namespace) -> int:
                     ",".join(map(str, sorted(halves[0]))),
                     ",".join(map(str, sorted(os.sched_getaffinity(embedded.pid)))),
                 )
-        run(settings, settings.redis_url or embedded.url)  # type: ignore[union-attr]
+        if embedded is None:
+            run(settings, settings.redis_url)  # type: ignore[arg-type]
+        else:
+            run(settings, embedded.url, embedded.supervise)
     except (RedisStartError, RedisUnsuitable) as exc:
         print(f"gateway: {exc}", file=sys.stderr)
         return 2

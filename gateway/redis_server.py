@@ -1,12 +1,14 @@
 """The embedded redis-server: a child process under the data directory, AOF on.
 
 It listens on a unix socket only (no port to collide with), dies with the gateway (the
-kernel sends it SIGTERM if the gateway dies, even by SIGKILL), and a restart replays its
-append-only file, so spooled messages survive a gateway crash.
+kernel sends it SIGTERM if the gateway dies, even by SIGKILL), is started again if it dies
+while the gateway runs (`supervise`), and each start replays its append-only file, so
+spooled messages survive a crash of either.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import logging
@@ -29,6 +31,9 @@ INSTALL_HINT = (
     "or pass --redis-url"
 )
 _PR_SET_PDEATHSIG = 1
+START_TIMEOUT = 15.0  # seconds for a start, the AOF loaded
+SUPERVISE_EVERY = 0.2  # seconds between checks that the embedded redis-server still runs
+SUPERVISE_BACKOFF_MAX = 5.0  # seconds between attempts when it does not start again
 
 
 class RedisStartError(RuntimeError):
@@ -114,7 +119,13 @@ class EmbeddedRedis:
     def url(self) -> str:
         return f"unix://{self.socket}?db=0"
 
-    def start(self, timeout: float = 15.0) -> None:
+    def start(self, timeout: float = START_TIMEOUT) -> None:
+        binary = self._prepare(timeout)
+        self._launch(binary)
+        self._wait_ready(timeout)
+
+    def _prepare(self, timeout: float) -> str:
+        """Everything before the launch (the AOF checked); returns the redis-server path."""
         binary = shutil.which("redis-server")
         if binary is None:
             raise RedisStartError(INSTALL_HINT)
@@ -125,6 +136,9 @@ class EmbeddedRedis:
             log.warning("the AOF ended in a torn transaction, dropped whole: %s", cut)
         with contextlib.suppress(FileNotFoundError):
             self.socket.unlink()
+        return binary
+
+    def _launch(self, binary: str) -> None:
         args = [
             binary,
             "--port",
@@ -159,7 +173,31 @@ class EmbeddedRedis:
             stderr=subprocess.DEVNULL,
             preexec_fn=_child_setup(self.cpus),
         )
-        self._wait_ready(timeout)
+
+    async def supervise(self) -> None:
+        """Start redis-server again (its AOF checked first) whenever it exits while the node
+        runs, e.g. killed for memory: the node's connections come back by themselves, and
+        so does what its AOF holds. Runs until cancelled."""
+        pause = SUPERVISE_EVERY
+        while True:
+            await asyncio.sleep(pause)
+            if self.proc is None or self.proc.poll() is None:
+                continue
+            log.error(
+                "embedded redis-server exited (code %s); starting it again", self.proc.returncode
+            )
+            try:
+                binary = await asyncio.to_thread(self._prepare, START_TIMEOUT)
+                # launched from this thread: a fork that runs Python (the CPU pinning before
+                # exec) from another thread can hang
+                self._launch(binary)
+                await asyncio.to_thread(self._wait_ready, START_TIMEOUT)
+            except RedisStartError as exc:
+                pause = min(pause * 2, SUPERVISE_BACKOFF_MAX)
+                log.error("embedded redis-server did not start again: %s", exc)
+                continue
+            pause = SUPERVISE_EVERY
+            log.info("embedded redis-server started again (pid %s)", self.pid)
 
     def _wait_previous_exit(self, timeout: float) -> None:
         """A redis-server of a crashed gateway may still be flushing its AOF: let it finish."""

@@ -54,10 +54,12 @@ async def run_node(
     redis_url: str,
     stop: asyncio.Event | None = None,
     on_ready: Callable[[Broker], Awaitable[None]] | None = None,
+    supervise: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
     """Run until `stop` is set (or SIGINT / SIGTERM), then shut down in order.
 
-    `on_ready(broker)` runs once everything listens (embedding programs and tests use it).
+    `on_ready(broker)` runs once everything listens (embedding programs and tests use it);
+    `supervise()` runs from then until the shutdown starts (the embedded Redis's restarts).
     """
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -66,6 +68,7 @@ async def run_node(
     client = await library.connect(redis_url)
     broker = Broker(client, heartbeat=settings.heartbeat_s, node_ttl=settings.node_ttl_s)
     listeners: list[Listener] = []
+    supervisor: asyncio.Task | None = None
     admin = HttpServer(AdminApi(broker, settings.users))
     spool = SpoolMonitor(client, broker.node_id, broker.events, SpoolLimits.from_settings(settings))
     try:
@@ -87,11 +90,15 @@ async def run_node(
         }
         print(json.dumps(ready), flush=True)
         log.info("gateway node %s ready", broker.node_id)
+        if supervise is not None:
+            supervisor = loop.create_task(supervise())
         if on_ready is not None:
             await on_ready(broker)
         await stop.wait()
         log.info("shutting down")
     finally:
+        if supervisor is not None:
+            supervisor.cancel()
         for listener in listeners:
             await listener.close()
         await admin.close()
@@ -107,15 +114,18 @@ async def run_node(
 GC_THRESHOLDS = (50_000, 20, 20)
 
 
-def run(settings: Settings, redis_url: str) -> None:
+def run(
+    settings: Settings, redis_url: str, supervise: Callable[[], Awaitable[None]] | None = None
+) -> None:
     """Run a node on uvloop when available, with the garbage collector tuned for it."""
     gc.set_threshold(*GC_THRESHOLDS)
+    node = run_node(settings, redis_url, supervise=supervise)
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency; keep asyncio usable
-        asyncio.run(run_node(settings, redis_url))
+        asyncio.run(node)
         return
     if sys.version_info >= (3, 12):
-        asyncio.run(run_node(settings, redis_url), loop_factory=uvloop.new_event_loop)
+        asyncio.run(node, loop_factory=uvloop.new_event_loop)
     else:
-        uvloop.run(run_node(settings, redis_url))
+        uvloop.run(node)

@@ -6,6 +6,7 @@ import asyncio
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from gateway.cpus import split
 from gateway.engine.library import MIN_REDIS, parse_version
 from gateway.redis_server import memory_limit
 from tests.processes import GATEWAY, Proc, serve_argv
+from tests.test_mqtt_paho import V311, Client
 
 pytestmark = pytest.mark.slow
 
@@ -35,6 +37,61 @@ async def test_sigint_stops_node_and_embedded_redis(tmp_path: Path) -> None:
     gw.proc.send_signal(signal.SIGINT)
     assert await asyncio.wait_for(gw.proc.wait(), 20) == 0
     assert not Path(f"/proc/{redis_pid}").exists(), "no orphaned redis-server"
+
+
+async def test_an_embedded_redis_that_dies_is_started_again(tmp_path: Path) -> None:
+    """Killed as the kernel's OOM killer would, the embedded redis-server is started again
+    with what its AOF holds; the node runs on and its clients carry on."""
+    data_dir = tmp_path / "d"
+    gw = await Proc.start(serve_argv(data_dir, "--appendfsync", "always"))
+    port = (await gw.wait_event("ready"))["mqtt_port"]
+
+    def keep(topic: str) -> None:
+        keeper = Client(port, V311, "keeper", clean=False)
+        try:
+            keeper.subscribe(topic, 1)
+        finally:
+            keeper.close()
+
+    def publish(payload: bytes) -> None:
+        """Until acked: a publish the node could not store while Redis was away gets no
+        PUBACK (its connection closes), so the client sends it again, as clients do."""
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                pub = Client(port, V311, "pub")
+            except (TimeoutError, OSError):
+                time.sleep(0.1)
+                continue
+            try:
+                if pub.publish("kept/a", payload, 1).is_published():
+                    return
+            finally:
+                pub.close()
+        raise AssertionError(f"{payload!r} never acked:\n{gw.stderr_tail()}")
+
+    def receive(n: int) -> list[bytes]:
+        keeper = Client(port, V311, "keeper", clean=False)
+        try:
+            return [m.payload for m in keeper.receive(n)]
+        finally:
+            keeper.close()
+
+    try:
+        await asyncio.to_thread(keep, "kept/#")
+        await asyncio.to_thread(publish, b"before")
+        first = int((data_dir / "redis.pid").read_text())
+        os.kill(first, signal.SIGKILL)
+        deadline = time.monotonic() + 15
+        while (data_dir / "redis.pid").read_text().strip() in ("", str(first)):
+            assert time.monotonic() < deadline, gw.stderr_tail()
+            await asyncio.sleep(0.05)
+        await asyncio.to_thread(publish, b"after")
+        assert await asyncio.to_thread(receive, 2) == [b"before", b"after"]
+        assert gw.proc.returncode is None
+        assert "starting it again" in gw.stderr_tail()
+    finally:
+        assert await gw.stop() == 0, gw.stderr_tail()
 
 
 @pytest.mark.parametrize(
