@@ -324,6 +324,21 @@ async def test_publish_keeps_properties_deliverable_over_amqp(ports: Ports) -> N
     assert await admin.depth("q1") == 0
 
 
+async def test_a_header_the_api_reads_given_twice_is_refused(admin: Admin) -> None:
+    """Which value would count is a guess: refused, and nothing published."""
+    await admin.create("q1")
+    body = b'{"payload": "x"}'
+    publish = "POST /api/v1/queues/q1/messages HTTP/1.1"
+    twice = f"{publish}\r\nSolace-User-Property-colour: red\r\nSolace-User-Property-Colour: blue"
+    refused(await raw_http(admin.port, twice, body), "solace-user-property-colour", "more than")
+    assert await admin.depth("q1") == 0
+    auth = "GET /api/v1/queues HTTP/1.1\r\nAuthorization: Basic eDp5\r\nAuthorization: Basic eDp6"
+    refused(await raw_http(admin.port, auth), "authorization", "more than once")
+    other = f"{publish}\r\nAccept: text/plain\r\nAccept: application/json"  # not read: fine
+    assert (await raw_http(admin.port, other, body)).status == 200
+    assert await admin.depth("q1") == 1
+
+
 async def test_publish_null_payload_is_empty(admin: Admin) -> None:
     """It was published as the text "None"."""
     await admin.create("q1")

@@ -96,7 +96,7 @@ class AdminApi:
         try:
             if req.path == ["api", "v1", "health"] and req.method == "GET":
                 return await self._health()
-            user = self.auth.caller(req.headers.get("authorization"), req.peer)
+            user = self.auth.caller(req.header("authorization"), req.peer)
             return await self._route(req, user)
         except QueueError as exc:
             raise HttpError(exc.http_status, str(exc)) from None
@@ -145,11 +145,11 @@ class AdminApi:
                 raise HttpError(404, f"no reader {rest[3]!r} on queue {rest[1]!r}")
             return Response(204)
         if len(rest) == 3 and rest[0] == "queues" and rest[2] == "messages" and m == "POST":
-            return await self._publish({**_object(req), "queue": rest[1]}, req.headers, user)
+            return await self._publish({**_object(req), "queue": rest[1]}, req, user)
         if len(rest) == 3 and rest[0] == "queues" and rest[2] == "get" and m == "POST":
             return await self._get(rest[1], _object(req), user)
         if rest == ["messages"] and m == "POST":
-            return await self._publish(_object(req), req.headers, user)
+            return await self._publish(_object(req), req, user)
         raise not_routed(p, m)
 
     async def _list_queues(self) -> list[dict[str, Any]]:
@@ -200,18 +200,16 @@ class AdminApi:
         changed = await change(name, [pattern], syntax, user=user)
         return Response.json({"changed": changed})
 
-    async def _publish(
-        self, body: dict[str, Any], headers: dict[str, str], user: str | None
-    ) -> Response:
+    async def _publish(self, body: dict[str, Any], req: Request, user: str | None) -> Response:
         msg = _message(body)
         msg.publisher.user = user
         # Solace REST messaging headers: user properties, JMSXGroupID as the partition key
-        for name, value in headers.items():
+        for name in req.headers:
             if name.startswith(USER_PROPERTY_HEADER):
                 prop = name[len(USER_PROPERTY_HEADER) :]
                 if not prop:
                     raise HttpError(400, "a Solace-User-Property- header needs a property name")
-                text = _header_text(value, name)
+                text = _header_text(req.header(name) or "", name)
                 if prop == "jmsxgroupid":
                     msg.partition_key = text
                 else:

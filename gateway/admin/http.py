@@ -26,9 +26,17 @@ class Request:
     method: str
     path: list[str]  # decoded segments: /api/v1/queues/a%2Fb -> ["api", "v1", "queues", "a/b"]
     query: dict[str, str]
-    headers: dict[str, str]
+    headers: dict[str, str]  # lower-cased names; a name given twice keeps its last value
     body: bytes
     peer: str = ""  # the client's IP address: the admin API trusts loopback when open
+    repeated: frozenset[str] = frozenset()  # the names given more than once
+
+    def header(self, name: str) -> str | None:
+        """One header's value (None: absent); HttpError 400 if it came more than once,
+        as which one counts would be a guess."""
+        if name in self.repeated:
+            raise HttpError(400, f"header {name!r} is given more than once")
+        return self.headers.get(name)
 
     def json(self) -> object:
         """The body as strict JSON (an empty body is {}). Python's parser takes NaN and
@@ -255,5 +263,13 @@ def _to_request(head: h11.Request, body: bytes) -> Request:
         if name in query:
             raise HttpError(400, f"query parameter {name!r} is given more than once")
         query[name] = value
-    headers = {k.decode().lower(): v.decode("latin-1") for k, v in head.headers}
-    return Request(head.method.decode(), segments, query, headers, body)
+    headers: dict[str, str] = {}
+    repeated = set()
+    for name, value in head.headers:  # h11 gives the names lower-cased
+        key = name.decode()
+        if key in headers:
+            repeated.add(key)
+        headers[key] = value.decode("latin-1")
+    return Request(
+        head.method.decode(), segments, query, headers, body, repeated=frozenset(repeated)
+    )
