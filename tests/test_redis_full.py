@@ -26,6 +26,7 @@ from tests.processes import Proc, serve_argv
 from tests.test_amqp_clients import TIMEOUT, send_outcome, url
 from tests.test_engine import wait_for
 from tests.test_mqtt_paho import V5, V311, Client
+from tests.test_spool_quota import eventually
 
 
 @pytest.fixture
@@ -68,7 +69,7 @@ async def test_publishes_are_refused_whole_and_consumers_drain(
     assert [d.message.payload for d in got] == [b"0", b"1", b"2"]
     for d in got:
         flow.ack(d.entry_id)
-    await wait_for_async(lambda: queue_length(admin, "q"), 0)
+    await eventually(lambda: stream_is_empty(admin, "q"))
     await broker.liveness.beat()  # the heartbeat still runs: the node is not presumed dead
 
     metrics = await render_metrics(broker)
@@ -191,12 +192,5 @@ async def test_amqp_sender_rejected_with_resource_limit(
     assert (await broker.queues.info("dq")).messages == 1
 
 
-async def queue_length(admin: aioredis.Redis, queue: str) -> int:
-    return await admin.xlen(keys.queue_stream(queue))
-
-
-async def wait_for_async(read, expected: object, timeout: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while (value := await read()) != expected:
-        assert asyncio.get_running_loop().time() < deadline, f"{value!r}, not {expected!r}"
-        await asyncio.sleep(0.02)
+async def stream_is_empty(admin: aioredis.Redis, queue: str) -> bool:
+    return await admin.xlen(keys.queue_stream(queue)) == 0
