@@ -209,8 +209,9 @@ class Broker:
 
         async def both() -> Outcome:
             outcome = await spooled
-            if outcome.accepted:
-                await self.retained.put(msg)
+            if outcome.accepted and not await self.retained.put(msg, outcome is Outcome.OK):
+                self.spooler.refused_for_memory()
+                return Outcome.OUT_OF_MEMORY
             return outcome
 
         fut = asyncio.ensure_future(both())

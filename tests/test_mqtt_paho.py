@@ -93,9 +93,14 @@ class Client:
         return self.subacks.get(timeout=WAIT)
 
     def publish(
-        self, topic: str, payload: bytes, qos: int, properties: Properties | None = None
+        self,
+        topic: str,
+        payload: bytes,
+        qos: int,
+        properties: Properties | None = None,
+        retain: bool = False,
     ) -> paho.MQTTMessageInfo:
-        info = self.c.publish(topic, payload, qos, properties=properties)
+        info = self.c.publish(topic, payload, qos, retain, properties)
         info.wait_for_publish(WAIT)
         return info
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 
 import redis.asyncio as aioredis
+from redis.exceptions import OutOfMemoryError
 
 from gateway.engine import keys
 from gateway.model import Message, decode, encode
@@ -70,11 +71,20 @@ class RetainedStore:
     def __init__(self, redis: aioredis.Redis) -> None:
         self._redis = redis
 
-    async def put(self, msg: Message) -> None:
-        if msg.payload:
-            await self._redis.hset(keys.retained, msg.destination, encode(msg))
+    async def put(self, msg: Message, queued: bool = False) -> bool:
+        """Retain `msg`, or clear its topic for an empty payload. A message its queues hold
+        (`queued`) is retained even when Redis is over its maxmemory: its publish was taken.
+        One that no queue took is new data and is refused then: False."""
+        if not msg.payload:
+            await self._redis.hdel(keys.retained, msg.destination)  # runs when Redis is full
+        elif queued:
+            await self._redis.fcall("gw_retain", 1, keys.retained, msg.destination, encode(msg))
         else:
-            await self._redis.hdel(keys.retained, msg.destination)
+            try:
+                await self._redis.hset(keys.retained, msg.destination, encode(msg))
+            except OutOfMemoryError:
+                return False
+        return True
 
     async def matching(self, pattern: str, syntax: str = "mqtt") -> list[Message]:
         """Retained messages whose topic matches `pattern`, in topic order. A filter without

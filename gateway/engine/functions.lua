@@ -1584,6 +1584,12 @@ register_always('gw_client_expire', function(k, a)
   return 1
 end)
 
+-- KEYS: the retained-messages hash. ARGV: topic, message. The retained copy of a message its
+-- queues already hold: the publish was taken, so it completes while Redis is full.
+register_always('gw_retain', function(k, a)
+  return redis.call('HSET', k[1], a[1], a[2])
+end)
+
 -- KEYS: a client's received-ids key. ARGV: a message id. 1 if it was new, 0 if recorded.
 register_always('gw_client_mark', function(k, a)
   return redis.call('SADD', k[1], a[1])

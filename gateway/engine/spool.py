@@ -266,6 +266,11 @@ class Spooler:
             self._full(False)
         self._settle(batch, reply)
 
+    def refused_for_memory(self) -> None:
+        """A publish refused for memory outside a batch (a retained message no queue took)."""
+        self._full(True)
+        self.refused["out_of_memory"] = self.refused.get("out_of_memory", 0) + 1
+
     def _full(self, full: bool) -> None:
         """Say once when Redis goes over its maxmemory (publishes are refused from then on)
         and once when a batch is stored again."""
