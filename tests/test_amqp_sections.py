@@ -110,6 +110,17 @@ def test_malformed_bytes_are_left_to_proton(data: bytes) -> None:
         sections.decode(data, PUB)
 
 
+@pytest.mark.parametrize("section", [b"\x72", b"\x74"], ids=["annotations", "application"])
+def test_a_list_where_a_map_belongs_is_refused(section: bytes) -> None:
+    """Lists and maps share a shape in the decoder: a list of key, value, ... must not pass
+    for message-annotations or application-properties."""
+    data = b"\x00\x53" + section + b"\xc0\x07\x02\xa3\x01a\xa1\x01b\x00\x53\x75\xa0\x01x"
+    with pytest.raises(sections.Unsupported):
+        sections.decode(data, PUB)
+    with pytest.raises(mapping.BodyError, match="must be maps"):
+        mapping.decode(data, PUB)
+
+
 def egress_fields(data: bytes) -> dict[str, object]:
     amqp = AmqpMessage()
     amqp.decode(data)

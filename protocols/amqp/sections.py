@@ -147,10 +147,11 @@ _TEXT_TYPES = (str, bytes)
 _PROPERTY_TYPES = (str, bytes, bool, int, float)
 
 
-def _map(value: object) -> dict:
+def _map(value: object, constructor: int) -> dict:
+    """A map section's value; `_read` gives lists and maps alike, so the type code tells."""
     if value is None:
         return {}
-    if not isinstance(value, list) or len(value) % 2:
+    if (constructor != 0xC1 and constructor != 0xD1) or len(value) % 2:  # map8 / map32
         raise Unsupported("not a map")
     return dict(zip(value[::2], value[1::2], strict=True))
 
@@ -211,6 +212,7 @@ def _decode(data: bytes, publisher: Publisher) -> tuple[Message, str | None, int
         if code <= last:  # repeated or out of order: framing tells which (or several data)
             raise Unsupported("section order")
         last = code
+        constructor = data[i]
         value, i = _read(data, i)
         if code in (DATA, VALUE):
             bodies += 1
@@ -222,9 +224,9 @@ def _decode(data: bytes, publisher: Publisher) -> tuple[Message, str | None, int
         elif code == PROPERTIES:
             props = value if value.__class__ is list else None
         elif code == MESSAGE_ANN:
-            annotations = _map(value)
+            annotations = _map(value, constructor)
         elif code == APP_PROPS:
-            app = _map(value)
+            app = _map(value, constructor)
         elif code not in (DELIVERY_ANN, FOOTER):
             raise Unsupported(f"section 0x{code:x}")
     if bodies > 1:
