@@ -62,6 +62,10 @@ Provisioning
     patterns)`` / ``unsubscribe_queue`` change a queue's topic subscriptions;
     ``update_queue(queue, changes)`` its run-time settings (owner only). These and
     ``declare_queue`` take ``user=`` (a user's new queue is its own).
+
+Errors
+    A call that needs Redis raises `StoreError` when Redis fails or refuses it (it is
+    unreachable, refuses writes for now, ...).
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ from collections.abc import Callable, Collection, Iterable
 from typing import Any, overload
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError as StoreError
 
 from gateway.engine import keys
 from gateway.engine.clients import ClientStore, RetainedStore
@@ -97,7 +102,16 @@ from gateway.engine.spool import Done, Spooler
 from gateway.model import Message, Outcome, encode, new_message_id
 from gateway.router import Router
 
-__all__ = ["ANONYMOUS", "BindError", "Broker", "Flow", "Outcome", "QueueConfig", "QueueError"]
+__all__ = [
+    "ANONYMOUS",
+    "BindError",
+    "Broker",
+    "Flow",
+    "Outcome",
+    "QueueConfig",
+    "QueueError",
+    "StoreError",
+]
 
 ANONYMOUS = "anonymous"  # the user of clients that did not authenticate: never the operator
 

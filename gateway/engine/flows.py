@@ -44,7 +44,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.engine.keys import partition_queue, priority_queue
-from gateway.engine.ordered_calls import OrderedCalls, broke
+from gateway.engine.ordered_calls import OrderedCalls, broke, refused_for_now
 from gateway.engine.partitions import PartitionMap, split_window
 from gateway.engine.selection import matches
 from gateway.model import DEAD_LETTER_REASON, ORIGIN_QUEUE, Delivery, Message, decode
@@ -211,6 +211,7 @@ class _Fetch:
 
 
 _Unbind = tuple[str, str, "asyncio.Future[None] | None"]  # queue, flow id, told when done
+_Settle = tuple[str, str, str, int]  # queue, flow id, entry id, size
 
 
 class _Round:
@@ -230,7 +231,7 @@ class _Round:
     )
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.settles: dict[str, list[tuple[str, str, str, int]]] = {}
+        self.settles: dict[str, list[_Settle]] = {}
         self.unbinds: list[_Unbind] = []
         self.lease_checks: set[str] = set()
         self.rebalances: list[str] = []
@@ -263,7 +264,9 @@ class Dispatcher:
         # settled or gave credit (monotonic)
         self._behind: dict[Flow, float] = {}
         self._caught_up = asyncio.Event()  # a flow left _behind
-        self._settles: dict[str, list[tuple[str, str, str, int]]] = {}
+        self._settles: dict[str, list[_Settle]] = {}
+        self._later: dict[str, list[_Settle]] = {}  # settlements Redis refused for now
+        self._later_timer: asyncio.TimerHandle | None = None
         self._unbinds: list[_Unbind] = []
         self._lease_checks: set[str] = set()
         self._rebalances: dict[str, float] = {}  # partitioned queue -> when (loop time)
@@ -275,6 +278,8 @@ class Dispatcher:
 
     async def close(self) -> None:
         """Stop the pump and drop its connection (the node is stopping)."""
+        if self._later_timer is not None:
+            self._later_timer.cancel()
         if self._task is not None:
             self._task.cancel()
         await self._calls.close()
@@ -638,6 +643,8 @@ class Dispatcher:
             if broke(reply):
                 self._settles.setdefault(mode, []).extend(items)
                 lost = True
+            elif refused_for_now(reply):
+                self._settle_later(mode, items, reply)
             elif isinstance(reply, Exception):  # not retried: it would fail the same way
                 log.error("settling %d entries (%s) failed: %s", len(items), mode, reply)
         for unbind in sent.unbinds:
@@ -750,6 +757,24 @@ class Dispatcher:
                 self._want[flow] = None
         else:
             self._empty(flow)
+
+    def _settle_later(self, mode: str, items: list[_Settle], why: BaseException) -> None:
+        """Redis refused settlements without running them (see `refused_for_now`): they
+        go again after FETCH_RETRY. Left undone they would hold their entries pending, to
+        be delivered again once the flow ends."""
+        if self._later_timer is None:
+            log.warning("settlements refused by Redis for now, sent again: %s", why)
+            self._later_timer = asyncio.get_running_loop().call_later(
+                FETCH_RETRY, self._settle_again
+            )
+        self._later.setdefault(mode, []).extend(items)
+
+    def _settle_again(self) -> None:
+        self._later_timer = None
+        for mode, items in self._later.items():
+            self._settles.setdefault(mode, []).extend(items)
+        self._later = {}
+        self._kick()
 
     def _refuse(self, flow: Flow) -> None:
         """Redis refused the flow's fetch: it asks again after FETCH_RETRY."""
@@ -917,7 +942,7 @@ def flow_fence(flow: Flow, partition: int | None) -> str:
 
 
 def _group(
-    items: list[tuple[str, str, str, int]],
+    items: list[_Settle],
 ) -> dict[tuple[str, str], tuple[list[str], list[int]]]:
     """Settlements by (queue, flow): their entry ids and, in the same order, their sizes."""
     groups: dict[tuple[str, str], tuple[list[str], list[int]]] = {}

@@ -63,7 +63,11 @@ class NodeLiveness:
         pipe = self._redis.pipeline(transaction=False)
         pipe.fcall("gw_node_up", 0, self.node_id, self.ttl_ms)  # it runs while Redis is full
         pipe.fcall("gw_reap", 0)
-        _, released = await pipe.execute()
+        replies = await pipe.execute(raise_on_error=False)
+        for reply in replies:  # Redis's own error: redis-py 6.4 garbles the one it raises
+            if isinstance(reply, Exception):
+                raise reply
+        released = replies[1]
         if released:
             self.reaped += int(released)
             log.info("released %s flows of dead nodes", released)

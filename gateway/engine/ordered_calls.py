@@ -15,7 +15,13 @@ from collections.abc import Callable
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
+from redis.exceptions import (
+    BusyLoadingError,
+    MasterDownError,
+    ReadOnlyError,
+    ResponseError,
+    TryAgainError,
+)
 
 from gateway.engine.library import pack_in_place
 
@@ -113,6 +119,20 @@ class OrderedCalls:
 def broke(reply: Any) -> bool:
     """The reply is the error of a broken connection: whether the command ran is unknown."""
     return isinstance(reply, BaseException) and not isinstance(reply, ResponseError)
+
+
+# Errors Redis gives before it runs a command, for a state that passes: loading its data
+# after a start, a replica (a failover under way), a script running long, or its AOF
+# failing to write (a full disk: MISCONF). redis-py has classes for some of them.
+_FOR_NOW = (BusyLoadingError, ReadOnlyError, MasterDownError, TryAgainError)
+_FOR_NOW_CODES = ("MISCONF ", "BUSY ", "NOREPLICAS ")
+
+
+def refused_for_now(reply: Any) -> bool:
+    """Redis refused the command without running it, and may take it later."""
+    return isinstance(reply, _FOR_NOW) or (
+        isinstance(reply, ResponseError) and str(reply).startswith(_FOR_NOW_CODES)
+    )
 
 
 def _tell(on_reply: Reply, reply: Any) -> None:

@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Callable, Coroutine, Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from gateway.broker import ANONYMOUS, BindError, Flow, Outcome, QueueError
+from gateway.broker import ANONYMOUS, BindError, Flow, Outcome, QueueError, StoreError
 from gateway.config import Settings
 from gateway.model import Delivery, Message, Publisher
 from gateway.topics import MQTT, TopicError, parse_pattern, pattern_matches
@@ -319,12 +319,18 @@ class Session:
             keep_alive = p.keep_alive
         if self.will is not None and _covered(self._deny_publish, self.will.topic):
             self.will = None
-        if not await self.registry.may_use(self.client_id, self.access_user):
-            log.info("MQTT client %r: its session belongs to another user", self.client_id)
+        try:
+            if not await self.registry.may_use(self.client_id, self.access_user):
+                log.info("MQTT client %r: its session belongs to another user", self.client_id)
+                if not self.closing:
+                    self._refuse_connect(ReasonCode.NOT_AUTHORIZED)
+                return
+            self.state, present = await self.registry.attach(self, p.clean_start, expiry)
+        except StoreError as exc:  # e.g. Redis refuses writes for now: the client tries later
+            log.warning("MQTT client %r: its session is unavailable: %s", self.client_id, exc)
             if not self.closing:
-                self._refuse_connect(ReasonCode.NOT_AUTHORIZED)
+                self._refuse_connect(ReasonCode.SERVER_UNAVAILABLE)
             return
-        self.state, present = await self.registry.attach(self, p.clean_start, expiry)
         if self.closing:  # the client went away while we waited
             return
         ack_props = None
@@ -1031,6 +1037,10 @@ class Session:
                 await flow.close()
             if self.state is not None:
                 await self.registry.detach(self)
+        except StoreError as exc:  # what Redis did not take stays until a clean start ends it
+            log.warning(
+                "MQTT client %r: ending its connection in Redis failed: %s", self.client_id, exc
+            )
         finally:
             if not self.detached.done():
                 self.detached.set_result(None)

@@ -1,0 +1,110 @@
+"""A Redis that refuses writes for a while, against a real redis-server made a replica of
+an address nobody serves (as in a failover; a full disk or a start's loading refuses the
+same way): settlements are sent again once it takes writes, and an MQTT client that
+connects meanwhile is told the server is unavailable."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+import redis.asyncio as aioredis
+from redis.exceptions import ReadOnlyError, ResponseError
+
+from gateway.broker import Broker
+from gateway.engine import keys
+from gateway.engine.ordered_calls import refused_for_now
+from gateway.engine.queues import QueueConfig
+from gateway.model import Delivery, Message, Outcome
+from protocols.mqtt.listener import Listener as MqttListener
+from tests.test_engine import wait_for
+from tests.test_mqtt_paho import V5, V311, Client
+from tests.test_spool_quota import eventually
+
+ReadOnly = Callable[[bool], Awaitable[None]]
+
+
+@pytest.fixture
+async def read_only(redis_url: str) -> AsyncIterator[ReadOnly]:
+    """read_only(True) makes Redis a replica (writes refused: READONLY), False a primary
+    again, with its data; it is a primary again after the test."""
+    client = aioredis.Redis.from_url(redis_url)
+
+    async def switch(on: bool) -> None:
+        if on:
+            await client.execute_command("REPLICAOF", "127.0.0.1", "1")  # nobody there
+        else:
+            await client.execute_command("REPLICAOF", "NO", "ONE")
+
+    yield switch
+    await switch(False)
+    await client.aclose()
+
+
+def test_what_counts_as_refused_for_now() -> None:
+    assert refused_for_now(ReadOnlyError("You can't write against a read only replica."))
+    assert refused_for_now(ResponseError("MISCONF Errors writing to the AOF file: No space"))
+    assert refused_for_now(ResponseError("BUSY Redis is busy running a script."))
+    assert not refused_for_now(ResponseError("ERR user_script:1: Script attempted to access"))
+    assert not refused_for_now(ConnectionError("Connection closed by server."))
+
+
+async def test_settlements_refused_for_now_are_sent_again(
+    broker: Broker, read_only: ReadOnly, redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    await broker.queues.create(QueueConfig(name="q"))
+    for i in range(3):
+        assert await broker.publish(Message(destination="q", to_queue=True, payload=b"%d" % i)) is (
+            Outcome.OK
+        )
+    got: list[Delivery] = []
+    flow = await broker.bind("q", got.append)
+    await wait_for(lambda: len(got) == 3)
+    admin = aioredis.Redis.from_url(redis_url)
+    try:
+        await read_only(True)
+        for d in got:
+            flow.ack(d.entry_id)
+        await asyncio.sleep(0.3)  # the settlement went out and was refused
+        assert await admin.xlen(keys.queue_stream("q")) == 3
+        # the log says why (redis-py's own message for a failed pipeline command would not)
+        await wait_for(lambda: "heartbeat failed: You can't write against" in caplog.text)
+        await read_only(False)
+
+        async def settled() -> bool:
+            return await admin.xlen(keys.queue_stream("q")) == 0
+
+        await eventually(settled)
+        assert (await broker.queues.info("q")).messages == 0
+    finally:
+        await admin.aclose()
+
+
+@pytest.mark.parametrize("version", [V311, V5], ids=["v311", "v5"])
+async def test_mqtt_connect_while_redis_refuses_writes_is_server_unavailable(
+    broker: Broker, mqtt: MqttListener, read_only: ReadOnly, version: int
+) -> None:
+    await read_only(True)
+    refused = await asyncio.to_thread(Client, mqtt.port, version, "later")
+    try:
+        # 0x88 Server unavailable (paho reports 3.1.1's return code 3 as the same)
+        assert int(getattr(refused.reason, "value", refused.reason)) == 0x88
+    finally:
+        refused.close()
+    await read_only(False)
+    accepted = await asyncio.to_thread(Client, mqtt.port, version, "later")
+    try:
+        assert accepted.accepted
+    finally:
+        accepted.close()
+
+
+async def test_mqtt_disconnect_while_redis_refuses_writes_is_logged_not_raised(
+    broker: Broker, mqtt: MqttListener, read_only: ReadOnly, caplog: pytest.LogCaptureFixture
+) -> None:
+    client = await asyncio.to_thread(Client, mqtt.port, V311, "leaving")
+    await read_only(True)
+    await asyncio.to_thread(client.close)
+    await wait_for(lambda: "'leaving': ending its connection in Redis failed" in caplog.text)
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
