@@ -1,7 +1,7 @@
 """A Redis that refuses writes for a while, against a real redis-server made a replica of
 an address nobody serves (as in a failover; a full disk or a start's loading refuses the
-same way): settlements are sent again once it takes writes, and an MQTT client that
-connects meanwhile is told the server is unavailable."""
+same way): settlements are sent again once it takes writes, an MQTT client that connects
+meanwhile is told the server is unavailable, and nothing of it is an error in the log."""
 
 from __future__ import annotations
 
@@ -10,6 +10,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 import redis.asyncio as aioredis
+from proton import Disposition
+from proton import Message as AmqpMessage
+from proton.utils import BlockingConnection, LinkDetached
 from redis.exceptions import ReadOnlyError, ResponseError
 
 from gateway.broker import Broker
@@ -17,7 +20,9 @@ from gateway.engine import keys
 from gateway.engine.ordered_calls import refused_for_now
 from gateway.engine.queues import QueueConfig
 from gateway.model import Delivery, Message, Outcome
+from protocols.amqp.listener import Listener as AmqpListener
 from protocols.mqtt.listener import Listener as MqttListener
+from tests.test_amqp_clients import TIMEOUT, send_outcome, url
 from tests.test_engine import wait_for
 from tests.test_mqtt_paho import V5, V311, Client
 from tests.test_spool_quota import eventually
@@ -107,4 +112,28 @@ async def test_mqtt_disconnect_while_redis_refuses_writes_is_logged_not_raised(
     await read_only(True)
     await asyncio.to_thread(client.close)
     await wait_for(lambda: "'leaving': ending its connection in Redis failed" in caplog.text)
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
+async def test_amqp_while_redis_refuses_writes(
+    broker: Broker, amqp: AmqpListener, read_only: ReadOnly, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A transfer is released (the client may send it again); a receiver's attach is
+    refused with Redis's reason; neither is an error in the log."""
+    await broker.queues.create(QueueConfig(name="dq"))
+    await read_only(True)
+
+    def run() -> tuple[object, str]:
+        conn = BlockingConnection(url(amqp), timeout=TIMEOUT)
+        try:
+            outcome = send_outcome(conn, conn.create_sender("dq"), AmqpMessage(body=b"x"))
+            with pytest.raises(LinkDetached) as refused:
+                conn.create_receiver("dq")
+            return outcome, str(refused.value)
+        finally:
+            conn.close()
+
+    outcome, refusal = await asyncio.to_thread(run)
+    assert outcome == (Disposition.RELEASED, None)
+    assert "amqp:internal-error" in refusal and "read only replica" in refusal
     assert not [r for r in caplog.records if r.levelname == "ERROR"]

@@ -54,7 +54,7 @@ from proton import (
     Transport,
 )
 
-from gateway.broker import ANONYMOUS, QueueError
+from gateway.broker import ANONYMOUS, QueueError, StoreError
 from gateway.model import Publisher
 from protocols.amqp.links import Endpoint as LinkEndpoint
 from protocols.amqp.links import Inbound
@@ -361,6 +361,9 @@ class AmqpConnection(asyncio.Protocol):
             await endpoint.attach()
         except (QueueError, InvalidField) as exc:  # e.g. an invalid topic pattern, a bad filter
             endpoint.refuse("amqp:invalid-field", str(exc))
+        except StoreError as exc:  # e.g. Redis refuses writes for now: the client tries later
+            log.warning("AMQP attach failed: %s", exc)
+            endpoint.refuse("amqp:internal-error", str(exc))
         except Exception as exc:
             log.exception("AMQP attach failed")
             endpoint.refuse("amqp:internal-error", str(exc))
