@@ -6,6 +6,7 @@ meanwhile is told the server is unavailable, and nothing of it is an error in th
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
@@ -17,6 +18,7 @@ from redis.exceptions import ReadOnlyError, ResponseError
 
 from gateway.broker import Broker
 from gateway.engine import keys
+from gateway.engine.flows import FETCH_RETRY
 from gateway.engine.ordered_calls import refused_for_now
 from gateway.engine.queues import QueueConfig
 from gateway.model import Delivery, Message, Outcome
@@ -58,6 +60,7 @@ def test_what_counts_as_refused_for_now() -> None:
 async def test_settlements_refused_for_now_are_sent_again(
     broker: Broker, read_only: ReadOnly, redis_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger="gateway.engine.flows")
     await broker.queues.create(QueueConfig(name="q"))
     for i in range(3):
         assert await broker.publish(Message(destination="q", to_queue=True, payload=b"%d" % i)) is (
@@ -71,7 +74,7 @@ async def test_settlements_refused_for_now_are_sent_again(
         await read_only(True)
         for d in got:
             flow.ack(d.entry_id)
-        await asyncio.sleep(0.3)  # the settlement went out and was refused
+        await asyncio.sleep(FETCH_RETRY * 1.5)  # refused, and refused again
         assert await admin.xlen(keys.queue_stream("q")) == 3
         # the log says why (redis-py's own message for a failed pipeline command would not)
         await wait_for(lambda: "heartbeat failed: You can't write against" in caplog.text)
@@ -82,6 +85,8 @@ async def test_settlements_refused_for_now_are_sent_again(
 
         await eventually(settled)
         assert (await broker.queues.info("q")).messages == 0
+        await wait_for(lambda: "Redis takes fetches and settlements again" in caplog.text)
+        assert caplog.text.count("Redis refuses fetches and settlements for now") == 1
     finally:
         await admin.aclose()
 

@@ -267,6 +267,7 @@ class Dispatcher:
         self._settles: dict[str, list[_Settle]] = {}
         self._later: dict[str, list[_Settle]] = {}  # settlements Redis refused for now
         self._later_timer: asyncio.TimerHandle | None = None
+        self._refusing = False  # Redis refused the last round's fetches or settlements for now
         self._unbinds: list[_Unbind] = []
         self._lease_checks: set[str] = set()
         self._rebalances: dict[str, float] = {}  # partitioned queue -> when (loop time)
@@ -638,13 +639,15 @@ class Dispatcher:
         """Apply a round's replies in order: what a broken connection lost is done again."""
         replies = iter(sent.replies)
         lost = False
+        refusal: BaseException | None = None  # Redis refused a fetch or settlement for now
         for mode, items in sent.settles.items():
             reply = next(replies)
             if broke(reply):
                 self._settles.setdefault(mode, []).extend(items)
                 lost = True
             elif refused_for_now(reply):
-                self._settle_later(mode, items, reply)
+                refusal = reply
+                self._settle_later(mode, items)
             elif isinstance(reply, Exception):  # not retried: it would fail the same way
                 log.error("settling %d entries (%s) failed: %s", len(items), mode, reply)
         for unbind in sent.unbinds:
@@ -679,14 +682,19 @@ class Dispatcher:
             if isinstance(reply, Exception):
                 if broke(reply):
                     self._want[f.flow] = None
+                    continue
+                if refused_for_now(reply):
+                    refusal = reply
                 else:
                     log.warning("fetch for flow %s failed: %s", f.flow.id, reply)
-                    self._refuse(f.flow)
+                self._refuse(f.flow)
                 continue
             if f.flow.browse:
                 self._deliver_browsed(f, reply)
             else:
                 self._deliver(f, reply)
+        if refusal is not None or (self._refusing and not lost and (sent.settles or sent.fetches)):
+            self._say_refusing(refusal)
         if lost:
             self._lease_checks |= sent.lease_checks
             self._refreshes |= sent.refreshes
@@ -758,12 +766,25 @@ class Dispatcher:
         else:
             self._empty(flow)
 
-    def _settle_later(self, mode: str, items: list[_Settle], why: BaseException) -> None:
-        """Redis refused settlements without running them (see `refused_for_now`): they
-        go again after FETCH_RETRY. Left undone they would hold their entries pending, to
-        be delivered again once the flow ends."""
+    def _say_refusing(self, refusal: BaseException | None) -> None:
+        """Log once when Redis starts refusing fetches and settlements for now (see
+        `refused_for_now`; one line a flow each second would flood the log) and once when
+        it takes them again."""
+        if refusal is not None and not self._refusing:
+            log.warning(
+                "Redis refuses fetches and settlements for now; sent again every %.0f s: %s",
+                FETCH_RETRY,
+                refusal,
+            )
+        elif refusal is None:
+            log.info("Redis takes fetches and settlements again")
+        self._refusing = refusal is not None
+
+    def _settle_later(self, mode: str, items: list[_Settle]) -> None:
+        """Redis refused settlements without running them: they go again after
+        FETCH_RETRY. Left undone they would hold their entries pending, to be delivered
+        again once the flow ends."""
         if self._later_timer is None:
-            log.warning("settlements refused by Redis for now, sent again: %s", why)
             self._later_timer = asyncio.get_running_loop().call_later(
                 FETCH_RETRY, self._settle_again
             )
