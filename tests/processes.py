@@ -13,6 +13,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 GATEWAY = [sys.executable, "-m", "gateway.cli"]
 NODE_DRIVER = [sys.executable, str(Path(__file__).with_name("node_driver.py"))]
+# the children's stderr logs, kept for failure reports until the test run ends
+_LOGS = tempfile.TemporaryDirectory(prefix="gw-procs-")
 
 
 def serve_argv(data_dir: Path, *extra: str) -> list[str]:
@@ -42,7 +44,7 @@ class Proc:
 
     @classmethod
     async def start(cls, argv: list[str], env: dict[str, str] | None = None) -> Proc:
-        fd, name = tempfile.mkstemp(prefix="gw-proc-", suffix=".log")
+        fd, name = tempfile.mkstemp(prefix="gw-proc-", suffix=".log", dir=_LOGS.name)
         try:
             proc = await asyncio.create_subprocess_exec(
                 *argv,
