@@ -72,7 +72,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Awaitable, Callable, Collection, Iterable
 from typing import Any, overload
 
 import redis.asyncio as aioredis
@@ -114,6 +114,7 @@ __all__ = [
 ]
 
 ANONYMOUS = "anonymous"  # the user of clients that did not authenticate: never the operator
+REFRESH_RETRY_S = 1.0  # a routing table or direct-subscriber list Redis did not answer
 
 log = logging.getLogger(__name__)
 
@@ -437,7 +438,8 @@ class Broker:
 
     def _on_event(self, kind: str, arg: str) -> None:
         if kind == "sub":
-            self._spawn(self.router.reload(at_least=int(arg)))
+            version = int(arg)
+            self._spawn(self._until_answered("reloading the routes", self.router.reload, version))
         elif kind == "qdel":
             self.dispatcher.close_queue_flows(arg, "queue deleted")
         elif kind == "qcfg":
@@ -449,15 +451,34 @@ class Broker:
         elif kind == "client":
             self._taken_over(arg)
         elif kind == "direct":
-            self._spawn(self.direct.refresh())
+            self._spawn(self._until_answered("learning of direct subscribers", self.direct.refresh))
 
     def _resync(self) -> None:
-        self._spawn(self.router.reload())
+        self._spawn(self._until_answered("reloading the routes", self.router.reload))
         self.dispatcher.wake_all()
         for queue in self.dispatcher.exclusive_standby_queues():
             self.dispatcher.request_lease_check(queue)
         for queue in self.dispatcher.partitioned_queues():
             self.dispatcher.request_partition_refresh(queue)
+
+    async def _until_answered(
+        self, what: str, call: Callable[..., Awaitable[None]], *args: object
+    ) -> None:
+        """`call(*args)` again every REFRESH_RETRY_S until Redis answers it: a routing
+        table or direct-subscriber list left stale would misroute the messages after it."""
+        failed = False
+        while True:
+            try:
+                await call(*args)
+            except StoreError as exc:
+                if not failed:
+                    log.warning("%s failed; tried again until Redis answers: %s", what, exc)
+                failed = True
+                await asyncio.sleep(REFRESH_RETRY_S)
+            else:
+                if failed:
+                    log.info("%s done", what)
+                return
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)

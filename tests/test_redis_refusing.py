@@ -16,8 +16,8 @@ from proton import Message as AmqpMessage
 from proton.utils import BlockingConnection, LinkDetached
 from redis.exceptions import ReadOnlyError, ResponseError
 
-from gateway.broker import Broker
-from gateway.engine import keys
+from gateway.broker import Broker, StoreError
+from gateway.engine import keys, library
 from gateway.engine.flows import FETCH_RETRY
 from gateway.engine.ordered_calls import refused_for_now
 from gateway.engine.queues import QueueConfig
@@ -85,9 +85,58 @@ async def test_settlements_refused_for_now_are_sent_again(
 
         await eventually(settled)
         assert (await broker.queues.info("q")).messages == 0
-        await wait_for(lambda: "Redis takes fetches and settlements again" in caplog.text)
-        assert caplog.text.count("Redis refuses fetches and settlements for now") == 1
+        await wait_for(lambda: "Redis takes fetches, settlements and unbinds again" in caplog.text)
+        assert caplog.text.count("Redis refuses fetches, settlements and unbinds for now") == 1
     finally:
+        await admin.aclose()
+
+
+async def test_an_unbind_refused_for_now_releases_the_flows_entries_later(
+    broker: Broker, read_only: ReadOnly
+) -> None:
+    """The caller hears the unbind failed; the flow's unsettled entries still go back to
+    the queue once Redis takes writes, not when the node stops."""
+    await broker.queues.create(QueueConfig(name="u"))
+    for i in range(3):
+        assert await broker.publish(Message(destination="u", to_queue=True, payload=b"%d" % i)) is (
+            Outcome.OK
+        )
+    first: list[Delivery] = []
+    flow = await broker.bind("u", first.append)
+    await wait_for(lambda: len(first) == 3)
+    await read_only(True)
+    with pytest.raises(StoreError, match="read only replica"):
+        await flow.close()
+    await read_only(False)
+    again: list[Delivery] = []
+    await broker.bind("u", again.append)
+    await wait_for(lambda: len(again) == 3)
+    assert sorted(d.message.payload for d in again) == [b"0", b"1", b"2"]
+    assert all(d.redelivered for d in again)
+
+
+async def test_a_route_reload_redis_does_not_answer_is_tried_again(
+    broker: Broker, redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another node subscribes a queue while Redis refuses this node's calls (an ACL here,
+    so that only this node is refused): this node's routes follow once Redis answers."""
+    admin = aioredis.Redis.from_url(redis_url)
+    await admin.execute_command("ACL", "SETUSER", "other", "on", ">pw", "+@all", "~*", "&*")
+    other_client = await library.connect(redis_url.replace("redis://", "redis://other:pw@"))
+    other = Broker(other_client, heartbeat=0.2, node_ttl=1.0)
+    await other.start()
+    try:
+        await admin.execute_command("ACL", "SETUSER", "default", "-fcall")
+        await other.declare_queue(QueueConfig(name="late"), [("late/#", "mqtt")])
+        await wait_for(lambda: "reloading the routes failed" in caplog.text)
+        assert broker.router.match("late/x") == frozenset()
+        await admin.execute_command("ACL", "SETUSER", "default", "+fcall")
+        await wait_for(lambda: broker.router.match("late/x") == {"late"})
+    finally:
+        await admin.execute_command("ACL", "SETUSER", "default", "+@all")
+        await other.stop()
+        await other_client.aclose()
+        await admin.execute_command("ACL", "DELUSER", "other")
         await admin.aclose()
 
 

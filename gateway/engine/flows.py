@@ -266,8 +266,9 @@ class Dispatcher:
         self._caught_up = asyncio.Event()  # a flow left _behind
         self._settles: dict[str, list[_Settle]] = {}
         self._later: dict[str, list[_Settle]] = {}  # settlements Redis refused for now
+        self._later_unbinds: list[_Unbind] = []  # and unbinds
         self._later_timer: asyncio.TimerHandle | None = None
-        self._refusing = False  # Redis refused the last round's fetches or settlements for now
+        self._refusing = False  # Redis refused the last round's calls for now
         self._unbinds: list[_Unbind] = []
         self._lease_checks: set[str] = set()
         self._rebalances: dict[str, float] = {}  # partitioned queue -> when (loop time)
@@ -639,7 +640,7 @@ class Dispatcher:
         """Apply a round's replies in order: what a broken connection lost is done again."""
         replies = iter(sent.replies)
         lost = False
-        refusal: BaseException | None = None  # Redis refused a fetch or settlement for now
+        refusal: BaseException | None = None  # Redis refused a call of the round for now
         for mode, items in sent.settles.items():
             reply = next(replies)
             if broke(reply):
@@ -655,7 +656,11 @@ class Dispatcher:
             if broke(reply):
                 self._unbinds.append(unbind)
                 lost = True
-            elif fut is not None and not fut.done():
+                continue
+            if refused_for_now(reply):  # the caller hears of it; the flow's entries must
+                refusal = reply  # still go back to the queue once Redis takes the unbind
+                self._unbind_later(unbind)
+            if fut is not None and not fut.done():
                 if isinstance(reply, Exception):
                     fut.set_exception(reply)
                 else:
@@ -693,7 +698,8 @@ class Dispatcher:
                 self._deliver_browsed(f, reply)
             else:
                 self._deliver(f, reply)
-        if refusal is not None or (self._refusing and not lost and (sent.settles or sent.fetches)):
+        done = sent.settles or sent.unbinds or sent.fetches
+        if refusal is not None or (self._refusing and not lost and done):
             self._say_refusing(refusal)
         if lost:
             self._lease_checks |= sent.lease_checks
@@ -767,34 +773,42 @@ class Dispatcher:
             self._empty(flow)
 
     def _say_refusing(self, refusal: BaseException | None) -> None:
-        """Log once when Redis starts refusing fetches and settlements for now (see
+        """Log once when Redis starts refusing fetches, settlements and unbinds for now (see
         `refused_for_now`; one line a flow each second would flood the log) and once when
         it takes them again."""
         if refusal is not None and not self._refusing:
             log.warning(
-                "Redis refuses fetches and settlements for now; sent again every %.0f s: %s",
+                "Redis refuses fetches, settlements and unbinds for now; again every %.0f s: %s",
                 FETCH_RETRY,
                 refusal,
             )
         elif refusal is None:
-            log.info("Redis takes fetches and settlements again")
+            log.info("Redis takes fetches, settlements and unbinds again")
         self._refusing = refusal is not None
 
     def _settle_later(self, mode: str, items: list[_Settle]) -> None:
-        """Redis refused settlements without running them: they go again after
-        FETCH_RETRY. Left undone they would hold their entries pending, to be delivered
-        again once the flow ends."""
-        if self._later_timer is None:
-            self._later_timer = asyncio.get_running_loop().call_later(
-                FETCH_RETRY, self._settle_again
-            )
+        """Settlements Redis refused without running them go again after FETCH_RETRY.
+        Left undone they would hold their entries pending until the flow ends, and then
+        the entries would be delivered again."""
         self._later.setdefault(mode, []).extend(items)
+        self._again_soon()
 
-    def _settle_again(self) -> None:
+    def _unbind_later(self, unbind: _Unbind) -> None:
+        """The same for an unbind: left undone, the flow would hold its entries until the
+        node stops. The caller was told it failed."""
+        self._later_unbinds.append((unbind[0], unbind[1], None))
+        self._again_soon()
+
+    def _again_soon(self) -> None:
+        if self._later_timer is None:
+            self._later_timer = asyncio.get_running_loop().call_later(FETCH_RETRY, self._again)
+
+    def _again(self) -> None:
         self._later_timer = None
         for mode, items in self._later.items():
             self._settles.setdefault(mode, []).extend(items)
-        self._later = {}
+        self._unbinds += self._later_unbinds
+        self._later, self._later_unbinds = {}, []
         self._kick()
 
     def _refuse(self, flow: Flow) -> None:
