@@ -16,7 +16,7 @@ from proton import Message as AmqpMessage
 from proton.utils import BlockingConnection, LinkDetached
 from redis.exceptions import ReadOnlyError, ResponseError
 
-from gateway.broker import Broker, StoreError
+from gateway.broker import Broker, Flow, StoreError
 from gateway.engine import keys, library
 from gateway.engine.flows import FETCH_RETRY
 from gateway.engine.ordered_calls import refused_for_now
@@ -57,18 +57,23 @@ def test_what_counts_as_refused_for_now() -> None:
     assert not refused_for_now(ConnectionError("Connection closed by server."))
 
 
+async def three_delivered(broker: Broker, queue: str) -> tuple[Flow, list[Delivery]]:
+    """A new queue with three messages, all delivered to a flow and not yet settled."""
+    await broker.queues.create(QueueConfig(name=queue))
+    for i in range(3):
+        message = Message(destination=queue, to_queue=True, payload=b"%d" % i)
+        assert await broker.publish(message) is Outcome.OK
+    got: list[Delivery] = []
+    flow = await broker.bind(queue, got.append)
+    await wait_for(lambda: len(got) == 3)
+    return flow, got
+
+
 async def test_settlements_refused_for_now_are_sent_again(
     broker: Broker, read_only: ReadOnly, redis_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="gateway.engine.flows")
-    await broker.queues.create(QueueConfig(name="q"))
-    for i in range(3):
-        assert await broker.publish(Message(destination="q", to_queue=True, payload=b"%d" % i)) is (
-            Outcome.OK
-        )
-    got: list[Delivery] = []
-    flow = await broker.bind("q", got.append)
-    await wait_for(lambda: len(got) == 3)
+    flow, got = await three_delivered(broker, "q")
     admin = aioredis.Redis.from_url(redis_url)
     try:
         await read_only(True)
@@ -96,14 +101,7 @@ async def test_an_unbind_refused_for_now_releases_the_flows_entries_later(
 ) -> None:
     """The caller hears the unbind failed; the flow's unsettled entries still go back to
     the queue once Redis takes writes, not when the node stops."""
-    await broker.queues.create(QueueConfig(name="u"))
-    for i in range(3):
-        assert await broker.publish(Message(destination="u", to_queue=True, payload=b"%d" % i)) is (
-            Outcome.OK
-        )
-    first: list[Delivery] = []
-    flow = await broker.bind("u", first.append)
-    await wait_for(lambda: len(first) == 3)
+    flow, _ = await three_delivered(broker, "u")
     await read_only(True)
     with pytest.raises(StoreError, match="read only replica"):
         await flow.close()
