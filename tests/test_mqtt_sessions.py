@@ -7,9 +7,12 @@ import contextlib
 import queue
 import time
 
-from gateway.broker import Broker
+import pytest
+
+from gateway.broker import Broker, QueueConfig
 from gateway.config import Settings
 from gateway.engine import keys
+from protocols.mqtt import listener
 from protocols.mqtt.codec import (
     Connack,
     Disconnect,
@@ -144,3 +147,76 @@ async def test_shared_member_loss_redelivers_to_the_group(mqtt: Listener) -> Non
     assert [p for p in b.pending if isinstance(p, Publish)] == []  # b left the group
     b.close()
     pub.close()
+
+
+async def brief_session(port: int, client_id: str, expiry: int) -> None:
+    """A persistent MQTT 5 session with a QoS 1 subscription (so a queue), then gone."""
+    raw, _ = await Raw.connected(
+        port, 5, client_id=client_id, properties=Properties(session_expiry_interval=expiry)
+    )
+    await raw.send(Subscribe(1, [(f"{client_id}/#", SubscriptionOptions(qos=1))]))
+    assert await raw.recv() == Suback(1, [1])
+    await raw.send(Disconnect())
+    await raw.closed()
+
+
+async def test_a_session_queue_goes_once_expired_though_its_node_stopped(
+    broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The node that would have ended the session stopped before its expiry: the next node's
+    sweep deletes the queue (else it would collect the topic's messages for ever); an
+    offline session not yet expired keeps its queue through the same sweep."""
+    monkeypatch.setattr(listener, "QUEUE_GRACE_S", 0.1)
+    settings = Settings(mqtt_port=0, host="127.0.0.1")
+    first = await start(broker, settings)
+    assert first is not None
+    await brief_session(first.port, "gone-soon", 1)
+    await brief_session(first.port, "stays", 60)
+    await first.close()  # its expiry timers die with it
+    await asyncio.sleep(1.3)
+    assert await broker.queues.exists(queue_name("gone-soon"))  # nobody ended it yet
+    second = await start(broker, settings)
+    assert second is not None
+    try:
+        await second.registry.sweep()
+        assert not await broker.queues.exists(queue_name("gone-soon"))
+        assert await broker.queues.exists(queue_name("stays"))
+        raw, ack = await Raw.connected(second.port, 5, client_id="stays", clean_start=False)
+        assert ack.session_present
+        raw.close()
+    finally:
+        await second.close()
+
+
+async def test_a_connected_session_keeps_its_queue_past_its_expiry(
+    mqtt: Listener, broker: Broker
+) -> None:
+    """Expiry counts from the disconnect: a sweep while the session is connected keeps its
+    queue, and the queue still delivers."""
+    raw, _ = await Raw.connected(
+        mqtt.port, 5, client_id="online", properties=Properties(session_expiry_interval=1)
+    )
+    try:
+        await raw.send(Subscribe(1, [("online/#", SubscriptionOptions(qos=1))]))
+        assert await raw.recv() == Suback(1, [1])
+        await asyncio.sleep(1.3)
+        await mqtt.registry.sweep()
+        assert await broker.queues.exists(queue_name("online"))
+        pub, _ = await Raw.connected(mqtt.port, 5, client_id="online-pub")
+        await pub.send(Publish("online/x", b"kept", qos=1, packet_id=1))
+        got = await raw.recv()
+        assert isinstance(got, Publish) and got.payload == b"kept"
+        pub.close()
+    finally:
+        raw.close()
+
+
+async def test_a_session_queue_from_before_memberships_stays(
+    mqtt: Listener, broker: Broker
+) -> None:
+    """A session queue with no membership record (made before sessions held their queues)
+    is not the sweep's to judge: its session may still be stored."""
+    name = queue_name("older")
+    await broker.queues.create(QueueConfig(name=name, access_type="exclusive"), reserved_ok=True)
+    await mqtt.registry.sweep()
+    assert await broker.queues.exists(name)

@@ -1793,8 +1793,9 @@ register_always('gw_queue_delete', function(_, a)
 end)
 
 -- ARGV: queue, member, until (epoch ms, or 'inf'). Records a member of a queue that lives
--- while it has members (an MQTT shared subscription group), before its queue is declared
--- and bound, so a concurrent gw_queue_leave of the last other member keeps the queue.
+-- while it has members (an MQTT shared subscription group, or a persistent session's own
+-- queue until its expiry), before its queue is declared and bound, so a concurrent
+-- gw_queue_leave or gw_queue_lapsed keeps the queue.
 register_always('gw_queue_join', function(_, a)
   redis.call('ZADD', k_queue_members(a[1]), a[3], a[2])
   return 1
@@ -1811,6 +1812,23 @@ register_always('gw_queue_leave', function(_, a)
   redis.call('ZREMRANGEBYSCORE', m, '-inf', now)
   if redis.call('ZCARD', m) > 0 then return 0 end
   if redis.call('EXISTS', k_queue_config(q)) == 0 then return 1 end
+  if #live_flows(q) > 0 then return 2 end
+  return delete_queue(q)
+end)
+
+-- ARGV: queue, now (epoch ms). A queue whose memberships all lapsed goes, with its
+-- messages, unless a flow of a live node is bound. A queue that never had members lives
+-- by other rules and stays. Returns 1 when deleted (or gone), 0 when kept, 2 when only
+-- bound flows keep it.
+register_always('gw_queue_lapsed', function(_, a)
+  local q, now = a[1], tonumber(a[2])
+  local m = k_queue_members(q)
+  if redis.call('EXISTS', m) == 0 then return 0 end
+  if redis.call('ZCOUNT', m, '(' .. now, '+inf') > 0 then return 0 end
+  if redis.call('EXISTS', k_queue_config(q)) == 0 then
+    redis.call('DEL', m)
+    return 1
+  end
   if #live_flows(q) > 0 then return 2 end
   return delete_queue(q)
 end)

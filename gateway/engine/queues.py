@@ -481,6 +481,11 @@ class QueueStore:
             await self._redis.fcall("gw_queue_leave", 0, name, member, int(time.time() * 1000))
         )
 
+    async def lapse(self, name: str) -> int:
+        """Delete a queue whose memberships all lapsed (one that never had members stays);
+        returns as `leave` does."""
+        return int(await self._redis.fcall("gw_queue_lapsed", 0, name, int(time.time() * 1000)))
+
     async def exists(self, name: str) -> bool:
         return bool(await self._redis.exists(keys.queue_config(name)))
 

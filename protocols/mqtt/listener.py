@@ -8,7 +8,10 @@ clock runs in Redis (`expire` at disconnect); a session found gone at its next c
 its durable queue `#mqtt/<hex client id>` deleted, as does a local timer when the session
 expires while this node runs. While connected, a session with a finite expiry holds a lease
 (its expiry + LEASE_S, renewed every LEASE_S / 2), so the session of a node that died still
-expires. Delayed wills are node memory only.
+expires. Its queue has the session as its one member, for as long as the session lasts
+(renewed with the lease): a sweep at start and every SWEEP_S deletes the queue of a session
+that expired while no node watched it (its node stopped first, or Redis refused the
+deletion). Delayed wills are node memory only.
 
 A shared subscription group's queue lives while the group has members: a member joins in
 Redis before it declares and binds the queue, and leaves when it unsubscribes or its
@@ -17,8 +20,8 @@ member's leave deletes the queue and its messages (MQTT 5 lets the server discar
 unless a flow is still bound (a member of a session moving between nodes): then the group
 is checked again after SHARED_RECHECK_S, backing off, until it goes or has members again.
 A persistent session's membership outlasts its connection by its session expiry; every
-group is swept at start and every SHARED_SWEEP_S, so one whose members lapsed on a node
-that died goes too.
+group is swept at start and every SWEEP_S, so one whose members lapsed on a node that died
+goes too.
 """
 
 from __future__ import annotations
@@ -53,10 +56,13 @@ log = logging.getLogger(__name__)
 QUEUE_PREFIX = "#mqtt/"
 CLOSE_TIMEOUT = 5.0
 LEASE_S = 60  # how long a connected session outlives its node, beyond its expiry
+# how long a session's queue outlives the session: a connect that found the session stored
+# renews the queue's membership before the sweep may take the queue
+QUEUE_GRACE_S = 10
 SHARED_JOIN_GRACE_MS = 10_000  # a joining member's claim on its group, until it is bound
 SHARED_RECHECK_S = 5.0  # a group left with only flows bound is checked again after this
 SHARED_RECHECK_MAX_S = 60.0  # ... and again, backing off up to this, until it goes or is joined
-SHARED_SWEEP_S = 300.0  # every group is checked at start and this often (lapsed members go)
+SWEEP_S = 300.0  # groups and session queues are checked at start and this often
 
 
 def shared_queues(state: SessionState) -> list[str]:
@@ -102,7 +108,7 @@ class Registry:
         self._tasks = BackgroundTasks("MQTT session")
         self.spawn = self._tasks.spawn
         self._renewer = asyncio.get_running_loop().create_task(self._renew_leases())
-        self._sweeper = asyncio.get_running_loop().create_task(self._sweep_groups())
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep_often())
 
     def count(self, name: str) -> None:
         self.counters[name] = self.counters.get(name, 0) + 1
@@ -183,12 +189,23 @@ class Registry:
             await self.broker.clients.save(session.client_id, state.dumps(), _lease(state))
 
     async def _hold(self, state: SessionState) -> None:
-        """Stop the expiry clock of a connected session, up to its lease."""
+        """Stop the expiry clock of a connected session, and its queue's, up to its lease."""
         lease = _lease(state)
         if lease is None:
             await self.broker.clients.persist(state.client_id)
         else:
             await self.broker.clients.expire(state.client_id, lease)
+        if state.queue is not None:
+            await self._member(state, state.queue, connected=True)
+
+    async def _member(self, state: SessionState, queue: str, connected: bool) -> None:
+        """The session keeps its own queue for as long as it lasts."""
+        if state.expiry == NEVER_EXPIRES:
+            until = math.inf
+        else:
+            lasts = state.expiry + QUEUE_GRACE_S + (LEASE_S if connected else 0)
+            until = time.time() * 1000 + lasts * 1000
+        await self.broker.queues.join(queue, state.client_id, until)
 
     async def _renew_leases(self) -> None:
         while True:
@@ -231,6 +248,8 @@ class Registry:
             await self._leave_groups(client_id, shared_queues(state))
             return
         await self.save(session)
+        if state.queue is not None:
+            await self._member(state, state.queue, connected=False)
         groups = shared_queues(state)
         for queue in groups:  # the offline session stays a member while it lasts
             await self.broker.queues.join(queue, client_id, membership_until(state, False))
@@ -292,17 +311,23 @@ class Registry:
         if await self.broker.queues.leave(queue) == 2:
             self._recheck_later(queue, min(delay * 2, SHARED_RECHECK_MAX_S))
 
-    async def _sweep_groups(self) -> None:
-        """Check every group now and every SHARED_SWEEP_S: one whose members all lapsed
-        (their node crashed before they left) goes, or is rechecked while flows hold it."""
+    async def _sweep_often(self) -> None:
         while True:
             try:
-                for name in await self.broker.queues.names():
-                    if name.startswith(SHARED_QUEUE_PREFIX) and name not in self._rechecks:
-                        await self._check_group(name, SHARED_RECHECK_S / 2)
+                await self.sweep()
             except Exception:  # Redis away: the next round tries again
-                log.warning("MQTT shared group sweep failed", exc_info=True)
-            await asyncio.sleep(SHARED_SWEEP_S)
+                log.warning("MQTT group and session queue sweep failed", exc_info=True)
+            await asyncio.sleep(SWEEP_S)
+
+    async def sweep(self) -> None:
+        """Check every group and session queue once: a group whose members all lapsed
+        (their node crashed before they left) goes, or is rechecked while flows hold it; a
+        session queue goes once its session expired unwatched."""
+        for name in await self.broker.queues.names():
+            if name.startswith(SHARED_QUEUE_PREFIX) and name not in self._rechecks:
+                await self._check_group(name, SHARED_RECHECK_S / 2)
+            elif name.startswith(QUEUE_PREFIX):
+                await self.broker.queues.lapse(name)
 
     async def _delete_queue(self, name: str) -> None:
         with contextlib.suppress(QueueError):  # already gone
@@ -339,6 +364,7 @@ class Registry:
         if not state.persistent:
             return await self.broker.create_temporary_queue(owner=user, permission="none")
         name = queue_name(state.client_id)
+        await self._member(state, name, connected=True)
         # exclusive: during a takeover the old connection's flow drains before the new one
         config = QueueConfig(
             name=name, durable=True, owner=user, permission="none", access_type="exclusive"
