@@ -155,6 +155,7 @@ class Broker:
         self.dispatcher.on_last_flow = self._last_flow_gone
         self.direct = DirectRelay(redis, self.node_id, self.events)
         self._tasks: set[asyncio.Task] = set()
+        self._undeleted: set[str] = set()  # temporary queues whose deletion Redis refused
         self.published = 0
 
     async def start(self) -> None:
@@ -433,6 +434,32 @@ class Broker:
         await self._require(queue, user, DELETE)
         await self.queues.delete(queue)
         await self.router.reload()
+
+    async def delete_temporary_queue(self, queue: str, user: str | None = None) -> None:
+        """Delete a queue made by create_temporary_queue. Should Redis fail, it is deleted
+        later, every REFRESH_RETRY_S until Redis answers: left, it would gather its
+        subscriptions' messages until this node stops, and its name is never used again."""
+        try:
+            await self.delete_queue(queue, user)
+        except StoreError as exc:
+            if not self._undeleted:
+                log.warning("deleting temporary queues is tried again until Redis answers: %s", exc)
+                self._spawn(self._delete_undeleted())
+            self._undeleted.add(queue)
+
+    async def _delete_undeleted(self) -> None:
+        while self._undeleted:
+            await asyncio.sleep(REFRESH_RETRY_S)
+            for queue in list(self._undeleted):
+                try:
+                    await self.queues.delete(queue)
+                except QueueError:  # gone meanwhile (auto-delete, a dead node's reaping)
+                    pass
+                except StoreError:
+                    break  # still refused: all wait for the next round
+                self._undeleted.discard(queue)
+        await self._until_answered("reloading the routes", self.router.reload)
+        log.info("temporary queues Redis had refused to delete are deleted")
 
     # -- events ----------------------------------------------------------------------------
 

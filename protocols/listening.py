@@ -9,6 +9,8 @@ import ssl
 from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
+from gateway.broker import StoreError
+
 log = logging.getLogger(__name__)
 
 # ready-line key -> (protocol factory, port, TLS context or None)
@@ -75,8 +77,13 @@ class BackgroundTasks:
 
     def _done(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("%s task failed", self._label, exc_info=task.exception())
+        if task.cancelled() or task.exception() is None:
+            return
+        exc = task.exception()
+        if isinstance(exc, StoreError):  # Redis away or refusing: no bug of ours
+            log.warning("%s task not done: Redis did not take it: %s", self._label, exc)
+        else:
+            log.error("%s task failed", self._label, exc_info=exc)
 
     async def wait(self, busy: Callable[[], bool], timeout: float) -> None:
         """Until no task runs and `busy()` is false, or the timeout."""

@@ -16,7 +16,7 @@ from proton import Message as AmqpMessage
 from proton.utils import BlockingConnection, LinkDetached
 from redis.exceptions import ReadOnlyError, ResponseError
 
-from gateway.broker import Broker, Flow, StoreError
+from gateway.broker import Broker, Flow
 from gateway.engine import keys, library
 from gateway.engine.flows import FETCH_RETRY
 from gateway.engine.ordered_calls import refused_for_now
@@ -99,12 +99,12 @@ async def test_settlements_refused_for_now_are_sent_again(
 async def test_an_unbind_refused_for_now_releases_the_flows_entries_later(
     broker: Broker, read_only: ReadOnly
 ) -> None:
-    """The caller hears the unbind failed; the flow's unsettled entries still go back to
-    the queue once Redis takes writes, not when the node stops."""
+    """The caller goes on (the unbind is the dispatcher's to finish); the flow's unsettled
+    entries go back to the queue once Redis takes writes, not when the node stops."""
     flow, _ = await three_delivered(broker, "u")
     await read_only(True)
-    with pytest.raises(StoreError, match="read only replica"):
-        await flow.close()
+    await flow.close()
+    assert flow.id in (await broker.queues.info("u")).flows  # its entries still its own
     await read_only(False)
     again: list[Delivery] = []
     await broker.bind("u", again.append)
@@ -188,4 +188,46 @@ async def test_amqp_while_redis_refuses_writes(
     outcome, refusal = await asyncio.to_thread(run)
     assert outcome == (Disposition.RELEASED, None)
     assert "amqp:internal-error" in refusal and "read only replica" in refusal
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
+async def test_temporary_queues_redis_refused_to_delete_go_later(
+    broker: Broker,
+    mqtt: MqttListener,
+    amqp: AmqpListener,
+    read_only: ReadOnly,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A non-persistent MQTT session's queue and an AMQP dynamic node, ended while Redis
+    refuses writes, are deleted once it takes them again (else they would gather their
+    topics' messages until the node stops)."""
+    caplog.set_level(logging.INFO, logger="gateway.broker")
+    client = await asyncio.to_thread(Client, mqtt.port, V311, "brief")
+    await asyncio.to_thread(client.subscribe, "brief/#", 1)
+    state = mqtt.registry.sessions["brief"].state
+    assert state is not None and state.queue is not None
+    mqtt_queue = state.queue
+
+    def attach_dynamic() -> tuple[BlockingConnection, str]:
+        conn = BlockingConnection(url(amqp), timeout=TIMEOUT)
+        receiver = conn.create_receiver(None, dynamic=True)
+        return conn, receiver.link.remote_source.address
+
+    conn, amqp_queue = await asyncio.to_thread(attach_dynamic)
+    await read_only(True)
+    await asyncio.to_thread(client.close)
+    await asyncio.to_thread(conn.close)
+    await wait_for(lambda: "deleting temporary queues is tried again" in caplog.text)
+    assert await broker.queues.exists(mqtt_queue) and await broker.queues.exists(amqp_queue)
+    await read_only(False)
+
+    async def both_gone() -> bool:
+        return not (
+            await broker.queues.exists(mqtt_queue) or await broker.queues.exists(amqp_queue)
+        )
+
+    await eventually(both_gone)
+    await wait_for(
+        lambda: "temporary queues Redis had refused to delete are deleted" in caplog.text
+    )
     assert not [r for r in caplog.records if r.levelname == "ERROR"]

@@ -657,9 +657,10 @@ class Dispatcher:
                 self._unbinds.append(unbind)
                 lost = True
                 continue
-            if refused_for_now(reply):  # the caller hears of it; the flow's entries must
-                refusal = reply  # still go back to the queue once Redis takes the unbind
+            if refused_for_now(reply):  # the flow's entries must still go back to the queue
+                refusal = reply  # once Redis takes the unbind: ours to do; the caller goes on
                 self._unbind_later(unbind)
+                reply = None
             if fut is not None and not fut.done():
                 if isinstance(reply, Exception):
                     fut.set_exception(reply)
@@ -795,7 +796,7 @@ class Dispatcher:
 
     def _unbind_later(self, unbind: _Unbind) -> None:
         """The same for an unbind: left undone, the flow would hold its entries until the
-        node stops. The caller was told it failed."""
+        node stops. Its caller went on as if it were done (nothing else is left to do)."""
         self._later_unbinds.append((unbind[0], unbind[1], None))
         self._again_soon()
 

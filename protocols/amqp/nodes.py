@@ -90,7 +90,7 @@ class DynamicNodes:
     async def delete(self, name: str) -> None:
         self.names.discard(name)
         with contextlib.suppress(QueueError):  # gone already (auto-delete)
-            await self.broker.delete_queue(name, user=self.user)
+            await self.broker.delete_temporary_queue(name, user=self.user)
 
     async def delete_all(self) -> None:
         """The connection ended: every node it still has, or creates from now on, goes."""

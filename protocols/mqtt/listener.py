@@ -237,14 +237,12 @@ class Registry:
             self._schedule_will(session, state)
         if session.taken_over:  # the state is the new connection's now
             if not state.persistent:
-                if state.queue is not None:
-                    await self._delete_queue(state.queue)
+                await self._end_queue(state)
                 await self._leave_groups(client_id, shared_queues(state))
             return
         if state.expiry == 0:
+            await self._end_queue(state)
             await self.broker.clients.delete(client_id)
-            if state.queue is not None:
-                await self._delete_queue(state.queue)
             await self._leave_groups(client_id, shared_queues(state))
             return
         await self.save(session)
@@ -328,6 +326,17 @@ class Registry:
                 await self._check_group(name, SHARED_RECHECK_S / 2)
             elif name.startswith(QUEUE_PREFIX):
                 await self.broker.queues.lapse(name)
+
+    async def _end_queue(self, state: SessionState) -> None:
+        """Delete an ending session's queue; a temporary one (of a session that was never
+        persistent) later, should Redis refuse now."""
+        if state.queue is None:
+            return
+        if state.persistent:  # persistent until its DISCONNECT set the expiry to 0
+            await self._delete_queue(state.queue)
+            return
+        with contextlib.suppress(QueueError):  # already gone
+            await self.broker.delete_temporary_queue(state.queue)
 
     async def _delete_queue(self, name: str) -> None:
         with contextlib.suppress(QueueError):  # already gone
