@@ -99,7 +99,7 @@ from gateway.engine.queues import (
     temporary_queue_name,
 )
 from gateway.engine.spool import Done, Spooler
-from gateway.model import Message, Outcome, encode, new_message_id
+from gateway.model import Message, Outcome, bound_times, encode, new_message_id
 from gateway.router import Router
 
 __all__ = [
@@ -188,6 +188,8 @@ class Broker:
         before this returns. The publish path of a busy node saves a future per message."""
         if not msg.id:
             msg.id = new_message_id()
+        if msg.expiration is not None or msg.not_before is not None:
+            bound_times(msg)
         self.published += 1
         if msg.to_queue:
             queues: Collection[str] = (msg.destination,)

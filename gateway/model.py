@@ -49,6 +49,12 @@ class Publisher:
     user: str | None = None
 
 
+# The latest epoch ms a message's times may name (the end of the year 9999): a later expiry
+# is none, a later delivery time this. Redis functions print larger numbers with an
+# exponent (and doubles lose whole milliseconds past 2**53).
+LATEST_MS = 253_402_300_799_999
+
+
 @dataclass(slots=True)
 class Message:
     """One message as the gateway routes and stores it. Treat as immutable once published."""
@@ -111,6 +117,16 @@ class Delivery:
 
 _counter = itertools.count(1)
 _node_tag = os.urandom(6).hex()
+
+
+def bound_times(msg: Message) -> None:
+    """Keep a message's expiry and delivery time within what the engine stores: an expiry
+    past LATEST_MS is none, one before the epoch is long past (1); a delivery time lies
+    between the epoch (none) and LATEST_MS."""
+    if msg.expiration is not None:
+        msg.expiration = None if msg.expiration > LATEST_MS else max(msg.expiration, 1)
+    if msg.not_before is not None:
+        msg.not_before = min(max(msg.not_before, 0), LATEST_MS)
 
 
 def new_message_id() -> str:

@@ -4,6 +4,8 @@ and hand every shape it does not cover back to proton."""
 
 from __future__ import annotations
 
+import math
+import struct
 import time
 import uuid
 
@@ -119,6 +121,30 @@ def test_a_list_where_a_map_belongs_is_refused(section: bytes) -> None:
         sections.decode(data, PUB)
     with pytest.raises(mapping.BodyError, match="must be maps"):
         mapping.decode(data, PUB)
+
+
+def _properties(expiry: bytes) -> bytes:
+    """A properties section of eight nulls and this absolute-expiry-time, then a body."""
+    items = b"\x40" * 8 + expiry
+    return b"\x00\x53\x73\xc0" + bytes((len(items) + 1, 9)) + items + b"\x00\x53\x75\xa0\x01x"
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        _properties(b"\x82" + struct.pack(">d", math.inf)),  # a double
+        _properties(b"\x82" + struct.pack(">d", math.nan)),
+        b"\x00\x53\x70\xc0\x0c\x03\x40\x40\x82"
+        + struct.pack(">d", 1e300)
+        + b"\x00\x53\x75\xa0\x01x",
+    ],
+    ids=["expiry-inf", "expiry-nan", "ttl-double"],
+)
+def test_times_of_another_type_are_left_to_proton(data: bytes) -> None:
+    """absolute-expiry-time is a timestamp and ttl a uint: proton ignores other types."""
+    with pytest.raises(sections.Unsupported):
+        sections.decode(data, PUB)
+    assert mapping.decode(data, PUB).message.expiration is None
 
 
 def egress_fields(data: bytes) -> dict[str, object]:

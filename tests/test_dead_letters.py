@@ -11,7 +11,15 @@ import redis.asyncio as aioredis
 from gateway.broker import Broker
 from gateway.engine import keys
 from gateway.engine.queues import DEAD_MESSAGE_QUEUE, QueueConfig
-from gateway.model import DEAD_LETTER_REASON, ORIGIN_QUEUE, Delivery, Message
+from gateway.model import (
+    DEAD_LETTER_REASON,
+    LATEST_MS,
+    ORIGIN_QUEUE,
+    Delivery,
+    Message,
+    Outcome,
+    encode,
+)
 from tests.test_engine import wait_for
 
 
@@ -260,3 +268,44 @@ async def test_an_unreadable_entry_is_dead_lettered_not_stuck(
     assert info.counters.get("rejected") == 3 and info.counters.get("dead_lettered") == 3
     assert (await broker.queues.info(DEAD_MESSAGE_QUEUE)).messages == 3
     await client.aclose()
+
+
+async def test_odd_expiries_in_entries_neither_stall_nor_lose_a_flow(
+    broker: Broker, redis_url: str
+) -> None:
+    """An expiry another writer stored the way Lua prints large numbers (with an exponent)
+    is read; one that no integer holds dead-letters its entry, and the flow goes on."""
+    await broker.declare_queue(QueueConfig(name=DEAD_MESSAGE_QUEUE))
+    await broker.declare_queue(QueueConfig(name="q", dmq_eligible_default=True))
+    client = aioredis.Redis.from_url(redis_url)
+    for payload, expiry in ((b"far", "1e+17"), (b"never", "inf")):
+        await client.xadd(keys.queue_stream("q"), {"m": encode(msg(payload)), "x": expiry})
+    await broker.publish(msg(b"after"))
+    got: list[Delivery] = []
+    await broker.bind("q", got.append)
+    await wait_for(lambda: len(got) == 2)
+    assert [(d.message.payload, d.message.expiration) for d in got] == [
+        (b"far", 10**17),
+        (b"after", None),
+    ]
+    await wait_for_messages(broker, DEAD_MESSAGE_QUEUE, 1)
+    await client.aclose()
+
+
+async def test_times_past_what_entries_hold_are_bounded(broker: Broker) -> None:
+    """A publisher's expiry or delivery time beyond the year 9999 (an AMQP timestamp may
+    name any ms of 2**63) or before the epoch is stored as the nearest time entries hold:
+    no expiry, the latest delivery time, long expired."""
+    await broker.declare_queue(QueueConfig(name=DEAD_MESSAGE_QUEUE))
+    await broker.declare_queue(QueueConfig(name="q", dmq_eligible_default=True, respect_ttl=True))
+    held = msg(b"held", not_before=2**63 - 1)
+    for m in (msg(b"forever", expiration=2**64), msg(b"expired", expiration=-(2**63)), held):
+        assert await broker.publish(m) is Outcome.OK
+    assert held.not_before == LATEST_MS
+    got: list[Delivery] = []
+    await broker.bind("q", got.append)
+    await wait_for(lambda: len(got) == 1)
+    assert (got[0].message.payload, got[0].message.expiration) == (b"forever", None)
+    await wait_for_messages(broker, DEAD_MESSAGE_QUEUE, 1)  # the expired one
+    await asyncio.sleep(0.2)
+    assert len(got) == 1  # the held one waits (for 8,000 years)

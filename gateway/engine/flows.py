@@ -739,15 +739,15 @@ class Dispatcher:
             unacked[entry_id] = (queue, raw_id, size)
             try:
                 message = decode(blob)
-            except ValueError as exc:  # unreadable: it would stall the flow's window
+                meta = reply[i + 3]
+                if meta:  # an expiry, or a dead message queue's entry
+                    _apply_meta(message, meta)
+            except (ValueError, OverflowError) as exc:  # unreadable: it would stall the flow
                 log.error("entry %s of queue %s rejected: %s", raw_id, queue, exc)
                 flow.reject(entry_id)  # to the dead message queue, or discarded
                 continue
             if flow.credit is not None:
                 flow.credit -= 1
-            meta = reply[i + 3]
-            if meta:  # an expiry, or a dead message queue's entry
-                _apply_meta(message, meta)
             self.delivered += 1
             try:
                 flow.on_deliver(Delivery(queue, entry_id, message, int(reply[i + 1]), size))
@@ -852,11 +852,11 @@ class Dispatcher:
                 continue  # settled or expired: not on the queue
             try:
                 message = decode(blob)
-            except ValueError as exc:  # unreadable: a consumer's fetch dead-letters it
+                if reply[i + 2]:
+                    _apply_meta(message, reply[i + 2])
+            except (ValueError, OverflowError) as exc:  # a consumer's fetch dead-letters it
                 log.warning("browser skips entry %s of queue %s: %s", entry_id, flow.queue, exc)
                 continue
-            if reply[i + 2]:
-                _apply_meta(message, reply[i + 2])
             if flow.selector is not None and not matches(flow.selector, message, 1):
                 continue
             flow.unacked[entry_id] = (flow.queue, entry_id, len(blob))
@@ -963,8 +963,8 @@ def _apply_meta(message: Message, meta: bytes) -> None:
     """What the entry's fields add to its message (see gw_fetch): the effective expiry when
     the queue's max_ttl_ms shortened it, and where a dead-lettered message came from."""
     expiry, origin, reason = meta.decode().split("\n", 2)
-    if expiry:
-        effective = int(expiry)
+    if expiry:  # Lua prints numbers of 1e17 and more with an exponent
+        effective = int(expiry) if expiry.isdigit() else int(float(expiry))
         if message.expiration is None or effective < message.expiration:
             message.expiration = effective
     if origin:

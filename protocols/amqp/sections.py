@@ -183,12 +183,23 @@ def _priority(value: object) -> int:
     return DEFAULT_PRIORITY
 
 
+# what malformed bytes raise in the decoder (UnicodeDecodeError is a ValueError)
+_MALFORMED = (IndexError, struct.error, TypeError, ValueError, OverflowError)
+
+
 def decode(data: bytes | bytearray, publisher: Publisher) -> tuple[Message, str | None, int | None]:
     """(message with destination left empty, properties.to, x-opt-jms-dest) of one encoded
     AMQP message; raises Unsupported for shapes left to proton."""
     try:
         return _decode(bytes(data), publisher)
-    except (IndexError, struct.error, UnicodeDecodeError, TypeError, ValueError) as exc:
+    except (
+        IndexError,
+        struct.error,
+        UnicodeDecodeError,
+        TypeError,
+        ValueError,
+        OverflowError,
+    ) as exc:
         raise Unsupported(str(exc)) from exc
 
 
@@ -271,8 +282,12 @@ def _decode(data: bytes, publisher: Publisher) -> tuple[Message, str | None, int
         elif len(header) > 1:
             priority = header[1]
     if expiry:
-        expiration: int | None = int(expiry)  # type: ignore[call-overload]
+        if expiry.__class__ is not int:  # a timestamp; proton's path judges other types
+            raise Unsupported("absolute-expiry-time type")
+        expiration: int | None = expiry  # type: ignore[assignment]
     elif ttl:
+        if ttl.__class__ is not int:  # a uint
+            raise Unsupported("ttl type")
         expiration = int(time.time() * 1000 + ttl)  # type: ignore[operator]
     else:
         expiration = None
