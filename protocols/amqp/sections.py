@@ -192,14 +192,7 @@ def decode(data: bytes | bytearray, publisher: Publisher) -> tuple[Message, str 
     AMQP message; raises Unsupported for shapes left to proton."""
     try:
         return _decode(bytes(data), publisher)
-    except (
-        IndexError,
-        struct.error,
-        UnicodeDecodeError,
-        TypeError,
-        ValueError,
-        OverflowError,
-    ) as exc:
+    except _MALFORMED as exc:
         raise Unsupported(str(exc)) from exc
 
 
