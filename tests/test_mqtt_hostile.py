@@ -509,6 +509,24 @@ async def test_bad_packet_behind_valid_ones_in_one_segment(gw: Listener) -> None
     await assert_serving(gw.port)
 
 
+async def test_a_shared_subscribe_cut_short_by_a_takeover(gw: Listener) -> None:
+    """A SUBSCRIBE to a shared group still binding when another connection takes the client
+    id over: no error (the fixture checks the log), and the gateway serves on."""
+    session = props(u32(0x11, 60))  # persistent: the takeover keeps its group membership
+    for delay in (0.0, 0.001, 0.002, 0.005, 0.01):
+        first = await Peer.open(gw.port)
+        await first.send(
+            connect(5, "taken", cprops=session) + subscribe(5, 1, ("$share/cut/h/taken", 1))
+        )
+        await asyncio.sleep(delay)
+        second = await Peer.open(gw.port)
+        await second.send(connect(5, "taken", cprops=session))
+        await first.until_eof()
+        assert (await second.packet())[0] == 0x20
+        second.close()
+    await assert_serving(gw.port)
+
+
 async def test_refused_connect_ignores_what_follows(broker: Broker) -> None:
     """A CONNECT refused for its credentials, with a PUBLISH in the same write: CONNACK
     (not authorized), EOF, and the PUBLISH is never routed."""

@@ -833,8 +833,10 @@ class Session:
             if rc is None:
                 try:
                     rc = await self._subscribe(pattern, options, previous)
-                except (QueueError, BindError) as exc:
-                    log.error("MQTT client %r: subscribe failed: %s", self.client_id, exc)
+                except (QueueError, BindError) as exc:  # e.g. a race with the queue's end
+                    log.warning(
+                        "MQTT client %r: subscribing to %r failed: %s", self.client_id, pattern, exc
+                    )
                     rc = ReasonCode.UNSPECIFIED_ERROR
             if rc >= 0x80:
                 if previous is not None:
@@ -894,8 +896,9 @@ class Session:
         self._shared[queue] = pattern
         if not await self._bind(queue):
             del self._shared[queue]
-            if not self.closing:  # not a member after all (a lost session leaves on detach)
-                await self.registry.leave_shared(queue, self.client_id)
+            if self.closing:  # lost meanwhile: it stays a member until its detach
+                return
+            await self.registry.leave_shared(queue, self.client_id)  # not a member after all
             raise BindError("not_found", f"shared queue {queue!r} is gone")
 
     async def _send_retained(self, pattern: str, options: SubscriptionOptions) -> None:
