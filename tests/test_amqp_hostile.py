@@ -26,6 +26,7 @@ from tests.amqp_raw import (
     DETACH,
     DISPOSITION,
     END,
+    OPEN,
     RECEIVER,
     REJECTED,
     SASL_HEADER,
@@ -326,6 +327,14 @@ async def test_a_bad_filter_refuses_the_link_with_invalid_field(port: int, filte
 
 # -- message payloads ---------------------------------------------------------------------------
 
+
+def not_utf8(encoded: bytes) -> bytes:
+    """`encoded` with its string "TO" made two bytes that are no UTF-8 (a string of the
+    same length: proton's encoder writes only valid ones)."""
+    assert encoded.count(b"TO") == 1
+    return encoded.replace(b"TO", b"\xc0\xff")
+
+
 HEADER = section(0x70, [True])
 
 
@@ -341,6 +350,8 @@ HEADER = section(0x70, [True])
         (section(0x74, {}) + b"\x00\x53\x74\xc1\x04\x03\x41\x41\x41" + data(), "amqp:decode"),
         (b"\x00\x53\x74\xc1\x04\x03\x41\x41\x41" + data(), "amqp:decode-error"),  # odd map
         (data(b"a") + data(b"b"), "amqp:not-implemented"),  # proton kept one of them
+        (not_utf8(section(0x73, [None, None, "TO"])) + data(), "amqp:decode-error"),  # to
+        (not_utf8(section(0x74, {"k": "TO"})) + data(), "amqp:decode-error"),
     ],
     ids=[
         "app-props-list",
@@ -352,6 +363,8 @@ HEADER = section(0x70, [True])
         "app-props-twice",
         "odd-map",
         "two-data-sections",
+        "to-not-utf8",
+        "property-not-utf8",
     ],
 )
 async def test_a_message_that_cannot_be_stored_as_sent_is_rejected(
@@ -366,6 +379,45 @@ async def test_a_message_that_cannot_be_stored_as_sent_is_rejected(
     assert outcomes[1] == OK
     peer.close()
     await still_serving(port, kept=2)
+
+
+async def test_an_open_with_a_container_id_not_utf8_closes_with_decode_error(port: int) -> None:
+    """Proton passes such strings on: reading it raised in the open's event handler, and
+    the connection was left unopened."""
+    peer = await Peer.connect(port)
+    peer.send(AMQP_HEADER + not_utf8(frame(performative(OPEN, "TO"))))
+    assert await peer.read_header() == AMQP_HEADER
+    assert await peer.closed_with() == "amqp:decode-error"
+    await still_serving(port)
+
+
+@pytest.mark.parametrize("role", [SENDER, RECEIVER], ids=["sender", "receiver"])
+async def test_an_attach_with_an_address_not_utf8_is_refused(port: int, role: bool) -> None:
+    peer = await Peer.opened(port)
+    terminus = Described(ulong(SOURCE if role else TARGET), ["TO"])
+    other = Described(ulong(TARGET if role else SOURCE), [None])
+    source, target = (terminus, other) if role else (other, terminus)
+    attach = performative(ATTACH, "odd", uint(0), role, ubyte(0), ubyte(0), source, target)
+    peer.send(not_utf8(frame(attach)))
+    await peer.expect(ATTACH)
+    assert (await peer.expect(DETACH)).error() == "amqp:decode-error"
+    await peer.sender(1, QUEUE)  # the connection goes on
+    peer.close()
+    await still_serving(port)
+
+
+@pytest.mark.parametrize("role", [SENDER, RECEIVER], ids=["sender", "receiver"])
+async def test_an_attach_without_a_name_is_refused(port: int, role: bool) -> None:
+    """The name is mandatory (§2.7.3): a durable subscription is named by it."""
+    peer = await Peer.opened(port)
+    durable = Described(ulong(SOURCE), [QUEUE, uint(2)])  # durable: unsettled-state
+    other = Described(ulong(TARGET), [None])
+    source, target = (durable, other) if role else (other, Described(ulong(TARGET), [QUEUE]))
+    peer.send(frame(performative(ATTACH, None, uint(0), role, ubyte(0), ubyte(0), source, target)))
+    await peer.expect(ATTACH)
+    assert (await peer.expect(DETACH)).error() == "amqp:invalid-field"
+    peer.close()
+    await still_serving(port)
 
 
 async def test_a_message_with_negative_ids_is_stored_deliverable(port: int) -> None:

@@ -236,6 +236,8 @@ class AmqpConnection(asyncio.Protocol):
                         endpoint.on_flow()
                 elif kind in _HANDLED:
                     self._dispatch(Event.wrap(event))
+            except UnicodeDecodeError:  # proton passes a frame's strings on unchecked
+                self._undecodable("a string of a frame is not valid UTF-8")
             except Exception:
                 log.exception("AMQP event %s failed", kind)
             pn_collector_pop(impl)
@@ -347,8 +349,13 @@ class AmqpConnection(asyncio.Protocol):
         carrying amqp:decode-error, not a connection left open and deaf. Its other reasons
         (the client's close or EOF, a protocol error) have a close of their own."""
         if self.transport.condition is None and not self.conn.state & Endpoint.REMOTE_CLOSED:
-            log.info("AMQP connection error: a frame could not be decoded")
-            self.conn.condition = Condition("amqp:decode-error", "a frame could not be decoded")
+            self._undecodable("a frame could not be decoded")
+
+    def _undecodable(self, why: str) -> None:
+        """Close the connection with amqp:decode-error (once: later events may fail too)."""
+        if not self.conn.state & Endpoint.LOCAL_CLOSED:
+            log.info("AMQP connection error: %s", why)
+            self.conn.condition = Condition("amqp:decode-error", why)
             self.conn.close()
 
     def _attach(self, link: Link) -> None:
@@ -358,9 +365,13 @@ class AmqpConnection(asyncio.Protocol):
 
     async def _run_attach(self, endpoint: Inbound | Outbound) -> None:
         try:
+            if endpoint.link.name is None:
+                raise InvalidField("an attach must name its link")
             await endpoint.attach()
         except (QueueError, InvalidField) as exc:  # e.g. an invalid topic pattern, a bad filter
             endpoint.refuse("amqp:invalid-field", str(exc))
+        except UnicodeDecodeError:  # proton passes the attach's strings on unchecked
+            endpoint.refuse("amqp:decode-error", "a string of the attach is not valid UTF-8")
         except StoreError as exc:  # e.g. Redis refuses writes for now: the client tries later
             log.warning("AMQP attach failed: %s", exc)
             endpoint.refuse("amqp:internal-error", str(exc))

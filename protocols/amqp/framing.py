@@ -28,6 +28,9 @@ REPEATABLE = (0x75, 0x76)  # a body may be several data or several amqp-sequence
 _U32 = struct.Struct(">I").unpack_from
 _FIXED_WIDTH = {0x4: 0, 0x5: 1, 0x6: 2, 0x7: 4, 0x8: 8, 0x9: 16}
 MAX_DEPTH = 64  # nesting of described / compound values
+# str8, str32, sym8, sym32: proton hands them on unchecked, and reading one that is not
+# UTF-8 raises in its Python binding
+_TEXT_CODES = (0xA1, 0xB1, 0xA3, 0xB3)
 
 
 class Malformed(ValueError):
@@ -37,7 +40,8 @@ class Malformed(ValueError):
 def check_message(data: bytes | bytearray) -> int:
     """Raise Malformed unless `data` is one or more message sections and nothing else, in
     the order AMQP 1.0 §3.2 gives them, each at most once, with a body of one kind: data
-    sections, amqp-sequence sections or one amqp-value. Returns how many body sections."""
+    sections, amqp-sequence sections or one amqp-value, and every string valid UTF-8.
+    Returns how many body sections."""
     buf = bytes(data)
     if not buf:
         raise Malformed("empty message")
@@ -104,7 +108,12 @@ def _end(buf: bytes, start: int, size: int, code: int, compound: bool, depth: in
     """Check a sized value's extent (and a list's or map's elements) and return its end."""
     end = start + size
     _need(buf, start, size)
-    if compound:
+    if code in _TEXT_CODES:
+        try:
+            buf[start:end].decode()
+        except UnicodeDecodeError:
+            raise Malformed("a string or symbol is not valid UTF-8") from None
+    elif compound:
         wide = code >= 0xD0
         width = 4 if wide else 1
         if size < width:
