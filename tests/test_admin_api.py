@@ -591,6 +591,18 @@ async def _raw_exchange(port: int, data: bytes, *, eof: bool = False) -> bytes:
         writer.close()
 
 
+async def test_a_head_request_is_answered_as_a_get_without_the_body(admin: Admin) -> None:
+    """h11 refused the body it was given for a HEAD: the connection's task died unread."""
+    get = b"GET /api/v1/health HTTP/1.1\r\nHost: x\r\n\r\n"
+    last = get.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n")
+    answer = await _raw_exchange(admin.port, get.replace(b"GET", b"HEAD", 1) + last)
+    head, _, rest = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 ") and b"Content-Length: " in head
+    assert rest.startswith(b"HTTP/1.1 200 ")  # the GET's answer right after the HEAD's head
+    length = head.split(b"Content-Length: ")[1].split(b"\r\n")[0]
+    assert rest.split(b"\r\n\r\n", 1)[1] and f"Content-Length: {int(length)}".encode() in rest
+
+
 @pytest.mark.parametrize(
     "garbage",
     [

@@ -164,6 +164,9 @@ class HttpServer:
                 if request is None:
                     break
                 request.peer = peer
+                head = request.method == "HEAD"  # answered as a GET, without the body
+                if head:
+                    request.method = "GET"
                 try:
                     response = await self._handler(request)
                 except HttpError as exc:
@@ -172,7 +175,7 @@ class HttpServer:
                 except Exception:
                     log.exception("admin request %s %s failed", request.method, request.path)
                     response = error_response(500, "internal error")
-                await self._send(conn, writer, response)
+                await self._send(conn, writer, response, head)
                 if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
                     break
                 try:
@@ -231,10 +234,13 @@ class HttpServer:
                 await self._send(conn, writer, error_response(status, message))
 
     @staticmethod
-    async def _send(conn: h11.Connection, writer: asyncio.StreamWriter, resp: Response) -> None:
+    async def _send(
+        conn: h11.Connection, writer: asyncio.StreamWriter, resp: Response, head: bool = False
+    ) -> None:
+        """`head`: the answer to a HEAD request, whose body is left out (RFC 9110 §9.3.2)."""
         headers = [*resp.headers, ("Content-Length", str(len(resp.body)))]
         out = conn.send(h11.Response(status_code=resp.status, headers=headers))
-        out += conn.send(h11.Data(data=resp.body)) if resp.body else b""
+        out += conn.send(h11.Data(data=resp.body)) if resp.body and not head else b""
         out += conn.send(h11.EndOfMessage())
         writer.write(out)
         await writer.drain()
