@@ -10,7 +10,7 @@ from paho.mqtt.properties import Properties
 
 from gateway.broker import Broker, QueueConfig
 from gateway.engine.queues import DEAD_MESSAGE_QUEUE
-from gateway.model import DEAD_LETTER_REASON, Delivery
+from gateway.model import DEAD_LETTER_REASON, Delivery, Message, Outcome
 from protocols.mqtt.listener import Listener
 from tests.test_engine import wait_for
 from tests.test_mqtt_paho import V5, Client
@@ -108,3 +108,24 @@ async def test_dmq_eligible_message_is_dead_lettered_when_it_expires(
     info = await broker.queues.info("ttl")
     assert info.counters["expired"] == 3
     assert info.counters["dead_lettered"] == 1 and info.counters["discarded"] == 2
+
+
+async def test_an_expiry_past_what_mqtt_5_can_say_is_its_longest(
+    mqtt: Listener, broker: Broker
+) -> None:
+    """An AMQP publisher may name an expiry in the year 5000: the PUBLISH could not be
+    encoded (the delivery failed in its callback); it carries 0xFFFFFFFF seconds now."""
+
+    def subscribed() -> Client:
+        sub = Client(mqtt.port, V5, "far-sub")
+        sub.subscribe("far/t", 1)
+        return sub
+
+    sub = await asyncio.to_thread(subscribed)
+    try:
+        far = Message(destination="far/t", payload=b"far", expiration=95_617_584_000_000)
+        assert await broker.publish(far) is Outcome.OK
+        [got] = await asyncio.to_thread(sub.receive, 1)
+        assert (got.payload, got.properties.MessageExpiryInterval) == (b"far", 0xFFFF_FFFF)
+    finally:
+        await asyncio.to_thread(sub.close)

@@ -114,12 +114,16 @@ def _not_before(key: str, value: str) -> int | None:
     return at if at <= MAX_EPOCH_MS else None
 
 
+MAX_EXPIRY_INTERVAL = 0xFFFF_FFFF  # seconds: a four-byte integer (MQTT 5 §3.3.2.3.3)
+
+
 def remaining_expiry(msg: Message, now: int) -> int | None:
-    """Seconds left before `msg` expires (at least 1), 0 if expired, None if it never does."""
+    """Seconds left before `msg` expires (at least 1, at most the 136 years MQTT 5's four
+    bytes hold), 0 if expired, None if it never does."""
     if msg.expiration is None:
         return None
     left = msg.expiration - now
-    return max(1, math.ceil(left / 1000)) if left > 0 else 0
+    return min(max(1, math.ceil(left / 1000)), MAX_EXPIRY_INTERVAL) if left > 0 else 0
 
 
 def message_qos(msg: Message) -> int:
