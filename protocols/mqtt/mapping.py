@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 import time
 
-from gateway.model import DEFAULT_PRIORITY, Message, PropertyValue, Publisher
+from gateway.model import DEFAULT_PRIORITY, LATEST_MS, Message, PropertyValue, Publisher
 from protocols.mqtt.codec import Properties, Publish, Will, encode_publish
 
 GROUP_ID = "JMSXGroupId"
@@ -46,7 +46,6 @@ QOS = "x-mqtt-qos"
 DMQ_ELIGIBLE = "x-opt-dmq-eligible"
 DELIVERY_TIME = ("x-opt-delivery-time", "x-qpid-not-valid-before")  # epoch ms
 DELIVERY_DELAY = "x-opt-delivery-delay"  # ms from now
-MAX_EPOCH_MS = 2**53  # beyond this Redis' Lua numbers lose precision
 
 
 def now_ms() -> int:
@@ -111,7 +110,7 @@ def _not_before(key: str, value: str) -> int | None:
     if not (value.isascii() and value.isdigit()):
         return None
     at = int(value) + (now_ms() if key == DELIVERY_DELAY else 0)
-    return at if at <= MAX_EPOCH_MS else None
+    return at if at <= LATEST_MS else None
 
 
 MAX_EXPIRY_INTERVAL = 0xFFFF_FFFF  # seconds: a four-byte integer (MQTT 5 §3.3.2.3.3)
