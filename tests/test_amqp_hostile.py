@@ -33,6 +33,7 @@ from tests.amqp_raw import (
     SENDER,
     SOURCE,
     TARGET,
+    TIMEOUT,
     TRANSFER,
     Peer,
     encode,
@@ -403,6 +404,19 @@ async def test_an_attach_with_an_address_not_utf8_is_refused(port: int, role: bo
     assert (await peer.expect(DETACH)).error() == "amqp:decode-error"
     await peer.sender(1, QUEUE)  # the connection goes on
     peer.close()
+    await still_serving(port)
+
+
+async def test_a_transport_error_quoting_a_name_not_utf8_closes_quietly(port: int) -> None:
+    """A second attach on a handle in use: proton's error text quotes the link name, and
+    reading that text raised in two event handlers (ERRORs, not one close)."""
+    peer = await Peer.opened(port)
+    source = Described(ulong(SOURCE), [QUEUE])
+    target = Described(ulong(TARGET), [None])
+    attach = performative(ATTACH, "TO", uint(1), RECEIVER, ubyte(0), ubyte(0), source, target)
+    peer.send(not_utf8(frame(attach)) * 2)
+    answer = await asyncio.wait_for(peer.reader.read(), TIMEOUT)  # to EOF: proton's close
+    assert b"\x00\x53\x18" in answer  # quotes the name as sent, so it is left undecoded
     await still_serving(port)
 
 
