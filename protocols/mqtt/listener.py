@@ -71,15 +71,21 @@ def shared_queues(state: SessionState) -> list[str]:
     return [shared_queue_name(*g) for g in groups if g is not None]
 
 
+def session_lasts(state: SessionState, connected: bool) -> float:
+    """Seconds from now a session would outlive its connection (its node's, while
+    connected: the lease); 0 for a non-persistent one, math.inf for one that never expires."""
+    if not state.persistent:
+        return 0
+    if state.expiry == NEVER_EXPIRES:
+        return math.inf
+    return state.expiry + (LEASE_S if connected else 0)
+
+
 def membership_until(state: SessionState, connected: bool) -> float:
     """Epoch ms a session's group memberships last: while connected its bound flows keep
     the groups (a non-persistent session needs only the time to bind); a persistent
     session's membership lasts as long as the session would (math.inf: for ever)."""
-    now = time.time() * 1000
-    if state.persistent and state.expiry == NEVER_EXPIRES:
-        return math.inf
-    lasts = state.expiry + (LEASE_S if connected else 0) if state.persistent else 0
-    return now + max(lasts * 1000, SHARED_JOIN_GRACE_MS)
+    return time.time() * 1000 + max(session_lasts(state, connected) * 1000, SHARED_JOIN_GRACE_MS)
 
 
 def queue_name(client_id: str) -> str:
@@ -200,12 +206,8 @@ class Registry:
 
     async def _member(self, state: SessionState, queue: str, connected: bool) -> None:
         """The session keeps its own queue for as long as it lasts."""
-        if state.expiry == NEVER_EXPIRES:
-            until = math.inf
-        else:
-            lasts = state.expiry + QUEUE_GRACE_S + (LEASE_S if connected else 0)
-            until = time.time() * 1000 + lasts * 1000
-        await self.broker.queues.join(queue, state.client_id, until)
+        lasts = session_lasts(state, connected) + QUEUE_GRACE_S
+        await self.broker.queues.join(queue, state.client_id, time.time() * 1000 + lasts * 1000)
 
     async def _renew_leases(self) -> None:
         while True:
