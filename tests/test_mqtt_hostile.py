@@ -527,6 +527,22 @@ async def test_a_shared_subscribe_cut_short_by_a_takeover(gw: Listener) -> None:
     await assert_serving(gw.port)
 
 
+async def test_racing_connects_with_one_client_id_leave_the_later(gw: Listener) -> None:
+    """CONNECTs with one client id sent back to back: the one that arrived first is taken
+    over (DISCONNECT 0x8E), whichever of their session look-ups Redis answers first."""
+    session = props(u32(0x11, 60))
+    for round_ in range(30):
+        first = await Peer.open(gw.port)
+        await first.send(connect(5, "racing", cprops=session))
+        second = await Peer.open(gw.port)
+        await second.send(connect(5, "racing", cprops=session))
+        got = split(await first.until_eof())
+        assert got[0][0] == 0x20 and got[-1] == disconnect(5, 0x8E), (round_, got)
+        assert (await second.packet())[0] == 0x20
+        second.close()
+    await assert_serving(gw.port)
+
+
 async def test_refused_connect_ignores_what_follows(broker: Broker) -> None:
     """A CONNECT refused for its credentials, with a PUBLISH in the same write: CONNACK
     (not authorized), EOF, and the PUBLISH is never routed."""

@@ -123,13 +123,17 @@ class Registry:
 
     async def attach(
         self, session: Session, clean_start: bool, expiry: int
-    ) -> tuple[SessionState, bool]:
-        """Give `session` the client's state; True if an existing session was resumed."""
+    ) -> tuple[SessionState, bool] | None:
+        """Give `session` the client's state; True if an existing session was resumed. None
+        if the session belongs to another user. Connects with one client id are taken in the
+        order they arrived here (the later one takes over), whatever Redis answers first."""
         client_id = session.client_id
         entry = self._locks.setdefault(client_id, [asyncio.Lock(), 0])
         entry[1] += 1
         try:
             async with entry[0]:
+                if not await self._may_use(client_id, session.access_user):
+                    return None
                 return await self._attach(session, clean_start, expiry)
         finally:
             entry[1] -= 1
@@ -344,7 +348,7 @@ class Registry:
         with contextlib.suppress(QueueError):  # already gone
             await self.broker.delete_queue(name)
 
-    async def may_use(self, client_id: str, user: str) -> bool:
+    async def _may_use(self, client_id: str, user: str) -> bool:
         """Whether `user` may connect as `client_id`: not when the client id's live session,
         stored session or session queue belongs to another user (taking it over, or a clean
         start forgetting it, would take their session and messages)."""

@@ -320,17 +320,18 @@ class Session:
         if self.will is not None and _covered(self._deny_publish, self.will.topic):
             self.will = None
         try:
-            if not await self.registry.may_use(self.client_id, self.access_user):
-                log.info("MQTT client %r: its session belongs to another user", self.client_id)
-                if not self.closing:
-                    self._refuse_connect(ReasonCode.NOT_AUTHORIZED)
-                return
-            self.state, present = await self.registry.attach(self, p.clean_start, expiry)
+            attached = await self.registry.attach(self, p.clean_start, expiry)
         except StoreError as exc:  # e.g. Redis refuses writes for now: the client tries later
             log.warning("MQTT client %r: its session is unavailable: %s", self.client_id, exc)
             if not self.closing:
                 self._refuse_connect(ReasonCode.SERVER_UNAVAILABLE)
             return
+        if attached is None:
+            log.info("MQTT client %r: its session belongs to another user", self.client_id)
+            if not self.closing:
+                self._refuse_connect(ReasonCode.NOT_AUTHORIZED)
+            return
+        self.state, present = attached
         if self.closing:  # the client went away while we waited
             return
         ack_props = None
