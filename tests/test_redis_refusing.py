@@ -113,6 +113,30 @@ async def test_an_unbind_refused_for_now_releases_the_flows_entries_later(
     assert all(d.redelivered for d in again)
 
 
+async def test_a_selecting_flow_refused_for_now_asks_again(
+    broker: Broker, read_only: ReadOnly, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A flow with a selector peeks and takes with calls of its own: Redis refusing them is
+    the one line of the other refusals, not an error, and the flow gets the messages its
+    selector matches once Redis takes writes again."""
+    caplog.set_level(logging.INFO, logger="gateway.engine.flows")
+    await broker.queues.create(QueueConfig(name="sel"))
+    for i in range(3):
+        message = Message(
+            destination="sel", to_queue=True, payload=b"%d" % i, user_properties=[("n", i)]
+        )
+        assert await broker.publish(message) is Outcome.OK
+    got: list[Delivery] = []
+    flow = await broker.bind("sel", got.append, credit=0, selector="n >= 1")
+    await read_only(True)
+    flow.set_credit(10)
+    await wait_for(lambda: "Redis refuses fetches, settlements and unbinds for now" in caplog.text)
+    await read_only(False)
+    await wait_for(lambda: len(got) == 2)
+    assert sorted(d.message.payload for d in got) == [b"1", b"2"]
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
 async def test_a_route_reload_redis_does_not_answer_is_tried_again(
     broker: Broker, redis_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterable
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.engine.keys import partition_queue, priority_queue
@@ -872,9 +873,15 @@ class Dispatcher:
             self._empty(flow)
 
     async def _select(self, flow: Flow) -> None:
-        """Peek at the waiting messages, take the ones the flow's selector matches."""
+        """Peek at the waiting messages, take the ones the flow's selector matches. A call
+        Redis refuses or does not answer is asked again later: the other flows of the round
+        go on, and a take whose answer was lost gives back what it may have taken."""
         space = min(flow.space, FETCH_BATCH)
-        peeked = await self._redis.fcall("gw_peek", 0, flow.queue, flow.id, SELECT_SCAN)
+        try:
+            peeked = await self._redis.fcall("gw_peek", 0, flow.queue, flow.id, SELECT_SCAN)
+        except RedisError as exc:
+            self._select_failed(flow, exc)
+            return
         if peeked[0] != b"ok":
             self._fetch_refused(_Fetch(flow, flow.queue, None, space), peeked[0].decode())
             return
@@ -894,9 +901,23 @@ class Dispatcher:
         if not wanted:
             self._empty(flow)
             return
-        reply = await self._redis.fcall("gw_take", 0, flow.queue, flow.id, *wanted)
+        try:
+            reply = await self._redis.fcall("gw_take", 0, flow.queue, flow.id, *wanted)
+        except (RedisConnectionError, RedisTimeoutError):
+            self._fetch_lost(flow)
+            return
+        except RedisError as exc:
+            self._select_failed(flow, exc)
+            return
         fetch = _Fetch(flow, flow.queue, None, len(wanted))
         self._deliver(fetch, reply)
+
+    def _select_failed(self, flow: Flow, exc: RedisError) -> None:
+        if refused_for_now(exc):
+            self._say_refusing(exc)
+        else:
+            log.warning("selecting for flow %s failed: %s", flow.id, exc)
+        self._refuse(flow)
 
     def _hand_over(self, flow: Flow, delivery: Delivery) -> None:
         self.delivered += 1
