@@ -94,6 +94,30 @@ async def test_selectors_split_messages_and_leave_the_rest(broker: Broker) -> No
     assert (await broker.queues.info("q")).messages == 4  # nothing acked yet
 
 
+async def test_messages_returned_before_a_selector_came_are_still_delivered(
+    broker: Broker,
+) -> None:
+    """A queue turns selective when its first selector consumer binds: messages an earlier
+    consumer left unsettled wait where that takes them, for every consumer after it."""
+    await broker.declare_queue(QueueConfig(name="q"))
+    for i in range(3):
+        await broker.publish(msg(f"m{i}", color="red"))
+    first: list[Delivery] = []
+    flow = await broker.bind("q", first.append)
+    await wait_for(lambda: len(first) == 3)
+    await flow.close()  # unsettled: back to the queue
+    blue: list[Delivery] = []
+    picky = await broker.bind("q", blue.append, selector="color = 'blue'")
+    await broker.publish(msg("m3", color="red"))
+    red: list[Delivery] = []
+    await broker.bind("q", red.append, selector="color = 'red'")
+    await wait_for(lambda: len(red) == 4)
+    assert payloads(red) == [b"m0", b"m1", b"m2", b"m3"]
+    assert [d.redelivered for d in red] == [True, True, True, False]
+    await picky.close()
+    assert blue == []
+
+
 async def test_selector_on_headers_and_redelivery(broker: Broker) -> None:
     await broker.declare_queue(QueueConfig(name="q"))
     await broker.publish(Message(destination="q", to_queue=True, payload=b"p9", priority=9))

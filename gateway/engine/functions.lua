@@ -1449,6 +1449,19 @@ end)
 -- Returns {'ok', bind sequence, access type, partition count, rebalance delay ms, mode,
 -- 1 for a priority queue} or {'noqueue'} / {'egress'} / {'partitioned'} / {'grouped'} /
 -- {'prioritised'}.
+-- A queue turning selective parks unsettled entries in the holding consumer from now on:
+-- those already back in the returned consumer move there too, or no fetch would see them.
+local function adopt_returned(q)
+  local s = k_queue_stream(q)
+  while true do
+    local p = redis.call('XPENDING', s, GROUP, '-', '+', IDS_PER_CALL, RETURNED)
+    if #p == 0 then return end
+    local ids = {}
+    for i, e in ipairs(p) do ids[i] = e[1] end
+    claim_justid(s, HOLDING, ids)
+  end
+end
+
 register_always('gw_bind', function(_, a)
   local q, flow, node, mode = a[1], a[2], a[3], a[4]
   local c = redis.call('HMGET', k_queue_config(q), 'egress', 'access', 'partition_count',
@@ -1464,7 +1477,10 @@ register_always('gw_bind', function(_, a)
   end
   if mode == 'select' then
     if c[5] and c[5] ~= '' then return { 'grouped' } end
-    redis.call('HSET', k_queue_config(q), 'selective', '1')
+    if redis.call('HGET', k_queue_config(q), 'selective') ~= '1' then
+      redis.call('HSET', k_queue_config(q), 'selective', '1')
+      adopt_returned(q)
+    end
   end
   local seq = redis.call('INCR', K_SEQ)
   redis.call('ZADD', k_queue_flows(q), seq, flow)
