@@ -7,8 +7,9 @@ import asyncio
 import pytest
 
 from gateway.broker import BindError, Broker
+from gateway.engine.keys import partition_queue, priority_queue
 from gateway.engine.queues import DEAD_MESSAGE_QUEUE, QueueConfig, QueueError
-from gateway.model import Delivery, Message
+from gateway.model import Delivery, Message, Outcome
 from tests.test_engine import wait_for
 
 
@@ -75,3 +76,33 @@ async def test_priority_queue_limits(broker: Broker) -> None:
     with pytest.raises(BindError) as err:
         await broker.bind("pq", lambda d: None, selector="a = 1")
     assert err.value.code == "unsupported"
+
+
+async def test_levels_and_partitions_are_no_queues_a_client_names(broker: Broker) -> None:
+    """A priority level or a partition is part of its queue: deleting, changing, binding,
+    browsing or sending to one by its name is refused as for a queue that does not exist,
+    and the queue works on."""
+    await broker.declare_queue(QueueConfig(name="pq", priorities=True))
+    await broker.declare_queue(QueueConfig(name="parted", partition_count=2))
+    for child in (priority_queue("pq", 3), partition_queue("parted", 0)):
+        for change in (
+            broker.delete_queue(child),
+            broker.update_queue(child, {"max_messages": 1}),
+            broker.queues.info(child),
+            broker.queues.change_subscriptions(child, "add", [("a/b", "mqtt")]),
+        ):
+            with pytest.raises(QueueError) as err:
+                await change
+            assert err.value.code == "not_found"
+        for browse in (False, True):
+            with pytest.raises(BindError) as bind_err:
+                await broker.bind(child, lambda d: None, browse=browse)
+            assert bind_err.value.code == "not_found"
+        sent = Message(destination=child, to_queue=True, payload=b"x")
+        assert await broker.publish(sent) is Outcome.NOT_FOUND
+    await broker.publish(msg("p3", 3))
+    got: list[Delivery] = []
+    await broker.bind("pq", got.append)
+    await wait_for(lambda: len(got) == 1)
+    assert got[0].message.payload == b"p3"
+    assert (await broker.queues.info("pq")).messages == 1

@@ -338,6 +338,12 @@ local function release_flow(q, flow, no_rebalance)
   return moved
 end
 
+-- A partition or a priority level: part of its parent, never a queue clients name. Every
+-- function a client's request reaches by a queue's name treats it as missing.
+local function hidden(q)
+  return redis.call('HEXISTS', k_queue_config(q), 'parent') == 1
+end
+
 delete_queue = function(q)
   if redis.call('EXISTS', k_queue_config(q)) == 0 then return 0 end
   for _, child in ipairs(children(q)) do delete_queue(child) end
@@ -555,7 +561,7 @@ local function spool_target(name)
     'max_spool_bytes', 'max_messages', 'partition_count', 'parent', 'message_groups',
     'max_ttl_ms', 'lvq_key', 'priorities', 'overflow', 'resume_percent', 'vpn', 'sort_key')
   local info = { name = name, added = 0, added_bytes = 0, dropped = 0, dropped_bytes = 0,
-    wake = c[6] or name }
+    wake = c[6] or name, hidden = c[6] ~= false }
   if not c[1] then
     info.missing = true
     return info
@@ -846,6 +852,8 @@ end
 -- A negative nq (-nq) marks a retry batch: it starts with messages producer flow control held
 -- back, and clears the node's marks on its queues (see flow_held_mark).
 -- Returns one outcome code per message; a message is stored in all its queues or in none.
+local NAMED_HIDDEN = { missing = true }
+
 redis.register_function('gw_spool', function(_, a)
   local nq = tonumber(a[2])
   local retry = nq < 0
@@ -910,6 +918,7 @@ redis.register_function('gw_spool', function(_, a)
     nt = 0
     for j = 1, k do
       local q = target(names[j])
+      if q.hidden then q = NAMED_HIDDEN end  -- a partition or level named by a message
       if not q.missing and q.partitions > 0 then
         local np = q.partitions
         local h, l = tonumber(hi), tonumber(lo)
@@ -1303,8 +1312,8 @@ end
 
 register_always('gw_browse', function(_, a)
   local q, cursor, count, since = a[1], a[2], tonumber(a[3]), tonumber(a[4])
-  local c = redis.call('HMGET', k_queue_config(q), 'egress', 'sort_key')
-  if not c[1] then return { 'noqueue' } end
+  local c = redis.call('HMGET', k_queue_config(q), 'egress', 'sort_key', 'parent')
+  if not c[1] or c[3] then return { 'noqueue' } end
   if c[1] ~= '1' then return { 'egress' } end
   local s = k_queue_stream(q)
   if c[2] and c[2] ~= '' then return browse_sorted(q, s, cursor, count, since) end
@@ -1465,8 +1474,8 @@ end
 register_always('gw_bind', function(_, a)
   local q, flow, node, mode = a[1], a[2], a[3], a[4]
   local c = redis.call('HMGET', k_queue_config(q), 'egress', 'access', 'partition_count',
-    'partition_rebalance_delay_ms', 'message_groups', 'non_destructive')
-  if not c[1] then return { 'noqueue' } end
+    'partition_rebalance_delay_ms', 'message_groups', 'non_destructive', 'parent')
+  if not c[1] or c[7] then return { 'noqueue' } end
   if c[1] ~= '1' then return { 'egress' } end
   if c[6] == '1' then mode = 'browse' end  -- every consumer of it browses
   if mode ~= '' and (tonumber(c[3]) or 0) > 0 then return { 'partitioned' } end
@@ -1725,7 +1734,7 @@ end)
 register_always('gw_queue_update', function(_, a)
   local q = a[1]
   local cfg = k_queue_config(q)
-  if redis.call('EXISTS', cfg) == 0 then return 0 end
+  if redis.call('EXISTS', cfg) == 0 or hidden(q) then return 0 end
   redis.call('HSET', cfg, unpack(a, 2))
   for _, child in ipairs(children(q)) do child_settings(q, child) end
   queue_alarms(q)
@@ -1744,8 +1753,8 @@ register_always('gw_repartition', function(_, a)
   local q, new_n = a[1], tonumber(a[2])
   local cfg = k_queue_config(q)
   local c = redis.call('HMGET', cfg, 'egress', 'partition_count', 'access', 'priorities',
-    'message_groups', 'non_destructive')
-  if not c[1] then return { 'noqueue' } end
+    'message_groups', 'non_destructive', 'parent')
+  if not c[1] or c[7] then return { 'noqueue' } end
   if c[1] == '1' then return { 'egress' } end
   if new_n > 0 then  -- the rules of QueueConfig.validate
     if c[3] ~= 'non-exclusive' then return { 'exclusive' } end
@@ -1805,6 +1814,7 @@ end)
 
 -- ARGV: queue. Deletes the queue, its messages and its topic subscriptions.
 register_always('gw_queue_delete', function(_, a)
+  if hidden(a[1]) then return 0 end
   return delete_queue(a[1])
 end)
 
@@ -1853,7 +1863,7 @@ end)
 -- or -1 if the queue does not exist.
 register_always('gw_subscription', function(_, a)
   local q = a[1]
-  if redis.call('EXISTS', k_queue_config(q)) == 0 then return -1 end
+  if redis.call('EXISTS', k_queue_config(q)) == 0 or hidden(q) then return -1 end
   local cmd = a[2] == 'add' and 'SADD' or 'SREM'
   local changed = redis.call(cmd, k_queue_subs(q), unpack(a, 3))
   if changed > 0 then

@@ -56,6 +56,10 @@ class QueueError(Exception):
         return self.STATUS.get(self.code, 400)
 
 
+# A config field only partitions and priority levels have: no client or operator names one.
+_HIDDEN = b"parent"
+
+
 def validate_queue_name(name: str, *, reserved_ok: bool = False) -> None:
     """Raise QueueError unless `name` may name a queue (created by a client unless reserved_ok)."""
     if not isinstance(name, str) or not name:
@@ -491,7 +495,7 @@ class QueueStore:
 
     async def config(self, name: str) -> QueueConfig:
         raw = await self._redis.hgetall(keys.queue_config(name))
-        if not raw:
+        if not raw or _HIDDEN in raw:
             raise QueueError("not_found", f"queue {name!r} does not exist")
         return QueueConfig.from_redis(name, raw)
 
@@ -539,7 +543,7 @@ class QueueStore:
         pipe.zrange(keys.queue_flows(name), 0, -1)
         pipe.hget(keys.queue_lease(name), "flow")
         raw, subs, stats, flows, active = await pipe.execute()
-        if not raw:
+        if not raw or _HIDDEN in raw:
             raise QueueError("not_found", f"queue {name!r} does not exist")
         config = QueueConfig.from_redis(name, raw)
         counters = {k.decode(): int(v) for k, v in stats.items()}
