@@ -106,3 +106,33 @@ async def test_levels_and_partitions_are_no_queues_a_client_names(broker: Broker
     await wait_for(lambda: len(got) == 1)
     assert got[0].message.payload == b"p3"
     assert (await broker.queues.info("pq")).messages == 1
+
+
+@pytest.mark.parametrize(
+    "limits",
+    [{"max_messages": 3}, {"max_spool_bytes": 300}],
+    ids=["max_messages", "max_spool_bytes"],
+)
+async def test_limits_bound_the_whole_queue_not_each_level_or_partition(
+    broker: Broker, limits: dict[str, int]
+) -> None:
+    """A priority queue's or a partitioned queue's limits count what all its levels or
+    partitions hold, as a queue's do on RabbitMQ, Solace and Qpid."""
+    await broker.declare_queue(QueueConfig(name="pq", priorities=True, **limits))
+    await broker.declare_queue(QueueConfig(name="parted", partition_count=4, **limits))
+    for name in ("pq", "parted"):
+        outcomes = [
+            await broker.publish(
+                Message(
+                    destination=name,
+                    to_queue=True,
+                    payload=b"x" * 60,
+                    priority=i % 10,
+                    partition_key=f"k{i}",
+                )
+            )
+            for i in range(12)
+        ]
+        stored = outcomes.count(Outcome.OK)
+        assert stored == 3 and (await broker.queues.info(name)).messages == 3, outcomes
+        assert set(outcomes[stored:]) <= {Outcome.QUEUE_FULL, Outcome.QUOTA_EXCEEDED}

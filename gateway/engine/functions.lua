@@ -535,6 +535,18 @@ local function property_value(props, name)
   return nil
 end
 
+-- Count `n` messages of `bytes` more (fewer when negative) on queue q during a gw_spool
+-- call, and on its family's usage when its limits bound the family (spool_target).
+local function add_usage(q, n, bytes)
+  q.count = q.count + n
+  q.bytes = q.bytes + bytes
+  local u = q.usage
+  if u ~= q then
+    u.count = u.count + n
+    u.bytes = u.bytes + bytes
+  end
+end
+
 -- Last value queues: a new message replaces the previous one of its slot if that one has
 -- not been delivered yet (a delivered one stays with its consumer).
 local function replace_last_value(q, slot, id)
@@ -547,8 +559,7 @@ local function replace_last_value(q, slot, id)
   q.delivered_upto = q.delivered_upto or last_delivered(q.stream)
   if id_less(q.delivered_upto, old) then
     redis.call('XDEL', q.stream, old)
-    q.count = q.count - 1
-    q.bytes = q.bytes - #entry_blob(e[1][2])
+    add_usage(q, -1, -#entry_blob(e[1][2]))
     q.added = q.added - 1  -- counters are applied at the end of the call
     q.added_bytes = q.added_bytes - #entry_blob(e[1][2])
     q.replaced = (q.replaced or 0) + 1
@@ -556,7 +567,21 @@ local function replace_last_value(q, slot, id)
 end
 
 -- Spool state of one queue during a gw_spool call (config and counters read once).
-local function spool_target(name)
+-- What a partitioned or priority queue holds in all its children: its limits bound the
+-- whole queue, as a queue's limits do on Solace, RabbitMQ and Qpid.
+local function family_usage(parent)
+  local u = { count = 0, bytes = 0 }
+  for _, child in ipairs(children(parent)) do
+    local st = redis.call('HMGET', k_queue_stats(child), 'msgs', 'bytes')
+    u.count = u.count + (tonumber(st[1]) or 0)
+    u.bytes = u.bytes + (tonumber(st[2]) or 0)
+  end
+  return u
+end
+
+-- `families` (optional): the parents' usage already read in this call, by parent name,
+-- shared by the children so each message stored in one counts for all.
+local function spool_target(name, families)
   local c = redis.call('HMGET', k_queue_config(name), 'ingress', 'max_message_size',
     'max_spool_bytes', 'max_messages', 'partition_count', 'parent', 'message_groups',
     'max_ttl_ms', 'lvq_key', 'priorities', 'overflow', 'resume_percent', 'vpn', 'sort_key')
@@ -588,11 +613,21 @@ local function spool_target(name)
   local st = redis.call('HMGET', k_queue_stats(name), 'bytes', 'msgs', 'blocked')
   info.bytes = tonumber(st[1]) or 0
   info.count = tonumber(st[2]) or 0
+  info.usage = info  -- what its limits bound: the queue, or its parent's whole family
+  if c[6] and (info.maxmsgs > 0 or info.maxbytes > 0) then
+    local u = families and families[c[6]]
+    if not u then
+      u = family_usage(c[6])
+      if families then families[c[6]] = u end
+    end
+    info.usage = u
+  end
   info.overflow = c[11] or 'reject'
   if st[3] == '1' then  -- producer flow control: blocked until below the resume level
     local resume = (tonumber(c[12]) or 80) / 100
-    if (info.maxmsgs > 0 and info.count >= info.maxmsgs * resume)
-        or (info.maxbytes > 0 and info.bytes >= info.maxbytes * resume) then
+    local u = info.usage
+    if (info.maxmsgs > 0 and u.count >= info.maxmsgs * resume)
+        or (info.maxbytes > 0 and u.bytes >= info.maxbytes * resume) then
       info.blocked = true
     else
       redis.call('HDEL', k_queue_stats(name), 'blocked')
@@ -602,8 +637,9 @@ local function spool_target(name)
 end
 
 local function over_quota(q, size)
-  return (q.maxbytes > 0 and q.bytes + size > q.maxbytes)
-    or (q.maxmsgs > 0 and q.count + 1 > q.maxmsgs)
+  local u = q.usage or q
+  return (q.maxbytes > 0 and u.bytes + size > q.maxbytes)
+    or (q.maxmsgs > 0 and u.count + 1 > q.maxmsgs)
 end
 
 -- The broker-wide and per-VPN quotas during one gw_spool call: the limits and the stored
@@ -664,7 +700,8 @@ local function plan_drop(q, size)
   q.delivered_upto = q.delivered_upto or last_delivered(q.stream)
   local plan = { ids = {}, bytes = 0, after = q.delivered_upto }
   q.plan = plan
-  local probe = { maxbytes = q.maxbytes, maxmsgs = q.maxmsgs, bytes = q.bytes, count = q.count }
+  local u = q.usage
+  local probe = { maxbytes = q.maxbytes, maxmsgs = q.maxmsgs, bytes = u.bytes, count = u.count }
   while over_quota(probe, size) do
     local e = redis.call('XRANGE', q.stream, '(' .. plan.after, '+', 'COUNT', 1)
     if #e == 0 then return false end
@@ -687,8 +724,7 @@ local function commit_drop(q)
   if n == 0 then return end
   ids_call('XDEL', q.stream, plan.ids, 1, n)
   q.delivered_upto = plan.after
-  q.count = q.count - n
-  q.bytes = q.bytes - plan.bytes
+  add_usage(q, -n, -plan.bytes)
   q.dropped = q.dropped + n
   q.dropped_bytes = q.dropped_bytes + plan.bytes
 end
@@ -858,11 +894,11 @@ redis.register_function('gw_spool', function(_, a)
   local nq = tonumber(a[2])
   local retry = nq < 0
   if retry then nq = -nq end
-  local qs, by_name = {}, {}
+  local qs, by_name, families = {}, {}, {}
   local function target(name)
     local t = by_name[name]
     if not t then
-      t = spool_target(name)
+      t = spool_target(name, families)
       if t.overflow == 'flow_control' then flow_held_mark(t, a[1], retry) end
       by_name[name] = t
       qs[#qs + 1] = t
@@ -940,7 +976,7 @@ redis.register_function('gw_spool', function(_, a)
           code = hold_for_node(q)
           q.blocked = true
           redis.call('HSET', k_queue_stats(q.name), 'blocked', '1')
-        elseif q.maxbytes > 0 and q.bytes + bytes > q.maxbytes then code = QUOTA_EXCEEDED
+        elseif q.maxbytes > 0 and q.usage.bytes + bytes > q.maxbytes then code = QUOTA_EXCEEDED
         else code = QUEUE_FULL end
       else
         nt = nt + 1
@@ -973,8 +1009,7 @@ redis.register_function('gw_spool', function(_, a)
             if q.lvq_key then slot = property_value(props, q.lvq_key) end
             if slot then replace_last_value(q, slot, id) end
           end
-          q.count = q.count + 1
-          q.bytes = q.bytes + bytes
+          add_usage(q, 1, bytes)
           q.added = q.added + 1
           q.added_bytes = q.added_bytes + bytes
         end
