@@ -22,7 +22,7 @@ import itertools
 import logging
 import os
 from collections import deque
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Protocol
 
 from gateway.broker import ANONYMOUS, BindError, Flow, Outcome, QueueError, StoreError
@@ -76,6 +76,7 @@ MAX_PENDING_PUBLISHES = 1024  # publishes awaiting the spool before input is pau
 # spooled, so a small one spreads a burst over the group's members instead of one taking all.
 SHARED_WINDOW = 8
 MAX_CACHED_ROUTES = 4096  # topics whose delivery options a session keeps (see _deliver)
+MAX_SENT_DIRECT = 4096  # ids of messages sent direct while a filter changed QoS (_on_direct)
 # Topic filters one session may hold: each costs about 1.5 KB here and its share of the state
 # saved in Redis, and one 2 MiB SUBSCRIBE can carry 150 000 of them.
 MAX_SUBSCRIPTIONS = 10_000
@@ -208,6 +209,10 @@ class Session:
         self._routes_of: SessionState | None = None
         self._routes_version = 0
         self._last_direct = ""
+        # while a filter moves between the direct and the queued route (it has both), the
+        # ids of messages sent direct, so their queued copies are not sent again
+        self._both_routes = 0
+        self._sent_direct: dict[str, None] = {}
         self._deny_publish: list[str] = []
         self._deny_subscribe: list[str] = []
         self._max_out: int | None = None
@@ -628,6 +633,10 @@ class Session:
         if self.closing or msg.id == self._last_direct:
             return
         self._last_direct = msg.id
+        if self._both_routes:  # its copy on the session's queue is not sent again
+            self._sent_direct[msg.id] = None
+            if len(self._sent_direct) > MAX_SENT_DIRECT:
+                del self._sent_direct[next(iter(self._sent_direct))]
         self._deliver(msg, None, None, False)
 
     def _on_delivery(self, delivery: Delivery) -> None:
@@ -641,6 +650,9 @@ class Session:
         shared = self._shared.get(queue) if queue is not None else None
         if shared is not None:  # a shared group's queue: that one subscription
             route = self._route(state, [shared] if shared in state.subscriptions else [], msg)
+        elif entry_id is not None and self._sent_direct and msg.id in self._sent_direct:
+            self._settle(queue, entry_id)  # went out direct while a filter changed QoS
+            return
         else:
             pub = msg.publisher
             own = pub is not None and pub.client_id == self.client_id and pub.protocol == "mqtt"
@@ -686,14 +698,16 @@ class Session:
 
     def _own_filters(self, state: SessionState, topic: str, direct: bool, own: bool) -> list[str]:
         """The client's non-shared filters that take a message on `topic` (from its queue,
-        or direct); `own`: the client published it (no-local filters skip it)."""
-        matched: Iterable[str] = state.trie.match(topic)
+        or direct); `own`: the client published it (no-local filters skip it). A queued
+        message goes out once for every filter that matches it, QoS 0 ones too: their
+        subscription ids go with it, and one resubscribed at QoS 0 since it was queued
+        still gets it."""
+        matched = list(state.trie.match(topic))
         if own:
             matched = [f for f in matched if not state.subscriptions[f].no_local]
-        queued = [f for f in matched if state.subscriptions[f].qos > 0]
-        if direct:  # if a queued filter matches too, the queue delivers it at its QoS
-            return [] if queued else list(matched)
-        return queued
+        if direct and any(state.subscriptions[f].qos > 0 for f in matched):
+            return []  # the queue delivers it
+        return matched
 
     def _send_message(
         self,
@@ -867,27 +881,43 @@ class Session:
     async def _subscribe(
         self, pattern: str, options: SubscriptionOptions, previous: SubscriptionOptions | None
     ) -> int:
-        """Route `pattern` to this session as `options` ask; returns the granted QoS."""
+        """Route `pattern` to this session as `options` ask; returns the granted QoS.
+        A filter changing between QoS 0 and 1/2 gets its new route before the old one goes,
+        so nothing published meanwhile is lost (MQTT-3.8.4-3), nor sent twice."""
         state = self.state
         assert state is not None
-        state.set_subscription(pattern, options)
         shared = shared_filter(pattern)
         if shared is not None:
+            state.set_subscription(pattern, options)
             if previous is None:
                 await self._bind_shared(pattern, *shared)
             return options.qos
         if options.qos == 0:
-            if previous is not None and previous.qos > 0 and state.queue is not None:
-                await self.broker.unsubscribe_queue(
-                    state.queue, [pattern], MQTT, user=self.access_user
-                )
+            state.set_subscription(pattern, options)
             if pattern not in self._direct:
                 self._direct[pattern] = self.broker.subscribe_direct(pattern, MQTT, self._on_direct)
+            if previous is not None and previous.qos > 0 and state.queue is not None:
+                self._both_routes += 1
+                try:
+                    await self.broker.unsubscribe_queue(
+                        state.queue, [pattern], MQTT, user=self.access_user
+                    )
+                finally:
+                    self._both_routes -= 1
             return 0
-        if pattern in self._direct:
-            self.broker.unsubscribe_direct(self._direct.pop(pattern))
-        queue = await self._ensure_queue()
-        await self.broker.subscribe_queue(queue, [pattern], MQTT, user=self.access_user)
+        if pattern not in self._direct:
+            state.set_subscription(pattern, options)
+            queue = await self._ensure_queue()
+            await self.broker.subscribe_queue(queue, [pattern], MQTT, user=self.access_user)
+            return options.qos
+        queue = await self._ensure_queue()  # it stays QoS 0 until the queue takes the topic
+        self._both_routes += 1
+        try:
+            await self.broker.subscribe_queue(queue, [pattern], MQTT, user=self.access_user)
+        finally:
+            self._both_routes -= 1
+        state.set_subscription(pattern, options)
+        self.broker.unsubscribe_direct(self._direct.pop(pattern))
         return options.qos
 
     async def _bind_shared(self, pattern: str, group: str, topic_filter: str) -> None:

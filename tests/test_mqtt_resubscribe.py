@@ -1,0 +1,126 @@
+"""A subscription replaced at another QoS loses nothing (MQTT-3.8.4-3), and one copy of a
+message matching overlapping filters carries all their subscription ids (MQTT-3.3.4-5)."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+
+from protocols.listening import Listener
+from tests import test_mqtt_hostile
+from tests.test_mqtt_hostile import Peer, connect, connected, props, published, subscribe
+
+gw = test_mqtt_hostile.gw  # the MQTT listener fixture, failing a test on any ERROR log
+
+SUBACK_QOS1 = b"\x90\x03\x00\x01\x01"
+
+
+def publish_parts(packet: bytes) -> tuple[int, str, bytes, bytes]:
+    """QoS, topic, packet id bytes (empty at QoS 0) and payload of a v3.1.1 PUBLISH."""
+    size = struct.unpack("!H", packet[2:4])[0]
+    topic = packet[4 : 4 + size].decode()
+    qos = packet[0] >> 1 & 3
+    at = 4 + size
+    pid = packet[at : at + 2] if qos else b""
+    return qos, topic, pid, packet[at + len(pid) :]
+
+
+async def take(peer: Peer, got: list[bytes], others: list[bytes]) -> None:
+    """Read `peer`'s packets for good: payloads of PUBLISHes (QoS 1 ones acknowledged) into
+    `got`, every other packet into `others`."""
+    while True:
+        packet = await peer.packet()
+        if packet[0] >> 4 != 3:
+            others.append(packet)
+            continue
+        qos, _, pid, payload = publish_parts(packet)
+        got.append(payload)
+        if qos == 1:
+            await peer.send(b"\x40\x02" + pid)
+
+
+async def test_resubscribing_at_qos0_still_delivers_what_the_session_queued(gw: Listener) -> None:
+    """Messages queued for an offline persistent session at QoS 1 reach it though it
+    subscribes the same filter again at QoS 0 as it comes back."""
+    first = await connected(gw.port, 4, "resub", flags=0x00)
+    await first.send(subscribe(4, 1, ("rq/#", 1)))
+    assert await first.packet() == SUBACK_QOS1
+    await first.send(b"\xe0\x00")  # DISCONNECT: the session stays
+    await first.until_eof()
+    pub = await connected(gw.port, 4, "resub-pub")
+    for i in range(5):
+        await published(pub, 4, f"rq/{i}", b"m%d" % i, pid=i + 1)
+    again = await Peer.open(gw.port)
+    await again.send(connect(4, "resub", flags=0x00) + subscribe(4, 2, ("rq/#", 0)))
+    got: list[bytes] = []
+    others: list[bytes] = []
+    reader = asyncio.create_task(take(again, got, others))
+    try:
+        async with asyncio.timeout(5):
+            while len(got) < 5 or len(others) < 2:
+                await asyncio.sleep(0.01)
+    finally:
+        reader.cancel()
+    assert sorted(got) == [b"m%d" % i for i in range(5)]
+    assert others[0][:3] == b"\x20\x02\x01"  # CONNACK, session present
+    assert others[1] == b"\x90\x03\x00\x02\x00"
+    pub.close()
+    again.close()
+
+
+async def test_switching_a_filter_between_qos0_and_qos1_loses_and_doubles_nothing(
+    gw: Listener,
+) -> None:
+    """A subscriber changes its filter's QoS back and forth while messages stream in:
+    each message arrives once."""
+    n = 400
+    sub = await connected(gw.port, 4, "switcher")
+    await sub.send(subscribe(4, 1, ("sw/#", 1)))
+    assert await sub.packet() == SUBACK_QOS1
+    got: list[bytes] = []
+    others: list[bytes] = []
+    reader = asyncio.create_task(take(sub, got, others))
+    pub = await connected(gw.port, 4, "switch-pub")
+
+    async def stream() -> None:
+        for i in range(n):
+            await published(pub, 4, "sw/x", b"%d" % i, pid=i % 60000 + 1)
+
+    sender = asyncio.create_task(stream())
+    pid = 2
+    while not sender.done():
+        await sub.send(subscribe(4, pid, ("sw/#", pid % 2)))
+        pid += 1
+        await asyncio.sleep(0.005)
+    await sender
+    async with asyncio.timeout(5):
+        while len(got) < n:
+            await asyncio.sleep(0.01)
+    await asyncio.sleep(0.2)  # a copy sent twice would come now
+    reader.cancel()
+    assert sorted(int(p) for p in got) == list(range(n))
+    assert len(others) == pid - 2  # a SUBACK for each SUBSCRIBE
+    pub.close()
+    sub.close()
+
+
+async def test_one_copy_for_overlapping_filters_carries_all_their_subscription_ids(
+    gw: Listener,
+) -> None:
+    sub = await connected(gw.port, 5, "overlap")
+    await sub.send(subscribe(5, 1, ("ov/#", 0), sprops=props(b"\x0b\x01")))
+    assert (await sub.packet())[0] == 0x90
+    await sub.send(subscribe(5, 2, ("ov/a", 1), sprops=props(b"\x0b\x02")))
+    assert (await sub.packet())[0] == 0x90
+    pub = await connected(gw.port, 4, "overlap-pub")
+    await published(pub, 4, "ov/a", b"both")
+    got = await sub.packet()
+    assert got[0] == 0x32 and got.endswith(b"both"), got  # once, at QoS 1
+    size = struct.unpack("!H", got[2:4])[0]
+    properties = got[4 + size + 2 :]
+    assert b"\x0b\x01" in properties and b"\x0b\x02" in properties, got
+    await published(pub, 4, "ov/b", b"one")  # only the QoS 0 filter: direct
+    got = await sub.packet()
+    assert got[0] == 0x30 and got.endswith(b"one") and b"\x0b\x01" in got, got
+    pub.close()
+    sub.close()
