@@ -732,6 +732,7 @@ class Session:
             if flow is not None and entry_id is not None:
                 flow.requeue(entry_id)
             return
+        alias = self._alias_for(msg.destination) if self._out_alias_max else None
         data = mapping.encode_delivery(
             msg,
             qos=qos,
@@ -741,12 +742,14 @@ class Session:
             subscription_ids=sub_ids,
             expiry=expiry,
             level=self.level,
-            alias=self._alias_for(msg.destination) if self._out_alias_max else None,
+            alias=alias,
         )
         if self._max_out is not None and len(data) > self._max_out:
             log.info("MQTT client %r: message over its maximum packet size dropped", self.client_id)
             self._settle(queue, entry_id)
             return
+        if alias is not None and not alias[1]:  # the client learns it with this packet
+            self._out_aliases[msg.destination] = alias[0]
         if pid is not None:
             self._inflight[pid] = (queue, entry_id, qos)
         else:
@@ -755,13 +758,13 @@ class Session:
 
     def _alias_for(self, topic: str) -> tuple[int, bool] | None:
         """Outbound topic aliases: the first topics (up to the client's topic alias maximum)
-        get one; later PUBLISHes on them leave the topic out."""
+        get one; later PUBLISHes on them leave the topic out. True: the client knows it;
+        False: a new one, kept once a packet that tells the client is sent."""
         alias = self._out_aliases.get(topic)
         if alias is not None:
             return alias, True
         if len(self._out_aliases) < self._out_alias_max:
-            alias = self._out_aliases[topic] = len(self._out_aliases) + 1
-            return alias, False
+            return len(self._out_aliases) + 1, False
         return None
 
     def _settle(self, queue: str | None, entry_id: str | None) -> None:

@@ -1,5 +1,6 @@
-"""A subscription replaced at another QoS loses nothing (MQTT-3.8.4-3), and one copy of a
-message matching overlapping filters carries all their subscription ids (MQTT-3.3.4-5)."""
+"""What a session sends its subscriber: a subscription replaced at another QoS loses
+nothing (MQTT-3.8.4-3), one copy of a message matching overlapping filters carries all
+their subscription ids (MQTT-3.3.4-5), topic aliases are only used once the client was told."""
 
 from __future__ import annotations
 
@@ -122,5 +123,25 @@ async def test_one_copy_for_overlapping_filters_carries_all_their_subscription_i
     await published(pub, 4, "ov/b", b"one")  # only the QoS 0 filter: direct
     got = await sub.packet()
     assert got[0] == 0x30 and got.endswith(b"one") and b"\x0b\x01" in got, got
+    pub.close()
+    sub.close()
+
+
+async def test_a_topic_alias_is_used_only_once_a_sent_packet_told_the_client(
+    gw: Listener,
+) -> None:
+    """The first message on a topic is over the client's maximum packet size and dropped:
+    the next one on that topic still names the topic with the alias (MQTT 5 §3.3.2.3.4)."""
+    limits = props(b"\x22\x00\x0a", b"\x27\x00\x00\x00\xc8")  # aliases 10, packets 200 B
+    sub = await connected(gw.port, 5, "aliased", cprops=limits)
+    await sub.send(subscribe(5, 1, ("al/t", 1)))
+    assert (await sub.packet())[0] == 0x90
+    pub = await connected(gw.port, 4, "alias-pub")
+    await published(pub, 4, "al/t", b"x" * 500)
+    await published(pub, 4, "al/t", b"small", pid=2)
+    got = await sub.packet()
+    assert got[0] == 0x32 and got.endswith(b"small"), got
+    assert got[2:8] == b"\x00\x04al/t", got  # the topic, with the alias that stands for it
+    assert b"\x23\x00\x01" in got, got
     pub.close()
     sub.close()
