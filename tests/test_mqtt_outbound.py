@@ -9,7 +9,15 @@ import struct
 
 from protocols.listening import Listener
 from tests import test_mqtt_hostile
-from tests.test_mqtt_hostile import Peer, connect, connected, props, published, subscribe
+from tests.test_mqtt_hostile import (
+    Peer,
+    connect,
+    connected,
+    props,
+    publish,
+    published,
+    subscribe,
+)
 
 gw = test_mqtt_hostile.gw  # the MQTT listener fixture, failing a test on any ERROR log
 
@@ -143,5 +151,36 @@ async def test_a_topic_alias_is_used_only_once_a_sent_packet_told_the_client(
     assert got[0] == 0x32 and got.endswith(b"small"), got
     assert got[2:8] == b"\x00\x04al/t", got  # the topic, with the alias that stands for it
     assert b"\x23\x00\x01" in got, got
+    pub.close()
+    sub.close()
+
+
+async def test_a_qos2_delivery_waiting_for_its_pubcomp_counts_against_receive_maximum(
+    gw: Listener,
+) -> None:
+    """Receive Maximum 1: after the PUBREC the gateway sends the PUBREL, and the next
+    PUBLISH only once the PUBCOMP came (MQTT 5 §4.9)."""
+    sub = await connected(gw.port, 5, "one-at-a-time", cprops=props(b"\x21\x00\x01"))
+    await sub.send(subscribe(5, 1, ("rm/#", 2)))
+    assert (await sub.packet())[0] == 0x90
+    pub = await connected(gw.port, 4, "rm-pub")
+    for pid_out, payload in ((1, b"first"), (2, b"second")):  # at QoS 2
+        await pub.send(publish(4, "rm/a", payload, qos=2, pid=pid_out))
+        assert await pub.packet() == b"\x50\x02\x00" + bytes((pid_out,))
+        await pub.send(b"\x62\x02\x00" + bytes((pid_out,)))
+        assert await pub.packet() == b"\x70\x02\x00" + bytes((pid_out,))
+    first = await sub.packet()
+    assert first[0] == 0x34 and first.endswith(b"first"), first
+    pid = first[8:10]
+    await sub.send(b"\x50\x02" + pid)  # PUBREC
+    assert await sub.packet() == b"\x62\x02" + pid  # PUBREL
+    try:
+        early = await asyncio.wait_for(sub.packet(), 0.3)
+    except TimeoutError:
+        early = None
+    assert early is None, early
+    await sub.send(b"\x70\x02" + pid)  # PUBCOMP
+    second = await sub.packet()
+    assert second[0] == 0x34 and second.endswith(b"second"), second
     pub.close()
     sub.close()

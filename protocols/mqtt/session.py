@@ -428,7 +428,7 @@ class Session:
 
     def _flow_window(self, queue: str) -> int:
         pending = len(self.state.pubrel_out) if self.state is not None else 0
-        window = max(1, self._window - pending)
+        window = max(0, self._window - pending)
         return min(window, SHARED_WINDOW) if queue in self._shared else window
 
     def _flow_closed(self, queue: str, reason: str) -> None:
