@@ -30,7 +30,8 @@ Consuming
     ``on_deliver(delivery)`` is called on the event loop for each message, at most `window`
     unsettled at a time (and at most `credit` more, when credit is used, as AMQP does).
     Settle with ``flow.ack(entry_id)``, ``flow.requeue(entry_id)`` (redelivered later with
-    its delivery count raised) or ``flow.reject(entry_id)``; settlements are batched per
+    its delivery count raised), ``flow.release(entry_id)`` (redelivered, the delivery not
+    counted) or ``flow.reject(entry_id)``; settlements are batched per
     turn. ``await flow.close()`` unbinds; whatever is unsettled is redelivered to another
     flow with ``delivery.redelivered`` set. Exclusive queues deliver to one flow at a time;
     the others are standbys in bind order. ``on_closed(reason)`` is called if the queue goes

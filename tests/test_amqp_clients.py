@@ -22,6 +22,7 @@ import pytest
 from proton import (
     Connection,
     ConnectionException,
+    Delivery,
     Described,
     Disposition,
     Message,
@@ -175,7 +176,8 @@ async def test_receive_accept_release_reject(broker: Broker, amqp: Listener) -> 
             first = rcv.receive(TIMEOUT)
             seen.append((bytes(first.body), first.delivery_count, first.first_acquirer))
             assert first.subject == "s1" and first.properties == {"k": "v", "n": 1}
-            rcv.release()  # back to the queue, delivered again with a higher count
+            rcv.fetcher.unsettled[0].local.failed = True  # a failed delivery attempt:
+            rcv.release()  # modified, back to the queue, delivered again with a higher count
             for _ in range(2):
                 msg = rcv.receive(TIMEOUT)
                 seen.append((bytes(msg.body), msg.delivery_count, msg.first_acquirer))
@@ -193,6 +195,45 @@ async def test_receive_accept_release_reject(broker: Broker, amqp: Listener) -> 
     assert any(body == b"two" for body, _, _ in seen[1:])
     await asyncio.sleep(0.1)  # settlements are batched per turn
     assert (await broker.queues.info("work")).messages == 0
+
+
+async def test_only_a_failed_delivery_counts_toward_max_redelivery(
+    broker: Broker, amqp: Listener
+) -> None:
+    """Released (§3.4.4) and modified without delivery-failed (§3.4.5) leave the delivery
+    count as it was, and received (§3.4.1) is no outcome: none of them uses up the queue's
+    max_redelivery of 1, nor settles the message; accepted does."""
+    await broker.queues.create(QueueConfig(name="kept", max_redelivery=1))
+
+    def client() -> list[tuple[int | None, bool | None]]:
+        conn = BlockingConnection(url(amqp), timeout=TIMEOUT)
+        try:
+            conn.create_sender("kept").send(Message(body=b"m"))
+            seen = []
+            for outcome in ("released", "modified", "received", "released", "accepted"):
+                rcv = conn.create_receiver("kept")  # one credit, given by receive()
+                msg = rcv.receive(TIMEOUT)
+                seen.append((msg.delivery_count, msg.first_acquirer))
+                dlv = rcv.fetcher.unsettled.popleft()
+                if outcome == "received":  # not settled: the message stays this link's
+                    dlv.update(Delivery.RECEIVED)
+                    time.sleep(0.3)
+                    assert not dlv.settled  # by the gateway
+                    rcv.close()  # unsettled: back to the queue, a failed delivery
+                    continue
+                if outcome == "modified":
+                    dlv.local.failed = False
+                state = {"released": Delivery.RELEASED, "modified": Delivery.MODIFIED}
+                dlv.update(state.get(outcome, Delivery.ACCEPTED))
+                dlv.settle()
+                rcv.close()
+            return seen
+        finally:
+            conn.close()
+
+    seen = await asyncio.to_thread(client)
+    assert seen == [(0, True), (0, True), (0, True), (1, False), (1, False)]
+    assert await queued(broker, "kept", 0) == 0
 
 
 async def test_amqp_value_map_comes_back_as_sent(broker: Broker, amqp: Listener) -> None:
@@ -641,7 +682,8 @@ async def test_outcomes_settled_out_of_order_reach_their_messages(
 
     await run_container(handler)
     assert handler.error is None
-    assert handler.received == [(b"m0", 0), (b"m1", 0), (b"m2", 0), (b"m0", 1)]
+    # proton's release() is modified without delivery-failed: the count stays (§3.4.5)
+    assert handler.received == [(b"m0", 0), (b"m1", 0), (b"m2", 0), (b"m0", 0)]
     assert await queued(broker, "ooo", 0) == 0
 
 

@@ -161,8 +161,13 @@ class Flow:
         self._settle("ack", entry_id)
 
     def requeue(self, entry_id: str) -> None:
-        """Give the message back (nack / released / modified): redelivered, count kept."""
+        """Give the message back (nack, AMQP modified as failed): redelivered, and this
+        delivery counts toward the queue's max_redelivery."""
         self._settle("requeue", entry_id)
+
+    def release(self, entry_id: str) -> None:
+        """Give the message back undelivered (AMQP released): the delivery does not count."""
+        self._settle("release", entry_id)
 
     def reject(self, entry_id: str) -> None:
         """The consumer refuses the message for good: it is discarded and counted."""

@@ -263,8 +263,20 @@ local function unindex(q, id, fields)
 end
 
 -- Unsettled entries go back to wait for a flow; on a sorted queue, into their sorted place.
-local function park(q, s, ids)
-  claim_justid(s, park_consumer(q), ids)
+-- `uncount`: the delivery did not count (an AMQP release): its delivery count goes back.
+local function park(q, s, ids, uncount)
+  local consumer = park_consumer(q)
+  if uncount then
+    for _, id in ipairs(ids) do
+      local p = redis.call('XPENDING', s, GROUP, id, id, 1)
+      if #p == 1 then
+        redis.call('XCLAIM', s, GROUP, consumer, 0, id,
+          'RETRYCOUNT', math.max(p[1][4] - 1, 0), 'JUSTID')
+      end
+    end
+  else
+    claim_justid(s, consumer, ids)
+  end
   if not sort_key(q) then return end
   for _, id in ipairs(ids) do
     local e = redis.call('XRANGE', s, id, id)
@@ -1419,7 +1431,8 @@ local function ack_batch(q, s, a, first, n, bytes, sizes)
   return acked
 end
 
--- Settle entries a flow holds. ARGV: mode ('ack' | 'reject' | 'requeue'), then groups of
+-- Settle entries a flow holds. ARGV: mode ('ack' | 'reject' | 'requeue' | 'release': a
+-- requeue whose delivery does not count toward max_redelivery), then groups of
 -- queue, flow, n, their total size, their sizes (n little-endian uint32s in one argument),
 -- then n entry ids. A flow that is no longer bound (released after its node was presumed
 -- dead: its entries went back to the queue) settles nothing; entries already settled are
@@ -1467,8 +1480,8 @@ register_always('gw_settle', function(_, a)
         end
       end
       if #mine > 0 then
-        if mode == 'requeue' then
-          park(q, s, mine)
+        if mode == 'requeue' or mode == 'release' then
+          park(q, s, mine, mode == 'release')
           redis.call('HINCRBY', k_queue_stats(q), 'requeued', #mine)
           wake(q)
         else
@@ -1486,13 +1499,6 @@ register_always('gw_settle', function(_, a)
   return total
 end)
 
--- ARGV: queue, flow, node, mode ('' | 'select': the flow has a selector | 'browse').
--- Registers a flow; bind order decides exclusive standby order. A selector makes the queue
--- selective: new messages wait in the holding consumer until a flow whose selector matches
--- takes them. Browsers (and every consumer of a non-destructive queue) are not registered.
--- Returns {'ok', bind sequence, access type, partition count, rebalance delay ms, mode,
--- 1 for a priority queue} or {'noqueue'} / {'egress'} / {'partitioned'} / {'grouped'} /
--- {'prioritised'}.
 -- A queue turning selective parks unsettled entries in the holding consumer from now on:
 -- those already back in the returned consumer move there too, or no fetch would see them.
 local function adopt_returned(q)
@@ -1506,6 +1512,13 @@ local function adopt_returned(q)
   end
 end
 
+-- ARGV: queue, flow, node, mode ('' | 'select': the flow has a selector | 'browse').
+-- Registers a flow; bind order decides exclusive standby order. A selector makes the queue
+-- selective: new messages wait in the holding consumer until a flow whose selector matches
+-- takes them. Browsers (and every consumer of a non-destructive queue) are not registered.
+-- Returns {'ok', bind sequence, access type, partition count, rebalance delay ms, mode,
+-- 1 for a priority queue} or {'noqueue'} / {'egress'} / {'partitioned'} / {'grouped'} /
+-- {'prioritised'}.
 register_always('gw_bind', function(_, a)
   local q, flow, node, mode = a[1], a[2], a[3], a[4]
   local c = redis.call('HMGET', k_queue_config(q), 'egress', 'access', 'partition_count',

@@ -32,9 +32,11 @@ from cproton import (
     PN_MODIFIED,
     PN_REJECTED,
     PN_RELEASED,
+    pn_delivery_remote,
     pn_delivery_remote_state,
     pn_delivery_settle,
     pn_delivery_settled,
+    pn_disposition_is_failed,
     pn_link_advance,
     pn_link_credit,
     pn_link_get_drain,
@@ -53,6 +55,7 @@ log = logging.getLogger(__name__)
 _Tag = tuple[Any, Any, Any]  # a pn_delivery_tag_t, the cffi memory it is in and points to
 
 WINDOW = 500  # most unsettled deliveries per outbound link
+_OUTCOMES = frozenset({PN_ACCEPTED, PN_REJECTED, PN_RELEASED, PN_MODIFIED})  # terminal states
 
 UNAUTHORIZED = "amqp:unauthorized-access"
 INVALID_FIELD = "amqp:invalid-field"
@@ -297,8 +300,8 @@ class Outbound(Endpoint):
         """DELIVERY event on our sender (`dlv` is the C delivery): the client's outcome for
         one message."""
         state = pn_delivery_remote_state(dlv)
-        if self.flow is None or not (state or pn_delivery_settled(dlv)):
-            return
+        if self.flow is None or not (state in _OUTCOMES or pn_delivery_settled(dlv)):
+            return  # e.g. received (§3.4.1): not an outcome, the delivery stays unsettled
         held = self.unsettled.pop(dlv, None)
         if held is not None:
             entry_id, tag = held
@@ -307,8 +310,10 @@ class Outbound(Endpoint):
                 self.flow.ack(entry_id)
             elif state == PN_REJECTED:
                 self.flow.reject(entry_id)
+            elif state == PN_MODIFIED and pn_disposition_is_failed(pn_delivery_remote(dlv)):
+                self.flow.requeue(entry_id)  # delivery-failed: the attempt counts (§3.4.5)
             elif state in (PN_RELEASED, PN_MODIFIED):
-                self.flow.requeue(entry_id)
+                self.flow.release(entry_id)  # delivery-count not incremented (§3.4.4)
             else:  # settled with no outcome
                 self.flow.ack(entry_id)
         pn_delivery_settle(dlv)

@@ -730,7 +730,7 @@ class Session:
         if qos and pid is None:  # cannot happen while the window is below 65535
             flow = self._flows.get(queue) if queue is not None else None
             if flow is not None and entry_id is not None:
-                flow.requeue(entry_id)
+                flow.release(entry_id)
             return
         alias = self._alias_for(msg.destination) if self._out_alias_max else None
         data = mapping.encode_delivery(
