@@ -72,6 +72,8 @@ async def test_priority_queue_dead_letters_keep_their_origin(broker: Broker) -> 
 async def test_priority_queue_limits(broker: Broker) -> None:
     with pytest.raises(QueueError):
         await broker.declare_queue(QueueConfig(name="x", priorities=True, partition_count=2))
+    with pytest.raises(QueueError, match="non-destructive"):
+        await broker.declare_queue(QueueConfig(name="x", priorities=True, non_destructive=True))
     await broker.declare_queue(QueueConfig(name="pq", priorities=True))
     with pytest.raises(BindError) as err:
         await broker.bind("pq", lambda d: None, selector="a = 1")

@@ -209,6 +209,8 @@ class QueueConfig:
             raise QueueError("invalid", "resume_percent must be from 1 to 100")
         if self.priorities and (self.partition_count or self.message_groups):
             raise QueueError("invalid", "a priority queue cannot be partitioned or grouped")
+        if self.priorities and self.non_destructive:  # its consumers would browse: refused
+            raise QueueError("invalid", "a priority queue cannot be non-destructive")
         if self.non_destructive and self.partition_count:
             raise QueueError("invalid", "a partitioned queue cannot be non-destructive")
         if self.message_groups and self.partition_count:
