@@ -7,7 +7,7 @@ import asyncio
 from gateway.broker import Broker
 from gateway.engine.partitions import partition_of
 from gateway.engine.queues import QueueConfig
-from gateway.model import Delivery, Message
+from gateway.model import Delivery, Message, Outcome
 from tests.test_engine import wait_for
 
 
@@ -64,3 +64,15 @@ async def test_lvq_per_partition(broker: Broker) -> None:
     info = await broker.queues.info("plast")
     used = {partition_of(f"dev-{i}", 2) for i in range(3)}
     assert [p["messages"] for p in info.partitions] == [1 if i in used else 0 for i in range(2)]
+
+
+async def test_a_full_lvq_still_takes_a_new_value_of_a_key_it_holds(broker: Broker) -> None:
+    """At max_messages, a new value replacing a waiting one does not grow the queue: it is
+    stored; a value of a new key is refused."""
+    await broker.declare_queue(
+        QueueConfig(name="lv", lvq_key="sym", max_messages=2), [("prices/>", "smf")]
+    )
+    for payload, sym in (("IBM=1", "IBM"), ("MSFT=1", "MSFT"), ("IBM=2", "IBM"), ("IBM=3", "IBM")):
+        assert await broker.publish(msg(payload, sym=sym)) is Outcome.OK
+    assert await broker.publish(msg("SAP=1", sym="SAP")) is Outcome.QUEUE_FULL
+    assert sorted(await browse_all(broker, "lv")) == [b"IBM=3", b"MSFT=1"]

@@ -561,19 +561,25 @@ end
 
 -- Last value queues: a new message replaces the previous one of its slot if that one has
 -- not been delivered yet (a delivered one stays with its consumer).
-local function replace_last_value(q, slot, id)
-  local lv = k_queue_last_values(q.name)
-  local old = redis.call('HGET', lv, slot)
-  redis.call('HSET', lv, slot, id)
-  if not old then return end
+-- The entry id and size of the value a new message of `slot` would replace, or nil.
+local function replaceable(q, slot)
+  local old = redis.call('HGET', k_queue_last_values(q.name), slot)
+  if not old then return nil end
   local e = redis.call('XRANGE', q.stream, old, old)
-  if #e == 0 or #redis.call('XPENDING', q.stream, GROUP, old, old, 1) == 1 then return end
+  if #e == 0 or #redis.call('XPENDING', q.stream, GROUP, old, old, 1) == 1 then return nil end
   q.delivered_upto = q.delivered_upto or last_delivered(q.stream)
-  if id_less(q.delivered_upto, old) then
+  if not id_less(q.delivered_upto, old) then return nil end
+  return old, #(entry_blob(e[1][2]) or '')
+end
+
+local function replace_last_value(q, slot, id)
+  local old, size = replaceable(q, slot)
+  redis.call('HSET', k_queue_last_values(q.name), slot, id)
+  if old then
     redis.call('XDEL', q.stream, old)
-    add_usage(q, -1, -#entry_blob(e[1][2]))
+    add_usage(q, -1, -size)
     q.added = q.added - 1  -- counters are applied at the end of the call
-    q.added_bytes = q.added_bytes - #entry_blob(e[1][2])
+    q.added_bytes = q.added_bytes - size
     q.replaced = (q.replaced or 0) + 1
   end
 end
@@ -652,6 +658,19 @@ local function over_quota(q, size)
   local u = q.usage or q
   return (q.maxbytes > 0 and u.bytes + size > q.maxbytes)
     or (q.maxmsgs > 0 and u.count + 1 > q.maxmsgs)
+end
+
+-- A last value queue at its limits still takes a new value of a slot whose waiting value
+-- it replaces: the queue does not grow (Qpid's LVQ).
+local function fits_replacing(q, props, size)
+  local slot = ''
+  if q.lvq_key then slot = property_value(props, q.lvq_key) end
+  if not slot then return false end
+  local old, old_size = replaceable(q, slot)
+  if not old then return false end
+  local u = q.usage
+  return not over_quota({ maxbytes = q.maxbytes, maxmsgs = q.maxmsgs,
+    bytes = u.bytes - old_size, count = u.count - 1 }, size)
 end
 
 -- The broker-wide and per-VPN quotas during one gw_spool call: the limits and the stored
@@ -980,7 +999,7 @@ redis.register_function('gw_spool', function(_, a)
       elseif not q.ingress then code = INGRESS_DISABLED
       elseif q.maxsize > 0 and size > q.maxsize then code = TOO_LARGE
       elseif q.blocked or q.flow_held then code = hold_for_node(q)
-      elseif over_quota(q, bytes) then
+      elseif over_quota(q, bytes) and not (q.lvq and fits_replacing(q, props, bytes)) then
         if q.overflow == 'ring' and plan_drop(q, bytes) then
           nt = nt + 1
           targets[nt] = q
