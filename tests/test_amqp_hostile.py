@@ -208,6 +208,24 @@ async def test_a_client_that_never_finishes_the_handshake_is_dropped(
     assert time.monotonic() - start < 3
 
 
+async def test_heartbeats_come_every_half_of_the_clients_idle_timeout(port: int) -> None:
+    """A client advertising idle-time-out T gets a frame at least every T / 2 (§2.4.5), the
+    first one too: what proton's tick makes is written at that tick, not at the next."""
+    peer = await Peer.connect(port)
+    peer.send(AMQP_HEADER + frame(performative(OPEN, "hb", None, uint(65536), None, uint(1000))))
+    assert await peer.read_header() == AMQP_HEADER
+    assert (await peer.expect(OPEN)).code == OPEN
+    last = time.monotonic()
+    gaps = []
+    for _ in range(4):
+        head = await asyncio.wait_for(peer.reader.readexactly(8), TIMEOUT)
+        await peer.reader.readexactly(struct.unpack(">I", head[:4])[0] - 8)
+        gaps.append(time.monotonic() - last)
+        last = time.monotonic()
+    assert max(gaps) < 0.85, gaps  # 0.5 s apart; 1 s when a tick's frame waited a tick
+    peer.close()
+
+
 async def test_a_handshake_sent_after_its_timeout_is_not_answered(
     broker: Broker, amqp: Listener, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -296,8 +296,11 @@ class AmqpConnection(asyncio.Protocol):
         self._tick = loop.call_at(deadline / 1000, self._on_tick) if deadline else None
 
     def _on_tick(self) -> None:
+        """Proton's deadline: the tick makes the heartbeat frame (or the idle-timeout close),
+        and this pump writes it now, not at the next tick."""
         self._tick = None
         if not self.closed:
+            pn_transport_tick(self._timpl, int(self._loop.time() * 1000))
             self._pump()
 
     def close(self, condition: Condition | None = None) -> None:
