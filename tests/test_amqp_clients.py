@@ -344,7 +344,7 @@ async def test_anonymous_relay(broker: Broker, amqp: Listener) -> None:
             conn.close()
 
     caps, outcomes = await asyncio.to_thread(client)
-    assert "ANONYMOUS-RELAY" in caps
+    assert "ANONYMOUS-RELAY" in caps and "DELAYED_DELIVERY" in caps
     assert outcomes[:2] == [(Disposition.ACCEPTED, None)] * 2
     assert outcomes[2] == (Disposition.REJECTED, "amqp:not-found")
     assert (await broker.queues.info("r1")).messages == 2

@@ -452,6 +452,21 @@ async def test_an_attach_without_a_name_is_refused(port: int, role: bool) -> Non
     await still_serving(port)
 
 
+async def test_a_transaction_coordinator_link_is_refused(port: int) -> None:
+    """The gateway has no transaction coordinator (§4.2): the link is refused with
+    amqp:not-implemented rather than taken for an anonymous relay."""
+    peer = await Peer.opened(port)
+    coordinator = Described(ulong(0x30), [[symbol("amqp:local-transactions")]])
+    source = Described(ulong(SOURCE), [None])
+    peer.send(
+        frame(performative(ATTACH, "txn", uint(0), SENDER, ubyte(0), ubyte(0), source, coordinator))
+    )
+    assert (await peer.expect(ATTACH)).fields[6] is None  # a null target: refused
+    assert (await peer.expect(DETACH)).error() == "amqp:not-implemented"
+    peer.close()
+    await still_serving(port)
+
+
 async def test_a_message_with_negative_ids_is_stored_deliverable(port: int) -> None:
     """A long message-id or correlation-id (not an id type) was stored as sent and then
     could not be encoded for an AMQP receiver: rejected at delivery, lost to it. Dropped

@@ -334,7 +334,9 @@ class AmqpConnection(asyncio.Protocol):
             session.close()
         elif kind == Event.CONNECTION_REMOTE_OPEN:
             self.publisher.client_id = self.conn.remote_container or ""
-            self.conn.offered_capabilities = SymbolList(["ANONYMOUS-RELAY"])
+            # DELAYED_DELIVERY: messages with x-opt-delivery-time are held (Qpid JMS's
+            # setDeliveryDelay needs it offered)
+            self.conn.offered_capabilities = SymbolList(["ANONYMOUS-RELAY", "DELAYED_DELIVERY"])
             self.conn.open()
         elif kind == Event.CONNECTION_REMOTE_CLOSE:
             for endpoint in list(self.endpoints.values()):

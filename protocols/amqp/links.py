@@ -47,6 +47,7 @@ MAX_MESSAGE_SIZE = 16 * 1024 * 1024  # advertised on inbound links
 RECEIVE_BUFFER_MAX = 64 * 1024  # larger deliveries are read through a buffer of their own
 
 NOT_FOUND = "amqp:not-found"
+NOT_IMPLEMENTED = "amqp:not-implemented"
 RESOURCE_LIMIT = "amqp:resource-limit-exceeded"
 TRANSFER_LIMIT = "amqp:link:transfer-limit-exceeded"
 REFUSALS = {
@@ -167,6 +168,9 @@ class Inbound(Endpoint):
     async def attach(self) -> None:
         link, broker = self.link, self.host.broker
         remote = link.remote_target
+        if remote.type == Terminus.COORDINATOR:  # no coordinator: refused, not a relay (§4.2)
+            self.refuse(NOT_IMPLEMENTED, "transactions are not supported")
+            return
         if remote.dynamic:
             self.lifetime = lifetime(remote)
             self.temporary = await self.host.nodes.create(self.lifetime)

@@ -48,7 +48,7 @@ from proton import Link, Terminus
 from gateway.broker import BindError, Flow, QueueConfig, QueueError
 from gateway.model import Delivery as GatewayDelivery
 from protocols.amqp import mapping, nodes, sections, terminus
-from protocols.amqp.links import NOT_FOUND, Endpoint, Host, parse_address
+from protocols.amqp.links import NOT_FOUND, NOT_IMPLEMENTED, Endpoint, Host, parse_address
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ INVALID_FIELD = "amqp:invalid-field"
 BIND_REFUSALS = {
     "not_found": NOT_FOUND,
     "invalid_selector": INVALID_FIELD,
-    "unsupported": "amqp:not-implemented",
+    "unsupported": NOT_IMPLEMENTED,
     "unauthorized": UNAUTHORIZED,
     "resource_locked": "amqp:resource-locked",
 }
