@@ -184,3 +184,31 @@ async def test_a_qos2_delivery_waiting_for_its_pubcomp_counts_against_receive_ma
     assert second[0] == 0x34 and second.endswith(b"second"), second
     pub.close()
     sub.close()
+
+
+async def test_retained_messages_for_a_new_subscription_keep_to_receive_maximum(
+    gw: Listener,
+) -> None:
+    """Ten retained QoS 1 messages and Receive Maximum 2: two go out, then one more for
+    each PUBACK (MQTT-3.3.4-9)."""
+    pub = await connected(gw.port, 4, "retainer")
+    for i in range(10):
+        await pub.send(publish(4, f"kept/{i}", b"r%d" % i, qos=1, pid=i + 1, flags=1))
+        assert await pub.packet() == b"\x40\x02\x00" + bytes((i + 1,))
+    sub = await connected(gw.port, 5, "two-at-a-time", cprops=props(b"\x21\x00\x02"))
+    await sub.send(subscribe(5, 1, ("kept/#", 1)))
+    assert (await sub.packet())[0] == 0x90
+    got = [await sub.packet(), await sub.packet()]
+    for acked in range(10):
+        try:
+            extra = await asyncio.wait_for(sub.packet(), 0.1)
+        except TimeoutError:
+            extra = None
+        assert extra is None, (acked, extra)  # a third unacknowledged PUBLISH
+        size = struct.unpack("!H", got[acked][2:4])[0]
+        await sub.send(b"\x40\x02" + got[acked][4 + size : 6 + size])  # PUBACK
+        if len(got) < 10:
+            got.append(await sub.packet())
+    assert sorted(p[-2:] for p in got) == sorted(b"r%d" % i for i in range(10))
+    pub.close()
+    sub.close()

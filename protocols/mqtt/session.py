@@ -198,6 +198,10 @@ class Session:
         self._publisher: Publisher | None = None  # shared by this session's messages
         # packet id -> (queue, entry id, qos); queue None: not from a queue (retained)
         self._inflight: dict[int, tuple[str | None, str | None, int]] = {}
+        # retained QoS 1/2 messages for new subscriptions: in flight, and waiting for room
+        # in the client's receive maximum (message, qos, subscription ids)
+        self._retained_out = 0
+        self._retained_waiting: deque[tuple[Message, int, list[int]]] = deque()
         self._next_pid = 1
         self._aliases: dict[int, str] = {}
         self._flows: dict[str, Flow] = {}  # queue -> this session's flow on it
@@ -427,8 +431,11 @@ class Session:
         return True
 
     def _flow_window(self, queue: str) -> int:
+        """The client's receive maximum less what else it counts: PUBREL-pending QoS 2
+        deliveries and retained messages in flight or waiting to go first."""
         pending = len(self.state.pubrel_out) if self.state is not None else 0
-        window = max(0, self._window - pending)
+        retained = self._retained_out + len(self._retained_waiting)
+        window = max(0, self._window - pending - retained)
         return min(window, SHARED_WINDOW) if queue in self._shared else window
 
     def _flow_closed(self, queue: str, reason: str) -> None:
@@ -790,6 +797,8 @@ class Session:
                 self._wrong_ack(item[2])
                 return
             self._settle(item[0], item[1])
+            if item[0] is None or self._retained_waiting:
+                self._acked(item[0])
 
     def _on_pubrec(self, p: Pubrec) -> None:
         """QoS 2 out: the message is settled in the queue at PUBREC (the client owns it
@@ -806,6 +815,8 @@ class Session:
                 state.pubrel_out.add(p.packet_id)
                 self._pubrel_changed()
                 self._send(Pubrel(p.packet_id))
+            if item[0] is None or self._retained_waiting:
+                self._acked(item[0])
         elif p.packet_id in state.pubrel_out:
             self._send(Pubrel(p.packet_id))
         elif self.level == 5:
@@ -827,9 +838,21 @@ class Session:
     def _pubrel_changed(self) -> None:
         """PUBREL-pending messages count against the client's receive maximum, and a
         persistent session resends its PUBRELs after a restart."""
+        self._resize_windows()
+        self.registry.save_soon(self)
+
+    def _resize_windows(self) -> None:
         for queue, flow in self._flows.items():
             flow.set_window(self._flow_window(queue))
-        self.registry.save_soon(self)
+
+    def _acked(self, queue: str | None) -> None:
+        """A PUBLISH left the client's count: a retained one frees the flows' room, and
+        retained messages waiting for room may go."""
+        if queue is None and self._retained_out:
+            self._retained_out -= 1
+            if not self._retained_waiting:
+                self._resize_windows()
+        self._send_retained_waiting()
 
     # -- SUBSCRIBE / UNSUBSCRIBE -----------------------------------------------------------
 
@@ -947,7 +970,26 @@ class Session:
                 continue
             qos = min(mapping.message_qos(msg), options.qos)
             sub_ids = [] if sub_id is None else [sub_id]
+            if qos:
+                self._retained_waiting.append((msg, qos, sub_ids))
+            else:
+                self._send_message(msg, None, None, qos=0, dup=False, retain=True, sub_ids=sub_ids)
+        self._send_retained_waiting()
+
+    def _send_retained_waiting(self) -> None:
+        """Retained QoS 1/2 messages go out while the client's receive maximum has room
+        (MQTT-3.3.4-9); the rest wait for acknowledgements."""
+        if not self._retained_waiting or self.state is None:
+            return
+        pending = len(self.state.pubrel_out)
+        while self._retained_waiting and len(self._inflight) + pending < self._window:
+            if self.closing:
+                return
+            msg, qos, sub_ids = self._retained_waiting.popleft()
+            sent = len(self._inflight)
             self._send_message(msg, None, None, qos=qos, dup=False, retain=True, sub_ids=sub_ids)
+            self._retained_out += len(self._inflight) - sent
+        self._resize_windows()
 
     def _check_filter(self, pattern: str) -> int | None:
         """None if `pattern` may be subscribed, else the SUBACK failure code."""
