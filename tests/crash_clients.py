@@ -108,7 +108,8 @@ class Publisher(threading.Thread):
                 sock.close()
 
 
-# what a consumer does with one message: "accept", "release" (modified) or "reject"
+# what a consumer does with one message: "accept", "release" (modified, delivery-failed) or
+# "reject"
 Policy = Callable[[int], str]
 
 
@@ -148,7 +149,8 @@ class Consumer(threading.Thread):
                         self.ledger.accepted.add(seq)
                 if outcome == "accept":
                     self.receiver.accept()
-                elif outcome == "release":
+                elif outcome == "release":  # modified, as a failed delivery (§3.4.5)
+                    self.receiver.fetcher.unsettled[0].local.failed = True
                     self.receiver.release(delivered=True)
                 else:
                     self.receiver.reject()
