@@ -92,6 +92,36 @@ async def test_expired_messages_are_never_delivered(broker: Broker) -> None:
     await conserved(broker, 4)
 
 
+async def test_messages_nobody_consumes_expire_and_free_their_room(broker: Broker) -> None:
+    """No consumer: expired messages still leave the queue (to the DMQ with respect_ttl),
+    so they stop counting toward its limits; a delivered one stays with its consumer."""
+    await broker.declare_queue(QueueConfig(name=DEAD_MESSAGE_QUEUE))
+    await broker.declare_queue(
+        QueueConfig(
+            name="q", respect_ttl=True, max_ttl_ms=300, max_messages=3, dmq_eligible_default=True
+        )
+    )
+    held: list[Delivery] = []
+    flow = await broker.bind("q", held.append, window=1)
+    for i in range(3):
+        assert await broker.publish(msg(b"m%d" % i)) is Outcome.OK
+    await wait_for(lambda: len(held) == 1)
+    assert await broker.publish(msg(b"one too many")) is Outcome.QUEUE_FULL
+
+    async def expired() -> bool:
+        return (await broker.queues.info("q")).messages == 1
+
+    deadline = time.monotonic() + 5
+    while not await expired() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    info = await broker.queues.info("q")
+    assert info.messages == 1 and info.counters["expired"] == 2  # the delivered one stays
+    assert (await broker.queues.info(DEAD_MESSAGE_QUEUE)).messages == 2
+    assert await broker.publish(msg(b"room again")) is Outcome.OK
+    flow.ack(held[0].entry_id)
+    await conserved(broker, 4)
+
+
 async def test_expiry_without_respect_ttl_discards(broker: Broker) -> None:
     await broker.declare_queue(QueueConfig(name=DEAD_MESSAGE_QUEUE))
     await broker.declare_queue(QueueConfig(name="q", dmq_eligible_default=True))

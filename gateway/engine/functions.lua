@@ -368,6 +368,7 @@ delete_queue = function(q)
     k_queue_members(q), k_queue_flow_held(q))
   redis.call('SREM', K_QUEUES, q)
   redis.call('SREM', K_READ_QUEUES, q)
+  redis.call('SREM', K_EXPIRING_QUEUES, q)
   local v = redis.call('INCR', K_SUB_VERSION)
   redis.call('PUBLISH', K_EVENTS, 'qdel ' .. q)
   redis.call('PUBLISH', K_EVENTS, 'sub ' .. v)
@@ -864,6 +865,7 @@ local function entry_args(q, blob, key, hi, lo, expires, not_before, sk)
   if x > 0 then
     args[#args + 1] = 'x'
     args[#args + 1] = x
+    q.expiring = true  -- the sweep looks at its queue (expire_waiting)
   end
   if not_before > 0 then
     args[#args + 1] = 'h'
@@ -1058,6 +1060,7 @@ redis.register_function('gw_spool', function(_, a)
       redis.call('HINCRBY', st, 'spooled', q.added + (q.replaced or 0))
       if q.replaced then redis.call('HINCRBY', st, 'replaced', q.replaced) end
       if q.sort_key then admit_sorted(q.name) end
+      if q.expiring then redis.call('SADD', K_EXPIRING_QUEUES, q.name) end
       if not woken[q.wake] then
         woken[q.wake] = true
         redis.call('PUBLISH', k_queue_wake(q.wake), a[1])
@@ -1726,6 +1729,42 @@ local function release_due(q, now)
   if redis.call('ZCARD', timed) == 0 then redis.call('SREM', K_TIMED_QUEUES, q) end
 end
 
+-- Messages nobody takes expire too, as on Solace and RabbitMQ: the oldest entries waiting
+-- on a queue that stored some with an expiry (returned, held for a group, selector or sort
+-- order, and never delivered; EXPIRE_SCAN of each a sweep) go to the dead message queue
+-- (respect_ttl) or are discarded once expired, so they no longer count toward its limits.
+-- Delivered, unsettled ones stay with their consumers. A queue leaves the set once empty.
+local EXPIRE_SCAN = 100
+
+local function expire_waiting(q, now)
+  local s = k_queue_stream(q)
+  if redis.call('EXISTS', k_queue_config(q)) == 0 or redis.call('XLEN', s) == 0 then
+    redis.call('SREM', K_EXPIRING_QUEUES, q)
+    return
+  end
+  local to_dmq = redis.call('HGET', k_queue_config(q), 'respect_ttl') == '1'
+  local function expire(id, fields)
+    local x = tonumber(entry_field(fields, 'x'))
+    if x and x <= now then
+      unindex(q, id, fields)
+      dead_letter(q, s, id, entry_blob(fields) or '', 'expired', to_dmq)
+    end
+  end
+  for _, consumer in ipairs({ RETURNED, HOLDING }) do
+    for _, p in ipairs(redis.call('XPENDING', s, GROUP, '-', '+', EXPIRE_SCAN, consumer)) do
+      local e = redis.call('XRANGE', s, p[1], p[1])
+      if #e > 0 then expire(p[1], e[1][2]) end
+    end
+  end
+  -- never delivered: unless stream readers keep entries (dead_letter would leave it for
+  -- a fetch), then their turn comes once a fetch returns them
+  if redis.call('EXISTS', k_queue_readers(q)) == 1 then return end
+  local start = '(' .. last_delivered(s)
+  for _, e in ipairs(redis.call('XRANGE', s, start, '+', 'COUNT', EXPIRE_SCAN)) do
+    expire(e[1], e[2])
+  end
+end
+
 -- Reap every node whose liveness key expired. Returns the number of flows released.
 -- Also trims the queues that stream readers hold open (see trim_read_queue).
 register_always('gw_reap', function(_, _)
@@ -1736,6 +1775,7 @@ register_always('gw_reap', function(_, _)
   for _, q in ipairs(redis.call('SMEMBERS', K_READ_QUEUES)) do trim_read_queue(q) end
   local now = now_ms()
   for _, q in ipairs(redis.call('SMEMBERS', K_TIMED_QUEUES)) do release_due(q, now) end
+  for _, q in ipairs(redis.call('SMEMBERS', K_EXPIRING_QUEUES)) do expire_waiting(q, now) end
   return released
 end)
 

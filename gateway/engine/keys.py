@@ -38,6 +38,7 @@ TEMPLATES: dict[str, str] = {
     "queue_last_values": f"{PREFIX}:q:{{{{q}}}}:lvq",
     "queue_timed": f"{PREFIX}:q:{{{{q}}}}:timed",
     "timed_queues": f"{PREFIX}:timedq",
+    "expiring_queues": f"{PREFIX}:expq",  # queues that stored messages with an expiry
     "queue_group_held": f"{PREFIX}:q:{{{{q}}}}:gheld",
     "queue_sorted": f"{PREFIX}:q:{{{{q}}}}:sorted",
     "queue_members": f"{PREFIX}:q:{{{{q}}}}:members",
