@@ -76,3 +76,18 @@ async def test_a_full_lvq_still_takes_a_new_value_of_a_key_it_holds(broker: Brok
         assert await broker.publish(msg(payload, sym=sym)) is Outcome.OK
     assert await broker.publish(msg("SAP=1", sym="SAP")) is Outcome.QUEUE_FULL
     assert sorted(await browse_all(broker, "lv")) == [b"IBM=3", b"MSFT=1"]
+
+
+async def test_values_a_selector_consumer_passed_over_are_still_replaced(broker: Broker) -> None:
+    """A selector consumer makes new messages wait in the holding consumer: they are still
+    waiting values, replaced by the next one (not delivered ones, which stay)."""
+    await broker.declare_queue(QueueConfig(name="last", max_spool_bytes=0), [("prices/>", "smf")])
+    picky: list[Delivery] = []
+    await broker.bind("last", picky.append, selector="colour = 'blue'")
+    for i in range(5):
+        assert (await broker.publish(msg(f"v{i}"))).accepted
+        await asyncio.sleep(0.05)  # each looked at by the selector consumer in turn
+    assert picky == []
+    info = await broker.queues.info("last")
+    assert info.messages == 1 and info.counters["replaced"] == 4
+    assert await browse_all(broker, "last") == [b"v4"]

@@ -562,21 +562,30 @@ end
 
 -- Last value queues: a new message replaces the previous one of its slot if that one has
 -- not been delivered yet (a delivered one stays with its consumer).
--- The entry id and size of the value a new message of `slot` would replace, or nil.
+-- The entry id, size and fields of the value a new message of `slot` would replace: one
+-- waiting for a consumer (never delivered, or back in the returned or holding consumer),
+-- not one a consumer holds. Else nil.
 local function replaceable(q, slot)
   local old = redis.call('HGET', k_queue_last_values(q.name), slot)
   if not old then return nil end
   local e = redis.call('XRANGE', q.stream, old, old)
-  if #e == 0 or #redis.call('XPENDING', q.stream, GROUP, old, old, 1) == 1 then return nil end
-  q.delivered_upto = q.delivered_upto or last_delivered(q.stream)
-  if not id_less(q.delivered_upto, old) then return nil end
-  return old, #(entry_blob(e[1][2]) or '')
+  if #e == 0 then return nil end
+  local p = redis.call('XPENDING', q.stream, GROUP, old, old, 1)
+  if #p == 1 then
+    if p[1][2] ~= RETURNED and p[1][2] ~= HOLDING then return nil end
+  else
+    q.delivered_upto = q.delivered_upto or last_delivered(q.stream)
+    if not id_less(q.delivered_upto, old) then return nil end
+  end
+  return old, #(entry_blob(e[1][2]) or ''), e[1][2]
 end
 
 local function replace_last_value(q, slot, id)
-  local old, size = replaceable(q, slot)
+  local old, size, fields = replaceable(q, slot)
   redis.call('HSET', k_queue_last_values(q.name), slot, id)
   if old then
+    redis.call('XACK', q.stream, GROUP, old)  -- when it waited in a consumer's PEL
+    unindex(q.name, old, fields)
     redis.call('XDEL', q.stream, old)
     add_usage(q, -1, -size)
     q.added = q.added - 1  -- counters are applied at the end of the call
