@@ -148,6 +148,25 @@ async def test_rejected_messages_go_to_the_dmq(broker: Broker) -> None:
     assert (await broker.queues.info("q")).counters["rejected"] == 1
 
 
+async def test_a_dmqs_own_max_ttl_applies_to_what_it_receives(broker: Broker) -> None:
+    """A dead-lettered message is spooled on the dead message queue under its max_ttl_ms,
+    counted from when it arrives there (not from the original's expiry, which passed)."""
+    await broker.declare_queue(QueueConfig(name="short.dmq", max_ttl_ms=1000))
+    await broker.declare_queue(
+        QueueConfig(name="q", dead_message_queue="short.dmq", respect_ttl=True, max_ttl_ms=100)
+    )
+    await broker.publish(msg(b"expires twice", dmq_eligible=True))
+    deadline = time.monotonic() + 5
+    while (await broker.queues.info("short.dmq")).counters.get("spooled", 0) < 1:
+        assert time.monotonic() < deadline, "never dead-lettered"
+        await asyncio.sleep(0.02)
+    assert (await broker.queues.info("short.dmq")).messages == 1  # kept though it expired
+    while (dmq := await broker.queues.info("short.dmq")).messages:
+        assert time.monotonic() < deadline, "the dead message queue's ttl never applied"
+        await asyncio.sleep(0.05)
+    assert dmq.counters["expired"] == 1 and dmq.counters["discarded"] == 1
+
+
 async def test_missing_dmq_discards_and_counts(broker: Broker) -> None:
     await broker.declare_queue(QueueConfig(name="q", max_redelivery=1))
     await broker.publish(msg(b"x", dmq_eligible=True))

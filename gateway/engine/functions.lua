@@ -834,11 +834,20 @@ local function dead_letter(q, s, id, blob, reason, to_dmq)
     end
     local dsk = sort_key(dmq)
     local sk = dsk and dsk == sort_key(q) and #e > 0 and entry_field(e[1][2], 'sk')
+    local add = { 'XADD', k_queue_stream(dmq), '*', 'm', blob, 'o', origin, 'r', reason }
     if sk then
-      redis.call('XADD', k_queue_stream(dmq), '*', 'm', blob, 'o', origin, 'r', reason, 'sk', sk)
-    else
-      redis.call('XADD', k_queue_stream(dmq), '*', 'm', blob, 'o', origin, 'r', reason)
+      add[#add + 1] = 'sk'
+      add[#add + 1] = sk
     end
+    -- the dead message queue's own max_ttl_ms applies from now (the message's expiry,
+    -- passed or not, stays behind: a message expired to the DMQ is kept there)
+    local ttl = tonumber(redis.call('HGET', k_queue_config(dmq), 'max_ttl_ms')) or 0
+    if ttl > 0 then
+      add[#add + 1] = 'x'
+      add[#add + 1] = now_ms() + ttl
+      redis.call('SADD', K_EXPIRING_QUEUES, dmq)
+    end
+    redis.call(unpack(add))
     if dsk then admit_sorted(dmq) end
     account(dmq, 1, #blob)
     redis.call('HINCRBY', k_queue_stats(dmq), 'spooled', 1)
