@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import redis
 
 from gateway.broker import Broker
@@ -13,8 +14,13 @@ from gateway.model import Delivery, Message, Outcome, encode
 from tests.test_engine import wait_for
 
 
-def msg(payload: str) -> Message:
-    return Message(destination="q", to_queue=True, payload=payload.encode())
+def msg(payload: str, **props: str) -> Message:
+    return Message(
+        destination="q",
+        to_queue=True,
+        payload=payload.encode(),
+        user_properties=list(props.items()),
+    )
 
 
 async def test_reject_is_the_default(broker: Broker) -> None:
@@ -38,6 +44,33 @@ async def test_ring_drops_the_oldest_undelivered(broker: Broker) -> None:
     await broker.bind("q", seen.append, browse=True)
     await wait_for(lambda: len(seen) == 3)
     assert [d.message.payload for d in seen] == [b"0", b"4", b"5"]
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [{"message_groups": "default"}, {"selector": "rank IS NOT NULL"}],
+    ids=["grouped", "selective"],
+)
+async def test_ring_drops_the_oldest_waiting_where_entries_wait_held(
+    broker: Broker, kind: dict[str, str]
+) -> None:
+    """Message-group and selective queues keep their waiting entries in the holding
+    consumer: the ring drops the oldest of those as it does on a plain queue."""
+    selector = kind.pop("selector", None)
+    await broker.declare_queue(QueueConfig(name="q", max_messages=3, overflow="ring", **kind))
+    for i in range(3):
+        await broker.publish(msg(f"{i}", rank=f"{i}"))
+    got: list[Delivery] = []
+    await broker.bind("q", got.append, window=1, selector=selector)  # holds one
+    await wait_for(lambda: len(got) == 1)
+    for i in range(3, 6):
+        assert await broker.publish(msg(f"{i}", rank=f"{i}")) is Outcome.OK
+    info = await broker.queues.info("q")
+    assert info.messages == 3 and info.counters["dropped"] == 3
+    seen: list[Delivery] = []
+    await broker.bind("q", seen.append, browse=True)
+    await wait_for(lambda: len(seen) == 3)
+    assert [d.message.payload for d in seen] == [b"0", b"4", b"5"]  # "0": delivered, kept
 
 
 async def test_one_big_message_drops_more_entries_than_lua_can_unpack(broker: Broker) -> None:

@@ -612,7 +612,8 @@ end
 local function spool_target(name, families)
   local c = redis.call('HMGET', k_queue_config(name), 'ingress', 'max_message_size',
     'max_spool_bytes', 'max_messages', 'partition_count', 'parent', 'message_groups',
-    'max_ttl_ms', 'lvq_key', 'priorities', 'overflow', 'resume_percent', 'vpn', 'sort_key')
+    'max_ttl_ms', 'lvq_key', 'priorities', 'overflow', 'resume_percent', 'vpn', 'sort_key',
+    'selective')
   local info = { name = name, added = 0, added_bytes = 0, dropped = 0, dropped_bytes = 0,
     wake = c[6] or name, hidden = c[6] ~= false }
   if not c[1] then
@@ -632,6 +633,7 @@ local function spool_target(name, families)
   info.max_ttl = tonumber(c[8]) or 0
   -- a sorted queue: its entries keep the key's value ('sk')
   info.sort_key = c[14] and c[14] ~= '' and c[14] or false
+  info.holding = info.grouped or info.sort_key or c[15] == '1'  -- see park_consumer
   -- last value queues: Solace's (max_spool_bytes 0: one slot) or Qpid's (by a property)
   if c[3] == '0' then
     info.lvq = true
@@ -737,18 +739,37 @@ end
 -- for `size` more to fit, chosen without deleting anything (the message may still be
 -- refused by a later check). Sets q.plan; false when only delivered (unsettled) messages
 -- are left to drop.
+-- On a message-group, selective or sorted queue the oldest waiting entries sit in the
+-- holding consumer (q.holding): those go first, then ones never read.
 local function plan_drop(q, size)
   q.delivered_upto = q.delivered_upto or last_delivered(q.stream)
-  local plan = { ids = {}, bytes = 0, after = q.delivered_upto }
+  local plan = { ids = {}, bytes = 0, after = q.delivered_upto, held = {} }
   q.plan = plan
   local u = q.usage
   local probe = { maxbytes = q.maxbytes, maxmsgs = q.maxmsgs, bytes = u.bytes, count = u.count }
+  local held_from = q.holding and '-'
   while over_quota(probe, size) do
-    local e = redis.call('XRANGE', q.stream, '(' .. plan.after, '+', 'COUNT', 1)
-    if #e == 0 then return false end
-    local n = #(entry_blob(e[1][2]) or '')
-    plan.ids[#plan.ids + 1] = e[1][1]
-    plan.after = e[1][1]
+    local id, fields
+    if held_from then
+      local p = redis.call('XPENDING', q.stream, GROUP, held_from, '+', 1, HOLDING)
+      if #p == 1 then
+        id = p[1][1]
+        held_from = '(' .. id
+        local e = redis.call('XRANGE', q.stream, id, id)
+        fields = e[1] and e[1][2] or {}
+        plan.held[#plan.held + 1] = { id, fields }
+      else
+        held_from = false
+      end
+    end
+    if not id then
+      local e = redis.call('XRANGE', q.stream, '(' .. plan.after, '+', 'COUNT', 1)
+      if #e == 0 then return false end
+      id, fields = e[1][1], e[1][2]
+      plan.after = id
+    end
+    local n = #(entry_blob(fields) or '')
+    plan.ids[#plan.ids + 1] = id
     plan.bytes = plan.bytes + n
     probe.count = probe.count - 1
     probe.bytes = probe.bytes - n
@@ -763,6 +784,10 @@ local function commit_drop(q)
   q.plan = nil
   local n = #plan.ids
   if n == 0 then return end
+  for _, h in ipairs(plan.held) do  -- out of the holding consumer (and a sorted index)
+    redis.call('XACK', q.stream, GROUP, h[1])
+    unindex(q.name, h[1], h[2])
+  end
   ids_call('XDEL', q.stream, plan.ids, 1, n)
   q.delivered_upto = plan.after
   add_usage(q, -n, -plan.bytes)
