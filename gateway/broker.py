@@ -376,9 +376,11 @@ class Broker:
         connection: str = "",
         permission: str = "none",
         auto_delete: bool = False,
+        selector: str = "",
     ) -> str:
         """`connection`: only that connection may consume it (RabbitMQ exclusive);
-        `permission`: what users other than `owner` may do."""
+        `permission`: what users other than `owner` may do; `selector`: what of its
+        subscriptions' messages it stores (QueueError 'invalid' if bad)."""
         name = temporary_queue_name(self.node_id)
         config = QueueConfig(
             name=name,
@@ -388,6 +390,7 @@ class Broker:
             owner_connection=connection,
             permission=permission,
             auto_delete=auto_delete,
+            subscription_selector=selector,
         )
         await self.queues.create(config, list(subscriptions), reserved_ok=True)
         if subscriptions:

@@ -109,6 +109,28 @@ async def test_durable_subscription_stores_only_what_its_selector_selects(
     assert await durable_queues(broker, 0) == []
 
 
+async def test_a_temporary_subscription_stores_only_what_its_selector_selects(
+    broker: Broker, ports: Ports
+) -> None:
+    """A non-durable topic subscriber's queue filters at spool time too: what it does not
+    select never piles up in it while the link lives."""
+
+    def subscribe() -> tuple[BlockingConnection, object, dict]:
+        conn = ports.connect(container_id="te-temp")
+        sub = conn.create_receiver("topic://paint/>", credit=10, options=Selector("color = 'red'"))
+        return conn, sub, echoed_filter(sub)
+
+    conn, sub, echoed = await asyncio.to_thread(subscribe)
+    try:
+        assert echoed == {symbol("selector"): Described(SELECTOR, "color = 'red'")}
+        await asyncio.to_thread(publish_colours, ports.mqtt, ["blue"] * 20 + ["red"])
+        assert await asyncio.to_thread(drain, sub) == [b"red20"]
+        [queue] = [n for n in await broker.queues.names() if n.startswith("#tmp/")]
+        assert (await broker.queues.info(queue)).counters["spooled"] == 1
+    finally:
+        await asyncio.to_thread(conn.close)
+
+
 async def test_reattach_with_another_selector_replaces_the_subscription(
     broker: Broker, ports: Ports
 ) -> None:

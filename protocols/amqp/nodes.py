@@ -75,12 +75,15 @@ class DynamicNodes:
         self.names: set[str] = set()
         self.ended = False  # the connection is gone: a node created now goes at once
 
-    async def create(self, policy: Lifetime, subscriptions: Iterable[tuple[str, str]] = ()) -> str:
+    async def create(
+        self, policy: Lifetime, subscriptions: Iterable[tuple[str, str]] = (), selector: str = ""
+    ) -> str:
         name = await self.broker.create_temporary_queue(
             owner=self.user,
             subscriptions=subscriptions,
             connection=self.connection,
             auto_delete=policy.auto_delete,
+            selector=selector,
         )
         self.names.add(name)
         if self.ended:  # it ended while the queue was being created: nothing will use it

@@ -6,11 +6,12 @@ it, or, for a durable source with a link name, the durable subscription queue of
 container id + link name: kept when the link detaches, deleted when the client closes it),
 or a dynamic source (a temporary queue with a generated name, see nodes.py).
 
-A durable subscription's selector is its queue's subscription selector, applied when a
-message is spooled (Solace topic endpoints), so messages it does not select never pile up
-while the subscriber is away; attaching with another selector (or topic) replaces the
-subscription, as JMS requires. A ``gateway:replay-period`` filter (milliseconds) limits a
-browser to the messages of that last period plus new ones (see terminus.py).
+A topic subscription's selector is its queue's subscription selector, applied when a
+message is spooled (Solace topic endpoints), so messages it does not select never pile up,
+while a durable subscriber is away or behind a temporary one's; attaching a durable one
+with another selector (or topic) replaces the subscription, as JMS requires. A
+``gateway:replay-period`` filter (milliseconds) limits a browser to the messages of that
+last period plus new ones (see terminus.py).
 
 Every bind and queue change is made as the connection's user and connection id, so queue
 ownership and permissions (a durable subscription is its user's alone) and exclusive queues
@@ -102,8 +103,8 @@ class Outbound(Endpoint):
         if source is None or not self.live:
             return
         queue, browse, topic = source
-        # a durable topic subscription's queue applies the selector itself, at spool time
-        spool_selected = self.durable is not None and topic is not None and bool(remote.address)
+        # a topic subscription's queue applies the selector itself, at spool time
+        spool_selected = topic is not None and bool(remote.address)
         try:
             flow = await broker.bind(
                 queue,
@@ -157,7 +158,9 @@ class Outbound(Endpoint):
             self.durable = await self._subscription(address.name, selector)
             return self.durable, False, address.name
         self.temporary = await self.host.nodes.create(
-            nodes.Lifetime.LINK, subscriptions=[(address.name, "smf")]
+            nodes.Lifetime.LINK,
+            subscriptions=[(address.name, "smf")],
+            selector=selector.text if selector else "",
         )
         return self.temporary, False, address.name
 
