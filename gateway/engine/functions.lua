@@ -562,6 +562,7 @@ end
 
 -- Last value queues: a new message replaces the previous one of its slot if that one has
 -- not been delivered yet (a delivered one stays with its consumer).
+
 -- The entry id, size and fields of the value a new message of `slot` would replace: one
 -- waiting for a consumer (never delivered, or back in the returned or holding consumer),
 -- not one a consumer holds. Else nil.
@@ -594,7 +595,6 @@ local function replace_last_value(q, slot, id)
   end
 end
 
--- Spool state of one queue during a gw_spool call (config and counters read once).
 -- What a partitioned or priority queue holds in all its children: its limits bound the
 -- whole queue, as a queue's limits do on Solace, RabbitMQ and Qpid.
 local function family_usage(parent)
@@ -607,6 +607,7 @@ local function family_usage(parent)
   return u
 end
 
+-- Spool state of one queue during a gw_spool call (config and counters read once).
 -- `families` (optional): the parents' usage already read in this call, by parent name,
 -- shared by the children so each message stored in one counts for all.
 local function spool_target(name, families)
