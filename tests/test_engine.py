@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
 
 from gateway.broker import Broker
-from gateway.engine import keys, library
+from gateway.engine import direct, keys, library
 from gateway.engine.flows import BindError
 from gateway.engine.queues import QueueConfig, QueueError
 from gateway.model import Delivery, Message, Outcome
@@ -320,6 +321,30 @@ async def test_direct_subscribers_get_topic_messages(broker: Broker) -> None:
     broker.unsubscribe_direct(token)
     await broker.publish(Message(destination="sensors/1/temp", payload=b"22"))
     assert [m.payload for m in got] == [b"21"]
+
+
+async def test_direct_messages_wait_for_their_delivery_time_on_another_node_too(
+    broker: Broker,
+    second_node: Broker,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Held on the publishing node until due, then delivered here and relayed there; past
+    MAX_HELD held at once a direct message is dropped (at most once) with a warning."""
+    monkeypatch.setattr(direct, "MAX_HELD", 2)
+    here: list[Message] = []
+    there: list[Message] = []
+    broker.subscribe_direct("later/#", "mqtt", here.append)
+    second_node.subscribe_direct("later/#", "mqtt", there.append)
+    await wait_for(lambda: broker.direct._others)
+    due = int(time.time() * 1000) + 300
+    for i in range(3):
+        await broker.publish(Message(destination="later/x", payload=b"%d" % i, not_before=due))
+    await asyncio.sleep(0.15)
+    assert here == [] and there == []
+    await wait_for(lambda: len(here) == 2 and len(there) == 2)
+    assert [m.payload for m in here] == [b"0", b"1"] == [m.payload for m in there]
+    assert "dropped: 2 already held" in caplog.text
 
 
 async def test_keys_module_names_every_key(redis_url: str, broker: Broker) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
@@ -28,12 +29,15 @@ def user_properties(msg) -> list[tuple[str, str]]:
     return list(getattr(msg.properties, "UserProperty", []) or [])
 
 
-async def test_delivery_time_and_delay_hold_the_message(mqtt: Listener) -> None:
+@pytest.mark.parametrize("qos", [0, 1], ids=["direct", "spooled"])
+async def test_delivery_time_and_delay_hold_the_message(mqtt: Listener, qos: int) -> None:
+    """Held until due for a QoS 1 subscriber (spooled) and a QoS 0 one (direct) alike."""
+
     def scenario() -> tuple[list[bytes], float, list[list[tuple[str, str]]]]:
         sub = Client(mqtt.port, V5, "held-sub")
         pub = Client(mqtt.port, V5, "held-pub")
         try:
-            sub.subscribe("held/#", 1)
+            sub.subscribe("held/#", qos)
             due = int(time.time() * 1000) + 700
             pub.publish("held/a", b"at", 1, publish_props(("x-opt-delivery-time", str(due))))
             pub.publish("held/b", b"after", 1, publish_props(("x-opt-delivery-delay", "700")))

@@ -4,13 +4,17 @@ Subscribers are matched in a trie on their own node. A topic message published o
 reaches that node's subscribers at once, and is relayed over Redis pub/sub (batched per
 event-loop turn) only while another node has direct subscribers: nodes announce themselves
 in a Redis set and tell the others through the event channel. At most once, like QoS 0.
+A message with a later delivery time is held on its node until then, as a spooled one is
+(at most MAX_HELD at a time: beyond that it is dropped, as QoS 0 may be).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
+import time
 from collections.abc import Callable
 
 import msgpack
@@ -24,6 +28,7 @@ from gateway.topics import SubscriptionTrie
 log = logging.getLogger(__name__)
 
 DirectCallback = Callable[[Message], None]
+MAX_HELD = 10_000  # direct messages waiting for their delivery time
 
 
 class DirectRelay:
@@ -37,6 +42,7 @@ class DirectRelay:
         self._others = False  # another node has direct subscribers
         self._outbox: list[bytes] = []
         self._tasks: set[asyncio.Task] = set()
+        self._held: set[asyncio.TimerHandle] = set()
         self.relayed = 0
 
     def subscribe(self, pattern: str, syntax: str, callback: DirectCallback) -> int:
@@ -59,6 +65,9 @@ class DirectRelay:
 
     def publish(self, msg: Message) -> None:
         """A topic message published on this node: local subscribers, then other nodes'."""
+        if msg.not_before is not None and msg.not_before > time.time() * 1000:
+            self._hold(msg)
+            return
         if self._callbacks:
             self._deliver(msg)
         if self._others:
@@ -71,7 +80,24 @@ class DirectRelay:
         nodes = {n.decode() for n in await self._redis.smembers(keys.direct_nodes)}
         self._others = bool(nodes - {self._node})
 
+    def _hold(self, msg: Message) -> None:
+        if len(self._held) >= MAX_HELD:
+            log.warning("direct message for %r dropped: %d already held", msg.destination, MAX_HELD)
+            return
+        assert msg.not_before is not None
+        delay = msg.not_before / 1000 - time.time()
+        loop = asyncio.get_running_loop()
+        handle = loop.call_later(delay, lambda: self._release(handle, msg))
+        self._held.add(handle)
+
+    def _release(self, handle: asyncio.TimerHandle, msg: Message) -> None:
+        self._held.discard(handle)
+        self.publish(dataclasses.replace(msg, not_before=None))  # due: to other nodes too
+
     async def close(self) -> None:
+        for handle in self._held:
+            handle.cancel()
+        self._held.clear()
         if self._callbacks:
             self._callbacks.clear()
             await self._announce(False)
