@@ -244,8 +244,8 @@ class Inbound(Endpoint):
 
     def _publish(self, dlv: Any, data: bytes) -> bool:
         """Decode and publish; False when the delivery was refused (settled) instead."""
-        if self.inflight >= CREDIT:  # more than _top_up ever granted: flow control ignored
-            self.fail(TRANSFER_LIMIT, f"more than {CREDIT} messages sent without credit")
+        if pn_link_credit(self.link._impl) < 0:  # proton counts it, but does not refuse it
+            self.fail(TRANSFER_LIMIT, "a transfer sent without link credit")
             self.discard(dlv)
             return False
         try:
