@@ -287,6 +287,33 @@ async def test_transfers_beyond_the_credit_end_the_link(port: int, broker: Broke
     peer.close()
 
 
+async def test_one_transfer_past_the_credit_left_ends_the_link(port: int) -> None:
+    """The limit is the credit the client was given, not a count of publishes in flight:
+    with 400 left (100 used, all stored, no top-up yet), the 401st transfer of a burst is
+    refused and the link ends."""
+    peer = await Peer.opened(port)
+    await peer.sender(0, QUEUE)
+    for i in range(100):
+        peer.transfer(0, i, KEPT, tag=b"%d" % i)
+    settled = 0
+    while settled < 100:
+        got = await peer.read()
+        assert got is not None, "closed"
+        if got.code == DISPOSITION:
+            assert got.outcome() == OK
+            settled += len(got.deliveries())
+    for i in range(100, 501):
+        peer.transfer(0, i, KEPT, tag=b"%d" % i)
+    outcomes: dict[tuple[int, str | None], int] = {}
+    while (got := await peer.read()) is not None and got.code != DETACH:
+        if got.code == DISPOSITION:
+            outcome = got.outcome()
+            outcomes[outcome] = outcomes.get(outcome, 0) + len(got.deliveries())
+    assert got is not None and got.error() == links.TRANSFER_LIMIT
+    assert outcomes.get(OK, 0) <= 400, outcomes
+    peer.close()
+
+
 async def test_an_oversized_multi_frame_delivery_is_rejected_and_dropped(port: int) -> None:
     """The delivery gets a rejected outcome and the link a detach with
     message-size-exceeded; what the client sends on is settled, not kept by proton."""
