@@ -35,6 +35,7 @@ from tests.amqp_raw import (
     TARGET,
     TIMEOUT,
     TRANSFER,
+    Frame,
     Peer,
     encode,
     flow,
@@ -262,19 +263,27 @@ async def test_an_unknown_sasl_mechanism_fails_authentication(port: int) -> None
 # -- links -----------------------------------------------------------------------------------
 
 
-async def test_transfers_beyond_the_credit_end_the_link(port: int, broker: Broker) -> None:
-    """Proton does not enforce credit on what it receives: a client ignoring it had every
-    transfer published, with no bound on what was in flight."""
-    peer = await Peer.opened(port)
-    await peer.sender(0, QUEUE)
-    sent = links.CREDIT * 3
-    for i in range(sent):
+async def burst(
+    peer: Peer, delivery_ids: range
+) -> tuple[Frame | None, dict[tuple[int, str | None], int]]:
+    """Send these transfers on link 0 at once; the frame that ended the link (a detach, or
+    None at EOF) and how many deliveries got each outcome until then."""
+    for i in delivery_ids:
         peer.transfer(0, i, KEPT, tag=b"%d" % i)
     outcomes: dict[tuple[int, str | None], int] = {}
     while (got := await peer.read()) is not None and got.code != DETACH:
         if got.code == DISPOSITION:
             outcome = got.outcome()
             outcomes[outcome] = outcomes.get(outcome, 0) + len(got.deliveries())
+    return got, outcomes
+
+
+async def test_transfers_beyond_the_credit_end_the_link(port: int, broker: Broker) -> None:
+    """Proton does not enforce credit on what it receives: a client ignoring it had every
+    transfer published, with no bound on what was in flight."""
+    peer = await Peer.opened(port)
+    await peer.sender(0, QUEUE)
+    got, outcomes = await burst(peer, range(links.CREDIT * 3))
     assert got is not None and got.error() == links.TRANSFER_LIMIT and got.fields[1] is True
     accepted = outcomes.pop(OK, 0)
     assert set(outcomes) == {(REJECTED, links.TRANSFER_LIMIT)}, outcomes
@@ -302,13 +311,7 @@ async def test_one_transfer_past_the_credit_left_ends_the_link(port: int) -> Non
         if got.code == DISPOSITION:
             assert got.outcome() == OK
             settled += len(got.deliveries())
-    for i in range(100, 501):
-        peer.transfer(0, i, KEPT, tag=b"%d" % i)
-    outcomes: dict[tuple[int, str | None], int] = {}
-    while (got := await peer.read()) is not None and got.code != DETACH:
-        if got.code == DISPOSITION:
-            outcome = got.outcome()
-            outcomes[outcome] = outcomes.get(outcome, 0) + len(got.deliveries())
+    got, outcomes = await burst(peer, range(100, 501))
     assert got is not None and got.error() == links.TRANSFER_LIMIT
     assert outcomes.get(OK, 0) <= 400, outcomes
     peer.close()
