@@ -18,11 +18,12 @@ Retained messages go out after the SUBACK, as retain handling asks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
 from collections import deque
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 from gateway.broker import ANONYMOUS, BindError, Flow, Outcome, QueueError, StoreError
@@ -923,13 +924,10 @@ class Session:
             if pattern not in self._direct:
                 self._direct[pattern] = self.broker.subscribe_direct(pattern, MQTT, self._on_direct)
             if previous is not None and previous.qos > 0 and state.queue is not None:
-                self._both_routes += 1
-                try:
+                with self._both_routes_held():
                     await self.broker.unsubscribe_queue(
                         state.queue, [pattern], MQTT, user=self.access_user
                     )
-                finally:
-                    self._both_routes -= 1
             return 0
         if pattern not in self._direct:
             state.set_subscription(pattern, options)
@@ -937,14 +935,20 @@ class Session:
             await self.broker.subscribe_queue(queue, [pattern], MQTT, user=self.access_user)
             return options.qos
         queue = await self._ensure_queue()  # it stays QoS 0 until the queue takes the topic
-        self._both_routes += 1
-        try:
+        with self._both_routes_held():
             await self.broker.subscribe_queue(queue, [pattern], MQTT, user=self.access_user)
-        finally:
-            self._both_routes -= 1
         state.set_subscription(pattern, options)
         self.broker.unsubscribe_direct(self._direct.pop(pattern))
         return options.qos
+
+    @contextlib.contextmanager
+    def _both_routes_held(self) -> Iterator[None]:
+        """While a filter has its direct and its queued route (see _on_direct)."""
+        self._both_routes += 1
+        try:
+            yield
+        finally:
+            self._both_routes -= 1
 
     async def _bind_shared(self, pattern: str, group: str, topic_filter: str) -> None:
         """Join the group: its durable non-exclusive queue, and one flow of ours on it."""
