@@ -78,6 +78,12 @@ class Message:
     retain: bool = False
     to_queue: bool = False  # destination names a queue, not a topic
     id: str = ""  # gateway-assigned unique id, stable across redeliveries
+    # The AMQP bare message as its publisher encoded it (properties, application properties,
+    # body: immutable in transit, AMQP 1.0 §3.2), sent on to AMQP receivers as it came; the
+    # engine never reads it. `payload_in_bare`: where `payload` starts in it (the body is its
+    # last section), so the payload is stored once; None when it is not a slice of it.
+    amqp_bare: bytes | None = None
+    payload_in_bare: int | None = None
 
 
 class Outcome(IntEnum):
@@ -165,7 +171,11 @@ def encode(msg: Message) -> bytes:
         msg.user_properties or None,
         msg.annotations or None,
         (pub.protocol, pub.client_id, pub.user) if pub is not None else None,
+        msg.amqp_bare,
+        msg.payload_in_bare,
     ]
+    if msg.payload_in_bare is not None:
+        fields[1] = b""  # read back from the bare message
     end = len(fields)
     while fields[end - 1] is None:
         end -= 1
@@ -173,7 +183,7 @@ def encode(msg: Message) -> bytes:
 
 
 _unpackb = msgpack.unpackb
-_FIELDS = 17
+_FIELDS = 19
 _PADDING = [[None] * (_FIELDS - n) for n in range(_FIELDS + 1)]  # by the number of fields read
 
 
@@ -193,9 +203,12 @@ def decode(blob: bytes) -> Message:
     try:
         flags = f[4] or 0
         pub = f[16]
+        bare, at = f[17], f[18]
+        if bare is not None and (bare.__class__ is not bytes or (at is not None and at < 0)):
+            raise ValueError("bare message is not bytes")
         return Message(  # positional, in field order: measurably faster on the hot path
             f[2],  # destination
-            f[1],  # payload
+            f[1] if at is None else bare[at:],  # payload
             f[6],  # partition_key
             DEFAULT_PRIORITY if f[5] is None else f[5],
             f[7],  # expiration
@@ -213,6 +226,8 @@ def decode(blob: bytes) -> Message:
             flags & FLAG_RETAIN != 0,
             flags & FLAG_TO_QUEUE != 0,
             f[3] or "",  # id
+            bare,
+            at,
         )
     except (TypeError, ValueError, IndexError, KeyError) as exc:
         raise ValueError(f"stream entry has malformed fields: {exc}") from exc

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -29,6 +30,8 @@ from proton import (
     Terminus,
     Timeout,
     Transport,
+    int32,
+    short,
     symbol,
     ubyte,
     ulong,
@@ -1283,6 +1286,42 @@ async def test_topic_egress_says_topic(broker: Broker, amqp: Listener) -> None:
             conn.close()
 
     assert await asyncio.to_thread(client) == ("topic://t/x", 1)
+
+
+async def test_receivers_get_the_bare_message_as_sent(broker: Broker, amqp: Listener) -> None:
+    """AMQP 1.0 §3.2: the bare message is immutable in transit. Through Redis, a receiver
+    gets properties the model has no field for, and application properties typed as sent."""
+    await broker.queues.create(QueueConfig(name="fidelity"))
+    sent = Message(
+        body=b"body",
+        inferred=True,
+        id=uuid.uuid4(),
+        user_id=b"anonymous",
+        creation_time=1_700_000_000.5,
+        content_encoding="gzip",
+        group_id="g",
+        group_sequence=3,
+        reply_to_group_id="rg",
+        properties={"i": int32(-5), "s": short(2), "u": ubyte(7), "sym": symbol("x")},
+    )
+
+    def client() -> Message:
+        conn = BlockingConnection(url(amqp), timeout=TIMEOUT)
+        try:
+            conn.create_sender("fidelity").send(sent)
+            receiver = conn.create_receiver("fidelity", credit=1)
+            got = receiver.receive(TIMEOUT)
+            receiver.accept()
+            return got
+        finally:
+            conn.close()
+
+    got = await asyncio.to_thread(client)
+    fields = ("body", "id", "user_id", "creation_time", "content_encoding", "group_id",
+              "group_sequence", "reply_to_group_id", "properties")  # fmt: skip
+    assert [getattr(got, f) for f in fields] == [getattr(sent, f) for f in fields]
+    assert [type(v) for v in got.properties.values()] == [int32, short, ubyte, symbol]
+    assert got.address == "fidelity", "the address the publisher left out is filled in"
 
 
 async def test_receiver_without_credit_holds_nothing(broker: Broker, amqp: Listener) -> None:

@@ -22,6 +22,7 @@ SECTION_NAMES = {
     "amqp:amqp-value:*": 0x77,
     "amqp:footer:map": 0x78,
 }
+PROPERTIES, FOOTER = 0x73, 0x78
 BODY_CODES = range(0x75, 0x78)  # data, amqp-sequence, amqp-value
 REPEATABLE = (0x75, 0x76)  # a body may be several data or several amqp-sequence sections
 
@@ -62,6 +63,42 @@ def check_message(data: bytes | bytearray) -> int:
         last = code
         pos = _skip(buf, after, 0)
     return bodies
+
+
+def bare_range(data: bytes) -> tuple[int, int]:
+    """Where the bare message (properties, application-properties and the body: what AMQP
+    1.0 §3.2 makes immutable in transit) starts and ends in a message check_message passed;
+    (n, n) when it has none."""
+    start = end = len(data)
+    pos = 0
+    while pos < len(data):
+        descriptor, after = _descriptor(data, pos + 1)
+        code = descriptor if descriptor in SECTION_CODES else SECTION_NAMES.get(descriptor)
+        if code == FOOTER:
+            end = pos
+            break
+        if code is not None and code >= PROPERTIES and start > pos:
+            start = pos
+        pos = _skip(data, after, 0)
+    return min(start, end), end
+
+
+def list_items(buf: bytes, pos: int) -> tuple[list[bytes], int]:
+    """The encoded items of the list at pos (each as its own bytes), and the offset after
+    it; raises Malformed for anything but a list."""
+    code = buf[pos]
+    if code == 0x45 or code == 0x40:  # list0, or null for none
+        return [], pos + 1
+    if code not in (0xC0, 0xD0):
+        raise Malformed(f"0x{code:02x} is not a list")
+    end = _skip(buf, pos, 0)
+    at = pos + (3 if code == 0xC0 else 9)
+    items = []
+    while at < end:
+        after = _skip(buf, at, 1)
+        items.append(buf[at:after])
+        at = after
+    return items, end
 
 
 def _descriptor(buf: bytes, pos: int) -> tuple[int | str | None, int]:

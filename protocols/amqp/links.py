@@ -34,7 +34,7 @@ from proton import Condition, Delivery, Disposition, Link, Terminus
 
 from gateway.broker import Broker, Outcome
 from gateway.model import Publisher
-from protocols.amqp import mapping
+from protocols.amqp import mapping, sections
 from protocols.amqp.nodes import DynamicNodes, Lifetime, lifetime
 from protocols.amqp.terminus import capabilities
 
@@ -262,6 +262,8 @@ class Inbound(Endpoint):
                 return False
         msg = ingress.message
         msg.destination, msg.to_queue = address.name, address.is_queue
+        if ingress.to is None:
+            sections.address_bare(msg)
         self.inflight += 1
         if pn_delivery_settled(dlv):  # pre-settled by the client: at most once, no outcome
             pn_delivery_settle(dlv)

@@ -1,5 +1,11 @@
 """proton `Message` <-> gateway `Message`.
 
+An AMQP publisher's bare message (properties, application-properties, body: immutable in
+transit, §3.2) is kept as sent (`Message.amqp_bare`) and goes to AMQP receivers unchanged,
+with only a missing `to` filled in; the model fields below are read from it for routing,
+selectors and the other protocols, and are what AMQP receivers get of other publishers'
+messages.
+
 | model            | AMQP 1.0                                                         |
 |------------------|------------------------------------------------------------------|
 | destination      | ingress: link address, or properties.to on the anonymous relay;  |
@@ -18,8 +24,8 @@
 | payload          | one data section; amqp-value str (utf-8, text/plain) or binary   |
 |                  | accepted on ingress; egress sends one data section               |
 |                  | other amqp-values (map, list...): JSON payload for other         |
-|                  | protocols, the value itself kept (annotation x-amqp-value) and   |
-|                  | sent back as that amqp-value to AMQP consumers                   |
+|                  | protocols; AMQP consumers get the value in the bare message      |
+|                  | (entries stored before: kept in annotation x-amqp-value)         |
 |                  | several data (or amqp-sequence) sections: refused on ingress     |
 |                  | (amqp:not-implemented), proton's Message would keep one          |
 | delivery_count   | header.delivery-count = count - 1, first-acquirer = count == 1   |
@@ -101,7 +107,6 @@ def decode(data: bytes, publisher: Publisher) -> Ingress:
         raise BodyError("application-properties and message-annotations must be maps")
     body = amqp.body
     content_type = _content_type(amqp)
-    amqp_value: bytes | None = None
     if body is None:
         payload = b""
     elif isinstance(body, str):
@@ -109,11 +114,10 @@ def decode(data: bytes, publisher: Publisher) -> Ingress:
         content_type = content_type or "text/plain"
     elif isinstance(body, (bytes, memoryview)):
         payload = bytes(body)  # a view into `amqp`: copy it while that is alive
-    else:  # another AMQP value (map, list, number...): kept exactly for AMQP consumers,
-        # and as JSON in the payload for everyone else (MQTT subscribers)
+    else:  # another AMQP value (map, list, number...): AMQP consumers get the bare message
+        # as sent, everyone else (MQTT subscribers) the value as JSON
         try:
             payload = json.dumps(_json_ready(body), default=str).encode()
-            amqp_value = _encode_value(body)
         except Exception as exc:
             raise UnsupportedBody(f"unsupported AMQP body {type(body).__name__}: {exc}") from exc
         content_type = content_type or "application/json"
@@ -132,8 +136,9 @@ def decode(data: bytes, publisher: Publisher) -> Ingress:
         user_properties=[(str(k), _value(v)) for k, v in properties.items()],
         publisher=publisher,
     )
-    if amqp_value is not None:
-        msg.annotations[AMQP_VALUE] = amqp_value
+    start, end = framing.bare_range(data)
+    if start < end:
+        sections.keep_bare(msg, bytes(data[start:end]))
     eligible = annotations.get("x-opt-dmq-eligible")
     if isinstance(eligible, bool):
         msg.dmq_eligible = eligible
@@ -184,12 +189,6 @@ def from_delivery(delivery: Delivery) -> AmqpMessage:
 
 def _past_long(value: object) -> bool:
     return isinstance(value, int) and value >= 1 << 63
-
-
-def _encode_value(value: object) -> bytes:
-    data = Data()
-    data.put_object(value)
-    return bytes(data.encode())
 
 
 def _decode_value(encoded: bytes) -> object:

@@ -18,6 +18,7 @@ import time
 from uuid import UUID
 
 from gateway.model import DEFAULT_PRIORITY, Delivery, Message, PropertyValue, Publisher
+from protocols.amqp import framing
 from protocols.amqp.framing import MAX_DEPTH  # deeper values: framing refuses them
 
 MAX_PRIORITY = 9
@@ -204,9 +205,11 @@ def _decode(data: bytes, publisher: Publisher) -> tuple[Message, str | None, int
     body: object = None
     bodies, last = 0, -1
     i, n = 0, len(data)
+    bare_start = bare_end = n  # see Message.amqp_bare
     while i < n:
         if data[i] != 0x00:
             raise Unsupported("not a described section")
+        start = i
         if data[i + 1] == 0x53:
             code, i = data[i + 2], i + 3
         elif data[i + 1] == 0x80:
@@ -216,6 +219,8 @@ def _decode(data: bytes, publisher: Publisher) -> tuple[Message, str | None, int
         if code <= last:  # repeated or out of order: framing tells which (or several data)
             raise Unsupported("section order")
         last = code
+        if code >= PROPERTIES and bare_start == n:
+            bare_start = start
         constructor = data[i]
         value, i = _read(data, i)
         if code in (DATA, VALUE):
@@ -231,7 +236,9 @@ def _decode(data: bytes, publisher: Publisher) -> tuple[Message, str | None, int
             annotations = _map(value, constructor)
         elif code == APP_PROPS:
             app = _map(value, constructor)
-        elif code not in (DELIVERY_ANN, FOOTER):
+        elif code == FOOTER:
+            bare_end = start
+        elif code != DELIVERY_ANN:
             raise Unsupported(f"section 0x{code:x}")
     if bodies > 1:
         raise Unsupported("several body sections")
@@ -302,6 +309,8 @@ def _decode(data: bytes, publisher: Publisher) -> tuple[Message, str | None, int
         {},  # annotations
         publisher,
     )
+    if bare_start < bare_end:
+        keep_bare(msg, data[bare_start:bare_end])
     if not annotations:
         return msg, to or None, None
     eligible = annotations.get("x-opt-dmq-eligible")
@@ -431,8 +440,10 @@ _DATA = bytes((0x00, 0x53, DATA))
 
 
 def encode(delivery: Delivery, now_ms: int | None = None) -> bytes:
-    """The AMQP message for one delivery, as mapping.from_delivery(...).encode() gives it;
-    raises Unsupported for a kept amqp-value body (left to proton)."""
+    """The AMQP message for one delivery: the delivery's header and annotations, then the
+    publisher's bare message as it came; for a message from another protocol, what
+    mapping.from_delivery(...).encode() gives (Unsupported for an amqp-value body kept in
+    an annotation by an earlier version: left to proton)."""
     msg = delivery.message
     count = delivery.delivery_count
     if msg.expiration is None:
@@ -448,6 +459,12 @@ def encode(delivery: Delivery, now_ms: int | None = None) -> bytes:
         ttl = _uint(max(1, int(msg.expiration - now)))
         header = _header(msg.persistent, msg.priority, ttl, count)
         expiry = b"\x83" + _pack_q(msg.expiration)
+    if msg.amqp_bare is not None:  # the publisher's bare message, as it came
+        if msg.annotations:
+            annotations = _annotations(msg.annotations, msg.to_queue)
+        else:
+            annotations = _ANNOTATIONS[msg.to_queue]
+        return b"".join((header, annotations, msg.amqp_bare))
     if msg.annotations:
         if AMQP_VALUE in msg.annotations:
             raise Unsupported("amqp-value body")
@@ -481,6 +498,42 @@ def encode(delivery: Delivery, now_ms: int | None = None) -> bytes:
     else:
         parts += (_DATA, b"\xb0", _pack_I(size), payload)
     return b"".join(parts)
+
+
+def keep_bare(msg: Message, bare: bytes) -> None:
+    """Keep the bare message for AMQP receivers, with the payload stored once where it is
+    the bare message's last bytes (a data section's, a string's or binary amqp-value's)."""
+    msg.amqp_bare = bare
+    payload = msg.payload
+    if bare.endswith(payload):
+        msg.payload_in_bare = len(bare) - len(payload)
+
+
+def address_bare(msg: Message) -> None:
+    """Give a kept bare message the `to` its publisher left out: the address it was sent to,
+    which receivers such as Qpid JMS take its destination from. Everything else stays."""
+    bare = msg.amqp_bare
+    if bare is None:
+        return
+    if bare[1] == 0x53 and bare[2] == PROPERTIES:
+        head = 3
+    elif bare[1] == 0x80 and _Q(bare, 2)[0] == PROPERTIES:
+        head = 10
+    else:  # no properties section: one with only `to` goes first
+        head = 0
+    if head:
+        items, end = framing.list_items(bare, head)
+        items += [_NULL] * (3 - len(items))
+        items[2] = _str(msg.destination if msg.to_queue else f"topic://{msg.destination}")
+        section = _section(PROPERTIES, _compound(0xC0, 0xD0, items))
+    else:
+        section = _PROPERTIES_TO.get((msg.destination, msg.to_queue))
+        if section is None:
+            section = _properties_to(msg.destination, msg.to_queue)
+        end = 0
+    msg.amqp_bare = section + bare[end:]
+    if msg.payload_in_bare is not None:
+        msg.payload_in_bare += len(section) - end
 
 
 def _properties_to(destination: str, to_queue: bool) -> bytes:
