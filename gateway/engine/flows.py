@@ -66,6 +66,10 @@ STALLED_AFTER = 0.05  # seconds
 # that repeats (a damaged key) would otherwise spin the dispatcher, thousands of rounds a
 # second.
 FETCH_RETRY = 1.0  # seconds
+# Held entries (delivery time to come) a browser keeps to see once due; at the limit its
+# cursor stops at the next one until some are due.
+MAX_HELD_BROWSED = 10_000
+HELD_RECHECK = 0.01  # seconds: the least wait for a due one (Redis's clock may lag the node's)
 
 DeliverCallback = Callable[[Delivery], None]
 ClosedCallback = Callable[[str], None]
@@ -103,6 +107,8 @@ class Flow:
         "cursor",
         "exclusive",
         "fence",
+        "held",
+        "held_timer",
         "id",
         "idle",
         "on_closed",
@@ -149,6 +155,8 @@ class Flow:
         self.browse = False  # reads without taking (AMQP distribution-mode copy)
         self.cursor: str | bytes = "0-0"  # browsing: the last entry (sorted: index member) seen
         self.replay_since = 0  # browsing: epoch ms of the replay period's start (0: all)
+        self.held: dict[str, int] = {}  # browsing: entries seen held -> delivery time (ms)
+        self.held_timer: asyncio.TimerHandle | None = None  # wakes it when the first is due
 
     @property
     def space(self) -> int:
@@ -395,6 +403,8 @@ class Dispatcher:
 
     def _forget(self, flow: Flow) -> None:
         self._want.pop(flow, None)
+        if flow.held_timer is not None:
+            flow.held_timer.cancel()
         if self._behind.pop(flow, None) is not None:
             self._caught_up.set()
         local = self.flows.get(flow.queue)
@@ -630,7 +640,11 @@ class Dispatcher:
         for f in sent.fetches:
             flow = f.flow
             if flow.browse:
-                commands.append(("gw_browse", 0, f.queue, flow.cursor, f.count, flow.replay_since))
+                due = _due_held(flow, f.count)
+                page = f.count - len(due)
+                commands.append(
+                    ("gw_browse", 0, f.queue, flow.cursor, page, flow.replay_since, *due)
+                )
             else:
                 commands.append(
                     ("gw_fetch", 0, f.queue, flow.id, f.count, flow_fence(flow, f.partition))
@@ -837,29 +851,43 @@ class Dispatcher:
                 log.exception("on_empty callback of flow %s failed", flow.id)
 
     def _deliver_browsed(self, fetch: _Fetch, reply: list) -> None:
+        """A browse reply: the held entries asked for again, then a page (see gw_browse)."""
         flow = fetch.flow
-        first = 1
         if reply[0] == b"sorted":  # a sorted queue: the cursor is a place in its key order
+            first = 3
+        elif reply[0] == b"ok":
             first = 2
-        elif reply[0] != b"ok":
+        else:
             self._fetch_refused(fetch, reply[0].decode())
             return
         if flow.closed:
             return
-        if first == 2:
+        if first == 3:
             flow.cursor = reply[1]
-        entries = (len(reply) - first) // 3
+        page = first + 3 * int(reply[first - 1])
+        entries = (len(reply) - page) // 3
+        stopped = False
         for i in range(first, len(reply), 3):
             entry_id = reply[i].decode()
-            if first == 1:
+            blob, meta = reply[i + 1], reply[i + 2]
+            if i < page:
+                flow.held.pop(entry_id, None)
+            elif not blob and meta and len(flow.held) >= MAX_HELD_BROWSED and first == 2:
+                stopped = True  # seen again from here once some held ones are due
+                break
+            if i >= page and first == 2:
                 flow.cursor = entry_id
-            blob = reply[i + 1]
             if not blob:
-                continue  # settled or expired: not on the queue
+                if meta:  # held until then
+                    if len(flow.held) < MAX_HELD_BROWSED:
+                        flow.held[entry_id] = int(meta)
+                    else:
+                        log.warning("browser of %s misses held entry %s", flow.queue, entry_id)
+                continue  # else settled or expired: not on the queue
             try:
                 message = decode(blob)
-                if reply[i + 2]:
-                    _apply_meta(message, reply[i + 2])
+                if meta:
+                    _apply_meta(message, meta)
             except (ValueError, OverflowError) as exc:  # a consumer's fetch dead-letters it
                 log.warning("browser skips entry %s of queue %s: %s", entry_id, flow.queue, exc)
                 continue
@@ -871,11 +899,28 @@ class Dispatcher:
             self._hand_over(flow, Delivery(flow.queue, entry_id, message, 1, len(blob)))
             if flow.closed:
                 return
-        if entries >= fetch.count:  # a full page: there may be more
+        if flow.held:
+            self._wake_when_due(flow)
+        if stopped:
+            return
+        if entries >= fetch.count - (page - first) // 3:  # a full page: there may be more
             if flow.space > 0:
                 self._want[flow] = None
         else:
             self._empty(flow)
+
+    def _wake_when_due(self, flow: Flow) -> None:
+        """Wake a browser when the first entry it saw held is due."""
+        if flow.held_timer is not None:
+            flow.held_timer.cancel()
+        delay = (min(flow.held.values()) - time.time() * 1000) / 1000
+        flow.held_timer = asyncio.get_running_loop().call_later(
+            max(delay, HELD_RECHECK), self._held_due, flow
+        )
+
+    def _held_due(self, flow: Flow) -> None:
+        flow.held_timer = None
+        self.wake(flow)
 
     async def _select(self, flow: Flow) -> None:
         """Peek at the waiting messages, take the ones the flow's selector matches. A call
@@ -983,6 +1028,14 @@ class Dispatcher:
             self.request_rebalance(flow.queue)
         else:
             self.wake(flow)
+
+
+def _due_held(flow: Flow, limit: int) -> list[str]:
+    """Up to `limit` ids of entries the browser saw held whose delivery time came."""
+    if not flow.held:
+        return []
+    now = time.time() * 1000
+    return [entry_id for entry_id, due in flow.held.items() if due <= now][:limit]
 
 
 def _apply_meta(message: Message, meta: bytes) -> None:

@@ -1394,31 +1394,62 @@ register_always('gw_take', function(_, a)
   return out
 end)
 
--- ARGV: queue, cursor (an entry id), count, since (epoch ms: replay period start, or 0).
+-- One entry as a browser sees it, appended to `out` as id, blob, meta (as gw_fetch's):
+-- blob '' when it is not on the queue (gone, settled, expired: meta ''), or held until a
+-- delivery time (meta: that time, epoch ms; the browser asks for it again then).
+local function browsed(out, id, fields, shown, now)
+  out[#out + 1] = id
+  local x = fields and tonumber(entry_field(fields, 'x'))
+  if not fields or not shown or (x and x <= now) then
+    out[#out + 1] = ''
+    out[#out + 1] = ''
+    return
+  end
+  local h = entry_field(fields, 'h')
+  if h and tonumber(h) > now then
+    out[#out + 1] = ''
+    out[#out + 1] = h
+    return
+  end
+  out[#out + 1] = entry_blob(fields)
+  out[#out + 1] = entry_meta(fields)
+end
+
+-- Entries a browser saw held, asked for again once due (ARGV from `first` on): appended
+-- as `browsed` gives them, after their count.
+local function browse_again(out, s, a, first, now, kept, last)
+  out[#out + 1] = #a - first + 1
+  for i = first, #a do
+    local id = a[i]
+    local e = redis.call('XRANGE', s, id, id)
+    local shown = true
+    if e[1] and kept and last and not id_less(last, id) then  -- as in gw_browse
+      shown = #redis.call('XPENDING', s, GROUP, id, id, 1) == 1
+    end
+    browsed(out, id, e[1] and e[1][2], shown, now)
+  end
+end
+
+-- ARGV: queue, cursor (an entry id), count, since (epoch ms: replay period start, or 0),
+-- then the ids of entries this browser saw held that are due now.
 -- Browsing: up to `count` messages on the queue after `cursor`, oldest first, without
--- taking them: {'ok', id, blob, meta (as gw_fetch's), ...}. Settled entries kept for
--- stream readers and expired entries are not shown (blob '').
+-- taking them: {'ok', n, the n entries asked for again, then the page: id, blob, meta,
+-- ...} (see `browsed`). Settled entries kept for stream readers and expired entries are
+-- not shown; held ones are shown once due.
 -- A sorted queue is browsed in its order, over the entries waiting on it (those delivered
--- and not yet settled are not shown): {'sorted', cursor (the last index member seen), id,
--- blob, meta, ...}. A message sorting before the cursor that arrives later is not shown.
-local function browse_sorted(q, s, cursor, count, since)
+-- and not yet settled are not shown): {'sorted', cursor (the last index member seen), n,
+-- ...}. A message sorting before the cursor that arrives later is not shown.
+local function browse_sorted(q, s, cursor, count, since, a)
   admit_sorted(q)
   local start = cursor == '0-0' and '-' or '(' .. cursor
   local members = redis.call('ZRANGE', k_queue_sorted(q), start, '+', 'BYLEX', 'LIMIT', 0, count)
   local out = { 'sorted', members[#members] or cursor }
   local now = now_ms()
+  browse_again(out, s, a, 5, now)
   for _, m in ipairs(members) do
     local id = member_id(m)
     local e = redis.call('XRANGE', s, id, id)
-    local x = #e > 0 and tonumber(entry_field(e[1][2], 'x'))
-    out[#out + 1] = id
-    if #e > 0 and not (x and x <= now) and not (since > 0 and id_less(id, since .. '-0')) then
-      out[#out + 1] = entry_blob(e[1][2])
-      out[#out + 1] = entry_meta(e[1][2])
-    else
-      out[#out + 1] = ''
-      out[#out + 1] = ''
-    end
+    browsed(out, id, e[1] and e[1][2], not (since > 0 and id_less(id, since .. '-0')), now)
   end
   return out
 end
@@ -1429,12 +1460,13 @@ register_always('gw_browse', function(_, a)
   if not c[1] or c[3] then return { 'noqueue' } end
   if c[1] ~= '1' then return { 'egress' } end
   local s = k_queue_stream(q)
-  if c[2] and c[2] ~= '' then return browse_sorted(q, s, cursor, count, since) end
+  if c[2] and c[2] ~= '' then return browse_sorted(q, s, cursor, count, since, a) end
   if since > 0 and id_less(cursor, since .. '-0') then cursor = since .. '-0' end
   local kept = redis.call('EXISTS', k_queue_readers(q)) == 1
   local last = kept and last_delivered(s)
   local now = now_ms()
   local out = { 'ok' }
+  browse_again(out, s, a, 5, now, kept, last)
   local start = '(' .. cursor
   if cursor == '0-0' then start = '-' end
   local entries = redis.call('XRANGE', s, start, '+', 'COUNT', count)
@@ -1443,15 +1475,7 @@ register_always('gw_browse', function(_, a)
     if kept and last and not id_less(last, e[1]) then  -- delivered: on the queue if unsettled
       on_queue = #redis.call('XPENDING', s, GROUP, e[1], e[1], 1) == 1
     end
-    local x = tonumber(entry_field(e[2], 'x'))
-    out[#out + 1] = e[1]
-    if on_queue and not (x and x <= now) then
-      out[#out + 1] = entry_blob(e[2])
-      out[#out + 1] = entry_meta(e[2])
-    else
-      out[#out + 1] = ''  -- not shown, but the cursor moves past it
-      out[#out + 1] = ''
-    end
+    browsed(out, e[1], e[2], on_queue, now)  -- the cursor moves past it, shown or not
   end
   return out
 end)
