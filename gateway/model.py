@@ -84,6 +84,9 @@ class Message:
     # last section), so the payload is stored once; None when it is not a slice of it.
     amqp_bare: bytes | None = None
     payload_in_bare: int | None = None
+    # The AMQP publisher's message-annotations section (sent on with the gateway's own merged
+    # in, such as x-opt-jms-dest); None when it sent none.
+    amqp_annotations: bytes | None = None
 
 
 class Outcome(IntEnum):
@@ -173,6 +176,7 @@ def encode(msg: Message) -> bytes:
         (pub.protocol, pub.client_id, pub.user) if pub is not None else None,
         msg.amqp_bare,
         msg.payload_in_bare,
+        msg.amqp_annotations,
     ]
     if msg.payload_in_bare is not None:
         fields[1] = b""  # read back from the bare message
@@ -183,7 +187,7 @@ def encode(msg: Message) -> bytes:
 
 
 _unpackb = msgpack.unpackb
-_FIELDS = 19
+_FIELDS = 20
 _PADDING = [[None] * (_FIELDS - n) for n in range(_FIELDS + 1)]  # by the number of fields read
 
 
@@ -203,9 +207,11 @@ def decode(blob: bytes) -> Message:
     try:
         flags = f[4] or 0
         pub = f[16]
-        bare, at = f[17], f[18]
+        bare, at, annotations = f[17], f[18], f[19]
         if bare is not None and (bare.__class__ is not bytes or (at is not None and at < 0)):
             raise ValueError("bare message is not bytes")
+        if annotations is not None and annotations.__class__ is not bytes:
+            raise ValueError("message annotations are not bytes")
         return Message(  # positional, in field order: measurably faster on the hot path
             f[2],  # destination
             f[1] if at is None else bare[at:],  # payload
@@ -228,6 +234,7 @@ def decode(blob: bytes) -> Message:
             f[3] or "",  # id
             bare,
             at,
+            annotations,
         )
     except (TypeError, ValueError, IndexError, KeyError) as exc:
         raise ValueError(f"stream entry has malformed fields: {exc}") from exc

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from proton import Message as AmqpMessage
-from proton import char, int32, short, symbol, ubyte
+from proton import byte, char, int32, short, symbol, ubyte, ulong
 
 from gateway.model import Delivery, Message, Publisher, bound_times, decode, encode
 from protocols.amqp import mapping, sections
@@ -278,6 +278,39 @@ def test_a_bare_message_without_to_gets_its_address(sent: AmqpMessage) -> None:
             sent.id,
             sent.subject,
         )
+
+
+def test_publisher_annotations_go_on_with_the_gateways_own() -> None:
+    """Message annotations the publisher sent reach receivers typed as sent; those the
+    gateway sets (x-opt-jms-dest, a dead message's origin) replace the publisher's."""
+    sent = AmqpMessage(
+        body=b"b",
+        annotations={
+            symbol("x-opt-jms-msg-type"): byte(3),
+            symbol("x-opt-jms-dest"): byte(0),
+            symbol("x-origin-queue"): "forged",
+            symbol("custom"): ulong(7),
+        },
+    )
+    ingress = mapping.decode(bytes(sent.encode()), PUB)
+    msg = ingress.message
+    msg.destination, msg.to_queue = "t", False
+    msg.annotations.update({"x-origin-queue": "q1", "x-dmq-reason": "expired"})
+    data = sections.encode(Delivery("t", "1-0", decode(encode(msg))))
+    assert data.count(b"x-opt-jms-dest") == data.count(b"x-origin-queue") == 1
+    got = AmqpMessage()
+    got.decode(data)
+    assert got.annotations == {
+        "x-opt-jms-msg-type": 3,
+        "custom": 7,
+        "x-origin-queue": "q1",
+        "x-dmq-reason": "expired",
+        "x-opt-jms-dest": 1,
+    }
+    assert (type(got.annotations["x-opt-jms-msg-type"]), type(got.annotations["custom"])) == (
+        byte,
+        ulong,
+    )
 
 
 def test_the_payload_is_stored_once() -> None:

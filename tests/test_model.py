@@ -258,8 +258,17 @@ def test_random_bytes_raise_only_value_error(blob: bytes) -> None:
         [1, b"", "t", "", 1, 4, *[None] * 11, "bare", 0],
         [1, b"", "t", "", 1, 4, *[None] * 11, b"bare", -1],
         [1, b"", "t", "", 1, 4, *[None] * 11, None, 0],
+        [1, b"", "t", "", 1, 4, *[None] * 11, None, None, "annotations"],
     ],
-    ids=["str-flags", "int-user-properties", "int-publisher", "str-bare", "at-minus-1", "no-bare"],
+    ids=[
+        "str-flags",
+        "int-user-properties",
+        "int-publisher",
+        "str-bare",
+        "at-minus-1",
+        "no-bare",
+        "str-annotations",
+    ],
 )
 def test_version_1_entry_with_wrong_field_types_raises_value_error(fields: list) -> None:
     with pytest.raises(ValueError):
@@ -318,5 +327,5 @@ def test_message_field_order_is_the_one_positional_builders_use() -> None:
         "destination", "payload", "partition_key", "priority", "expiration", "not_before",
         "persistent", "dmq_eligible", "content_type", "correlation_id", "reply_to",
         "message_id", "subject", "user_properties", "annotations", "publisher", "retain",
-        "to_queue", "id", "amqp_bare", "payload_in_bare",
+        "to_queue", "id", "amqp_bare", "payload_in_bare", "amqp_annotations",
     ]  # fmt: skip

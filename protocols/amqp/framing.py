@@ -22,7 +22,7 @@ SECTION_NAMES = {
     "amqp:amqp-value:*": 0x77,
     "amqp:footer:map": 0x78,
 }
-PROPERTIES, FOOTER = 0x73, 0x78
+MESSAGE_ANNOTATIONS, PROPERTIES, FOOTER = 0x72, 0x73, 0x78
 BODY_CODES = range(0x75, 0x78)  # data, amqp-sequence, amqp-value
 REPEATABLE = (0x75, 0x76)  # a body may be several data or several amqp-sequence sections
 
@@ -83,16 +83,30 @@ def bare_range(data: bytes) -> tuple[int, int]:
     return min(start, end), end
 
 
-def list_items(buf: bytes, pos: int) -> tuple[list[bytes], int]:
-    """The encoded items of the list at pos (each as its own bytes), and the offset after
-    it; raises Malformed for anything but a list."""
+def section_span(data: bytes, wanted: int) -> tuple[int, int]:
+    """Where the section `wanted` starts and ends in a message check_message passed; (0, 0)
+    when it has none."""
+    pos = 0
+    while pos < len(data):
+        descriptor, after = _descriptor(data, pos + 1)
+        code = descriptor if descriptor in SECTION_CODES else SECTION_NAMES.get(descriptor)
+        end = _skip(data, after, 0)
+        if code == wanted:
+            return pos, end
+        pos = end
+    return 0, 0
+
+
+def compound_items(buf: bytes, pos: int) -> tuple[list[bytes], int]:
+    """The encoded items of the list or map at pos (each as its own bytes; a map's keys and
+    values in turn), and the offset after it; raises Malformed for anything else."""
     code = buf[pos]
     if code == 0x45 or code == 0x40:  # list0, or null for none
         return [], pos + 1
-    if code not in (0xC0, 0xD0):
-        raise Malformed(f"0x{code:02x} is not a list")
+    if code not in (0xC0, 0xD0, 0xC1, 0xD1):
+        raise Malformed(f"0x{code:02x} is not a list or map")
     end = _skip(buf, pos, 0)
-    at = pos + (3 if code == 0xC0 else 9)
+    at = pos + (3 if code < 0xD0 else 9)
     items = []
     while at < end:
         after = _skip(buf, at, 1)

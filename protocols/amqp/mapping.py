@@ -33,7 +33,8 @@ messages.
 | not_before       | message-annotation x-opt-delivery-time / x-qpid-not-valid-before |
 |                  | (epoch ms, ingress): held in the queue until then                |
 | annotations      | message-annotations on egress (x-origin-queue, x-dmq-reason on   |
-|                  | messages from a dead message queue)                              |
+|                  | messages from a dead message queue), with an AMQP publisher's    |
+|                  | own (Message.amqp_annotations) under other names                 |
 
 Egress sets header.ttl to the time left, not the original TTL, as a broker relaying a
 stored message should.
@@ -139,6 +140,9 @@ def decode(data: bytes, publisher: Publisher) -> Ingress:
     start, end = framing.bare_range(data)
     if start < end:
         sections.keep_bare(msg, bytes(data[start:end]))
+    if annotations:
+        start, end = framing.section_span(data, framing.MESSAGE_ANNOTATIONS)
+        msg.amqp_annotations = bytes(data[start:end])
     eligible = annotations.get("x-opt-dmq-eligible")
     if isinstance(eligible, bool):
         msg.dmq_eligible = eligible

@@ -206,6 +206,7 @@ def _decode(data: bytes, publisher: Publisher) -> tuple[Message, str | None, int
     bodies, last = 0, -1
     i, n = 0, len(data)
     bare_start = bare_end = n  # see Message.amqp_bare
+    annotations_span = 0, 0
     while i < n:
         if data[i] != 0x00:
             raise Unsupported("not a described section")
@@ -234,6 +235,7 @@ def _decode(data: bytes, publisher: Publisher) -> tuple[Message, str | None, int
             props = value if value.__class__ is list else None
         elif code == MESSAGE_ANN:
             annotations = _map(value, constructor)
+            annotations_span = start, i
         elif code == APP_PROPS:
             app = _map(value, constructor)
         elif code == FOOTER:
@@ -313,6 +315,7 @@ def _decode(data: bytes, publisher: Publisher) -> tuple[Message, str | None, int
         keep_bare(msg, data[bare_start:bare_end])
     if not annotations:
         return msg, to or None, None
+    msg.amqp_annotations = data[annotations_span[0] : annotations_span[1]]
     eligible = annotations.get("x-opt-dmq-eligible")
     if isinstance(eligible, bool):
         msg.dmq_eligible = eligible
@@ -426,6 +429,29 @@ def _annotations(annotations: dict[str, PropertyValue], to_queue: bool) -> bytes
     return _section(MESSAGE_ANN, _compound(0xC1, 0xD1, items))
 
 
+def _merged(section: bytes, ours: dict[str, PropertyValue], to_queue: bool) -> bytes:
+    """The publisher's message annotations with the gateway's own (x-opt-jms-dest, a dead
+    message's origin) in place of any it sent under those keys."""
+    if not ours:
+        merged = _MERGED.get((section, to_queue))
+        if merged is not None:
+            return merged
+    items, _ = framing.compound_items(section, 3 if section[1] == 0x53 else 10)
+    kept: list[bytes] = []
+    for key, value in zip(items[::2], items[1::2], strict=True):
+        code = key[0]  # a symbol key may be one of ours
+        name = key[2 if code == 0xA3 else 5 :].decode() if code in (0xA3, 0xB3) else None
+        if name != "x-opt-jms-dest" and name not in ours:
+            kept += (key, value)
+    for name, value in ours.items():
+        kept += (_sym(name), _value(value))
+    kept += (b"\xa3\x0ex-opt-jms-dest", b"\x51\x00" if to_queue else b"\x51\x01")
+    merged = _section(MESSAGE_ANN, _compound(0xC1, 0xD1, kept))
+    if not ours and len(_MERGED) < _MERGED_MAX:
+        _MERGED[section, to_queue] = merged
+    return merged
+
+
 # Sections that most deliveries share, encoded once: the header of a message without
 # expiry, by (persistent, priority, delivery count), and the annotations of a message
 # that has none of its own, by to_queue.
@@ -437,6 +463,10 @@ _ANNOTATIONS = {to_queue: _annotations({}, to_queue) for to_queue in (False, Tru
 _PROPERTIES_TO: dict[tuple[str, bool], bytes] = {}
 _PROPERTIES_TO_MAX = 1024
 _DATA = bytes((0x00, 0x53, DATA))
+# A publisher's message annotations merged with x-opt-jms-dest, by (section, to_queue): a
+# producer's messages mostly carry the same ones.
+_MERGED: dict[tuple[bytes, bool], bytes] = {}
+_MERGED_MAX = 256
 
 
 def encode(delivery: Delivery, now_ms: int | None = None) -> bytes:
@@ -460,7 +490,9 @@ def encode(delivery: Delivery, now_ms: int | None = None) -> bytes:
         header = _header(msg.persistent, msg.priority, ttl, count)
         expiry = b"\x83" + _pack_q(msg.expiration)
     if msg.amqp_bare is not None:  # the publisher's bare message, as it came
-        if msg.annotations:
+        if msg.amqp_annotations:
+            annotations = _merged(msg.amqp_annotations, msg.annotations, msg.to_queue)
+        elif msg.annotations:
             annotations = _annotations(msg.annotations, msg.to_queue)
         else:
             annotations = _ANNOTATIONS[msg.to_queue]
@@ -522,7 +554,7 @@ def address_bare(msg: Message) -> None:
     else:  # no properties section: one with only `to` goes first
         head = 0
     if head:
-        items, end = framing.list_items(bare, head)
+        items, end = framing.compound_items(bare, head)
         items += [_NULL] * (3 - len(items))
         items[2] = _str(msg.destination if msg.to_queue else f"topic://{msg.destination}")
         section = _section(PROPERTIES, _compound(0xC0, 0xD0, items))
