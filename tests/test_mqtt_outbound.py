@@ -212,3 +212,51 @@ async def test_retained_messages_for_a_new_subscription_keep_to_receive_maximum(
     assert sorted(p[-2:] for p in got) == sorted(b"r%d" % i for i in range(10))
     pub.close()
     sub.close()
+
+
+async def unacked_then_resent(gw: Listener, client_id: str, takeover: bool) -> list[bytes]:
+    """Packet ids of the QoS 1 messages a persistent session had in flight, as sent, then
+    as resent to its next connection (after a dropped connection, or a takeover)."""
+    first = await connected(gw.port, 4, client_id, flags=0x00)
+    await first.send(subscribe(4, 1, (f"{client_id}/#", 1)))
+    assert await first.packet() == SUBACK_QOS1
+    pub = await connected(gw.port, 4, f"{client_id}-pub")
+    for i in range(8):
+        await published(pub, 4, f"{client_id}/t", b"m%d" % i, pid=i + 1)
+    sent = []
+    for i in range(8):
+        qos, _, pid, payload = publish_parts(await first.packet())
+        assert (qos, payload) == (1, b"m%d" % i)
+        if i < 5:
+            await first.send(b"\x40\x02" + pid)  # the first five acknowledged
+        else:
+            sent.append(pid)
+    await asyncio.sleep(0.1)  # the acks reach the session
+    if not takeover:
+        first.close()
+    second = await connected(gw.port, 4, client_id, flags=0x00)
+    resent = []
+    for i in range(5, 8):
+        packet = await second.packet()
+        assert packet[0] == 0x3A, "QoS 1 with DUP"
+        _, _, pid, payload = publish_parts(packet)
+        assert payload == b"m%d" % i
+        resent.append(pid)
+        await second.send(b"\x40\x02" + pid)
+    await published(pub, 4, f"{client_id}/t", b"new", pid=9)
+    qos, _, pid, payload = publish_parts(await second.packet())
+    assert (qos, payload) == (1, b"new") and pid not in resent
+    if takeover:
+        await first.until_eof()
+    return sent + resent
+
+
+async def test_a_resumed_session_resends_with_the_same_packet_ids(gw: Listener) -> None:
+    """MQTT-4.4.0-1: unacknowledged PUBLISHes go again with their original packet ids."""
+    ids = await unacked_then_resent(gw, "keep-ids", takeover=False)
+    assert ids[:3] == ids[3:] and len(set(ids[:3])) == 3
+
+
+async def test_a_taken_over_session_resends_with_the_same_packet_ids(gw: Listener) -> None:
+    ids = await unacked_then_resent(gw, "keep-ids-t", takeover=True)
+    assert ids[:3] == ids[3:] and len(set(ids[:3])) == 3

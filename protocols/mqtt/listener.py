@@ -158,6 +158,8 @@ class Registry:
         if timer is not None:
             timer.cancel()
         state = None if clean_start else await self._load(client_id)
+        if state is not None and old is not None and old.state is not None:
+            state.resend_ids = old.state.resend_ids  # a takeover here saves no state
         present = state is not None
         if state is None:
             await self._forget(client_id, clean_start)

@@ -204,6 +204,7 @@ class Session:
         self._retained_out = 0
         self._retained_waiting: deque[tuple[Message, int, list[int]]] = deque()
         self._next_pid = 1
+        self._reserved: set[int] = set()  # packet ids kept for resends (state.resend_ids)
         self._aliases: dict[int, str] = {}
         self._flows: dict[str, Flow] = {}  # queue -> this session's flow on it
         self._shared: dict[str, str] = {}  # shared queue -> its `$share/...` filter
@@ -395,6 +396,7 @@ class Session:
         """Re-establish a (possibly resumed) session's deliveries after CONNACK."""
         state = self.state
         assert state is not None
+        self._reserved = set(state.resend_ids.values())
         for pattern, options in list(state.subscriptions.items()):
             shared = shared_filter(pattern)
             if shared is not None:
@@ -734,7 +736,7 @@ class Session:
             if expiry == 0:
                 self._settle(queue, entry_id)
                 return
-        pid = self._allocate_pid() if qos else None
+        pid = self._packet_id(queue, entry_id, dup) if qos else None
         if qos and pid is None:  # cannot happen while the window is below 65535
             flow = self._flows.get(queue) if queue is not None else None
             if flow is not None and entry_id is not None:
@@ -782,12 +784,28 @@ class Session:
         if flow is not None:
             flow.ack(entry_id)
 
+    def _packet_id(self, queue: str | None, entry_id: str | None, dup: bool) -> int | None:
+        """The id a message in flight when the last connection ended had (MQTT-4.4.0-1),
+        else a free one. The session's queue serves those messages before new ones, so its
+        first new message ends the resends (the rest were settled meanwhile)."""
+        state = self.state
+        if self._reserved and state is not None and queue == state.queue:
+            pid = state.resend_ids.pop(entry_id, None) if entry_id is not None else None
+            if pid is not None:
+                self._reserved.discard(pid)
+                if pid not in self._inflight:
+                    return pid
+            elif not dup:
+                state.resend_ids.clear()
+                self._reserved.clear()
+        return self._allocate_pid()
+
     def _allocate_pid(self) -> int | None:
         pubrel = self.state.pubrel_out if self.state is not None else ()
         for _ in range(65535):
             pid = self._next_pid
             self._next_pid = pid % 65535 + 1
-            if pid not in self._inflight and pid not in pubrel:
+            if pid not in self._inflight and pid not in pubrel and pid not in self._reserved:
                 return pid
         return None
 
@@ -1115,6 +1133,7 @@ class Session:
             for token in self._direct.values():
                 self.broker.unsubscribe_direct(token)
             self._direct.clear()
+            self._keep_resend_ids()
             flows, self._flows = list(self._flows.values()), {}
             for flow in flows:
                 await flow.close()
@@ -1127,6 +1146,18 @@ class Session:
         finally:
             if not self.detached.done():
                 self.detached.set_result(None)
+
+    def _keep_resend_ids(self) -> None:
+        """Note the packet ids of the session queue's messages in flight: the next connection
+        resends them with these ids (the queue's shared groups give theirs to others)."""
+        state = self.state
+        if state is None or not state.persistent or state.queue is None:
+            return
+        state.resend_ids = {
+            entry_id: pid
+            for pid, (queue, entry_id, _) in self._inflight.items()
+            if queue == state.queue and entry_id is not None
+        }
 
     def _send(self, packet: Packet) -> None:
         self.link.send(encode(packet, self.level))

@@ -1,8 +1,9 @@
 """What MQTT keeps between connections of one client id, and its form in Redis.
 
 The blob saved with `broker.clients.save` holds the owning user, the session expiry, the
-subscriptions with all their options (QoS 0 ones too, and shared ones) and the outbound QoS 2
-packet ids awaiting PUBCOMP. Inbound QoS 2 ids are not in it: they are the client's
+subscriptions with all their options (QoS 0 ones too, and shared ones), the outbound QoS 2
+packet ids awaiting PUBCOMP and those of the messages in flight when the connection ended.
+Inbound QoS 2 ids are not in it: they are the client's
 exactly-once set (`broker.clients.mark_received`), so a duplicate is recognised on any node,
 after a restart.
 """
@@ -51,6 +52,9 @@ class SessionState:
     queue: str | None = None
     qos2_in: set[int] = field(default_factory=set)  # mirror of the Redis exactly-once set
     pubrel_out: set[int] = field(default_factory=set)  # PUBREL sent, PUBCOMP not yet seen
+    # QoS 1/2 messages of the session's queue in flight when its last connection ended:
+    # entry id -> packet id, resent with that id (MQTT-4.4.0-1)
+    resend_ids: dict[str, int] = field(default_factory=dict)
     version: int = 0  # moves with every change of the subscriptions (delivery caches key on it)
     user: str | None = None  # who owns the session: only that user may connect as client_id
 
@@ -87,6 +91,7 @@ class SessionState:
             "queue": self.queue,
             "subs": subs,
             "pubrel": sorted(self.pubrel_out),
+            "resend": self.resend_ids,
             "user": self.user,
         }
         return json.dumps(blob, separators=(",", ":")).encode()
@@ -100,5 +105,6 @@ class SessionState:
             if sub_id is not None:
                 state.set_subscription_id(pattern, sub_id)
         state.pubrel_out = set(blob["pubrel"])
+        state.resend_ids = blob.get("resend", {})  # absent in states saved before
         state.user = blob.get("user")  # absent in states saved before owners were recorded
         return state
