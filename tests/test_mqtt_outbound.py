@@ -260,3 +260,33 @@ async def test_a_resumed_session_resends_with_the_same_packet_ids(gw: Listener) 
 async def test_a_taken_over_session_resends_with_the_same_packet_ids(gw: Listener) -> None:
     ids = await unacked_then_resent(gw, "keep-ids-t", takeover=True)
     assert ids[:3] == ids[3:] and len(set(ids[:3])) == 3
+
+
+async def test_receive_maximum_holds_across_a_sessions_queue_and_shared_groups(
+    gw: Listener,
+) -> None:
+    """MQTT-3.3.4-9: with receive maximum 2, no more than 2 QoS 1 PUBLISHes are unacked at
+    once, though they come from the session's queue and a shared group's."""
+    client = await connected(gw.port, 5, "rm-sub", cprops=props(b"\x21\x00\x02"))
+    await client.send(subscribe(5, 1, ("rm/a/#", 1), ("$share/g/rm/b/#", 1)))
+    assert (await client.packet())[0] == 0x90
+    pub = await connected(gw.port, 4, "rm-pub")
+    for i in range(3):
+        await published(pub, 4, "rm/a/x", b"a%d" % i, pid=2 * i + 1)
+        await published(pub, 4, "rm/b/x", b"b%d" % i, pid=2 * i + 2)
+    unacked: list[bytes] = []
+    received = 0
+    deadline = asyncio.get_running_loop().time() + 10
+    while received < 6:
+        assert asyncio.get_running_loop().time() < deadline, f"{received} of 6 received"
+        try:
+            packet = await asyncio.wait_for(client.packet(), 0.3)
+        except TimeoutError:
+            if len(unacked) == 2:  # nothing more comes until an ack
+                await client.send(b"\x40\x02" + unacked.pop(0))
+            continue
+        assert packet[0] >> 4 == 3 and packet[0] & 0x06 == 0x02, packet
+        topic_size = struct.unpack("!H", packet[2:4])[0]
+        unacked.append(packet[4 + topic_size : 6 + topic_size])
+        received += 1
+        assert len(unacked) <= 2, "past the client's receive maximum"

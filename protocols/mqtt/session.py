@@ -203,6 +203,10 @@ class Session:
         # in the client's receive maximum (message, qos, subscription ids)
         self._retained_out = 0
         self._retained_waiting: deque[tuple[Message, int, list[int]]] = deque()
+        # queued QoS 1/2 deliveries waiting for room in the client's receive maximum, which
+        # holds across the session's flows (its queue, its shared groups): each flow's own
+        # window alone would let them exceed it together
+        self._held_out: deque[tuple[Any, ...]] = deque()
         self._next_pid = 1
         self._reserved: set[int] = set()  # packet ids kept for resends (state.resend_ids)
         self._aliases: dict[int, str] = {}
@@ -730,6 +734,32 @@ class Session:
         retain: bool,
         sub_ids: list[int],
     ) -> None:
+        """Send one message; a queued QoS 1/2 one waits while the client's receive maximum
+        is full (MQTT-3.3.4-9), or others wait before it."""
+        if qos and queue is not None and (self._held_out or not self._room()):
+            self._held_out.append((msg, queue, entry_id, qos, dup, retain, sub_ids))
+            return
+        self._transmit(msg, queue, entry_id, qos, dup, retain, sub_ids)
+
+    def _room(self) -> bool:
+        """The client's receive maximum has room for one more QoS 1/2 PUBLISH."""
+        pending = len(self.state.pubrel_out) if self.state is not None else 0
+        return len(self._inflight) + pending < self._window
+
+    def _send_held_out(self) -> None:
+        while self._held_out and self._room() and not self.closing:
+            self._transmit(*self._held_out.popleft())
+
+    def _transmit(
+        self,
+        msg: Message,
+        queue: str | None,
+        entry_id: str | None,
+        qos: int,
+        dup: bool,
+        retain: bool,
+        sub_ids: list[int],
+    ) -> None:
         expiry = None
         if msg.expiration is not None:
             expiry = mapping.remaining_expiry(msg, mapping.now_ms())
@@ -818,6 +848,7 @@ class Session:
             self._settle(item[0], item[1])
             if item[0] is None or self._retained_waiting:
                 self._acked(item[0])
+            self._send_held_out()
 
     def _on_pubrec(self, p: Pubrec) -> None:
         """QoS 2 out: the message is settled in the queue at PUBREC (the client owns it
@@ -853,6 +884,7 @@ class Session:
         if p.packet_id in state.pubrel_out:
             state.pubrel_out.discard(p.packet_id)
             self._pubrel_changed()
+            self._send_held_out()
 
     def _pubrel_changed(self) -> None:
         """PUBREL-pending messages count against the client's receive maximum, and a
