@@ -45,7 +45,7 @@ from proton.reactor import (
     LinkOption,
     Selector,
 )
-from proton.utils import BlockingConnection, LinkDetached
+from proton.utils import BlockingConnection, BlockingReceiver, LinkDetached
 
 from gateway.broker import Broker, QueueConfig
 from gateway.config import Settings, User
@@ -1286,6 +1286,42 @@ async def test_topic_egress_says_topic(broker: Broker, amqp: Listener) -> None:
             conn.close()
 
     assert await asyncio.to_thread(client) == ("topic://t/x", 1)
+
+
+async def test_undeliverable_here_goes_to_another_link(broker: Broker, amqp: Listener) -> None:
+    """§3.4.5: a message modified with undeliverable-here is not sent to that link again;
+    another link on the queue gets it."""
+    await broker.queues.create(QueueConfig(name="picky"))
+
+    def client() -> tuple[list[bytes], bytes]:
+        conn = BlockingConnection(url(amqp), timeout=TIMEOUT)
+        try:
+            snd = conn.create_sender("picky")
+            snd.send(Message(body=b"m1"))
+            first = conn.create_receiver("picky", credit=5)
+
+            def body(receiver: BlockingReceiver, timeout: float = TIMEOUT) -> bytes:
+                msg = receiver.receive(timeout)
+                return bytes(msg.body)  # a view into `msg`: copied while it lives
+
+            seen = [body(first)]
+            first.fetcher.unsettled[0].local.undeliverable = True
+            first.release()  # modified, undeliverable-here
+            snd.send(Message(body=b"m2"))
+            seen.append(body(first))
+            first.accept()
+            with contextlib.suppress(Timeout):
+                seen.append(body(first, 0.3))
+            other = conn.create_receiver("picky", credit=5, name="other")
+            got = body(other)
+            other.accept()
+            return seen, got
+        finally:
+            conn.close()
+
+    seen, got = await asyncio.to_thread(client)
+    assert (seen, got) == ([b"m1", b"m2"], b"m1")
+    assert await queued(broker, "picky", 0) == 0
 
 
 async def test_receivers_get_the_bare_message_as_sent(broker: Broker, amqp: Listener) -> None:

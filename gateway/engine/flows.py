@@ -177,6 +177,12 @@ class Flow:
         """Give the message back undelivered (AMQP released): the delivery does not count."""
         self._settle("release", entry_id)
 
+    def avoid(self, entry_id: str, failed: bool) -> None:
+        """Give the message back, never to this flow again (AMQP modified with
+        undeliverable-here): other consumers get it. `failed`: the delivery counts toward
+        the queue's max_redelivery, as for requeue."""
+        self._settle("avoid_failed" if failed else "avoid", entry_id)
+
     def reject(self, entry_id: str) -> None:
         """The consumer refuses the message for good: it is discarded and counted."""
         self._settle("reject", entry_id)

@@ -286,6 +286,28 @@ local function park(q, s, ids, uncount)
   end
 end
 
+-- Entries a flow must not get again (AMQP modified with undeliverable-here, §3.4.5): other
+-- flows take them. `avoid_key` gives the queue's list when it has one (one EXISTS a fetch).
+local function avoid(q, ids, flow)
+  local h = k_queue_avoid(q)
+  for _, id in ipairs(ids) do
+    local v = redis.call('HGET', h, id)
+    redis.call('HSET', h, id, v and (v .. ' ' .. flow) or flow)
+  end
+end
+
+local AVOID_SCAN = 1000  -- returned entries a fetch looks past for those a flow avoids
+local function avoid_key(q)
+  local h = k_queue_avoid(q)
+  return redis.call('EXISTS', h) == 1 and h
+end
+
+local function avoided(avoiding, id, flow)
+  if not avoiding then return false end
+  local v = redis.call('HGET', avoiding, id)
+  return v and string.find(' ' .. v .. ' ', ' ' .. flow .. ' ', 1, true) ~= nil
+end
+
 -- The message group of a stream entry (nil: ungrouped).
 local function entry_group(s, id, mode, default_group)
   local e = redis.call('XRANGE', s, id, id)
@@ -365,7 +387,7 @@ delete_queue = function(q)
   redis.call('DEL', k_queue_parts(q), k_queue_groups(q), k_queue_group_held(q),
     k_queue_last_values(q), k_queue_timed(q), k_queue_config(q), k_queue_stream(q), k_queue_stats(q), k_queue_subs(q),
     k_queue_flows(q), k_queue_lease(q), k_queue_readers(q), k_queue_sorted(q),
-    k_queue_members(q), k_queue_flow_held(q))
+    k_queue_members(q), k_queue_flow_held(q), k_queue_avoid(q))
   redis.call('SREM', K_QUEUES, q)
   redis.call('SREM', K_READ_QUEUES, q)
   redis.call('SREM', K_EXPIRING_QUEUES, q)
@@ -1193,13 +1215,14 @@ end
 local function fetch_grouped(q, s, flow, count, mode, default_group, lim, out)
   local held = held_entries(s, math.max(count * 4, 64))
   local groups, gheld = k_queue_groups(q), k_queue_group_held(q)
+  local avoiding = avoid_key(q)
   local taken = 0
   for _, e in ipairs(held) do
     if taken >= count then break end
     local id = e[1]
     local g = mode and entry_group(s, id, mode, default_group)
     local owner = g and redis.call('HGET', groups, g)
-    if not g or not owner or owner == flow then
+    if (not g or not owner or owner == flow) and not avoided(avoiding, id, flow) then
       local c = redis.call('XCLAIM', s, GROUP, flow, 0, id, 'RETRYCOUNT', e[4] + 1)
       local blob = c[1] and deliverable(q, s, id, c[1][2], e[4] + 1, lim)
       if c[1] and not blob then out[2] = out[2] + 1 end
@@ -1221,7 +1244,8 @@ end
 -- Take entry `id` for `flow` if it waits in the holding consumer (else another flow took it
 -- or it is gone): into `out` as gw_fetch replies, or dead-lettered (counted in out[2]).
 -- Returns the entry's fields when it was taken.
-local function take_held(q, s, flow, id, lim, out)
+local function take_held(q, s, flow, id, lim, out, avoiding)
+  if avoided(avoiding, id, flow) then return false end
   local p = redis.call('XPENDING', s, GROUP, id, id, 1, HOLDING)
   if #p == 0 then return false end
   local n = p[1][4] + 1
@@ -1243,14 +1267,22 @@ end
 local function fetch_sorted(q, s, flow, count, lim, out)
   admit_sorted(q)  -- entries another writer added since the last spool
   local idx = k_queue_sorted(q)
+  local avoiding, avoided_members = avoid_key(q), {}
   local want = count
   while want > 0 do
     local members = redis.call('ZRANGE', idx, '-', '+', 'BYLEX', 'LIMIT', 0, want)
-    if #members == 0 then return end
+    if #members == 0 then break end
     redis.call('ZREM', idx, unpack(members))
-    for _, m in ipairs(members) do take_held(q, s, flow, member_id(m), lim, out) end
+    for _, m in ipairs(members) do
+      if avoided(avoiding, member_id(m), flow) then
+        avoided_members[#avoided_members + 1] = m  -- back in the index below, for others
+      else
+        take_held(q, s, flow, member_id(m), lim, out)
+      end
+    end
     want = count - (#out - 2) / 4 - out[2]
   end
+  for _, m in ipairs(avoided_members) do redis.call('ZADD', idx, 0, m) end
 end
 
 -- Returned entries (oldest first) and then new ones of one stream, into `out`; each id is
@@ -1279,18 +1311,21 @@ local function fetch_stream(q, s, flow, count, lim, out, prefix)
       out[2] = out[2] + 1
     end
   end
-  local p = redis.call('XPENDING', s, GROUP, '-', '+', count, RETURNED)
-  if #p > 0 then
-    local ids, counts = {}, {}
-    for i, e in ipairs(p) do
-      ids[i] = e[1]
+  local avoiding = avoid_key(q)  -- returned entries this flow must not get: left for others
+  local scan = avoiding and count + math.min(redis.call('HLEN', avoiding), AVOID_SCAN) or count
+  local ids, counts = {}, {}
+  for _, e in ipairs(redis.call('XPENDING', s, GROUP, '-', '+', scan, RETURNED)) do
+    if #ids < count and not avoided(avoiding, e[1], flow) then
+      ids[#ids + 1] = e[1]
       counts[e[1]] = e[4]
     end
+  end
+  if #ids > 0 then
     for _, e in ipairs(redis.call('XCLAIM', s, GROUP, flow, 0, unpack(ids))) do
       if e then add(e[1], counts[e[1]] + 1, e[2]) end
     end
   end
-  local want = count - #p
+  local want = count - #ids
   if want > 0 then
     local r = redis.call('XREADGROUP', 'GROUP', GROUP, flow, 'COUNT', want, 'STREAMS', s, '>')
     if r then
@@ -1358,9 +1393,10 @@ register_always('gw_peek', function(_, a)
   local s = k_queue_stream(q)
   local now = now_ms()
   local out = { 'ok' }
+  local avoiding = avoid_key(q)
   local waiting = sort_key(q) and sorted_waiting(q, s, scan) or held_entries(s, scan)
   for _, e in ipairs(waiting) do
-    local r = redis.call('XRANGE', s, e[1], e[1])
+    local r = not avoided(avoiding, e[1], flow) and redis.call('XRANGE', s, e[1], e[1]) or {}
     if #r > 0 then
       local x = tonumber(entry_field(r[1][2], 'x'))
       if x and x <= now then
@@ -1387,8 +1423,9 @@ register_always('gw_take', function(_, a)
   local c = redis.call('HMGET', k_queue_config(q), 'max_redelivery', 'respect_ttl')
   local lim = fetch_limits(c[1], c[2])
   local out = { 'ok', 0 }
+  local avoiding = avoid_key(q)
   for i = 3, #a do
-    local fields = take_held(q, s, flow, a[i], lim, out)
+    local fields = take_held(q, s, flow, a[i], lim, out, avoiding)
     if fields then unindex(q, a[i], fields) end
   end
   return out
@@ -1522,7 +1559,8 @@ local function ack_batch(q, s, a, first, n, bytes, sizes)
 end
 
 -- Settle entries a flow holds. ARGV: mode ('ack' | 'reject' | 'requeue' | 'release': a
--- requeue whose delivery does not count toward max_redelivery), then groups of
+-- requeue whose delivery does not count toward max_redelivery | 'avoid', 'avoid_failed':
+-- a release, a requeue, and the flow does not get the entries again), then groups of
 -- queue, flow, n, their total size, their sizes (n little-endian uint32s in one argument),
 -- then n entry ids. A flow that is no longer bound (released after its node was presumed
 -- dead: its entries went back to the queue) settles nothing; entries already settled are
@@ -1570,8 +1608,9 @@ register_always('gw_settle', function(_, a)
         end
       end
       if #mine > 0 then
-        if mode == 'requeue' or mode == 'release' then
-          park(q, s, mine, mode == 'release')
+        if mode ~= 'ack' then  -- back to the queue: requeue, release, avoid, avoid_failed
+          if mode == 'avoid' or mode == 'avoid_failed' then avoid(q, mine, flow) end
+          park(q, s, mine, mode == 'release' or mode == 'avoid')
           redis.call('HINCRBY', k_queue_stats(q), 'requeued', #mine)
           wake(q)
         else
@@ -1582,6 +1621,12 @@ register_always('gw_settle', function(_, a)
           end
           account(q, -#mine, -bytes)
           redis.call('HINCRBY', k_queue_stats(q), 'acked', #mine)
+        end
+      end
+      local avoiding = (mode == 'ack' or mode == 'reject') and avoid_key(q)
+      if avoiding then  -- settled for good: no flow to avoid any more
+        for from = first, pos - 1, IDS_PER_CALL do
+          redis.call('HDEL', avoiding, unpack(a, from, math.min(pos - 1, from + IDS_PER_CALL - 1)))
         end
       end
     end

@@ -43,6 +43,8 @@ TEMPLATES: dict[str, str] = {
     "queue_sorted": f"{PREFIX}:q:{{{{q}}}}:sorted",
     "queue_members": f"{PREFIX}:q:{{{{q}}}}:members",
     "queue_flow_held": f"{PREFIX}:q:{{{{q}}}}:fcheld",
+    # entry id -> the flows it must not reach again (AMQP undeliverable-here), space-separated
+    "queue_avoid": f"{PREFIX}:q:{{{{q}}}}:avoid",
     "read_queues": f"{PREFIX}:readq",
     "spool_usage": f"{PREFIX}:spool:usage",
     "spool_limits": f"{PREFIX}:spool:limits",
@@ -167,6 +169,11 @@ def queue_flow_held(q: str) -> str:
     """Producer flow control: node id -> when (epoch s) the queue last held back one of that
     node's messages; the node's later messages are held too until it offers them again."""
     return _queue_key("queue_flow_held", q)
+
+
+def queue_avoid(q: str) -> str:
+    """Entry id -> the flows it must not reach again (AMQP modified, undeliverable-here)."""
+    return _queue_key("queue_avoid", q)
 
 
 def partition_queue(parent: str, index: int) -> str:

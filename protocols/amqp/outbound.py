@@ -38,6 +38,7 @@ from cproton import (
     pn_delivery_settle,
     pn_delivery_settled,
     pn_disposition_is_failed,
+    pn_disposition_is_undeliverable,
     pn_link_advance,
     pn_link_credit,
     pn_link_get_drain,
@@ -313,9 +314,16 @@ class Outbound(Endpoint):
                 self.flow.ack(entry_id)
             elif state == PN_REJECTED:
                 self.flow.reject(entry_id)
-            elif state == PN_MODIFIED and pn_disposition_is_failed(pn_delivery_remote(dlv)):
-                self.flow.requeue(entry_id)  # delivery-failed: the attempt counts (§3.4.5)
-            elif state in (PN_RELEASED, PN_MODIFIED):
+            elif state == PN_MODIFIED:  # delivery-failed: the attempt counts (§3.4.5)
+                remote = pn_delivery_remote(dlv)
+                failed = pn_disposition_is_failed(remote)
+                if pn_disposition_is_undeliverable(remote):  # not to this link again
+                    self.flow.avoid(entry_id, failed)
+                elif failed:
+                    self.flow.requeue(entry_id)
+                else:
+                    self.flow.release(entry_id)
+            elif state == PN_RELEASED:
                 self.flow.release(entry_id)  # delivery-count not incremented (§3.4.4)
             else:  # settled with no outcome
                 self.flow.ack(entry_id)
