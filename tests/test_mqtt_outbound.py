@@ -5,10 +5,12 @@ their subscription ids (MQTT-3.3.4-5), topic aliases are only used once the clie
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import struct
 
 from protocols.listening import Listener
 from tests import test_mqtt_hostile
+from tests.test_mqtt_codec import frame
 from tests.test_mqtt_hostile import (
     Peer,
     connect,
@@ -16,6 +18,7 @@ from tests.test_mqtt_hostile import (
     props,
     publish,
     published,
+    s,
     subscribe,
 )
 
@@ -290,3 +293,25 @@ async def test_receive_maximum_holds_across_a_sessions_queue_and_shared_groups(
         unacked.append(packet[4 + topic_size : 6 + topic_size])
         received += 1
         assert len(unacked) <= 2, "past the client's receive maximum"
+
+
+async def test_a_delivery_waiting_for_room_goes_with_its_shared_subscription(
+    gw: Listener,
+) -> None:
+    """A shared group's message waiting for the client's receive maximum is not sent once
+    the client unsubscribed from the group."""
+    client = await connected(gw.port, 5, "rm-leave", cprops=props(b"\x21\x00\x01"))
+    await client.send(subscribe(5, 1, ("rl/a/#", 1), ("$share/g/rl/b/#", 1)))
+    assert (await client.packet())[0] == 0x90
+    pub = await connected(gw.port, 4, "rl-pub")
+    await published(pub, 4, "rl/a/x", b"own", pid=1)
+    first = await client.packet()
+    await published(pub, 4, "rl/b/x", b"shared", pid=2)  # waits: receive maximum 1
+    await asyncio.sleep(0.2)
+    await client.send(frame(0xA2, struct.pack("!H", 2) + b"\x00" + s("$share/g/rl/b/#")))
+    assert (await client.packet())[0] == 0xB0  # UNSUBACK
+    topic_size = struct.unpack("!H", first[2:4])[0]
+    await client.send(b"\x40\x02" + first[4 + topic_size : 6 + topic_size])
+    with contextlib.suppress(TimeoutError):
+        extra = await asyncio.wait_for(client.packet(), 0.5)
+        raise AssertionError(f"sent after the unsubscribe: {extra!r}")

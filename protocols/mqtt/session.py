@@ -448,6 +448,7 @@ class Session:
     def _flow_closed(self, queue: str, reason: str) -> None:
         log.info("MQTT client %r: flow on %s closed (%s)", self.client_id, queue, reason)
         self._flows.pop(queue, None)
+        self._drop_held(queue)
         if self.state is not None and self.state.queue == queue:
             self.state.queue = None
 
@@ -745,6 +746,11 @@ class Session:
         """The client's receive maximum has room for one more QoS 1/2 PUBLISH."""
         pending = len(self.state.pubrel_out) if self.state is not None else 0
         return len(self._inflight) + pending < self._window
+
+    def _drop_held(self, queue: str) -> None:
+        """Deliveries waiting for room from a flow that ended: its queue has them back."""
+        if self._held_out:
+            self._held_out = deque(held for held in self._held_out if held[1] != queue)
 
     def _send_held_out(self) -> None:
         while self._held_out and self._room() and not self.closing:
@@ -1102,6 +1108,7 @@ class Session:
         assert group is not None
         queue = shared_queue_name(*group)
         if self._shared.pop(queue, None) is not None:
+            self._drop_held(queue)
             flow = self._flows.pop(queue, None)
             if flow is not None:
                 await flow.close()
