@@ -242,6 +242,26 @@ class Broker:
     async def publish(self, msg: Message) -> Outcome:
         return await self.publish_nowait(msg)
 
+    async def store_in(self, queue: str, msg: Message) -> Outcome:
+        """Spool `msg` into `queue` alone, its destination kept: a message one consumer
+        must get again from there (an MQTT retained message in flight when its session's
+        connection ended)."""
+        if not msg.id:
+            msg.id = new_message_id()
+        stored = self.spooler.submit(
+            (queue,),
+            True,
+            len(msg.payload),
+            msg.partition_key,
+            msg.expiration,
+            self.router.spool_properties(msg),
+            min(max(msg.priority, 0), 9),
+            msg.not_before,
+            encode(msg),
+        )
+        assert stored is not None  # a future: no `done` was given
+        return await stored
+
     def _spooled(self, queues: set[str]) -> None:
         for queue in queues:
             self.dispatcher.wake_queue(queue)

@@ -315,3 +315,28 @@ async def test_a_delivery_waiting_for_room_goes_with_its_shared_subscription(
     with contextlib.suppress(TimeoutError):
         extra = await asyncio.wait_for(client.packet(), 0.5)
         raise AssertionError(f"sent after the unsubscribe: {extra!r}")
+
+
+async def test_a_retained_message_in_flight_is_resent_to_the_resumed_session(
+    gw: Listener,
+) -> None:
+    """A retained QoS 1 message a persistent session got on SUBSCRIBE and had not
+    acknowledged when its connection dropped goes again, with DUP and its packet id."""
+    pub = await connected(gw.port, 4, "rr-pub")
+    await pub.send(publish(4, "rr/t", b"kept", qos=1, pid=1, flags=0x01))  # RETAIN
+    assert await pub.packet() == b"\x40\x02\x00\x01"
+    first = await connected(gw.port, 4, "rr-sub", flags=0x00)
+    await first.send(subscribe(4, 1, ("rr/#", 1)))
+    assert await first.packet() == SUBACK_QOS1
+    packet = await first.packet()
+    qos, topic, pid, payload = publish_parts(packet)
+    assert (qos, topic, payload, packet[0] & 0x01) == (1, "rr/t", b"kept", 1)
+    first.close()  # unacknowledged
+    second = await connected(gw.port, 4, "rr-sub", flags=0x00)
+    packet = await second.packet()
+    assert packet[0] & 0x08, "DUP"
+    assert publish_parts(packet) == (1, "rr/t", pid, b"kept")
+    await second.send(b"\x40\x02" + pid)
+    with contextlib.suppress(TimeoutError):
+        extra = await asyncio.wait_for(second.packet(), 0.3)
+        raise AssertionError(f"sent again: {extra!r}")

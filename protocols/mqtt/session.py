@@ -72,6 +72,9 @@ CONNECT_TIMEOUT = 10.0
 # enough to keep a subscriber busy while acks and the next reads cross Redis.
 DEFAULT_WINDOW = 256
 MAX_WINDOW = 1024  # cap on a v5 client's receive maximum, to bound memory per client
+# resend_ids key of a retained message in flight when the connection ended, stored in the
+# session's queue for the next one (by message id: its entry id is new)
+RESENT_RETAINED = "retained:"
 MAX_PENDING_PUBLISHES = 1024  # publishes awaiting the spool before input is paused
 # Window of a flow on a shared group's queue: the engine fills a flow's window from what is
 # spooled, so a small one spreads a burst over the group's members instead of one taking all.
@@ -203,6 +206,7 @@ class Session:
         # in the client's receive maximum (message, qos, subscription ids)
         self._retained_out = 0
         self._retained_waiting: deque[tuple[Message, int, list[int]]] = deque()
+        self._retained_inflight: dict[int, Message] = {}  # packet id -> retained message
         # queued QoS 1/2 deliveries waiting for room in the client's receive maximum, which
         # holds across the session's flows (its queue, its shared groups): each flow's own
         # window alone would let them exceed it together
@@ -772,7 +776,7 @@ class Session:
             if expiry == 0:
                 self._settle(queue, entry_id)
                 return
-        pid = self._packet_id(queue, entry_id, dup) if qos else None
+        pid, resent = self._packet_id(msg, entry_id) if qos else (None, False)
         if qos and pid is None:  # cannot happen while the window is below 65535
             flow = self._flows.get(queue) if queue is not None else None
             if flow is not None and entry_id is not None:
@@ -783,7 +787,7 @@ class Session:
             msg,
             qos=qos,
             packet_id=pid,
-            dup=dup and qos > 0,
+            dup=(dup or resent) and qos > 0,
             retain=retain,
             subscription_ids=sub_ids,
             expiry=expiry,
@@ -798,6 +802,8 @@ class Session:
             self._out_aliases[msg.destination] = alias[0]
         if pid is not None:
             self._inflight[pid] = (queue, entry_id, qos)
+            if queue is None:  # retained: kept to be stored should the connection end
+                self._retained_inflight[pid] = msg
         else:
             self._settle(queue, entry_id)
         self.link.send(data)
@@ -820,21 +826,22 @@ class Session:
         if flow is not None:
             flow.ack(entry_id)
 
-    def _packet_id(self, queue: str | None, entry_id: str | None, dup: bool) -> int | None:
-        """The id a message in flight when the last connection ended had (MQTT-4.4.0-1),
-        else a free one. The session's queue serves those messages before new ones, so its
-        first new message ends the resends (the rest were settled meanwhile)."""
+    def _packet_id(self, msg: Message, entry_id: str | None) -> tuple[int | None, bool]:
+        """(packet id, resent): the id a message in flight when the last connection ended
+        had (MQTT-4.4.0-1), by its entry (or, for a retained one stored for the resend, its
+        message id), else a free one. Ids kept for messages settled meanwhile stay unused
+        for the rest of the connection: at most a window of them."""
         state = self.state
-        if self._reserved and state is not None and queue == state.queue:
-            pid = state.resend_ids.pop(entry_id, None) if entry_id is not None else None
+        if self._reserved and state is not None:
+            resend = state.resend_ids
+            pid = resend.pop(entry_id, None) if entry_id is not None else None
+            if pid is None and msg.id:
+                pid = resend.pop(RESENT_RETAINED + msg.id, None)
             if pid is not None:
                 self._reserved.discard(pid)
                 if pid not in self._inflight:
-                    return pid
-            elif not dup:
-                state.resend_ids.clear()
-                self._reserved.clear()
-        return self._allocate_pid()
+                    return pid, True
+        return self._allocate_pid(), False
 
     def _allocate_pid(self) -> int | None:
         pubrel = self.state.pubrel_out if self.state is not None else ()
@@ -847,6 +854,7 @@ class Session:
 
     def _on_puback(self, p: Puback) -> None:
         item = self._inflight.pop(p.packet_id, None)
+        self._retained_inflight.pop(p.packet_id, None)
         if item is not None:
             if item[2] != 1:  # the QoS 2 flow answered as QoS 1
                 self._wrong_ack(item[2])
@@ -862,6 +870,7 @@ class Session:
         state = self.state
         assert state is not None
         item = self._inflight.pop(p.packet_id, None)
+        self._retained_inflight.pop(p.packet_id, None)
         if item is not None:
             if item[2] != 2:  # the QoS 1 flow answered as QoS 2
                 self._wrong_ack(item[2])
@@ -1172,7 +1181,7 @@ class Session:
             for token in self._direct.values():
                 self.broker.unsubscribe_direct(token)
             self._direct.clear()
-            self._keep_resend_ids()
+            await self._keep_in_flight()
             flows, self._flows = list(self._flows.values()), {}
             for flow in flows:
                 await flow.close()
@@ -1186,17 +1195,26 @@ class Session:
             if not self.detached.done():
                 self.detached.set_result(None)
 
-    def _keep_resend_ids(self) -> None:
-        """Note the packet ids of the session queue's messages in flight: the next connection
-        resends them with these ids (the queue's shared groups give theirs to others)."""
+    async def _keep_in_flight(self) -> None:
+        """Note the packet ids of the session queue's messages in flight, and store the
+        retained ones in flight in that queue: the next connection resends them with these
+        ids (the shared groups' messages go to other members)."""
         state = self.state
         if state is None or not state.persistent or state.queue is None:
             return
-        state.resend_ids = {
+        resend = {
             entry_id: pid
             for pid, (queue, entry_id, _) in self._inflight.items()
             if queue == state.queue and entry_id is not None
         }
+        for pid, msg in self._retained_inflight.items():
+            outcome = await self.broker.store_in(state.queue, msg)
+            if outcome.accepted:
+                resend[RESENT_RETAINED + msg.id] = pid
+            else:
+                log.info("MQTT client %r: retained message in flight not kept: %s",
+                         self.client_id, outcome.name)  # fmt: skip
+        state.resend_ids = resend
 
     def _send(self, packet: Packet) -> None:
         self.link.send(encode(packet, self.level))
