@@ -691,15 +691,18 @@ class Session:
             self._settle(queue, entry_id)
             return
         max_qos, retain_as_published, sub_ids = route
-        self._send_message(
-            msg,
-            queue,
-            entry_id,
-            qos=min(mapping.message_qos(msg), max_qos),
-            dup=dup,
-            retain=msg.retain and retain_as_published,
-            sub_ids=sub_ids,
-        )
+        qos = min(mapping.message_qos(msg), max_qos)
+        retain = msg.retain and retain_as_published
+        # a queued QoS 1/2 message waits while the client's receive maximum is full
+        # (MQTT-3.3.4-9, across all the session's flows), or while others wait before it
+        if (
+            qos
+            and queue is not None
+            and (self._held_out or len(self._inflight) + len(state.pubrel_out) >= self._window)
+        ):
+            self._held_out.append((msg, queue, entry_id, qos, dup, retain, sub_ids))
+            return
+        self._transmit(msg, queue, entry_id, qos, dup, retain, sub_ids)
 
     def _route(
         self, state: SessionState, filters: list[str], msg: Message
@@ -727,24 +730,6 @@ class Session:
         if direct and any(state.subscriptions[f].qos > 0 for f in matched):
             return []  # the queue delivers it
         return matched
-
-    def _send_message(
-        self,
-        msg: Message,
-        queue: str | None,
-        entry_id: str | None,
-        *,
-        qos: int,
-        dup: bool,
-        retain: bool,
-        sub_ids: list[int],
-    ) -> None:
-        """Send one message; a queued QoS 1/2 one waits while the client's receive maximum
-        is full (MQTT-3.3.4-9), or others wait before it."""
-        if qos and queue is not None and (self._held_out or not self._room()):
-            self._held_out.append((msg, queue, entry_id, qos, dup, retain, sub_ids))
-            return
-        self._transmit(msg, queue, entry_id, qos, dup, retain, sub_ids)
 
     def _room(self) -> bool:
         """The client's receive maximum has room for one more QoS 1/2 PUBLISH."""
@@ -776,7 +761,13 @@ class Session:
             if expiry == 0:
                 self._settle(queue, entry_id)
                 return
-        pid, resent = self._packet_id(msg, entry_id) if qos else (None, False)
+        resent = False
+        if not qos:
+            pid = None
+        elif self._reserved:
+            pid, resent = self._packet_id(msg, entry_id)
+        else:
+            pid = self._allocate_pid()
         if qos and pid is None:  # cannot happen while the window is below 65535
             flow = self._flows.get(queue) if queue is not None else None
             if flow is not None and entry_id is not None:
@@ -854,15 +845,16 @@ class Session:
 
     def _on_puback(self, p: Puback) -> None:
         item = self._inflight.pop(p.packet_id, None)
-        self._retained_inflight.pop(p.packet_id, None)
         if item is not None:
             if item[2] != 1:  # the QoS 2 flow answered as QoS 1
                 self._wrong_ack(item[2])
                 return
             self._settle(item[0], item[1])
             if item[0] is None or self._retained_waiting:
+                self._retained_inflight.pop(p.packet_id, None)
                 self._acked(item[0])
-            self._send_held_out()
+            if self._held_out:
+                self._send_held_out()
 
     def _on_pubrec(self, p: Pubrec) -> None:
         """QoS 2 out: the message is settled in the queue at PUBREC (the client owns it
@@ -1042,7 +1034,7 @@ class Session:
             if qos:
                 self._retained_waiting.append((msg, qos, sub_ids))
             else:
-                self._send_message(msg, None, None, qos=0, dup=False, retain=True, sub_ids=sub_ids)
+                self._transmit(msg, None, None, 0, False, True, sub_ids)
         self._send_retained_waiting()
 
     def _send_retained_waiting(self) -> None:
@@ -1056,7 +1048,7 @@ class Session:
                 return
             msg, qos, sub_ids = self._retained_waiting.popleft()
             sent = len(self._inflight)
-            self._send_message(msg, None, None, qos=qos, dup=False, retain=True, sub_ids=sub_ids)
+            self._transmit(msg, None, None, qos, False, True, sub_ids)
             self._retained_out += len(self._inflight) - sent
         self._resize_windows()
 
