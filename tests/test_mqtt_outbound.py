@@ -20,6 +20,7 @@ from tests.test_mqtt_hostile import (
     published,
     s,
     subscribe,
+    u32,
 )
 
 gw = test_mqtt_hostile.gw  # the MQTT listener fixture, failing a test on any ERROR log
@@ -340,3 +341,60 @@ async def test_a_retained_message_in_flight_is_resent_to_the_resumed_session(
     with contextlib.suppress(TimeoutError):
         extra = await asyncio.wait_for(second.packet(), 0.3)
         raise AssertionError(f"sent again: {extra!r}")
+
+
+def v5_publish_parts(packet: bytes) -> tuple[int, str, bytes, bytes]:
+    """QoS, topic, packet id bytes and payload of a v5 PUBLISH without properties."""
+    qos, topic, pid, rest = publish_parts(packet)
+    assert rest[:1] == b"\x00", "no properties"
+    return qos, topic, pid, rest[1:]
+
+
+async def test_a_shared_qos2_message_in_flight_waits_for_its_client(gw: Listener) -> None:
+    """MQTT-4.8.2-4: a shared group's QoS 2 message in flight when its client's connection
+    broke goes to that client when it reconnects (with DUP and its packet id), not to
+    another member of the group."""
+    expiry = props(u32(0x11, 300))
+    first = await connected(gw.port, 5, "sq-a", flags=0x00, cprops=expiry)
+    await first.send(subscribe(5, 1, ("$share/g/sq/#", 2)))
+    assert (await first.packet())[0] == 0x90
+    pub = await connected(gw.port, 4, "sq-pub")
+    await pub.send(publish(4, "sq/t", b"once", qos=2, pid=1))
+    assert await pub.packet() == b"\x50\x02\x00\x01"  # PUBREC
+    packet = await first.packet()
+    qos, topic, pid, payload = v5_publish_parts(packet)
+    assert (qos, topic, payload) == (2, "sq/t", b"once")
+    first.close()  # no PUBREC
+    other = await connected(gw.port, 5, "sq-b")
+    await other.send(subscribe(5, 1, ("$share/g/sq/#", 2)))
+    assert (await other.packet())[0] == 0x90
+    with contextlib.suppress(TimeoutError):
+        extra = await asyncio.wait_for(other.packet(), 0.5)
+        raise AssertionError(f"another member got it: {extra!r}")
+    again = await connected(gw.port, 5, "sq-a", flags=0x00, cprops=expiry)
+    packet = await again.packet()
+    assert packet[0] & 0x08, "DUP"
+    assert v5_publish_parts(packet) == (2, "sq/t", pid, b"once")
+    await again.send(b"\x50\x02" + pid)  # PUBREC
+    assert await again.packet() == b"\x62\x02" + pid  # PUBREL
+    await again.send(b"\x70\x02" + pid)  # PUBCOMP
+
+
+async def test_a_shared_qos2_message_in_flight_to_an_ended_session_goes_to_no_one(
+    gw: Listener,
+) -> None:
+    """MQTT-4.8.2-5: once that client's session ended, no other member gets it."""
+    first = await connected(gw.port, 5, "se-a")  # session expiry 0: it ends at the drop
+    await first.send(subscribe(5, 1, ("$share/g/se/#", 2)))
+    assert (await first.packet())[0] == 0x90
+    pub = await connected(gw.port, 4, "se-pub")
+    await pub.send(publish(4, "se/t", b"once", qos=2, pid=1))
+    assert await pub.packet() == b"\x50\x02\x00\x01"
+    assert v5_publish_parts(await first.packet())[3] == b"once"
+    other = await connected(gw.port, 5, "se-b")
+    await other.send(subscribe(5, 1, ("$share/g/se/#", 2)))
+    assert (await other.packet())[0] == 0x90
+    first.close()
+    with contextlib.suppress(TimeoutError):
+        extra = await asyncio.wait_for(other.packet(), 0.5)
+        raise AssertionError(f"another member got it: {extra!r}")

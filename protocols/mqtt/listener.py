@@ -159,7 +159,8 @@ class Registry:
             timer.cancel()
         state = None if clean_start else await self._load(client_id)
         if state is not None and old is not None and old.state is not None:
-            state.resend_ids = old.state.resend_ids  # a takeover here saves no state
+            # a takeover here saves no state
+            state.resend_ids, state.resend_shared = old.state.resend_ids, old.state.resend_shared
         present = state is not None
         if state is None:
             await self._forget(client_id, clean_start)

@@ -72,9 +72,9 @@ CONNECT_TIMEOUT = 10.0
 # enough to keep a subscriber busy while acks and the next reads cross Redis.
 DEFAULT_WINDOW = 256
 MAX_WINDOW = 1024  # cap on a v5 client's receive maximum, to bound memory per client
-# resend_ids key of a retained message in flight when the connection ended, stored in the
+# resend_ids key of a message in flight when the connection ended that was stored in the
 # session's queue for the next one (by message id: its entry id is new)
-RESENT_RETAINED = "retained:"
+RESENT_BY_ID = "id:"
 MAX_PENDING_PUBLISHES = 1024  # publishes awaiting the spool before input is paused
 # Window of a flow on a shared group's queue: the engine fills a flow's window from what is
 # spooled, so a small one spreads a burst over the group's members instead of one taking all.
@@ -206,7 +206,9 @@ class Session:
         # in the client's receive maximum (message, qos, subscription ids)
         self._retained_out = 0
         self._retained_waiting: deque[tuple[Message, int, list[int]]] = deque()
-        self._retained_inflight: dict[int, Message] = {}  # packet id -> retained message
+        # packet id -> a message in flight that no queue of the session keeps for a resend:
+        # a retained one, or a shared group's QoS 2 one (only this client may get it, §4.8.2)
+        self._kept: dict[int, Message] = {}
         # queued QoS 1/2 deliveries waiting for room in the client's receive maximum, which
         # holds across the session's flows (its queue, its shared groups): each flow's own
         # window alone would let them exceed it together
@@ -667,6 +669,8 @@ class Session:
         if state is None or self.closing:
             return
         shared = self._shared.get(queue) if queue is not None else None
+        if shared is None and state.resend_shared and queue == state.queue:
+            shared = state.resend_shared.pop(msg.id, None)  # a group's, kept for this client
         if shared is not None:  # a shared group's queue: that one subscription
             route = self._route(state, [shared] if shared in state.subscriptions else [], msg)
         elif entry_id is not None and self._sent_direct and msg.id in self._sent_direct:
@@ -793,8 +797,8 @@ class Session:
             self._out_aliases[msg.destination] = alias[0]
         if pid is not None:
             self._inflight[pid] = (queue, entry_id, qos)
-            if queue is None:  # retained: kept to be stored should the connection end
-                self._retained_inflight[pid] = msg
+            if queue is None or (qos == 2 and queue in self._shared):
+                self._kept[pid] = msg  # stored for the next connection should this one end
         else:
             self._settle(queue, entry_id)
         self.link.send(data)
@@ -827,7 +831,7 @@ class Session:
             resend = state.resend_ids
             pid = resend.pop(entry_id, None) if entry_id is not None else None
             if pid is None and msg.id:
-                pid = resend.pop(RESENT_RETAINED + msg.id, None)
+                pid = resend.pop(RESENT_BY_ID + msg.id, None)
             if pid is not None:
                 self._reserved.discard(pid)
                 if pid not in self._inflight:
@@ -851,7 +855,7 @@ class Session:
                 return
             self._settle(item[0], item[1])
             if item[0] is None or self._retained_waiting:
-                self._retained_inflight.pop(p.packet_id, None)
+                self._kept.pop(p.packet_id, None)
                 self._acked(item[0])
             if self._held_out:
                 self._send_held_out()
@@ -862,7 +866,7 @@ class Session:
         state = self.state
         assert state is not None
         item = self._inflight.pop(p.packet_id, None)
-        self._retained_inflight.pop(p.packet_id, None)
+        self._kept.pop(p.packet_id, None)
         if item is not None:
             if item[2] != 2:  # the QoS 1 flow answered as QoS 2
                 self._wrong_ack(item[2])
@@ -1188,25 +1192,41 @@ class Session:
                 self.detached.set_result(None)
 
     async def _keep_in_flight(self) -> None:
-        """Note the packet ids of the session queue's messages in flight, and store the
-        retained ones in flight in that queue: the next connection resends them with these
-        ids (the shared groups' messages go to other members)."""
+        """Note the packet ids of the session queue's messages in flight, and store those
+        in flight that no queue of the session keeps (`_kept`) in that queue: the next
+        connection resends them with these ids. A shared group's QoS 2 message in flight
+        is taken from the group: it goes to this client alone (MQTT-4.8.2-4), and to no
+        one once the session ends (MQTT-4.8.2-5); its QoS 1 ones go to other members."""
         state = self.state
-        if state is None or not state.persistent or state.queue is None:
+        if state is None:
+            return
+        kept = [(pid, msg, self._inflight[pid]) for pid, msg in self._kept.items()
+                if pid in self._inflight]  # fmt: skip
+        if not state.persistent:
+            for _, _, (queue, entry_id, _) in kept:
+                self._settle(queue, entry_id)
+            return
+        if state.queue is None and any(queue for _, _, (queue, _, _) in kept):
+            state.queue = await self.registry.create_queue(state, self.access_user)
+        if state.queue is None:
             return
         resend = {
             entry_id: pid
             for pid, (queue, entry_id, _) in self._inflight.items()
             if queue == state.queue and entry_id is not None
         }
-        for pid, msg in self._retained_inflight.items():
+        routes: dict[str, str] = {}
+        for pid, msg, (queue, entry_id, _) in kept:
             outcome = await self.broker.store_in(state.queue, msg)
-            if outcome.accepted:
-                resend[RESENT_RETAINED + msg.id] = pid
-            else:
-                log.info("MQTT client %r: retained message in flight not kept: %s",
+            if not outcome.accepted:
+                log.info("MQTT client %r: message in flight not kept: %s",
                          self.client_id, outcome.name)  # fmt: skip
-        state.resend_ids = resend
+                continue
+            resend[RESENT_BY_ID + msg.id] = pid
+            if queue is not None:  # routed by its group's filter when resent
+                routes[msg.id] = self._shared[queue]
+                self._settle(queue, entry_id)
+        state.resend_ids, state.resend_shared = resend, routes
 
     def _send(self, packet: Packet) -> None:
         self.link.send(encode(packet, self.level))

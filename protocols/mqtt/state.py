@@ -55,6 +55,9 @@ class SessionState:
     # QoS 1/2 messages of the session's queue in flight when its last connection ended:
     # entry id -> packet id, resent with that id (MQTT-4.4.0-1)
     resend_ids: dict[str, int] = field(default_factory=dict)
+    # shared groups' QoS 2 messages stored in the session's queue for a resend: message id
+    # -> the `$share/...` filter that delivered it
+    resend_shared: dict[str, str] = field(default_factory=dict)
     version: int = 0  # moves with every change of the subscriptions (delivery caches key on it)
     user: str | None = None  # who owns the session: only that user may connect as client_id
 
@@ -92,6 +95,7 @@ class SessionState:
             "subs": subs,
             "pubrel": sorted(self.pubrel_out),
             "resend": self.resend_ids,
+            "resend_shared": self.resend_shared,
             "user": self.user,
         }
         return json.dumps(blob, separators=(",", ":")).encode()
@@ -106,5 +110,6 @@ class SessionState:
                 state.set_subscription_id(pattern, sub_id)
         state.pubrel_out = set(blob["pubrel"])
         state.resend_ids = blob.get("resend", {})  # absent in states saved before
+        state.resend_shared = blob.get("resend_shared", {})
         state.user = blob.get("user")  # absent in states saved before owners were recorded
         return state
