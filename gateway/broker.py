@@ -207,9 +207,16 @@ class Broker:
                 fut.set_result(Outcome.NO_SUBSCRIBERS)
                 return self._retain_after(msg, fut, done) if msg.retain else fut
         retain = msg.retain and not msg.to_queue
-        fut = self.spooler.submit(
+        fut = self._spool(queues, msg.to_queue, msg, None if retain else done)
+        return self._retain_after(msg, fut, done) if retain else fut
+
+    def _spool(
+        self, queues: Collection[str], named: bool, msg: Message, done: Done | None
+    ) -> asyncio.Future[Outcome] | None:
+        """Hand `msg` to the spooler for `queues` (`named`: by name, not by its topic)."""
+        return self.spooler.submit(
             queues,
-            msg.to_queue,
+            named,
             len(msg.payload),
             msg.partition_key,
             msg.expiration,
@@ -217,9 +224,8 @@ class Broker:
             min(max(msg.priority, 0), 9),
             msg.not_before,
             encode(msg),
-            None if retain else done,
+            done,
         )
-        return self._retain_after(msg, fut, done) if retain else fut
 
     def _retain_after(
         self, msg: Message, spooled: asyncio.Future[Outcome], done: Done | None
@@ -244,21 +250,11 @@ class Broker:
 
     async def store_in(self, queue: str, msg: Message) -> Outcome:
         """Spool `msg` into `queue` alone, its destination kept: a message one consumer
-        must get again from there (an MQTT retained message in flight when its session's
-        connection ended)."""
+        must get again from there (an MQTT message in flight, retained or a shared
+        group's QoS 2 one, when its session's connection ended)."""
         if not msg.id:
             msg.id = new_message_id()
-        stored = self.spooler.submit(
-            (queue,),
-            True,
-            len(msg.payload),
-            msg.partition_key,
-            msg.expiration,
-            self.router.spool_properties(msg),
-            min(max(msg.priority, 0), 9),
-            msg.not_before,
-            encode(msg),
-        )
+        stored = self._spool((queue,), True, msg, None)
         assert stored is not None  # a future: no `done` was given
         return await stored
 
