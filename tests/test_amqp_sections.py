@@ -16,7 +16,7 @@ from proton import Message as AmqpMessage
 from proton import byte, char, int32, short, symbol, ubyte, ulong
 
 from gateway.model import Delivery, Message, Publisher, bound_times, decode, encode
-from protocols.amqp import mapping, sections
+from protocols.amqp import framing, mapping, sections
 
 PUB = Publisher("amqp", "c1", "alice")
 NOW = int(time.time() * 1000)
@@ -393,3 +393,27 @@ def test_mutated_messages_are_taken_or_refused_as_bodies(
     msg.destination = "q"
     bound_times(msg)
     assert decode(encode(msg)).payload == msg.payload
+
+
+def test_a_symbolic_properties_section_without_to_gets_it_filled_in() -> None:
+    def sym(name: str) -> bytes:
+        return bytes((0xA3, len(name))) + name.encode()
+
+    def str8(text: str) -> bytes:
+        return bytes((0xA1, len(text))) + text.encode()
+
+    # properties (symbolic descriptor) with only message-id, then a data section
+    props_list = bytes((0xC0, 1 + len(str8("m1")), 1)) + str8("m1")
+    properties = b"\x00" + sym("amqp:properties:list") + props_list
+    body = b"\x00\x53\x75" + bytes((0xA0, 3)) + b"abc"
+    data = properties + body
+    framing.check_message(data)  # what the gateway accepts from a publisher
+    ingress = mapping.decode(data, PUB)
+    msg = ingress.message
+    msg.destination, msg.to_queue = "q", True
+    sections.address_bare(msg)
+    out = sections.encode(Delivery("q", "1-0", decode(encode(msg))))
+    framing.check_message(out)  # one properties section (§3.2: at most one of each)
+    got = AmqpMessage()
+    got.decode(out)
+    assert (got.id, got.address, bytes(got.body)) == ("m1", "q", b"abc")

@@ -5,6 +5,7 @@ out returned messages honours it: plain, message groups, sorted, selector consum
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -55,3 +56,90 @@ async def test_an_avoided_message_goes_to_another_consumer(
         await asyncio.sleep(0.02)
     assert (await broker.queues.info("q")).messages == 0
     assert not await broker.redis.exists(keys.queue_avoid("q")), "settled: none to avoid"
+
+
+async def drained(broker: Broker, q: str) -> None:
+    for _ in range(200):
+        if (await broker.queues.info(q)).messages == 0:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("queue not drained")
+
+
+async def test_an_avoided_message_that_expires_leaves_the_avoid_list(broker: Broker) -> None:
+    await broker.declare_queue(QueueConfig(name="q"))
+    expiration = int(time.time() * 1000) + 400
+    await broker.publish(
+        Message(destination="q", to_queue=True, payload=b"m", expiration=expiration)
+    )
+    got: list[Delivery] = []
+    a = await broker.bind("q", got.append, window=5)
+    await wait_for(lambda: len(got) == 1)
+    a.avoid(got[0].entry_id, False)
+    await asyncio.sleep(0.6)  # expired
+    other: list[Delivery] = []
+    await broker.bind("q", other.append, window=5)  # its fetch drops the expired entry
+    await drained(broker, "q")
+    await asyncio.sleep(0.2)
+    assert other == []
+    left = await broker.redis.hgetall(keys.queue_avoid("q"))
+    assert not left, f"entries no longer on the queue still avoided: {left}"
+
+
+async def test_an_avoided_message_dead_lettered_leaves_the_avoid_list(broker: Broker) -> None:
+    await broker.declare_queue(QueueConfig(name="q", max_redelivery=1))
+    await broker.publish(Message(destination="q", to_queue=True, payload=b"m"))
+    got: list[Delivery] = []
+    a = await broker.bind("q", got.append, window=5)
+    await wait_for(lambda: len(got) == 1)
+    a.avoid(got[0].entry_id, True)  # delivery-failed: counts, past max_redelivery
+    other: list[Delivery] = []
+    b = await broker.bind("q", other.append, window=5)
+    await wait_for(lambda: len(other) == 1)
+    b.requeue(other[0].entry_id)  # counts again: past max_redelivery, dead-lettered
+    await drained(broker, "q")
+    await asyncio.sleep(0.2)
+    print("deliveries to b:", [(d.message.payload, d.delivery_count) for d in other])
+    left = await broker.redis.hgetall(keys.queue_avoid("q"))
+    assert not left, f"entries no longer on the queue still avoided: {left}"
+
+
+async def test_avoid_on_a_priority_queue(broker: Broker) -> None:
+    await broker.declare_queue(QueueConfig(name="pq", priorities=True))
+    await broker.publish(Message(destination="pq", to_queue=True, payload=b"m1", priority=7))
+    first: list[Delivery] = []
+    a = await broker.bind("pq", first.append, window=5)
+    await wait_for(lambda: len(first) == 1)
+    a.avoid(first[0].entry_id, False)  # settled on the level's child queue
+    await broker.publish(Message(destination="pq", to_queue=True, payload=b"m2", priority=7))
+    await wait_for(lambda: len(first) == 2)
+    await asyncio.sleep(0.3)
+    assert [d.message.payload for d in first] == [b"m1", b"m2"]
+    other: list[Delivery] = []
+    b = await broker.bind("pq", other.append, window=5)
+    await wait_for(lambda: len(other) == 1)
+    a.ack(first[1].entry_id)
+    b.ack(other[0].entry_id)
+    await drained(broker, "pq")
+    for p in range(10):
+        assert not await broker.redis.exists(keys.queue_avoid(keys.priority_queue("pq", p)))
+
+
+async def test_a_released_message_behind_many_avoided_ones_reaches_the_consumer(
+    broker: Broker,
+) -> None:
+    """A fetch looks past every returned entry its flow avoids, however many."""
+    n = 1002
+    await broker.declare_queue(QueueConfig(name="q"))
+    for i in range(n):
+        await broker.publish(Message(destination="q", to_queue=True, payload=b"m%d" % i))
+    got: list[Delivery] = []
+    a = await broker.bind("q", got.append, window=2 * n)
+    await wait_for(lambda: len(got) == n, timeout=20)
+    a.set_window(1)  # fetches of one entry from here
+    for d in got[:-1]:
+        a.avoid(d.entry_id, False)  # 1001 the consumer cannot take
+    last = got[-1]
+    a.release(last.entry_id)  # any consumer, this one too, may take it
+    await wait_for(lambda: len(got) == n + 1, timeout=5)
+    assert got[-1].message.payload == last.message.payload

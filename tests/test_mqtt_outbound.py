@@ -8,6 +8,8 @@ import asyncio
 import contextlib
 import struct
 
+import pytest
+
 from protocols.listening import Listener
 from tests import test_mqtt_hostile
 from tests.test_mqtt_codec import frame
@@ -20,6 +22,7 @@ from tests.test_mqtt_hostile import (
     published,
     s,
     subscribe,
+    u16,
     u32,
 )
 
@@ -398,3 +401,84 @@ async def test_a_shared_qos2_message_in_flight_to_an_ended_session_goes_to_no_on
     with contextlib.suppress(TimeoutError):
         extra = await asyncio.wait_for(other.packet(), 0.5)
         raise AssertionError(f"another member got it: {extra!r}")
+
+
+def parts5(packet: bytes) -> tuple[int, bool, bytes, bytes]:
+    """QoS, DUP, packet id and (properties + payload) of a v5 PUBLISH."""
+    size = struct.unpack("!H", packet[2:4])[0]
+    at = 4 + size
+    return packet[0] >> 1 & 3, bool(packet[0] & 0x08), packet[at : at + 2], packet[at + 2 :]
+
+
+async def test_ids_of_messages_not_yet_resent_survive_a_second_drop(gw: Listener) -> None:
+    """A connection that ends before it resent all of the last one's messages keeps the
+    ids of those it did not resend for the next."""
+    expiry = u32(0x11, 300)
+    first = await connected(gw.port, 5, "rk", flags=0x00, cprops=props(expiry))
+    await first.send(subscribe(5, 1, ("rk/#", 1)))
+    assert (await first.packet())[0] == 0x90
+    pub = await connected(gw.port, 4, "rk-pub")
+    for i in range(3):
+        await published(pub, 4, "rk/t", b"m%d" % i, pid=i + 1)
+    ids = {}
+    for i in range(3):
+        qos, dup, pid, rest = parts5(await first.packet())
+        assert qos == 1 and rest.endswith(b"m%d" % i)
+        ids[i] = pid
+    await first.send(b"\x40\x02" + ids[0])  # m0 acknowledged; m1, m2 in flight
+    await asyncio.sleep(0.2)
+    first.close()
+    await asyncio.sleep(0.3)
+
+    # receive maximum 1: m1 is resent, m2 waits for room; the connection drops again
+    second = await connected(gw.port, 5, "rk", flags=0x00, cprops=props(expiry + u16(0x21, 1)))
+    qos, dup, pid, rest = parts5(await second.packet())
+    assert rest.endswith(b"m1") and pid == ids[1] and dup
+    await asyncio.sleep(0.3)
+    second.close()
+    await asyncio.sleep(0.3)
+
+    third = await connected(gw.port, 5, "rk", flags=0x00, cprops=props(expiry))
+    got = {}
+    for _ in range(2):
+        qos, dup, pid, rest = parts5(await third.packet())
+        got[rest[-2:]] = (pid, dup)
+        await third.send(b"\x40\x02" + pid)
+    assert got[b"m1"] == (ids[1], True)
+    assert got[b"m2"] == (ids[2], True), "m2 was sent (unacknowledged) with another id"
+    third.close()
+    pub.close()
+
+
+async def published2(peer: Peer, topic: str, payload: bytes, pid: int) -> None:
+    await peer.send(publish(4, topic, payload, qos=2, pid=pid))
+    assert await peer.packet() == b"\x50\x02" + struct.pack("!H", pid)
+    await peer.send(b"\x62\x02" + struct.pack("!H", pid))
+    assert await peer.packet() == b"\x70\x02" + struct.pack("!H", pid)
+
+
+@pytest.mark.parametrize("rc", [0x00, 0x80], ids=["pubrec-ok", "pubrec-failed"])
+async def test_a_pubrec_lets_the_next_waiting_delivery_go(gw: Listener, rc: int) -> None:
+    """A PUBREC that fails ends the exchange: the next delivery waiting for room goes."""
+    sub = await connected(gw.port, 5, f"prc-sub{rc}", cprops=props(u16(0x21, 1)))
+    await sub.send(subscribe(5, 1, ("prc/a/#", 2), ("$share/g/prc/b/#", 2)))
+    assert (await sub.packet())[0] == 0x90
+    pub = await connected(gw.port, 4, "prc-pub")
+    await published2(pub, "prc/a/t", b"m0", 1)
+    first = await sub.packet()
+    await published2(pub, "prc/b/t", b"m1", 2)  # the shared group's: waits for room
+    await asyncio.sleep(0.3)
+    assert first[0] >> 4 == 3 and first.endswith(b"m0"), first
+    size = struct.unpack("!H", first[2:4])[0]
+    pid = first[4 + size : 6 + size]
+    await sub.send(b"\x50\x03" + pid + bytes((rc,)))  # 0x80: unspecified error, exchange over
+    if rc == 0:  # control: the exchange completes, PUBCOMP frees the slot
+        assert await sub.packet() == b"\x62\x02" + pid
+        await sub.send(b"\x70\x02" + pid)
+    try:
+        second = await asyncio.wait_for(sub.packet(), 3)
+    except TimeoutError:
+        raise AssertionError("m1 never sent though the receive maximum has room") from None
+    assert second[0] >> 4 == 3 and second.endswith(b"m1"), second
+    sub.close()
+    pub.close()

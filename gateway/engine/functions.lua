@@ -296,7 +296,6 @@ local function avoid(q, ids, flow)
   end
 end
 
-local AVOID_SCAN = 1000  -- returned entries a fetch looks past for those a flow avoids
 local function avoid_key(q)
   local h = k_queue_avoid(q)
   return redis.call('EXISTS', h) == 1 and h
@@ -807,9 +806,11 @@ local function commit_drop(q)
   q.plan = nil
   local n = #plan.ids
   if n == 0 then return end
+  local avoiding = #plan.held > 0 and avoid_key(q.name)
   for _, h in ipairs(plan.held) do  -- out of the holding consumer (and a sorted index)
     redis.call('XACK', q.stream, GROUP, h[1])
     unindex(q.name, h[1], h[2])
+    if avoiding then redis.call('HDEL', avoiding, h[1]) end
   end
   ids_call('XDEL', q.stream, plan.ids, 1, n)
   q.delivered_upto = plan.after
@@ -853,6 +854,7 @@ local function dead_letter(q, s, id, blob, reason, to_dmq)
   local kh = #e > 0 and entry_field(e[1][2], 'kh')
   redis.call('XACK', s, GROUP, id)
   if redis.call('EXISTS', k_queue_readers(q)) == 0 then redis.call('XDEL', s, id) end
+  redis.call('HDEL', k_queue_avoid(q), id)  -- gone for good: no flow to avoid any more
   local st = k_queue_stats(q)
   account(q, -1, -#blob)
   redis.call('HINCRBY', st, reason, 1)
@@ -1213,9 +1215,10 @@ local function held_entries(s, scan)
 end
 
 local function fetch_grouped(q, s, flow, count, mode, default_group, lim, out)
-  local held = held_entries(s, math.max(count * 4, 64))
+  local avoiding = avoid_key(q)  -- entries this flow must not get: looked past
+  local scan = math.max(count * 4, 64) + (avoiding and redis.call('HLEN', avoiding) or 0)
+  local held = held_entries(s, scan)
   local groups, gheld = k_queue_groups(q), k_queue_group_held(q)
-  local avoiding = avoid_key(q)
   local taken = 0
   for _, e in ipairs(held) do
     if taken >= count then break end
@@ -1312,7 +1315,7 @@ local function fetch_stream(q, s, flow, count, lim, out, prefix)
     end
   end
   local avoiding = avoid_key(q)  -- returned entries this flow must not get: left for others
-  local scan = avoiding and count + math.min(redis.call('HLEN', avoiding), AVOID_SCAN) or count
+  local scan = avoiding and count + redis.call('HLEN', avoiding) or count
   local ids, counts = {}, {}
   for _, e in ipairs(redis.call('XPENDING', s, GROUP, '-', '+', scan, RETURNED)) do
     if #ids < count and not avoided(avoiding, e[1], flow) then

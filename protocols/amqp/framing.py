@@ -72,8 +72,7 @@ def bare_range(data: bytes) -> tuple[int, int]:
     start = end = len(data)
     pos = 0
     while pos < len(data):
-        descriptor, after = _descriptor(data, pos + 1)
-        code = descriptor if descriptor in SECTION_CODES else SECTION_NAMES.get(descriptor)
+        code, after = section_at(data, pos)
         if code == FOOTER:
             end = pos
             break
@@ -88,13 +87,20 @@ def section_span(data: bytes, wanted: int) -> tuple[int, int]:
     when it has none."""
     pos = 0
     while pos < len(data):
-        descriptor, after = _descriptor(data, pos + 1)
-        code = descriptor if descriptor in SECTION_CODES else SECTION_NAMES.get(descriptor)
+        code, after = section_at(data, pos)
         end = _skip(data, after, 0)
         if code == wanted:
             return pos, end
         pos = end
     return 0, 0
+
+
+def section_at(data: bytes, pos: int) -> tuple[int | None, int]:
+    """The code of the section starting at pos (a numeric or symbolic descriptor; None
+    for one that names no section) and the offset of its value."""
+    descriptor, after = _descriptor(data, pos + 1)
+    code = descriptor if descriptor in SECTION_CODES else SECTION_NAMES.get(descriptor)
+    return code, after
 
 
 def compound_items(buf: bytes, pos: int) -> tuple[list[bytes], int]:

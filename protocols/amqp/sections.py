@@ -436,7 +436,7 @@ def _merged(section: bytes, ours: dict[str, PropertyValue], to_queue: bool) -> b
         merged = _MERGED.get((section, to_queue))
         if merged is not None:
             return merged
-    items, _ = framing.compound_items(section, 3 if section[1] == 0x53 else 10)
+    items, _ = framing.compound_items(section, framing.section_at(section, 0)[1])
     kept: list[bytes] = []
     for key, value in zip(items[::2], items[1::2], strict=True):
         code = key[0]  # a symbol key may be one of ours
@@ -447,7 +447,7 @@ def _merged(section: bytes, ours: dict[str, PropertyValue], to_queue: bool) -> b
         kept += (_sym(name), _value(value))
     kept += (b"\xa3\x0ex-opt-jms-dest", b"\x51\x00" if to_queue else b"\x51\x01")
     merged = _section(MESSAGE_ANN, _compound(0xC1, 0xD1, kept))
-    if not ours and len(_MERGED) < _MERGED_MAX:
+    if not ours and len(_MERGED) < _MERGED_MAX and len(section) <= _MERGED_SIZE:
         _MERGED[section, to_queue] = merged
     return merged
 
@@ -467,6 +467,7 @@ _DATA = bytes((0x00, 0x53, DATA))
 # producer's messages mostly carry the same ones.
 _MERGED: dict[tuple[bytes, bool], bytes] = {}
 _MERGED_MAX = 256
+_MERGED_SIZE = 1024  # longer sections are merged each time: the cache stays small
 
 
 def encode(delivery: Delivery, now_ms: int | None = None) -> bytes:
@@ -547,11 +548,8 @@ def address_bare(msg: Message) -> None:
     bare = msg.amqp_bare
     if bare is None:
         return
-    if bare[1] == 0x53 and bare[2] == PROPERTIES:
-        head = 3
-    elif bare[1] == 0x80 and _Q(bare, 2)[0] == PROPERTIES:
-        head = 10
-    else:  # no properties section: one with only `to` goes first
+    code, head = framing.section_at(bare, 0)
+    if code != PROPERTIES:  # no properties section: one with only `to` goes first
         head = 0
     if head:
         items, end = framing.compound_items(bare, head)

@@ -75,6 +75,7 @@ MAX_WINDOW = 1024  # cap on a v5 client's receive maximum, to bound memory per c
 # resend_ids key of a message in flight when the connection ended that was stored in the
 # session's queue for the next one (by message id: its entry id is new)
 RESENT_BY_ID = "id:"
+MAX_RESEND_IDS = 4096  # packet ids kept from earlier connections, at most
 MAX_PENDING_PUBLISHES = 1024  # publishes awaiting the spool before input is paused
 # Window of a flow on a shared group's queue: the engine fills a flow's window from what is
 # spooled, so a small one spreads a burst over the group's members instead of one taking all.
@@ -878,6 +879,8 @@ class Session:
                 self._send(Pubrel(p.packet_id))
             if item[0] is None or self._retained_waiting:
                 self._acked(item[0])
+            if self._held_out:  # a failed PUBREC ended the exchange: room for one more
+                self._send_held_out()
         elif p.packet_id in state.pubrel_out:
             self._send(Pubrel(p.packet_id))
         elif self.level == 5:
@@ -1210,12 +1213,14 @@ class Session:
             state.queue = await self.registry.create_queue(state, self.access_user)
         if state.queue is None:
             return
-        resend = {
-            entry_id: pid
+        # those of the last connection's that this one did not resend yet stay
+        resend = dict(list(state.resend_ids.items())[-MAX_RESEND_IDS:])
+        resend.update(
+            (entry_id, pid)
             for pid, (queue, entry_id, _) in self._inflight.items()
             if queue == state.queue and entry_id is not None
-        }
-        routes: dict[str, str] = {}
+        )
+        routes = dict(state.resend_shared)
         for pid, msg, (queue, entry_id, _) in kept:
             outcome = await self.broker.store_in(state.queue, msg)
             if not outcome.accepted:
