@@ -482,3 +482,24 @@ async def test_a_pubrec_lets_the_next_waiting_delivery_go(gw: Listener, rc: int)
     assert second[0] >> 4 == 3 and second.endswith(b"m1"), second
     sub.close()
     pub.close()
+
+
+async def test_a_qos2_message_of_a_group_left_before_the_drop(gw: Listener) -> None:
+    """A shared QoS 2 message still in flight after the client left the group: the drop
+    that follows ends the connection cleanly (the group's queue had the message back), and
+    the session resumes."""
+    expiry = props(u32(0x11, 300))
+    first = await connected(gw.port, 5, "lg-a", flags=0x00, cprops=expiry)
+    await first.send(subscribe(5, 1, ("$share/g/lg/#", 2)))
+    assert (await first.packet())[0] == 0x90
+    pub = await connected(gw.port, 4, "lg-pub")
+    await pub.send(publish(4, "lg/t", b"once", qos=2, pid=1))
+    assert await pub.packet() == b"\x50\x02\x00\x01"
+    assert v5_publish_parts(await first.packet())[3] == b"once"
+    await first.send(frame(0xA2, struct.pack("!H", 2) + b"\x00" + s("$share/g/lg/#")))
+    assert (await first.packet())[0] == 0xB0  # UNSUBACK
+    first.close()
+    again = await Peer.open(gw.port)
+    await again.send(connect(5, "lg-a", flags=0x00, cprops=expiry))
+    ack = await again.packet()
+    assert ack[0] == 0x20 and ack[2:4] == b"\x01\x00", "session present, accepted"

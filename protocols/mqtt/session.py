@@ -826,7 +826,7 @@ class Session:
         """(packet id, resent): the id a message in flight when the last connection ended
         had (MQTT-4.4.0-1), by its entry (or, for a retained one stored for the resend, its
         message id), else a free one. Ids kept for messages settled meanwhile stay unused
-        for the rest of the connection: at most a window of them."""
+        for the rest of the connection: at most MAX_RESEND_IDS of them."""
         state = self.state
         if self._reserved and state is not None:
             resend = state.resend_ids
@@ -1209,29 +1209,41 @@ class Session:
             for _, _, (queue, entry_id, _) in kept:
                 self._settle(queue, entry_id)
             return
+        if state.queue is not None:  # the last connection's not resent yet stay too
+            resend = dict(list(state.resend_ids.items())[-MAX_RESEND_IDS:])
+            resend.update(
+                (entry_id, pid)
+                for pid, (queue, entry_id, _) in self._inflight.items()
+                if queue == state.queue and entry_id is not None
+            )
+            state.resend_ids = resend
+        if len(state.resend_shared) > MAX_RESEND_IDS:  # routes of messages not seen again
+            state.resend_shared = dict(list(state.resend_shared.items())[-MAX_RESEND_IDS:])
+        try:
+            await self._store_in_flight(state, kept)
+        except Exception as exc:  # the teardown goes on: those go as before
+            log.warning("MQTT client %r: messages in flight not kept: %s", self.client_id, exc)
+
+    async def _store_in_flight(
+        self, state: SessionState, kept: list[tuple[int, Message, tuple[Any, ...]]]
+    ) -> None:
+        """Store `kept` (packet id, message, in-flight entry) in the session's queue."""
         if state.queue is None and any(queue for _, _, (queue, _, _) in kept):
             state.queue = await self.registry.create_queue(state, self.access_user)
         if state.queue is None:
             return
-        # those of the last connection's that this one did not resend yet stay
-        resend = dict(list(state.resend_ids.items())[-MAX_RESEND_IDS:])
-        resend.update(
-            (entry_id, pid)
-            for pid, (queue, entry_id, _) in self._inflight.items()
-            if queue == state.queue and entry_id is not None
-        )
-        routes = dict(state.resend_shared)
         for pid, msg, (queue, entry_id, _) in kept:
+            if queue is not None and queue not in self._shared:
+                continue  # its group was left: the group's queue had it back
             outcome = await self.broker.store_in(state.queue, msg)
             if not outcome.accepted:
                 log.info("MQTT client %r: message in flight not kept: %s",
                          self.client_id, outcome.name)  # fmt: skip
                 continue
-            resend[RESENT_BY_ID + msg.id] = pid
+            state.resend_ids[RESENT_BY_ID + msg.id] = pid
             if queue is not None:  # routed by its group's filter when resent
-                routes[msg.id] = self._shared[queue]
+                state.resend_shared[msg.id] = self._shared[queue]
                 self._settle(queue, entry_id)
-        state.resend_ids, state.resend_shared = resend, routes
 
     def _send(self, packet: Packet) -> None:
         self.link.send(encode(packet, self.level))
