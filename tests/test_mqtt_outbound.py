@@ -312,13 +312,11 @@ async def test_a_delivery_waiting_for_room_goes_with_its_shared_subscription(
     first = await client.packet()
     await published(pub, 4, "rl/b/x", b"shared", pid=2)  # waits: receive maximum 1
     await asyncio.sleep(0.2)
-    await client.send(frame(0xA2, struct.pack("!H", 2) + b"\x00" + s("$share/g/rl/b/#")))
+    await client.send(unsubscribe5(2, "$share/g/rl/b/#"))
     assert (await client.packet())[0] == 0xB0  # UNSUBACK
     topic_size = struct.unpack("!H", first[2:4])[0]
     await client.send(b"\x40\x02" + first[4 + topic_size : 6 + topic_size])
-    with contextlib.suppress(TimeoutError):
-        extra = await asyncio.wait_for(client.packet(), 0.5)
-        raise AssertionError(f"sent after the unsubscribe: {extra!r}")
+    await nothing_more(client, "sent after the unsubscribe", 0.5)
 
 
 async def test_a_retained_message_in_flight_is_resent_to_the_resumed_session(
@@ -341,9 +339,35 @@ async def test_a_retained_message_in_flight_is_resent_to_the_resumed_session(
     assert packet[0] & 0x08, "DUP"
     assert publish_parts(packet) == (1, "rr/t", pid, b"kept")
     await second.send(b"\x40\x02" + pid)
+    await nothing_more(second, "sent again", 0.3)
+
+
+async def nothing_more(peer: Peer, what: str, wait: float = 0.5) -> None:
+    """`peer` gets no packet within `wait` seconds; else fail with `what`."""
     with contextlib.suppress(TimeoutError):
-        extra = await asyncio.wait_for(second.packet(), 0.3)
-        raise AssertionError(f"sent again: {extra!r}")
+        extra = await asyncio.wait_for(peer.packet(), wait)
+        raise AssertionError(f"{what}: {extra!r}")
+
+
+def unsubscribe5(pid: int, pattern: str) -> bytes:
+    return frame(0xA2, struct.pack("!H", pid) + b"\x00" + s(pattern))
+
+
+async def shared_qos2_in_flight(
+    gw: Listener, name: str, cprops: bytes = b"\x00"
+) -> tuple[Peer, bytes]:
+    """Member `<name>-a` of group g on `<name>/#` (a persistent session with `cprops` that set
+    an expiry) holds one QoS 2 message, `once`, unacknowledged: the member and the PUBLISH."""
+    member = await connected(gw.port, 5, f"{name}-a", flags=0x00, cprops=cprops)
+    await member.send(subscribe(5, 1, (f"$share/g/{name}/#", 2)))
+    assert (await member.packet())[0] == 0x90
+    pub = await connected(gw.port, 4, f"{name}-pub")
+    await pub.send(publish(4, f"{name}/t", b"once", qos=2, pid=1))
+    assert await pub.packet() == b"\x50\x02\x00\x01"  # PUBREC
+    packet = await member.packet()
+    qos, topic, _, payload = v5_publish_parts(packet)
+    assert (qos, topic, payload) == (2, f"{name}/t", b"once")
+    return member, packet
 
 
 def v5_publish_parts(packet: bytes) -> tuple[int, str, bytes, bytes]:
@@ -358,22 +382,13 @@ async def test_a_shared_qos2_message_in_flight_waits_for_its_client(gw: Listener
     broke goes to that client when it reconnects (with DUP and its packet id), not to
     another member of the group."""
     expiry = props(u32(0x11, 300))
-    first = await connected(gw.port, 5, "sq-a", flags=0x00, cprops=expiry)
-    await first.send(subscribe(5, 1, ("$share/g/sq/#", 2)))
-    assert (await first.packet())[0] == 0x90
-    pub = await connected(gw.port, 4, "sq-pub")
-    await pub.send(publish(4, "sq/t", b"once", qos=2, pid=1))
-    assert await pub.packet() == b"\x50\x02\x00\x01"  # PUBREC
-    packet = await first.packet()
-    qos, topic, pid, payload = v5_publish_parts(packet)
-    assert (qos, topic, payload) == (2, "sq/t", b"once")
+    first, packet = await shared_qos2_in_flight(gw, "sq", expiry)
+    pid = v5_publish_parts(packet)[2]
     first.close()  # no PUBREC
     other = await connected(gw.port, 5, "sq-b")
     await other.send(subscribe(5, 1, ("$share/g/sq/#", 2)))
     assert (await other.packet())[0] == 0x90
-    with contextlib.suppress(TimeoutError):
-        extra = await asyncio.wait_for(other.packet(), 0.5)
-        raise AssertionError(f"another member got it: {extra!r}")
+    await nothing_more(other, "another member got it", 0.5)
     again = await connected(gw.port, 5, "sq-a", flags=0x00, cprops=expiry)
     packet = await again.packet()
     assert packet[0] & 0x08, "DUP"
@@ -387,20 +402,12 @@ async def test_a_shared_qos2_message_in_flight_to_an_ended_session_goes_to_no_on
     gw: Listener,
 ) -> None:
     """MQTT-4.8.2-5: once that client's session ended, no other member gets it."""
-    first = await connected(gw.port, 5, "se-a")  # session expiry 0: it ends at the drop
-    await first.send(subscribe(5, 1, ("$share/g/se/#", 2)))
-    assert (await first.packet())[0] == 0x90
-    pub = await connected(gw.port, 4, "se-pub")
-    await pub.send(publish(4, "se/t", b"once", qos=2, pid=1))
-    assert await pub.packet() == b"\x50\x02\x00\x01"
-    assert v5_publish_parts(await first.packet())[3] == b"once"
+    first, _ = await shared_qos2_in_flight(gw, "se")  # expiry 0: it ends at the drop
     other = await connected(gw.port, 5, "se-b")
     await other.send(subscribe(5, 1, ("$share/g/se/#", 2)))
     assert (await other.packet())[0] == 0x90
     first.close()
-    with contextlib.suppress(TimeoutError):
-        extra = await asyncio.wait_for(other.packet(), 0.5)
-        raise AssertionError(f"another member got it: {extra!r}")
+    await nothing_more(other, "another member got it", 0.5)
 
 
 def parts5(packet: bytes) -> tuple[int, bool, bytes, bytes]:
@@ -489,14 +496,8 @@ async def test_a_qos2_message_of_a_group_left_before_the_drop(gw: Listener) -> N
     that follows ends the connection cleanly (the group's queue had the message back), and
     the session resumes."""
     expiry = props(u32(0x11, 300))
-    first = await connected(gw.port, 5, "lg-a", flags=0x00, cprops=expiry)
-    await first.send(subscribe(5, 1, ("$share/g/lg/#", 2)))
-    assert (await first.packet())[0] == 0x90
-    pub = await connected(gw.port, 4, "lg-pub")
-    await pub.send(publish(4, "lg/t", b"once", qos=2, pid=1))
-    assert await pub.packet() == b"\x50\x02\x00\x01"
-    assert v5_publish_parts(await first.packet())[3] == b"once"
-    await first.send(frame(0xA2, struct.pack("!H", 2) + b"\x00" + s("$share/g/lg/#")))
+    first, _ = await shared_qos2_in_flight(gw, "lg", expiry)
+    await first.send(unsubscribe5(2, "$share/g/lg/#"))
     assert (await first.packet())[0] == 0xB0  # UNSUBACK
     first.close()
     again = await Peer.open(gw.port)

@@ -421,11 +421,18 @@ def _header(persistent: bool, priority: int, ttl: bytes, count: int) -> bytes:
     return _section(HEADER, _compound(0xC0, 0xD0, items))
 
 
+# x-opt-jms-dest, encoded, by to_queue: 0 a queue, 1 a topic (Qpid JMS)
+_JMS_DEST = {
+    True: (b"\xa3\x0ex-opt-jms-dest", b"\x51\x00"),
+    False: (b"\xa3\x0ex-opt-jms-dest", b"\x51\x01"),
+}
+
+
 def _annotations(annotations: dict[str, PropertyValue], to_queue: bool) -> bytes:
     items: list[bytes] = []
     for key, value in annotations.items():
         items += (_sym(key), _value(value))
-    items += (b"\xa3\x0ex-opt-jms-dest", b"\x51\x00" if to_queue else b"\x51\x01")
+    items += _JMS_DEST[to_queue]
     return _section(MESSAGE_ANN, _compound(0xC1, 0xD1, items))
 
 
@@ -445,7 +452,7 @@ def _merged(section: bytes, ours: dict[str, PropertyValue], to_queue: bool) -> b
             kept += (key, value)
     for name, value in ours.items():
         kept += (_sym(name), _value(value))
-    kept += (b"\xa3\x0ex-opt-jms-dest", b"\x51\x00" if to_queue else b"\x51\x01")
+    kept += _JMS_DEST[to_queue]
     merged = _section(MESSAGE_ANN, _compound(0xC1, 0xD1, kept))
     if not ours and len(_MERGED) < _MERGED_MAX and len(section) <= _MERGED_SIZE:
         _MERGED[section, to_queue] = merged
