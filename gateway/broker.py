@@ -248,15 +248,16 @@ class Broker:
     async def publish(self, msg: Message) -> Outcome:
         return await self.publish_nowait(msg)
 
-    async def store_in(self, queue: str, msg: Message) -> Outcome:
+    def store_in(self, queue: str, msg: Message) -> asyncio.Future[Outcome]:
         """Spool `msg` into `queue` alone, its destination kept: a message one consumer
         must get again from there (an MQTT message in flight, retained or a shared
-        group's QoS 2 one, when its session's connection ended)."""
+        group's QoS 2 one, when its session's connection ended). Messages stored one
+        after another keep that order; the future holds the outcome."""
         if not msg.id:
             msg.id = new_message_id()
         stored = self._spool((queue,), True, msg, None)
         assert stored is not None  # a future: no `done` was given
-        return await stored
+        return stored
 
     def _spooled(self, queues: set[str]) -> None:
         for queue in queues:

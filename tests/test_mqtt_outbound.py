@@ -11,6 +11,7 @@ import struct
 import pytest
 
 from protocols.listening import Listener
+from protocols.mqtt.state import SessionState
 from tests import test_mqtt_hostile
 from tests.test_mqtt_codec import frame
 from tests.test_mqtt_hostile import (
@@ -319,11 +320,13 @@ async def test_a_delivery_waiting_for_room_goes_with_its_shared_subscription(
     await nothing_more(client, "sent after the unsubscribe", 0.5)
 
 
+@pytest.mark.parametrize("takeover", [False, True])
 async def test_a_retained_message_in_flight_is_resent_to_the_resumed_session(
-    gw: Listener,
+    gw: Listener, takeover: bool
 ) -> None:
     """A retained QoS 1 message a persistent session got on SUBSCRIBE and had not
-    acknowledged when its connection dropped goes again, with DUP and its packet id."""
+    acknowledged when its connection dropped (or was taken over) goes again, with DUP, its
+    packet id and RETAIN."""
     pub = await connected(gw.port, 4, "rr-pub")
     await pub.send(publish(4, "rr/t", b"kept", qos=1, pid=1, flags=0x01))  # RETAIN
     assert await pub.packet() == b"\x40\x02\x00\x01"
@@ -333,10 +336,11 @@ async def test_a_retained_message_in_flight_is_resent_to_the_resumed_session(
     packet = await first.packet()
     qos, topic, pid, payload = publish_parts(packet)
     assert (qos, topic, payload, packet[0] & 0x01) == (1, "rr/t", b"kept", 1)
-    first.close()  # unacknowledged
+    if not takeover:
+        first.close()  # unacknowledged
     second = await connected(gw.port, 4, "rr-sub", flags=0x00)
     packet = await second.packet()
-    assert packet[0] & 0x08, "DUP"
+    assert packet[0] & 0x09 == 0x09, "DUP, and RETAIN as it went on SUBSCRIBE (MQTT-3.3.1-8)"
     assert publish_parts(packet) == (1, "rr/t", pid, b"kept")
     await second.send(b"\x40\x02" + pid)
     await nothing_more(second, "sent again", 0.3)
@@ -504,3 +508,56 @@ async def test_a_qos2_message_of_a_group_left_before_the_drop(gw: Listener) -> N
     await again.send(connect(5, "lg-a", flags=0x00, cprops=expiry))
     ack = await again.packet()
     assert ack[0] == 0x20 and ack[2:4] == b"\x01\x00", "session present, accepted"
+
+
+async def test_retained_messages_waiting_for_room_go_to_the_resumed_session(
+    gw: Listener,
+) -> None:
+    """Three retained QoS 1 messages for a subscription with id 7 and Receive Maximum 1:
+    one goes, two wait (MQTT-3.3.4-9). The connection drops: the resumed session gets the
+    one in flight again (DUP, its packet id), then the two pending transmission (part of
+    the session state, §4.1), each as it went or would have gone on SUBSCRIBE: RETAIN=1
+    and the subscription's id (MQTT-3.3.1-8 / -3.3.4-3), though that subscription is not
+    Retain As Published."""
+    pub = await connected(gw.port, 4, "rw-pub")
+    for i in range(3):
+        await pub.send(publish(4, f"rw/{i}", b"r%d" % i, qos=1, pid=i + 1, flags=0x01))
+        assert await pub.packet() == b"\x40\x02\x00" + bytes((i + 1,))
+    cprops = props(u32(0x11, 300), u16(0x21, 1))  # session expiry, receive maximum 1
+    first = await connected(gw.port, 5, "rw-sub", flags=0x00, cprops=cprops)
+    await first.send(subscribe(5, 1, ("rw/#", 1), sprops=props(b"\x0b\x07")))
+    assert (await first.packet())[0] == 0x90
+    packet = await first.packet()
+    qos, topic, pid, rest = publish_parts(packet)
+    assert (qos, packet[0] & 0x09, rest) == (1, 0x01, b"\x02\x0b\x07" + b"r0")
+    await nothing_more(first, "past receive maximum", 0.2)
+    first.close()  # unacknowledged, two more waiting
+    second = await connected(gw.port, 5, "rw-sub", flags=0x00, cprops=cprops)
+    got = []
+    for _ in range(3):
+        packet = await second.packet()
+        qos, topic, again, rest = publish_parts(packet)
+        assert (qos, packet[0] & 0x01, rest[:3]) == (1, 0x01, b"\x02\x0b\x07"), packet
+        got.append((topic, rest[3:], bool(packet[0] & 0x08)))
+        if not got[1:]:
+            assert again == pid, "resent with its packet id (MQTT-4.4.0-1)"
+        await second.send(b"\x40\x02" + again)
+    assert got == [("rw/0", b"r0", True), ("rw/1", b"r1", False), ("rw/2", b"r2", False)]
+    await nothing_more(second, "sent again", 0.3)
+    pub.close()
+    second.close()
+
+
+def test_the_resend_notes_survive_the_stored_session_state() -> None:
+    """What a resumed session needs to resend as it went is saved with the session (read
+    back by another node, or this one after the connection's teardown)."""
+    state = SessionState("noted", True, 300, queue="q")
+    state.resend_ids = {"1-0": 3, "id:abc": 4}
+    state.resend_shared = {"def": "$share/g/t/#"}
+    state.resend_retained = {"abc": [1, [7]]}
+    back = SessionState.loads("noted", state.dumps())
+    assert (back.resend_ids, back.resend_shared, back.resend_retained) == (
+        {"1-0": 3, "id:abc": 4},
+        {"def": "$share/g/t/#"},
+        {"abc": [1, [7]]},
+    )

@@ -160,7 +160,9 @@ class Registry:
         state = None if clean_start else await self._load(client_id)
         if state is not None and old is not None and old.state is not None:
             # a takeover here saves no state
-            state.resend_ids, state.resend_shared = old.state.resend_ids, old.state.resend_shared
+            was = old.state
+            state.resend_ids, state.resend_shared = was.resend_ids, was.resend_shared
+            state.resend_retained = was.resend_retained
         present = state is not None
         if state is None:
             await self._forget(client_id, clean_start)

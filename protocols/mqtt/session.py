@@ -24,11 +24,12 @@ import logging
 import os
 from collections import deque
 from collections.abc import Callable, Coroutine, Iterator
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from gateway.broker import ANONYMOUS, BindError, Flow, Outcome, QueueError, StoreError
 from gateway.config import Settings
-from gateway.model import Delivery, Message, Publisher
+from gateway.model import Delivery, Message, Publisher, new_message_id
 from gateway.topics import MQTT, TopicError, parse_pattern, pattern_matches
 from protocols.mqtt import mapping
 from protocols.mqtt.codec import (
@@ -207,9 +208,10 @@ class Session:
         # in the client's receive maximum (message, qos, subscription ids)
         self._retained_out = 0
         self._retained_waiting: deque[tuple[Message, int, list[int]]] = deque()
-        # packet id -> a message in flight that no queue of the session keeps for a resend:
-        # a retained one, or a shared group's QoS 2 one (only this client may get it, §4.8.2)
-        self._kept: dict[int, Message] = {}
+        # packet id -> a message in flight that no queue of the session keeps for a resend,
+        # and its subscription ids: a retained one, or a shared group's QoS 2 one (only this
+        # client may get it, §4.8.2)
+        self._kept: dict[int, tuple[Message, list[int]]] = {}
         # queued QoS 1/2 deliveries waiting for room in the client's receive maximum, which
         # holds across the session's flows (its queue, its shared groups): each flow's own
         # window alone would let them exceed it together
@@ -672,7 +674,11 @@ class Session:
         shared = self._shared.get(queue) if queue is not None else None
         if shared is None and state.resend_shared and queue == state.queue:
             shared = state.resend_shared.pop(msg.id, None)  # a group's, kept for this client
-        if shared is not None:  # a shared group's queue: that one subscription
+        if state.resend_retained and queue == state.queue and msg.id in state.resend_retained:
+            qos, sub_ids = state.resend_retained.pop(msg.id)  # as it went on SUBSCRIBE
+            denied = _covered(self._deny_subscribe, msg.destination)
+            route = None if denied else (qos, True, sub_ids)
+        elif shared is not None:  # a shared group's queue: that one subscription
             route = self._route(state, [shared] if shared in state.subscriptions else [], msg)
         elif entry_id is not None and self._sent_direct and msg.id in self._sent_direct:
             self._settle(queue, entry_id)  # went out direct while a filter changed QoS
@@ -799,7 +805,7 @@ class Session:
         if pid is not None:
             self._inflight[pid] = (queue, entry_id, qos)
             if queue is None or (qos == 2 and queue in self._shared):
-                self._kept[pid] = msg  # stored for the next connection should this one end
+                self._kept[pid] = (msg, sub_ids)  # stored should this connection end
         else:
             self._settle(queue, entry_id)
         self.link.send(data)
@@ -1199,54 +1205,85 @@ class Session:
         in flight that no queue of the session keeps (`_kept`) in that queue: the next
         connection resends them with these ids. A shared group's QoS 2 message in flight
         is taken from the group: it goes to this client alone (MQTT-4.8.2-4), and to no
-        one once the session ends (MQTT-4.8.2-5); its QoS 1 ones go to other members."""
+        one once the session ends (MQTT-4.8.2-5); its QoS 1 ones go to other members.
+        Retained messages waiting for room are stored after them: messages pending
+        transmission are session state (§4.1)."""
         state = self.state
         if state is None:
             return
-        kept = [(pid, msg, self._inflight[pid]) for pid, msg in self._kept.items()
-                if pid in self._inflight]  # fmt: skip
+        kept = [(pid, msg, sub_ids, self._inflight[pid])
+                for pid, (msg, sub_ids) in self._kept.items() if pid in self._inflight]  # fmt: skip
         if not state.persistent:
-            for _, _, (queue, entry_id, _) in kept:
+            for *_, (queue, entry_id, _) in kept:
                 self._settle(queue, entry_id)
             return
         if state.queue is not None:  # the last connection's not resent yet stay too
-            resend = dict(list(state.resend_ids.items())[-MAX_RESEND_IDS:])
+            resend = _latest(state.resend_ids)
             resend.update(
                 (entry_id, pid)
                 for pid, (queue, entry_id, _) in self._inflight.items()
                 if queue == state.queue and entry_id is not None
             )
             state.resend_ids = resend
-        if len(state.resend_shared) > MAX_RESEND_IDS:  # routes of messages not seen again
-            state.resend_shared = dict(list(state.resend_shared.items())[-MAX_RESEND_IDS:])
+        # routes of messages not seen again
+        state.resend_shared = _latest(state.resend_shared)
+        state.resend_retained = _latest(state.resend_retained)
         try:
             await self._store_in_flight(state, kept)
         except Exception as exc:  # the teardown goes on: those go as before
             log.warning("MQTT client %r: messages in flight not kept: %s", self.client_id, exc)
 
     async def _store_in_flight(
-        self, state: SessionState, kept: list[tuple[int, Message, tuple[Any, ...]]]
+        self, state: SessionState, kept: list[tuple[int, Message, list[int], tuple[Any, ...]]]
     ) -> None:
-        """Store `kept` (packet id, message, in-flight entry) in the session's queue."""
-        if state.queue is None and any(queue for _, _, (queue, _, _) in kept):
-            state.queue = await self.registry.create_queue(state, self.access_user)
-        if state.queue is None:
+        """Store `kept` (packet id, message, subscription ids, in-flight entry), then the
+        retained messages waiting for room, in the session's queue, in that order, and note
+        how each goes again: with its packet id if it was sent, a group's by that group's
+        filter, a retained one (a copy: one message may match several subscriptions) as
+        it went on SUBSCRIBE."""
+        stored: list[tuple[Message, int | None, str | None, str | None, list[Any]]] = []
+        for pid, msg, sub_ids, (queue, entry_id, qos) in kept:
+            if queue is None:
+                stored.append((_retained_copy(msg), pid, None, None, [qos, sub_ids]))
+            elif queue in self._shared:  # else its group was left and had it back
+                stored.append((msg, pid, queue, entry_id, [self._shared[queue]]))
+        stored.extend((_retained_copy(msg), None, None, None, [qos, sub_ids])
+                      for msg, qos, sub_ids in self._retained_waiting)  # fmt: skip
+        self._retained_waiting.clear()
+        if not stored:
             return
-        for pid, msg, (queue, entry_id, _) in kept:
-            if queue is not None and queue not in self._shared:
-                continue  # its group was left: the group's queue had it back
-            outcome = await self.broker.store_in(state.queue, msg)
-            if not outcome.accepted:
-                log.info("MQTT client %r: message in flight not kept: %s",
-                         self.client_id, outcome.name)  # fmt: skip
+        if state.queue is None:
+            state.queue = await self.registry.create_queue(state, self.access_user)
+        outcomes = await asyncio.gather(
+            *(self.broker.store_in(state.queue, msg) for msg, *_ in stored),
+            return_exceptions=True,
+        )
+        for (msg, pid, queue, entry_id, route), outcome in zip(stored, outcomes, strict=True):
+            if isinstance(outcome, BaseException) or not outcome.accepted:
+                log.info("MQTT client %r: message in flight not kept: %s", self.client_id,
+                         getattr(outcome, "name", outcome))  # fmt: skip
                 continue
-            state.resend_ids[RESENT_BY_ID + msg.id] = pid
-            if queue is not None:  # routed by its group's filter when resent
-                state.resend_shared[msg.id] = self._shared[queue]
+            if pid is not None:
+                state.resend_ids[RESENT_BY_ID + msg.id] = pid
+            if queue is None:
+                state.resend_retained[msg.id] = route
+            else:
+                state.resend_shared[msg.id] = route[0]
                 self._settle(queue, entry_id)
 
     def _send(self, packet: Packet) -> None:
         self.link.send(encode(packet, self.level))
+
+
+def _latest(noted: dict[str, Any]) -> dict[str, Any]:
+    """The last MAX_RESEND_IDS of `noted`: what earlier connections left for messages that
+    did not come again goes first."""
+    return dict(list(noted.items())[-MAX_RESEND_IDS:]) if len(noted) > MAX_RESEND_IDS else noted
+
+
+def _retained_copy(msg: Message) -> Message:
+    """A retained message to store for a resend, under an id of its own."""
+    return replace(msg, id=new_message_id(), retain=True)
 
 
 # What a connected session does with each packet a client may send (by exact class: the

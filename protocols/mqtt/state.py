@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
+from typing import Any
 
 from gateway.topics import MQTT, SubscriptionTrie
 from protocols.mqtt.codec import SubscriptionOptions
@@ -58,6 +59,10 @@ class SessionState:
     # shared groups' QoS 2 messages stored in the session's queue for a resend: message id
     # -> the `$share/...` filter that delivered it
     resend_shared: dict[str, str] = field(default_factory=dict)
+    # retained messages sent on SUBSCRIBE, or waiting for room, when the last connection
+    # ended, stored in the session's queue: message id -> [QoS, subscription ids] they went
+    # (or would have gone) with, resent so, RETAIN=1 (MQTT-3.3.1-8)
+    resend_retained: dict[str, list[Any]] = field(default_factory=dict)
     version: int = 0  # moves with every change of the subscriptions (delivery caches key on it)
     user: str | None = None  # who owns the session: only that user may connect as client_id
 
@@ -96,6 +101,7 @@ class SessionState:
             "pubrel": sorted(self.pubrel_out),
             "resend": self.resend_ids,
             "resend_shared": self.resend_shared,
+            "resend_retained": self.resend_retained,
             "user": self.user,
         }
         return json.dumps(blob, separators=(",", ":")).encode()
@@ -111,5 +117,6 @@ class SessionState:
         state.pubrel_out = set(blob["pubrel"])
         state.resend_ids = blob.get("resend", {})  # absent in states saved before
         state.resend_shared = blob.get("resend_shared", {})
+        state.resend_retained = blob.get("resend_retained", {})
         state.user = blob.get("user")  # absent in states saved before owners were recorded
         return state
