@@ -10,7 +10,7 @@ import pytest
 from gateway.broker import Broker
 from gateway.engine import flows
 from gateway.engine.queues import QueueConfig
-from gateway.model import Delivery, Message
+from gateway.model import Delivery, Message, Outcome
 from tests.test_engine import wait_for
 
 
@@ -91,3 +91,24 @@ async def test_a_browser_at_its_held_limit_waits_for_the_first_due(
     await wait_for(lambda: len(seen) == 4, timeout=5)
     assert sorted(d.message.payload for d in seen) == [b"held0", b"held1", b"held2", b"plain"]
     assert now_ms() >= due
+
+
+@pytest.mark.parametrize("bound", [False, True], ids=["no-consumer", "consumer-bound"])
+async def test_an_expired_held_message_frees_its_room(broker: Broker, bound: bool) -> None:
+    """A held message that expires before its delivery time is swept from the queue, so it
+    no longer counts toward the limits, whether or not a consumer's fetch parked it."""
+    await broker.declare_queue(QueueConfig(name="h", max_messages=1))
+    got: list[Delivery] = []
+    if bound:
+        await broker.bind("h", got.append)
+    held = Message(destination="h", to_queue=True, payload=b"x")
+    held.not_before, held.expiration = now_ms() + 30_000, now_ms() + 200
+    assert await broker.publish(held) is Outcome.OK
+    for _ in range(50):  # the heartbeat sweeps every 0.2 s
+        await asyncio.sleep(0.1)
+        if (await broker.queues.info("h")).messages == 0:
+            break
+    assert (await broker.queues.info("h")).messages == 0
+    fresh = Message(destination="h", to_queue=True, payload=b"y")
+    assert await broker.publish(fresh) is Outcome.OK
+    assert got == []

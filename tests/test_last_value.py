@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 from gateway.broker import Broker
 from gateway.engine.partitions import partition_of
@@ -91,3 +92,24 @@ async def test_values_a_selector_consumer_passed_over_are_still_replaced(broker:
     info = await broker.queues.info("last")
     assert info.messages == 1 and info.counters["replaced"] == 4
     assert await browse_all(broker, "last") == [b"v4"]
+
+
+async def test_a_value_held_for_its_delivery_time_is_replaced_by_a_newer_one(
+    broker: Broker,
+) -> None:
+    """A value held until a delivery time (a consumer's fetch parked it) has not been
+    delivered: a newer value of its key replaces it, so the stale one never comes after."""
+    await broker.declare_queue(QueueConfig(name="lv", lvq_key="sym"))
+    got: list[Delivery] = []
+    flow = await broker.bind("lv", got.append)
+    old = Message(destination="lv", to_queue=True, payload=b"old", user_properties=[("sym", "A")])
+    old.not_before = int(time.time() * 1000) + 800
+    assert await broker.publish(old) is Outcome.OK
+    await asyncio.sleep(0.2)  # the consumer's fetch parks it until due
+    new = Message(destination="lv", to_queue=True, payload=b"new", user_properties=[("sym", "A")])
+    assert await broker.publish(new) is Outcome.OK
+    await wait_for(lambda: len(got) == 1)
+    await asyncio.sleep(1.0)  # past the old one's delivery time, and the sweep after it
+    await flow.close()
+    assert [d.message.payload for d in got] == [b"new"]
+    assert (await broker.queues.info("lv")).counters["replaced"] == 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import redis
@@ -160,3 +161,51 @@ async def test_a_held_mark_holds_back_the_nodes_newer_messages_until_its_retry(
     assert not marks.hexists(held_key, broker.node_id), "the retry cleared the mark"
     await broker.queues.delete("q")
     assert not marks.exists(held_key)
+
+
+async def browsed(broker: Broker, queue: str) -> list[bytes]:
+    """The payloads a browser of `queue` sees, oldest first."""
+    seen: list[Delivery] = []
+    flow = await broker.bind(queue, seen.append, browse=True)
+    await asyncio.sleep(0.3)
+    await flow.close()
+    return [d.message.payload for d in seen]
+
+
+async def test_ring_drops_returned_messages_oldest_first(broker: Broker) -> None:
+    """Messages a consumer took and gave back wait at the head of the queue: the ring drops
+    them first (RabbitMQ's drop-head), and never refuses the publisher while they wait."""
+    await broker.declare_queue(QueueConfig(name="q", max_messages=3, overflow="ring"))
+    for i in range(3):
+        assert await broker.publish(msg(f"{i}")) is Outcome.OK
+    got: list[Delivery] = []
+    flow = await broker.bind("q", got.append, window=1)
+    await wait_for(lambda: len(got) == 1)
+    await flow.close()  # "0" back, waiting
+    assert await broker.publish(msg("3")) is Outcome.OK
+    assert await browsed(broker, "q") == [b"1", b"2", b"3"]
+    flow = await broker.bind("q", got.append, window=10)
+    await wait_for(lambda: len(got) == 4)
+    await flow.close()  # all three back: only returned messages wait
+    assert await broker.publish(msg("4")) is Outcome.OK
+    assert await browsed(broker, "q") == [b"2", b"3", b"4"]
+    assert (await broker.queues.info("q")).messages == 3
+
+
+async def test_ring_drops_a_message_held_until_its_delivery_time(broker: Broker) -> None:
+    """A message held for a later delivery time waits too: a consumer's fetch parked it,
+    and the ring drops it when it is the oldest."""
+    await broker.declare_queue(QueueConfig(name="q", max_messages=2, overflow="ring"))
+    later = msg("later")
+    later.not_before = int(time.time() * 1000) + 60_000
+    assert await broker.publish(later) is Outcome.OK
+    assert await broker.publish(msg("1")) is Outcome.OK
+    got: list[Delivery] = []
+    flow = await broker.bind("q", got.append, window=10)  # parks "later" until it is due
+    await wait_for(lambda: len(got) == 1)
+    assert await broker.publish(msg("2")) is Outcome.OK  # "1" is delivered: "later" goes
+    await wait_for(lambda: len(got) == 2)
+    await flow.close()
+    assert [d.message.payload for d in got] == [b"1", b"2"]
+    assert await broker.redis.zcard(keys.queue_timed("q")) == 0
+    assert (await broker.queues.info("q")).messages == 2

@@ -584,30 +584,32 @@ end
 -- Last value queues: a new message replaces the previous one of its slot if that one has
 -- not been delivered yet (a delivered one stays with its consumer).
 
--- The entry id, size and fields of the value a new message of `slot` would replace: one
--- waiting for a consumer (never delivered, or back in the returned or holding consumer),
--- not one a consumer holds. Else nil.
+-- The entry id, size and fields of the value a new message of `slot` would replace, and
+-- the consumer it waits in: one waiting for a consumer (never delivered, or in the
+-- returned, holding or timed consumer), not one a consumer holds. Else nil.
 local function replaceable(q, slot)
   local old = redis.call('HGET', k_queue_last_values(q.name), slot)
   if not old then return nil end
   local e = redis.call('XRANGE', q.stream, old, old)
   if #e == 0 then return nil end
   local p = redis.call('XPENDING', q.stream, GROUP, old, old, 1)
-  if #p == 1 then
-    if p[1][2] ~= RETURNED and p[1][2] ~= HOLDING then return nil end
+  local consumer = p[1] and p[1][2]
+  if consumer then
+    if consumer ~= RETURNED and consumer ~= HOLDING and consumer ~= TIMED then return nil end
   else
     q.delivered_upto = q.delivered_upto or last_delivered(q.stream)
     if not id_less(q.delivered_upto, old) then return nil end
   end
-  return old, #(entry_blob(e[1][2]) or ''), e[1][2]
+  return old, #(entry_blob(e[1][2]) or ''), e[1][2], consumer
 end
 
 local function replace_last_value(q, slot, id)
-  local old, size, fields = replaceable(q, slot)
+  local old, size, fields, consumer = replaceable(q, slot)
   redis.call('HSET', k_queue_last_values(q.name), slot, id)
   if old then
     redis.call('XACK', q.stream, GROUP, old)  -- when it waited in a consumer's PEL
     unindex(q.name, old, fields)
+    if consumer == TIMED then redis.call('ZREM', k_queue_timed(q.name), old) end
     redis.call('XDEL', q.stream, old)
     add_usage(q, -1, -size)
     q.added = q.added - 1  -- counters are applied at the end of the call
@@ -757,34 +759,37 @@ local function spool_added(sq, q, size)
   added[q.vpn_field] = (added[q.vpn_field] or 0) + size
 end
 
--- Ring overflow, first step: the oldest messages not yet delivered that would have to go
--- for `size` more to fit, chosen without deleting anything (the message may still be
+-- Ring overflow, first step: the oldest messages waiting for a consumer that would have
+-- to go for `size` more to fit, chosen without deleting anything (the message may still be
 -- refused by a later check). Sets q.plan; false when only delivered (unsettled) messages
--- are left to drop.
--- On a message-group, selective or sorted queue the oldest waiting entries sit in the
--- holding consumer (q.holding): those go first, then ones never read.
+-- are left to drop. Waiting means parked in a consumer of the group (returned by a
+-- consumer that went away; held for a group, selector or sort order; held until a
+-- delivery time), oldest first, then never read: every parked entry was read before those.
 local function plan_drop(q, size)
   q.delivered_upto = q.delivered_upto or last_delivered(q.stream)
-  local plan = { ids = {}, bytes = 0, after = q.delivered_upto, held = {} }
+  local plan = { ids = {}, bytes = 0, after = q.delivered_upto, parked = {} }
   q.plan = plan
   local u = q.usage
   local probe = { maxbytes = q.maxbytes, maxmsgs = q.maxmsgs, bytes = u.bytes, count = u.count }
-  local held_from = q.holding and '-'
+  local parked = { { consumer = RETURNED, from = '-' }, { consumer = TIMED, from = '-' } }
+  if q.holding then parked[3] = { consumer = HOLDING, from = '-' } end
   while over_quota(probe, size) do
-    local id, fields
-    if held_from then
-      local p = redis.call('XPENDING', q.stream, GROUP, held_from, '+', 1, HOLDING)
-      if #p == 1 then
-        id = p[1][1]
-        held_from = '(' .. id
-        local e = redis.call('XRANGE', q.stream, id, id)
-        fields = e[1] and e[1][2] or {}
-        plan.held[#plan.held + 1] = { id, fields }
-      else
-        held_from = false
+    local oldest  -- the parked consumer whose next entry is the oldest
+    for _, c in ipairs(parked) do
+      if c.next == nil then
+        local p = redis.call('XPENDING', q.stream, GROUP, c.from, '+', 1, c.consumer)
+        c.next = p[1] and p[1][1] or false
       end
+      if c.next and (not oldest or id_less(c.next, oldest.next)) then oldest = c end
     end
-    if not id then
+    local id, fields
+    if oldest then
+      id = oldest.next
+      oldest.from, oldest.next = '(' .. id, nil
+      local e = redis.call('XRANGE', q.stream, id, id)
+      fields = e[1] and e[1][2] or {}
+      plan.parked[#plan.parked + 1] = { id, fields, oldest.consumer }
+    else
       local e = redis.call('XRANGE', q.stream, '(' .. plan.after, '+', 'COUNT', 1)
       if #e == 0 then return false end
       id, fields = e[1][1], e[1][2]
@@ -806,11 +811,12 @@ local function commit_drop(q)
   q.plan = nil
   local n = #plan.ids
   if n == 0 then return end
-  local avoiding = #plan.held > 0 and avoid_key(q.name)
-  for _, h in ipairs(plan.held) do  -- out of the holding consumer (and a sorted index)
-    redis.call('XACK', q.stream, GROUP, h[1])
-    unindex(q.name, h[1], h[2])
-    if avoiding then redis.call('HDEL', avoiding, h[1]) end
+  local avoiding = #plan.parked > 0 and avoid_key(q.name)
+  for _, e in ipairs(plan.parked) do  -- out of its consumer (and a sorted or timed index)
+    redis.call('XACK', q.stream, GROUP, e[1])
+    unindex(q.name, e[1], e[2])
+    if e[3] == TIMED then redis.call('ZREM', k_queue_timed(q.name), e[1]) end
+    if avoiding then redis.call('HDEL', avoiding, e[1]) end
   end
   ids_call('XDEL', q.stream, plan.ids, 1, n)
   q.delivered_upto = plan.after
@@ -1846,8 +1852,8 @@ local function release_due(q, now)
 end
 
 -- Messages nobody takes expire too, as on Solace and RabbitMQ: the oldest entries waiting
--- on a queue that stored some with an expiry (returned, held for a group, selector or sort
--- order, and never delivered; EXPIRE_SCAN of each a sweep) go to the dead message queue
+-- on a queue that stored some with an expiry (returned, held for a group, selector, sort
+-- order or delivery time, and never delivered; EXPIRE_SCAN of each a sweep) go to the dead message queue
 -- (respect_ttl) or are discarded once expired, so they no longer count toward its limits.
 -- Delivered, unsettled ones stay with their consumers. A queue leaves the set once empty.
 local EXPIRE_SCAN = 100
@@ -1864,12 +1870,16 @@ local function expire_waiting(q, now)
     if x and x <= now then
       unindex(q, id, fields)
       dead_letter(q, s, id, entry_blob(fields) or '', 'expired', to_dmq)
+      return true
     end
   end
-  for _, consumer in ipairs({ RETURNED, HOLDING }) do
+  local timed = k_queue_timed(q)
+  for _, consumer in ipairs({ RETURNED, HOLDING, TIMED }) do
     for _, p in ipairs(redis.call('XPENDING', s, GROUP, '-', '+', EXPIRE_SCAN, consumer)) do
       local e = redis.call('XRANGE', s, p[1], p[1])
-      if #e > 0 then expire(p[1], e[1][2]) end
+      if #e > 0 and expire(p[1], e[1][2]) and consumer == TIMED then
+        redis.call('ZREM', timed, p[1])
+      end
     end
   end
   -- never delivered: unless stream readers keep entries (dead_letter would leave it for
