@@ -209,3 +209,23 @@ async def test_ring_drops_a_message_held_until_its_delivery_time(broker: Broker)
     assert [d.message.payload for d in got] == [b"1", b"2"]
     assert await broker.redis.zcard(keys.queue_timed("q")) == 0
     assert (await broker.queues.info("q")).messages == 2
+
+
+@pytest.mark.parametrize("overflow", ["ring", "reject"])
+async def test_leaving_flow_control_answers_held_publishers_at_once(
+    broker: Broker, overflow: str
+) -> None:
+    """A flow-controlled queue switched at run time to ring or reject: held and new
+    publishes get the new policy's answer, not a wait until the queue drains."""
+    await broker.declare_queue(QueueConfig(name="q", max_messages=2, overflow="flow_control"))
+    assert await broker.publish(msg("0")) is Outcome.OK
+    assert await broker.publish(msg("1")) is Outcome.OK
+    held = broker.publish_nowait(msg("2"))
+    await asyncio.sleep(0.3)
+    assert not held.done(), "held by flow control"
+    await broker.update_queue("q", {"overflow": overflow})
+    later = broker.publish_nowait(msg("3"))
+    answered = await asyncio.wait_for(asyncio.gather(held, later), 3)
+    expected = Outcome.OK if overflow == "ring" else Outcome.QUEUE_FULL
+    assert answered == [expected, expected]
+    assert (await broker.queues.info("q")).messages == 2

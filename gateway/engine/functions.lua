@@ -677,11 +677,13 @@ local function spool_target(name, families)
     info.usage = u
   end
   info.overflow = c[11] or 'reject'
-  if st[3] == '1' then  -- producer flow control: blocked until below the resume level
+  -- producer flow control: blocked until below the resume level (or another overflow
+  -- policy is set: publishers get its answer at once)
+  if st[3] == '1' then
     local resume = (tonumber(c[12]) or 80) / 100
     local u = info.usage
-    if (info.maxmsgs > 0 and u.count >= info.maxmsgs * resume)
-        or (info.maxbytes > 0 and u.bytes >= info.maxbytes * resume) then
+    if info.overflow == 'flow_control' and ((info.maxmsgs > 0 and u.count >= info.maxmsgs * resume)
+        or (info.maxbytes > 0 and u.bytes >= info.maxbytes * resume)) then
       info.blocked = true
     else
       redis.call('HDEL', k_queue_stats(name), 'blocked')
