@@ -107,6 +107,8 @@ async def shown(admin: Admin, name: str) -> dict[str, Any]:
         ({"name": "ok", "partition_count": 1025}, "partition_count"),
         ({"name": "ok", "durable": 1}, "durable"),
         ({"name": "ok", "priorities": None}, "priorities"),
+        ({"name": "ok", "priorities": True, "lvq_key": "sym"}, "last value queue"),
+        ({"name": "ok", "priorities": True, "max_spool_bytes": 0}, "last value queue"),
         ({"name": "ok", "permission": ["consume"]}, "permission"),
         ({"name": "ok", "vpn": "\ud800"}, "vpn"),
         ({"name": "ok", "created_ms": 5}, "created_ms"),

@@ -138,3 +138,15 @@ async def test_limits_bound_the_whole_queue_not_each_level_or_partition(
         stored = outcomes.count(Outcome.OK)
         assert stored == 3 and (await broker.queues.info(name)).messages == 3, outcomes
         assert set(outcomes[stored:]) <= {Outcome.QUEUE_FULL, Outcome.QUOTA_EXCEEDED}
+
+
+async def test_a_priority_queue_is_never_a_last_value_queue(broker: Broker) -> None:
+    """Each level is a stream of its own, so one key's values would live on in several:
+    the combination is refused when declared and when a change would make it."""
+    for extra in ({"lvq_key": "sym"}, {"max_spool_bytes": 0}):
+        with pytest.raises(QueueError, match="last value queue"):
+            await broker.declare_queue(QueueConfig(name="p", priorities=True, **extra))
+    await broker.declare_queue(QueueConfig(name="p", priorities=True))
+    with pytest.raises(QueueError, match="last value queue"):
+        await broker.update_queue("p", {"max_spool_bytes": 0})
+    assert (await broker.queues.config("p")).max_spool_bytes != 0

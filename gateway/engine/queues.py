@@ -209,6 +209,12 @@ class QueueConfig:
             raise QueueError("invalid", "resume_percent must be from 1 to 100")
         if self.priorities and (self.partition_count or self.message_groups):
             raise QueueError("invalid", "a priority queue cannot be partitioned or grouped")
+        if self.priorities and (self.lvq_key or self.max_spool_bytes == 0):
+            # its levels are streams of their own: one key's values would live in several
+            raise QueueError(
+                "invalid",
+                "a priority queue cannot be a last value queue (lvq_key, max_spool_bytes=0)",
+            )
         if self.priorities and self.non_destructive:  # its consumers would browse: refused
             raise QueueError("invalid", "a priority queue cannot be non-destructive")
         if self.non_destructive and self.partition_count:
