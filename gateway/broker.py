@@ -96,6 +96,7 @@ from gateway.engine.permissions import BROWSE, CONSUME, DELETE, MODIFY_TOPIC, al
 from gateway.engine.queues import (
     QueueConfig,
     QueueError,
+    QueueInfo,
     QueueStore,
     temporary_queue_name,
 )
@@ -111,6 +112,7 @@ __all__ = [
     "Outcome",
     "QueueConfig",
     "QueueError",
+    "QueueInfo",
     "StoreError",
 ]
 

@@ -1235,6 +1235,49 @@ async def test_durable_subscription_unsubscribe_by_lookup(broker: Broker, amqp: 
     assert await durable_queues(broker, 0) == []
 
 
+async def test_a_durable_subscription_in_use_is_locked(broker: Broker, amqp: Listener) -> None:
+    """A durable subscription (container id + link name) has one link at a time (§2.6.1;
+    JMS: one active consumer on an unshared durable subscription, never changed or removed
+    while it has one): a second attach, with the same topic or another, and an unsubscribe
+    lookup are refused with amqp:resource-locked; the first link keeps its messages,
+    unsettled one included."""
+
+    def client() -> tuple[list[str], list[str]]:
+        first = BlockingConnection(url(amqp), timeout=TIMEOUT, container_id="jms-locked")
+        try:
+            sub = first.create_receiver(
+                "topic://lk/a", name="sub", credit=10, options=DurableSubscription()
+            )
+            sender = first.create_sender("topic://lk/a")
+            sender.send(Message(body="held"))
+            held = sub.receive(TIMEOUT)  # unsettled
+            refusals = []
+            for address in ("topic://lk/a", "topic://lk/b", None):
+                second = BlockingConnection(url(amqp), timeout=TIMEOUT, container_id="jms-locked")
+                try:
+                    with pytest.raises(LinkDetached) as refused:
+                        options = DurableSubscription() if address else None
+                        second.create_receiver(address, name="sub", credit=10, options=options)
+                    refusals.append(str(refused.value))
+                finally:
+                    second.close()
+            assert held.body == "held"
+            sub.release()  # back to the subscription, which is still there
+            sender.send(Message(body="after"))
+            got = [sub.receive(TIMEOUT).body for _ in range(2)]  # strings: no views
+            sub.accept()
+            sub.accept()
+            sub.close()
+            return refusals, got
+        finally:
+            first.close()
+
+    refusals, got = await asyncio.to_thread(client)
+    assert all("amqp:resource-locked" in r for r in refusals), refusals
+    assert got == ["held", "after"]
+    assert await durable_queues(broker, 0) == []
+
+
 async def test_dead_lettered_message_annotations(broker: Broker, amqp: Listener) -> None:
     await broker.declare_queue(QueueConfig(name="#DEAD_MSG_QUEUE"))
     await broker.queues.create(QueueConfig(name="q", dmq_eligible_default=True))

@@ -47,7 +47,7 @@ from cproton import (
 from cproton_ffi import ffi, lib
 from proton import Link, Terminus
 
-from gateway.broker import BindError, Flow, QueueConfig, QueueError
+from gateway.broker import BindError, Flow, QueueConfig, QueueError, QueueInfo
 from gateway.model import Delivery as GatewayDelivery
 from protocols.amqp import mapping, nodes, sections, terminus
 from protocols.amqp.links import NOT_FOUND, NOT_IMPLEMENTED, Endpoint, Host, parse_address
@@ -61,6 +61,11 @@ _OUTCOMES = frozenset({PN_ACCEPTED, PN_REJECTED, PN_RELEASED, PN_MODIFIED})  # t
 
 UNAUTHORIZED = "amqp:unauthorized-access"
 INVALID_FIELD = "amqp:invalid-field"
+ATTACH_REFUSALS = {
+    "unauthorized": UNAUTHORIZED,
+    "invalid": INVALID_FIELD,
+    "resource_locked": "amqp:resource-locked",
+}
 BIND_REFUSALS = {
     "not_found": NOT_FOUND,
     "invalid_selector": INVALID_FIELD,
@@ -95,10 +100,11 @@ class Outbound(Endpoint):
         try:
             source = await self._source(remote, selector)
         except QueueError as exc:
-            if exc.code not in ("unauthorized", "invalid"):
+            if exc.code not in ATTACH_REFUSALS:
                 raise
-            # another user's durable subscription, or a selector its queue cannot take
-            self.refuse(UNAUTHORIZED if exc.code == "unauthorized" else INVALID_FIELD, str(exc))
+            # another user's durable subscription, one in use by another link, or a
+            # selector its queue cannot take: the subscription stays as it is
+            self.refuse(ATTACH_REFUSALS[exc.code], str(exc))
             self.durable = None
             return
         if source is None or not self.live:
@@ -174,6 +180,7 @@ class Outbound(Endpoint):
         except QueueError:
             self.refuse(NOT_FOUND, f"no durable subscription named {self.link.name!r}")
             return None
+        self._check_unused(info)
         self.durable = name
         return name, False, info.subscriptions[0][0] if info.subscriptions else None
 
@@ -210,6 +217,7 @@ class Outbound(Endpoint):
         config = QueueConfig(
             name=name,
             durable=True,
+            access_type="exclusive",  # two attaches racing past _check_unused: one consumes
             owner=user,
             permission="none",
             subscription_selector=selector.text if selector else "",
@@ -220,6 +228,7 @@ class Outbound(Endpoint):
         except QueueError:  # not_found: a new subscription
             info = None
         if info is not None:
+            self._check_unused(info)
             same = info.config.subscription_selector == config.subscription_selector
             if info.subscriptions == wanted and same:
                 return name  # the bind checks whose it is
@@ -231,6 +240,16 @@ class Outbound(Endpoint):
             await broker.delete_queue(name, user=user)
             raise
         return name
+
+    def _check_unused(self, info: QueueInfo) -> None:
+        """A durable subscription has one link at a time (§2.6.1: a link name names one
+        link; JMS: an unshared durable subscription has one active consumer, and is neither
+        changed nor removed while it has one): QueueError 'resource_locked' while another
+        link consumes from it."""
+        if info.flows:
+            raise QueueError(
+                "resource_locked", f"durable subscription {self.link.name!r} is in use"
+            )
 
     def _on_flow_closed(self, reason: str) -> None:
         self.fail("amqp:resource-deleted", reason)
