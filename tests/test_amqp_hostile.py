@@ -374,6 +374,27 @@ async def test_a_bad_filter_refuses_the_link_with_invalid_field(port: int, filte
     await still_serving(port)
 
 
+async def test_a_resumed_link_gets_tags_its_client_may_not_hold_unsettled(port: int) -> None:
+    """§2.6.12: a delivery tag is unique among the deliveries either end may hold
+    unsettled. A receiver detaches (not closed) with a delivery unsettled and attaches the
+    link again, that tag in its unsettled map: new deliveries never reuse it."""
+    peer = await Peer.opened(port)
+    target = Described(ulong(TARGET), [None])
+    attach = [uint(0), RECEIVER, ubyte(0), ubyte(0), source(QUEUE), target]
+    peer.send(frame(performative(ATTACH, "r", *attach)))
+    await peer.expect(ATTACH)
+    peer.send(flow(0, 1))
+    tag = (await peer.expect(TRANSFER)).fields[2]
+    peer.send(frame(performative(DETACH, uint(0), False)))
+    await peer.expect(DETACH)
+    peer.send(frame(performative(ATTACH, "r", *attach, {tag: None})))
+    await peer.expect(ATTACH)
+    peer.send(flow(0, 1, delivery_count=1))
+    again = await peer.expect(TRANSFER)
+    assert again.fields[2] != tag
+    peer.close()
+
+
 # -- message payloads ---------------------------------------------------------------------------
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
 from typing import Any
 
 from cproton import (
@@ -57,6 +58,10 @@ log = logging.getLogger(__name__)
 _Tag = tuple[Any, Any, Any]  # a pn_delivery_tag_t, the cffi memory it is in and points to
 
 WINDOW = 500  # most unsettled deliveries per outbound link
+# New delivery tags: never one an earlier attachment of a link used, on this node or another,
+# which its client may still hold unsettled when it resumes the link (§2.6.12)
+_TAG_PREFIX = os.urandom(4).hex().encode()
+_TAGS = itertools.count(1)
 _OUTCOMES = frozenset({PN_ACCEPTED, PN_REJECTED, PN_RELEASED, PN_MODIFIED})  # terminal states
 
 UNAUTHORIZED = "amqp:unauthorized-access"
@@ -90,7 +95,6 @@ class Outbound(Endpoint):
         # Tags of settled deliveries, for new ones: a tag must be unique only among the
         # link's unsettled deliveries, and making one costs ~0.35 µs of a ~0.8 µs send.
         self._free_tags: list[_Tag] = []
-        self._tags = itertools.count(1)
 
     async def attach(self) -> None:
         link, broker = self.link, self.host.broker
@@ -285,7 +289,7 @@ class Outbound(Endpoint):
         self.host.wake()
 
     def _new_tag(self) -> _Tag:
-        raw = ffi.new("char[]", b"%x" % next(self._tags))
+        raw = ffi.new("char[]", b"%s%x" % (_TAG_PREFIX, next(_TAGS)))
         cell = ffi.new("pn_delivery_tag_t *", (len(raw) - 1, raw))
         return cell[0], cell, raw  # the struct, and the memory it lives in and points to
 
