@@ -167,6 +167,29 @@ async def test_a_dmqs_own_max_ttl_applies_to_what_it_receives(broker: Broker) ->
     assert dmq.counters["expired"] == 1 and dmq.counters["discarded"] == 1
 
 
+@pytest.mark.parametrize("dmq_ttl", [0, 60_000])
+async def test_a_message_expired_to_the_dmq_does_not_carry_its_passed_expiry(
+    broker: Broker, dmq_ttl: int
+) -> None:
+    """A dead-lettered message's own expiry stays behind (RabbitMQ removes it): passed, its
+    consumers (MQTT's send path, Qpid JMS's local expiry) would drop it. Only the dead
+    message queue's max_ttl_ms, counted from its arrival there, applies."""
+    await broker.declare_queue(QueueConfig(name=DEAD_MESSAGE_QUEUE, max_ttl_ms=dmq_ttl))
+    await broker.declare_queue(QueueConfig(name="q", respect_ttl=True))
+    expires = int(time.time() * 1000) + 100
+    await broker.publish(msg(b"expired", dmq_eligible=True, expiration=expires))
+    dead: list[Delivery] = []
+    flow = await broker.bind(DEAD_MESSAGE_QUEUE, dead.append)
+    await wait_for(lambda: len(dead) == 1, timeout=5)
+    await flow.close()
+    got = dead[0].message
+    assert got.payload == b"expired" and got.annotations["x-dmq-reason"] == "expired"
+    if dmq_ttl:
+        assert got.expiration is not None and got.expiration > expires + dmq_ttl // 2
+    else:
+        assert got.expiration is None
+
+
 async def test_missing_dmq_discards_and_counts(broker: Broker) -> None:
     await broker.declare_queue(QueueConfig(name="q", max_redelivery=1))
     await broker.publish(msg(b"x", dmq_eligible=True))

@@ -1046,15 +1046,18 @@ def _due_held(flow: Flow, limit: int) -> list[str]:
 
 def _apply_meta(message: Message, meta: bytes) -> None:
     """What the entry's fields add to its message (see gw_fetch): the effective expiry when
-    the queue's max_ttl_ms shortened it, and where a dead-lettered message came from."""
+    the queue's max_ttl_ms shortened it, and where a dead-lettered message came from. A
+    dead-lettered message's own expiry stays behind, as RabbitMQ removes it: passed, it
+    would make its consumers drop it; only the dead message queue's max_ttl_ms applies."""
     expiry, origin, reason = meta.decode().split("\n", 2)
-    if expiry:  # Lua prints numbers of 1e17 and more with an exponent
-        effective = int(expiry) if expiry.isdigit() else int(float(expiry))
-        if message.expiration is None or effective < message.expiration:
-            message.expiration = effective
+    # Lua prints numbers of 1e17 and more with an exponent
+    effective = (int(expiry) if expiry.isdigit() else int(float(expiry))) if expiry else None
     if origin:
+        message.expiration = effective
         message.annotations[ORIGIN_QUEUE] = origin
         message.annotations[DEAD_LETTER_REASON] = reason
+    elif effective is not None and (message.expiration is None or effective < message.expiration):
+        message.expiration = effective
 
 
 def flow_fence(flow: Flow, partition: int | None) -> str:
