@@ -10,16 +10,18 @@ import redis
 
 from gateway.broker import Broker
 from gateway.engine import keys
+from gateway.engine.partitions import partition_of
 from gateway.engine.queues import QueueConfig
 from gateway.model import Delivery, Message, Outcome, encode
 from tests.test_engine import wait_for
 
 
-def msg(payload: str, **props: str) -> Message:
+def msg(payload: str, priority: int = 4, **props: str) -> Message:
     return Message(
         destination="q",
         to_queue=True,
         payload=payload.encode(),
+        priority=priority,
         user_properties=list(props.items()),
     )
 
@@ -229,3 +231,43 @@ async def test_leaving_flow_control_answers_held_publishers_at_once(
     expected = Outcome.OK if overflow == "ring" else Outcome.QUEUE_FULL
     assert answered == [expected, expected]
     assert (await broker.queues.info("q")).messages == 2
+
+
+async def test_a_ring_priority_queue_drops_from_its_lowest_level(broker: Broker) -> None:
+    """A priority queue's limits bound the whole queue: full, it drops the oldest message of
+    its lowest level that has one, whatever the new message's level."""
+    await broker.declare_queue(
+        QueueConfig(name="q", priorities=True, max_messages=3, overflow="ring")
+    )
+    for payload, priority in (("a4", 4), ("b7", 7), ("c4", 4)):
+        assert await broker.publish(msg(payload, priority=priority)) is Outcome.OK
+    assert await broker.publish(msg("d9", priority=9)) is Outcome.OK  # "a4" goes
+    assert await broker.publish(msg("e1", priority=1)) is Outcome.OK  # "c4" goes
+    info = await broker.queues.info("q")
+    assert (info.messages, info.counters["dropped"]) == (3, 2)
+    got: list[Delivery] = []
+    flow = await broker.bind("q", got.append, window=10)
+    await wait_for(lambda: len(got) == 3)
+    await flow.close()
+    assert [d.message.payload for d in got] == [b"d9", b"b7", b"e1"]
+
+
+async def test_a_ring_partitioned_queue_drops_its_oldest_in_any_partition(
+    broker: Broker,
+) -> None:
+    await broker.declare_queue(
+        QueueConfig(name="q", partition_count=2, max_messages=2, overflow="ring")
+    )
+    keys_by_partition: dict[int, str] = {}
+    i = 0
+    while len(keys_by_partition) < 2:
+        keys_by_partition.setdefault(partition_of(f"k{i}", 2), f"k{i}")
+        i += 1
+    for payload, partition in (("a", 0), ("b", 0), ("c", 1)):
+        m = msg(payload)
+        m.partition_key = keys_by_partition[partition]
+        assert await broker.publish(m) is Outcome.OK
+    info = await broker.queues.info("q")
+    assert (info.messages, info.counters["dropped"]) == (2, 1)
+    stored = [p["messages"] for p in info.partitions]
+    assert stored == [1, 1], stored  # "a" went: the oldest, from the other partition

@@ -639,7 +639,7 @@ local function spool_target(name, families)
     'max_ttl_ms', 'lvq_key', 'priorities', 'overflow', 'resume_percent', 'vpn', 'sort_key',
     'selective')
   local info = { name = name, added = 0, added_bytes = 0, dropped = 0, dropped_bytes = 0,
-    wake = c[6] or name, hidden = c[6] ~= false }
+    wake = c[6] or name, hidden = c[6] ~= false, parent = c[6] or false }
   if not c[1] then
     info.missing = true
     return info
@@ -761,44 +761,82 @@ local function spool_added(sq, q, size)
   added[q.vpn_field] = (added[q.vpn_field] or 0) + size
 end
 
--- Ring overflow, first step: the oldest messages waiting for a consumer that would have
--- to go for `size` more to fit, chosen without deleting anything (the message may still be
--- refused by a later check). Sets q.plan; false when only delivered (unsettled) messages
--- are left to drop. Waiting means parked in a consumer of the group (returned by a
--- consumer that went away; held for a group, selector or sort order; held until a
--- delivery time), oldest first, then never read: every parked entry was read before those.
-local function plan_drop(q, size)
-  q.delivered_upto = q.delivered_upto or last_delivered(q.stream)
-  local plan = { ids = {}, bytes = 0, after = q.delivered_upto, parked = {} }
+-- Ring overflow. What one queue (`m`, a spool target) would drop, oldest first, is
+-- m.drop: waiting entries, parked in a consumer of the group (returned by a consumer that
+-- went away; held for a group, selector or sort order; held until a delivery time), then
+-- never read ones (every parked entry was read before those).
+local function start_drop(m)
+  m.delivered_upto = m.delivered_upto or last_delivered(m.stream)
+  local parked = { { consumer = RETURNED, from = '-' }, { consumer = TIMED, from = '-' } }
+  if m.holding then parked[3] = { consumer = HOLDING, from = '-' } end
+  m.drop = { ids = {}, bytes = 0, after = m.delivered_upto, parked = {}, sources = parked }
+end
+
+-- The id of m's oldest waiting entry not yet in m.drop and the parked source it comes
+-- from (false: never read); nil when none is left.
+local function next_waiting(m)
+  local d, oldest = m.drop, nil
+  for _, c in ipairs(d.sources) do
+    if c.next == nil then
+      local p = redis.call('XPENDING', m.stream, GROUP, c.from, '+', 1, c.consumer)
+      c.next = p[1] and p[1][1] or false
+    end
+    if c.next and (not oldest or id_less(c.next, oldest.next)) then oldest = c end
+  end
+  if oldest then return oldest.next, oldest end
+  if d.unread == nil then
+    local e = redis.call('XRANGE', m.stream, '(' .. d.after, '+', 'COUNT', 1)
+    d.unread = e[1] or false
+  end
+  if d.unread then return d.unread[1], false end
+end
+
+-- Add entry `id` (from `source`, see next_waiting) to m.drop; returns its size.
+local function add_to_drop(m, id, source)
+  local d, fields = m.drop, nil
+  if source then
+    source.from, source.next = '(' .. id, nil
+    local e = redis.call('XRANGE', m.stream, id, id)
+    fields = e[1] and e[1][2] or {}
+    d.parked[#d.parked + 1] = { id, fields, source.consumer }
+  else
+    fields = d.unread[2]
+    d.after, d.unread = id, nil
+  end
+  local n = #(entry_blob(fields) or '')
+  d.ids[#d.ids + 1] = id
+  d.bytes = d.bytes + n
+  return n
+end
+
+-- First step: the waiting messages that would have to go for `size` more to fit in q,
+-- chosen without deleting anything (the message may still be refused by a later check).
+-- Sets q.plan; false when only delivered (unsettled) messages are left to drop. The
+-- limits of a partitioned or priority queue bound its family, so with `sibling` (gw_spool's
+-- spool target of another child) it drops from the family: a priority queue from its
+-- lowest level first, a partitioned one its oldest entries whatever their partition.
+local function plan_drop(q, size, sibling)
+  local members, by_level = { q }, false
+  if sibling and q.parent and q.usage ~= q then
+    members = {}
+    local kids = children(q.parent)  -- levels come highest first
+    for i = #kids, 1, -1 do members[#members + 1] = kids[i] == q.name and q or sibling(kids[i]) end
+    by_level = redis.call('HGET', k_queue_config(q.parent), 'priorities') == '1'
+  end
+  for _, m in ipairs(members) do start_drop(m) end
+  local plan = { bytes = 0, members = members }
   q.plan = plan
   local u = q.usage
   local probe = { maxbytes = q.maxbytes, maxmsgs = q.maxmsgs, bytes = u.bytes, count = u.count }
-  local parked = { { consumer = RETURNED, from = '-' }, { consumer = TIMED, from = '-' } }
-  if q.holding then parked[3] = { consumer = HOLDING, from = '-' } end
   while over_quota(probe, size) do
-    local oldest  -- the parked consumer whose next entry is the oldest
-    for _, c in ipairs(parked) do
-      if c.next == nil then
-        local p = redis.call('XPENDING', q.stream, GROUP, c.from, '+', 1, c.consumer)
-        c.next = p[1] and p[1][1] or false
-      end
-      if c.next and (not oldest or id_less(c.next, oldest.next)) then oldest = c end
+    local best, best_id, best_source
+    for _, m in ipairs(members) do
+      local id, source = next_waiting(m)
+      if id and (not best or id_less(id, best_id)) then best, best_id, best_source = m, id, source end
+      if best and by_level then break end
     end
-    local id, fields
-    if oldest then
-      id = oldest.next
-      oldest.from, oldest.next = '(' .. id, nil
-      local e = redis.call('XRANGE', q.stream, id, id)
-      fields = e[1] and e[1][2] or {}
-      plan.parked[#plan.parked + 1] = { id, fields, oldest.consumer }
-    else
-      local e = redis.call('XRANGE', q.stream, '(' .. plan.after, '+', 'COUNT', 1)
-      if #e == 0 then return false end
-      id, fields = e[1][1], e[1][2]
-      plan.after = id
-    end
-    local n = #(entry_blob(fields) or '')
-    plan.ids[#plan.ids + 1] = id
+    if not best then return false end
+    local n = add_to_drop(best, best_id, best_source)
     plan.bytes = plan.bytes + n
     probe.count = probe.count - 1
     probe.bytes = probe.bytes - n
@@ -806,25 +844,30 @@ local function plan_drop(q, size)
   return true
 end
 
--- Ring overflow, second step, once the message is stored: delete what plan_drop chose.
+-- Second step, once the message is stored: delete what plan_drop chose.
 local function commit_drop(q)
   local plan = q.plan
   if not plan then return end
   q.plan = nil
-  local n = #plan.ids
-  if n == 0 then return end
-  local avoiding = #plan.parked > 0 and avoid_key(q.name)
-  for _, e in ipairs(plan.parked) do  -- out of its consumer (and a sorted or timed index)
-    redis.call('XACK', q.stream, GROUP, e[1])
-    unindex(q.name, e[1], e[2])
-    if e[3] == TIMED then redis.call('ZREM', k_queue_timed(q.name), e[1]) end
-    if avoiding then redis.call('HDEL', avoiding, e[1]) end
+  for _, m in ipairs(plan.members) do
+    local d = m.drop
+    m.drop = nil
+    local n = #d.ids
+    if n > 0 then
+      local avoiding = #d.parked > 0 and avoid_key(m.name)
+      for _, e in ipairs(d.parked) do  -- out of its consumer (and a sorted or timed index)
+        redis.call('XACK', m.stream, GROUP, e[1])
+        unindex(m.name, e[1], e[2])
+        if e[3] == TIMED then redis.call('ZREM', k_queue_timed(m.name), e[1]) end
+        if avoiding then redis.call('HDEL', avoiding, e[1]) end
+      end
+      ids_call('XDEL', m.stream, d.ids, 1, n)
+      m.delivered_upto = d.after
+      add_usage(m, -n, -d.bytes)
+      m.dropped = m.dropped + n
+      m.dropped_bytes = m.dropped_bytes + d.bytes
+    end
   end
-  ids_call('XDEL', q.stream, plan.ids, 1, n)
-  q.delivered_upto = plan.after
-  add_usage(q, -n, -plan.bytes)
-  q.dropped = q.dropped + n
-  q.dropped_bytes = q.dropped_bytes + plan.bytes
 end
 
 -- Whether a dead message of `size` bytes finds no room in dead message queue `dmq`: shut
@@ -1078,7 +1121,7 @@ redis.register_function('gw_spool', function(_, a)
       elseif q.maxsize > 0 and size > q.maxsize then code = TOO_LARGE
       elseif q.blocked or q.flow_held then code = hold_for_node(q)
       elseif over_quota(q, bytes) and not (q.lvq and fits_replacing(q, props, bytes)) then
-        if q.overflow == 'ring' and plan_drop(q, bytes) then
+        if q.overflow == 'ring' and plan_drop(q, bytes, target) then
           nt = nt + 1
           targets[nt] = q
         elseif q.overflow == 'flow_control' then
