@@ -143,3 +143,34 @@ async def test_a_released_message_behind_many_avoided_ones_reaches_the_consumer(
     a.release(last.entry_id)  # any consumer, this one too, may take it
     await wait_for(lambda: len(got) == n + 1, timeout=5)
     assert got[-1].message.payload == last.message.payload
+
+
+def grouped(payload: str) -> Message:
+    return Message(destination="g", to_queue=True, payload=payload.encode(), partition_key="A")
+
+
+@pytest.mark.parametrize("mode", ["default", "shared"])
+async def test_an_avoided_message_of_a_group_goes_to_another_consumer_in_order(
+    broker: Broker, mode: str
+) -> None:
+    """A consumer that cannot take a message of its group (undeliverable-here) lets the
+    group go: another consumer takes that message, and the rest of the group after it;
+    the first never gets a later one ahead of it (a group keeps its order)."""
+    await broker.declare_queue(QueueConfig(name="g", message_groups=mode))
+    got_a: list[Delivery] = []
+    a = await broker.bind("g", got_a.append, window=1)
+    await broker.publish(grouped("m0"))
+    await wait_for(lambda: len(got_a) == 1)
+    got_b: list[Delivery] = []
+    b = await broker.bind("g", got_b.append, window=5)
+    await broker.publish(grouped("m1"))
+    await asyncio.sleep(0.1)
+    a.avoid(got_a[0].entry_id, False)
+    await wait_for(lambda: len(got_b) == 2)
+    await asyncio.sleep(0.2)
+    assert [d.message.payload for d in got_a] == [b"m0"]
+    assert [d.message.payload for d in got_b] == [b"m0", b"m1"]
+    for d in got_b:
+        b.ack(d.entry_id)
+    await a.close()
+    await b.close()

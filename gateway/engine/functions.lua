@@ -1271,25 +1271,32 @@ local function fetch_grouped(q, s, flow, count, mode, default_group, lim, out)
   local held = held_entries(s, scan)
   local groups, gheld = k_queue_groups(q), k_queue_group_held(q)
   local taken = 0
+  local blocked = {}  -- groups with an entry this flow avoids: their later ones wait too
   for _, e in ipairs(held) do
     if taken >= count then break end
     local id = e[1]
     local g = mode and entry_group(s, id, mode, default_group)
-    local owner = g and redis.call('HGET', groups, g)
-    if (not g or not owner or owner == flow) and not avoided(avoiding, id, flow) then
-      local c = redis.call('XCLAIM', s, GROUP, flow, 0, id, 'RETRYCOUNT', e[4] + 1)
-      local blob = c[1] and deliverable(q, s, id, c[1][2], e[4] + 1, lim)
-      if c[1] and not blob then out[2] = out[2] + 1 end
-      if blob then
-        if g then
-          redis.call('HSET', groups, g, flow)
-          if mode == 'shared' then redis.call('HINCRBY', gheld, g, 1) end
+    if g and blocked[g] then
+      -- it waits, in its group's order, behind an entry another flow is to take
+    elseif avoided(avoiding, id, flow) then
+      if g then blocked[g] = true end
+    else
+      local owner = g and redis.call('HGET', groups, g)
+      if not g or not owner or owner == flow then
+        local c = redis.call('XCLAIM', s, GROUP, flow, 0, id, 'RETRYCOUNT', e[4] + 1)
+        local blob = c[1] and deliverable(q, s, id, c[1][2], e[4] + 1, lim)
+        if c[1] and not blob then out[2] = out[2] + 1 end
+        if blob then
+          if g then
+            redis.call('HSET', groups, g, flow)
+            if mode == 'shared' then redis.call('HINCRBY', gheld, g, 1) end
+          end
+          out[#out + 1] = id
+          out[#out + 1] = e[4] + 1
+          out[#out + 1] = blob
+          out[#out + 1] = entry_meta(c[1][2])
+          taken = taken + 1
         end
-        out[#out + 1] = id
-        out[#out + 1] = e[4] + 1
-        out[#out + 1] = blob
-        out[#out + 1] = entry_meta(c[1][2])
-        taken = taken + 1
       end
     end
   end
@@ -1655,6 +1662,13 @@ register_always('gw_settle', function(_, a)
         if settled then
           total = total + 1
           if mode ~= 'reject' then mine[#mine + 1] = id end
+          if gmode == 'default' and (mode == 'avoid' or mode == 'avoid_failed') then
+            -- a group stays with its consumer, unless that one cannot take a message of it
+            local dg = entry_group(s, id, gmode)
+            if dg and redis.call('HGET', k_queue_groups(q), dg) == flow then
+              redis.call('HDEL', k_queue_groups(q), dg)
+            end
+          end
           if g and redis.call('HINCRBY', k_queue_group_held(q), g, -1) <= 0 then
             redis.call('HDEL', k_queue_group_held(q), g)  -- the group is free again
             redis.call('HDEL', k_queue_groups(q), g)
