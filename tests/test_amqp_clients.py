@@ -21,8 +21,11 @@ from pathlib import Path
 
 import pytest
 from proton import (
+    UNDESCRIBED,
+    Array,
     Connection,
     ConnectionException,
+    Data,
     Delivery,
     Described,
     Disposition,
@@ -805,14 +808,17 @@ async def test_rhea_send_and_receive(broker: Broker, amqp: Listener, rhea_dir: P
 
 
 class Capability(LinkOption):
-    """Qpid JMS style: mark the terminus with a capability ('queue', 'topic', ...)."""
+    """Qpid JMS style: mark the terminus with capabilities ('queue', 'topic', 'shared'...;
+    several go as an array of symbols)."""
 
-    def __init__(self, name: str) -> None:
-        self.name = name
+    def __init__(self, *names: str) -> None:
+        self.names = names
 
     def apply(self, link) -> None:
         terminus = link.source if link.is_receiver else link.target
-        terminus.capabilities.put_object(symbol(self.name))
+        symbols = [symbol(name) for name in self.names]
+        value = symbols[0] if len(symbols) == 1 else Array(UNDESCRIBED, Data.SYMBOL, *symbols)
+        terminus.capabilities.put_object(value)
 
 
 class DynamicTarget(LinkOption):
@@ -1275,6 +1281,84 @@ async def test_a_durable_subscription_in_use_is_locked(broker: Broker, amqp: Lis
     refusals, got = await asyncio.to_thread(client)
     assert all("amqp:resource-locked" in r for r in refusals), refusals
     assert got == ["held", "after"]
+    assert await durable_queues(broker, 0) == []
+
+
+async def test_shared_subscriptions(broker: Broker, amqp: Listener) -> None:
+    """JMS 2.0 shared subscriptions as Qpid JMS maps them: capability `shared`, one
+    subscription for the link names up to `|` (`sub`, `sub|2`), scoped to the container id
+    or, with `global`, to none. Their links share its messages; a shared durable one outlives
+    them and a close ends it only once no other link consumes; a shared non-durable one goes
+    with its last link; another topic is refused while a link consumes."""
+
+    def take(receiver: BlockingReceiver) -> list[str]:
+        got = []
+        with contextlib.suppress(Timeout):
+            while True:
+                got.append(receiver.receive(0.5).body)
+                receiver.accept()
+        return got
+
+    def client() -> dict[str, object]:
+        one = BlockingConnection(url(amqp), timeout=TIMEOUT, container_id="shared-1")
+        two = BlockingConnection(url(amqp), timeout=TIMEOUT, container_id="shared-2")
+        out: dict[str, object] = {}
+        try:
+            durable = [DurableSubscription(), Capability("shared", "global")]
+            a = one.create_receiver("topic://sh/d", name="sub|global", credit=10, options=durable)
+            b = two.create_receiver("topic://sh/d", name="sub|global", credit=10, options=durable)
+            volatile = [Capability("shared")]
+            c = one.create_receiver("topic://sh/v", name="vol", credit=10, options=volatile)
+            d = one.create_receiver("topic://sh/v", name="vol|2", credit=10, options=volatile)
+            with pytest.raises(LinkDetached) as refused:
+                other = [DurableSubscription(), Capability("shared", "global")]
+                two.create_receiver("topic://sh/x", name="sub|global2", options=other)
+            out["refused"] = str(refused.value)
+            sender = one.create_sender("topic://sh/d")
+            for i in range(6):
+                sender.send(Message(body=f"d{i}"))
+            volatile_sender = one.create_sender("topic://sh/v")
+            for i in range(6):
+                volatile_sender.send(Message(body=f"v{i}"))
+            out["durable"] = (take(a), take(b))
+            out["volatile"] = (take(c), take(d))
+            a.close()  # another link still consumes: the subscription stays
+            sender.send(Message(body="after a"))
+            out["after"] = take(b)
+            b.link.detach()  # the last link goes: the durable subscription stays
+            c.close()
+            d.close()
+            sender.send(Message(body="while away"))
+            return out
+        finally:
+            one.close()
+            two.close()
+
+    def resume_then_end() -> list[str]:
+        conn = BlockingConnection(url(amqp), timeout=TIMEOUT, container_id="shared-3")
+        try:
+            durable = [DurableSubscription(), Capability("shared", "global")]
+            sub = conn.create_receiver(
+                "topic://sh/d", name="sub|global", credit=10, options=durable
+            )
+            got = take(sub)
+            sub.close()  # the last link closes: the subscription ends
+            return got
+        finally:
+            conn.close()
+
+    out = await asyncio.to_thread(client)
+    assert "amqp:resource-locked" in str(out["refused"])
+    for kind in ("durable", "volatile"):
+        first, second = out[kind]
+        assert first and second, (kind, out[kind])  # shared, not each a copy
+        prefix = kind[0]
+        assert sorted(first + second) == [f"{prefix}{i}" for i in range(6)]
+    assert out["after"] == ["after a"]
+    assert [n for n in await broker.queues.names() if n.startswith("#vts/")] == []
+    [queue] = await durable_queues(broker, 1)
+    assert (await broker.queues.info(queue)).messages == 1
+    assert await asyncio.to_thread(resume_then_end) == ["while away"]
     assert await durable_queues(broker, 0) == []
 
 

@@ -208,6 +208,26 @@ def test_durable_source_and_subscription_queue_name() -> None:
         QueueConfig(name=queue).validate(reserved_ok=True)
 
 
+def test_the_subscription_a_link_names() -> None:
+    """Qpid JMS's link names: `sub` (unshared, or shared with a client id), `sub|2` (the next
+    link of a shared one), `sub|global`, `sub|global2` (shared, no client id)."""
+    none: frozenset[str] = frozenset()
+    shared, shared_global = frozenset({"shared"}), frozenset({"shared", "global", "topic"})
+    unshared = terminus.subscription("c", "sub|2", none)
+    assert (unshared.container_id, unshared.name, unshared.shared) == ("c", "sub|2", False)
+    assert terminus.subscription("c", "sub|2", shared).queue(True) == (
+        terminus.subscription("c", "sub", shared).queue(True)
+    )
+    assert terminus.subscription("c", "sub", shared).queue(True) == (
+        terminus.durable_queue_name("c", "sub")  # what an unsubscribe's lookup finds
+    )
+    global_sub = terminus.subscription("c", "sub|global2", shared_global)
+    assert global_sub == terminus.subscription("other", "sub|global", shared_global)
+    assert global_sub == terminus.looked_up("c", "sub|global")
+    assert global_sub.queue(False).startswith("#vts/")
+    assert global_sub.queue(True) != terminus.subscription("c", "sub", shared).queue(True)
+
+
 def test_annotations_both_ways() -> None:
     amqp = Message(body=b"x")
     amqp.annotations = {

@@ -4,7 +4,9 @@ The source decides what the flow is: a queue (optionally browsed with distributi
 ``copy``, optionally filtered by a JMS selector), a topic (a temporary queue subscribed to
 it, or, for a durable source with a link name, the durable subscription queue of that
 container id + link name: kept when the link detaches, deleted when the client closes it),
-or a dynamic source (a temporary queue with a generated name, see nodes.py).
+or a dynamic source (a temporary queue with a generated name, see nodes.py). A source with
+capability ``shared`` names a subscription several links consume from (see
+terminus.Subscription): durable, it outlives them; non-durable, it goes with the last.
 
 A topic subscription's selector is its queue's subscription selector, applied when a
 message is spooled (Solace topic endpoints), so messages it does not select never pile up,
@@ -89,6 +91,7 @@ class Outbound(Endpoint):
         self.presettled = False
         self.max_message_size = 0  # the client's, from its attach (0: no limit)
         self.durable: str | None = None  # durable subscription queue, deleted on link close
+        self.shared = False  # a shared subscription's: deleted once no other link consumes
         # C delivery -> (stream entry id, its tag) (cffi pointers hash by address; proton
         # reuses a delivery's memory only once it is settled, and then it has left this dict)
         self.unsettled: dict[Any, tuple[str, _Tag]] = {}
@@ -165,9 +168,14 @@ class Outbound(Endpoint):
             return None
         if address.is_queue:
             return address.name, remote.distribution_mode == Terminus.DIST_MODE_COPY, None
-        if terminus.is_durable(remote) and self.link.name:
-            self.durable = await self._subscription(address.name, selector)
-            return self.durable, False, address.name
+        caps, durable = terminus.capabilities(remote), terminus.is_durable(remote)
+        sub = terminus.subscription(self.host.publisher.client_id, self.link.name, caps)
+        if self.link.name and (durable or sub.shared):
+            name = await self._subscription(sub, durable, address.name, selector)
+            self.shared = sub.shared
+            if durable:
+                self.durable = name
+            return name, False, address.name
         self.temporary = await self.host.nodes.create(
             nodes.Lifetime.LINK,
             subscriptions=[(address.name, "smf")],
@@ -178,7 +186,7 @@ class Outbound(Endpoint):
     async def _existing_subscription(self) -> tuple[str, bool, str | None] | None:
         """A null source address names the durable subscription of this container id + link
         name (Qpid JMS looks a subscription up this way to unsubscribe: attach, then close)."""
-        name = terminus.durable_queue_name(self.host.publisher.client_id, self.link.name)
+        name = terminus.looked_up(self.host.publisher.client_id, self.link.name).queue(True)
         try:
             info = await self.host.broker.queues.info(name)
         except QueueError:
@@ -211,17 +219,26 @@ class Outbound(Endpoint):
             source.distribution_mode = Terminus.DIST_MODE_COPY
         self.link.target.copy(self.link.remote_target)
 
-    async def _subscription(self, topic: str, selector: terminus.SelectorFilter | None) -> str:
-        """The durable subscription queue of this container id + link name, created on the
-        first attach and resumed later; a new topic or selector starts it afresh, as JMS
-        requires. The selector filters at spool time (QueueError 'invalid' if bad)."""
+    async def _subscription(
+        self,
+        sub: terminus.Subscription,
+        durable: bool,
+        topic: str,
+        selector: terminus.SelectorFilter | None,
+    ) -> str:
+        """The queue of a durable or shared subscription, created on the first attach and
+        resumed (or joined) later; a new topic or selector starts it afresh, as JMS
+        requires, unless a link consumes from it. The selector filters at spool time
+        (QueueError 'invalid' if bad). A shared non-durable one goes with its last link."""
         broker, user = self.host.broker, self.host.user
-        name = terminus.durable_queue_name(self.host.publisher.client_id, self.link.name)
+        name = sub.queue(durable)
         wanted = [(topic, "smf")]
         config = QueueConfig(
             name=name,
-            durable=True,
-            access_type="exclusive",  # two attaches racing past _check_unused: one consumes
+            durable=durable,
+            auto_delete=not durable,
+            # unshared: two attaches racing past _check_unused still have one consumer
+            access_type="non-exclusive" if sub.shared else "exclusive",
             owner=user,
             permission="none",
             subscription_selector=selector.text if selector else "",
@@ -232,9 +249,11 @@ class Outbound(Endpoint):
         except QueueError:  # not_found: a new subscription
             info = None
         if info is not None:
-            self._check_unused(info)
             same = info.config.subscription_selector == config.subscription_selector
-            if info.subscriptions == wanted and same:
+            same = same and info.subscriptions == wanted
+            if not (sub.shared and same):  # a shared one is joined
+                self._check_unused(info)
+            if same:
                 return name  # the bind checks whose it is
             await broker.delete_queue(name, user=user)  # another user's: 'unauthorized'
         await broker.queues.create(config, reserved_ok=True)
@@ -360,5 +379,6 @@ class Outbound(Endpoint):
         if ended and self.durable is not None:
             name, self.durable = self.durable, None
             with contextlib.suppress(QueueError):  # gone, or not this user's to delete
-                await self.host.broker.delete_queue(name, user=self.host.user)
+                if not (self.shared and (await self.host.broker.queues.info(name)).flows):
+                    await self.host.broker.delete_queue(name, user=self.host.user)
         await super().close(ended)

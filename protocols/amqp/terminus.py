@@ -20,6 +20,9 @@ SELECTOR_SYMBOL = symbol("apache.org:selector-filter:string")
 SELECTOR_CODE = ulong(0x0000468C00000004)
 REPLAY_SYMBOL = symbol("gateway:replay-period")
 DURABLE_PREFIX = "#dts/"  # reserved: clients cannot create or name such queues themselves
+VOLATILE_PREFIX = "#vts/"  # shared non-durable subscriptions' queues
+SHARED, GLOBAL = "shared", "global"  # source capabilities of JMS 2.0 shared subscriptions
+GLOBAL_SUFFIX = "|global"
 MAX_QUEUE_NAME = 255
 
 
@@ -108,14 +111,46 @@ def is_durable(terminus: Terminus) -> bool:
     )
 
 
-def durable_queue_name(container_id: str, link_name: str) -> str:
+def durable_queue_name(container_id: str, link_name: str, prefix: str = DURABLE_PREFIX) -> str:
     """The queue of a durable subscription: one per container id + link name, reversible
-    (hex) while it fits a queue name, else a digest of both."""
-    name = f"{DURABLE_PREFIX}{container_id.encode().hex()}/{link_name.encode().hex()}"
+    (hex) while it fits a queue name, else a digest of both. `prefix`: VOLATILE_PREFIX for
+    a shared non-durable subscription's."""
+    name = f"{prefix}{container_id.encode().hex()}/{link_name.encode().hex()}"
     if len(name) <= MAX_QUEUE_NAME:
         return name
     digest = hashlib.sha256(f"{container_id}\0{link_name}".encode()).hexdigest()
-    return f"{DURABLE_PREFIX}h/{digest}"
+    return f"{prefix}h/{digest}"
+
+
+@dataclass(frozen=True, slots=True)
+class Subscription:
+    """Who names a topic subscription, and how (JMS 2.0 shared subscriptions as Qpid JMS
+    and Qpid Broker-J map them). Capability ``shared``: several links consume from it, each
+    named by the subscription's name up to a ``|`` (``sub``, ``sub|2``: distinct links,
+    one subscription); ``global``: its name is not scoped to the container id."""
+
+    container_id: str  # '' for a global one
+    name: str
+    shared: bool
+
+    def queue(self, durable: bool) -> str:
+        prefix = DURABLE_PREFIX if durable else VOLATILE_PREFIX
+        return durable_queue_name(self.container_id, self.name, prefix)
+
+
+def subscription(container_id: str, link_name: str, caps: frozenset[str]) -> Subscription:
+    """The subscription a topic source's link names (see Subscription)."""
+    if SHARED not in caps:
+        return Subscription(container_id, link_name, False)
+    return Subscription("" if GLOBAL in caps else container_id, link_name.split("|")[0], True)
+
+
+def looked_up(container_id: str, link_name: str) -> Subscription:
+    """The durable subscription a link with a null source names (Qpid JMS unsubscribe):
+    a global shared one's link name ends ``|global``."""
+    if link_name.endswith(GLOBAL_SUFFIX):
+        return Subscription("", link_name[: -len(GLOBAL_SUFFIX)], True)
+    return Subscription(container_id, link_name, False)
 
 
 def first(data: Data) -> object:
