@@ -38,12 +38,15 @@ Consuming
     away underneath the flow.
 
 Client sessions (state that must survive restarts and moves between nodes)
-    ``broker.clients`` (`ClientStore`): ``save(client_id, state_bytes, expiry_s)``,
-    ``load``, ``expire``, ``persist``, ``delete``; ``mark_received(client_id, packet_id)``
-    (False for a duplicate: exactly-once receipt) and ``release_received``.
-    ``token = await broker.claim_client(client_id, on_takeover)`` announces the connection
-    that holds a client id: an older one, on any node, gets ``on_takeover()``;
-    ``broker.release_client(client_id, token)`` when it ends.
+    ``broker.clients`` (`ClientStore`): ``save(client_id, state_bytes, expiry_s, claim)``,
+    ``load(client_id, claim)``, ``expire``, ``persist``, ``delete``;
+    ``mark_received(client_id, packet_id)`` (False for a duplicate: exactly-once receipt)
+    and ``release_received``.
+    ``claim, before = await broker.claim_client(client_id, on_takeover)`` announces the
+    connection that holds a client id: an older one, on any node, gets ``on_takeover()``;
+    ``await broker.handed_over(client_id, before, timeout)`` waits for the teardown of one
+    on another node (which saves what the session needs next) before the state is loaded;
+    ``await broker.release_client(client_id, claim)`` when the connection ends.
     Retained messages: publishing a topic message with ``retain=True`` stores it (an empty
     payload clears it) before the future resolves; ``await broker.retained.matching(filter,
     "mqtt")`` returns those matching a new subscription.
@@ -146,6 +149,9 @@ class Broker:
         self.clients = ClientStore(redis)
         self.retained = RetainedStore(redis)
         self._connected: dict[str, tuple[int, Callable[[], None]]] = {}
+        # client id -> the end ("node claim") of a connection on another node that a
+        # connection here waits for (handed_over)
+        self._handovers: dict[str, asyncio.Future[str]] = {}
         self.router = Router(redis)
         self.dispatcher = Dispatcher(redis, self.node_id)
         self.spooler = Spooler(redis, self.node_id, self._spooled, pacing=self.dispatcher)
@@ -275,12 +281,19 @@ class Broker:
 
     # -- client sessions -------------------------------------------------------------------
 
-    async def claim_client(self, client_id: str, on_takeover: Callable[[], None]) -> int:
+    async def claim_client(
+        self, client_id: str, on_takeover: Callable[[], None]
+    ) -> tuple[int, str | None]:
         """Announce that this connection now holds `client_id`: an older connection with the
         same id, on this node or another, gets `on_takeover()` called and should close.
         Claims are ordered by a Redis counter, so a late event never ends a newer claim.
-        Returns the claim's number for `release_client`."""
-        claim = int(await self.redis.fcall("gw_claim", 0))
+        Returns the claim's number (for `release_client` and the state's load and saves)
+        and, when a connection on another live node held the client, that one's holder
+        ("node claim") for `handed_over`."""
+        reply = await self.redis.fcall("gw_claim", 1, keys.client_claims(client_id), self.node_id)
+        claim, before = int(reply[0]), reply[1].decode() if reply[1] else None
+        if before is not None:  # waiting before the announcement: no release is missed
+            self._handovers[client_id] = asyncio.get_running_loop().create_future()
         previous = self._connected.get(client_id)
         self._connected[client_id] = (claim, on_takeover)
         if previous is not None:
@@ -288,12 +301,43 @@ class Broker:
         await self.redis.publish(
             keys.events, f"client {self.node_id} {claim} {client_id.encode().hex()}"
         )
-        return claim
+        return claim, before
 
-    def release_client(self, client_id: str, claim: int) -> None:
+    async def handed_over(self, client_id: str, before: str, timeout: float) -> bool:
+        """Wait until the connection `before` held on another node has ended (its teardown
+        saved what the session needs next), at most `timeout` seconds: False if it did not."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        try:
+            while True:
+                fut = self._handovers.get(client_id)
+                if fut is None:
+                    return False
+                try:
+                    ended = await asyncio.wait_for(asyncio.shield(fut), deadline - loop.time())
+                except TimeoutError:
+                    return False
+                if ended == before:
+                    return True
+                self._handovers[client_id] = loop.create_future()  # an older one's end
+        finally:
+            self._handovers.pop(client_id, None)
+
+    async def release_client(self, client_id: str, claim: int) -> None:
+        """The connection of `claim` ended: no longer the holder, and one waiting on
+        another node to load the session (`handed_over`) may go on."""
         current = self._connected.get(client_id)
         if current is not None and current[0] == claim:
             del self._connected[client_id]
+        holder = f"{self.node_id} {claim}"
+        await self.redis.fcall("gw_unclaim", 1, keys.client_claims(client_id), holder)
+        await self.redis.publish(keys.events, f"released {holder} {client_id.encode().hex()}")
+
+    def _released(self, arg: str) -> None:
+        node, claim, hex_id = arg.split(" ")
+        fut = self._handovers.get(bytes.fromhex(hex_id).decode())
+        if fut is not None and not fut.done():
+            fut.set_result(f"{node} {claim}")
 
     def _taken_over(self, arg: str) -> None:
         node, claim, hex_id = arg.split(" ")
@@ -502,6 +546,8 @@ class Broker:
             self.dispatcher.request_partition_refresh(arg)
         elif kind == "client":
             self._taken_over(arg)
+        elif kind == "released":
+            self._released(arg)
         elif kind == "direct":
             self._spawn(self._until_answered("learning of direct subscribers", self.direct.refresh))
 

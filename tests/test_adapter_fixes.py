@@ -241,7 +241,7 @@ async def test_a_session_queue_from_before_user_owners_is_adopted(
     await broker.queues.create(legacy, reserved_ok=True)
     stored = json.loads(SessionState("dev-1", True, NEVER_EXPIRES, queue=name).dumps())
     del stored["user"]  # a state saved before owners were recorded
-    await broker.clients.save("dev-1", json.dumps(stored).encode())
+    await broker.clients.save("dev-1", json.dumps(stored).encode(), None, claim=0)
 
     def alice_connects() -> bool:
         client = Client(mqtt.port, V311, "dev-1", False, "alice", "a-secret")

@@ -463,8 +463,12 @@ async def test_a_wildcard_filter_scans_only_its_literal_start(
 
 async def test_client_state_and_exactly_once_receipt(broker: Broker) -> None:
     clients = broker.clients
-    await clients.save("dev:1", b"state", expiry_s=None)
+    assert await clients.save("dev:1", b"state", None, claim=1)
     assert await clients.load("dev:1") == b"state"
+    assert await clients.load("dev:1", claim=3) == b"state"  # the connection of claim 3's
+    assert not await clients.save("dev:1", b"older", None, claim=2)  # taken over: refused
+    assert await clients.save("dev:1", b"newer", None, claim=3)
+    assert await clients.load("dev:1") == b"newer"
     assert await clients.mark_received("dev:1", 7) is True
     assert await clients.mark_received("dev:1", 7) is False  # duplicate
     await clients.release_received("dev:1", 7)
@@ -475,13 +479,22 @@ async def test_client_state_and_exactly_once_receipt(broker: Broker) -> None:
 
 async def test_client_takeover_across_nodes(broker: Broker, second_node: Broker) -> None:
     taken: list[str] = []
-    token = await broker.claim_client("sensor-9", lambda: taken.append("first"))
-    await second_node.claim_client("sensor-9", lambda: taken.append("second"))
+    token, before = await broker.claim_client("sensor-9", lambda: taken.append("first"))
+    assert before is None
+    _, before = await second_node.claim_client("sensor-9", lambda: taken.append("second"))
+    assert before == f"{broker.node_id} {token}"  # held on a live node: wait for its end
     await wait_for(lambda: taken == ["first"])
-    broker.release_client("sensor-9", token)  # a stale release changes nothing
-    local = await second_node.claim_client("sensor-9", lambda: taken.append("third"))
-    assert taken == ["first", "second"]
-    second_node.release_client("sensor-9", local)
+    waiting = asyncio.ensure_future(second_node.handed_over("sensor-9", before, 5))
+    await asyncio.sleep(0.1)
+    assert not waiting.done()
+    await broker.release_client("sensor-9", token)  # a stale release leaves the holder be
+    assert await waiting
+    local, before = await second_node.claim_client("sensor-9", lambda: taken.append("third"))
+    assert taken == ["first", "second"] and before is None  # on the same node
+    await second_node.release_client("sensor-9", local)
+    _, before = await broker.claim_client("sensor-9", lambda: None)
+    assert before is None  # released: nothing to wait for
+    assert not await broker.handed_over("sensor-9", "gone 1", 0.1)
 
 
 async def test_stream_readers_keep_settled_entries_until_they_pass(

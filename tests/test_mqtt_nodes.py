@@ -109,6 +109,49 @@ async def test_session_takeover_across_nodes(redis_url: str) -> None:
         pub.close()
 
 
+async def test_a_takeover_on_another_node_resends_with_the_same_packet_ids(
+    redis_url: str,
+) -> None:
+    """The connection a client left open on node A is taken over from node B: B loads the
+    session once A's teardown saved it, so the QoS 1 and 2 messages in flight on A go again
+    with DUP and their packet ids (MQTT-4.4.0-1), and no more than once."""
+    async with (
+        serve("--redis-url", redis_url) as (_, port_a),
+        serve("--redis-url", redis_url) as (_, port_b),
+    ):
+        first, _ = await Raw.connected(port_a, 5, client_id="mover", properties=KEEP)
+        await first.send(Subscribe(1, [("mv/#", SubscriptionOptions(qos=2))]))
+        assert await first.recv() == Suback(1, [2])
+        pub, _ = await Raw.connected(port_a, 4, client_id="mover-pub")
+        for i, qos in enumerate((1, 1, 1, 2, 1)):
+            await pub.send(Publish(f"mv/{i}", b"m%d" % i, qos=qos, packet_id=i + 1))
+            assert (await pub.recv()).packet_id == i + 1  # type: ignore[union-attr]
+        for _ in range(2):  # acknowledged: the ids of those in flight are not the first ones
+            done = await first.recv()
+            await first.send(Puback(done.packet_id))  # type: ignore[union-attr]
+        sent = [await first.recv() for _ in range(3)]
+        assert all(isinstance(p, Publish) and not p.dup for p in sent)
+        second, ack = await Raw.connected(port_b, 5, client_id="mover", clean_start=False,
+                                          properties=KEEP)  # fmt: skip
+        assert ack.session_present
+        again = [await second.recv() for _ in range(3)]
+        assert sorted((p.payload, p.packet_id, p.dup) for p in again) == sorted(  # type: ignore[union-attr]
+            (p.payload, p.packet_id, True)
+            for p in sent  # type: ignore[union-attr]
+        )
+        for p in again:
+            if p.qos == 1:  # type: ignore[union-attr]
+                await second.send(Puback(p.packet_id))  # type: ignore[union-attr]
+            else:
+                await second.send(Pubrec(p.packet_id))  # type: ignore[union-attr]
+                assert await second.recv() == Pubrel(p.packet_id)  # type: ignore[union-attr]
+                await second.send(Pubcomp(p.packet_id))  # type: ignore[union-attr]
+        await second.ping()
+        assert second.pending == []
+        second.close()
+        pub.close()
+
+
 @pytest.mark.slow
 async def test_nothing_lost_across_sigterm_restart(tmp_path: Path) -> None:
     """10,000 QoS 1 messages to an offline clean_session=0 client; the node is restarted

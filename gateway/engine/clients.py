@@ -25,14 +25,29 @@ class ClientStore:
     def __init__(self, redis: aioredis.Redis) -> None:
         self._redis = redis
 
-    async def save(self, client_id: str, state: bytes, expiry_s: int | None = None) -> None:
-        """Store a session's state; it vanishes `expiry_s` seconds later unless saved again."""
-        await self._redis.fcall(
-            "gw_client_save", 1, keys.client_state(client_id), state, expiry_s or 0
+    async def save(self, client_id: str, state: bytes, expiry_s: int | None, claim: int) -> bool:
+        """Store a session's state as the connection of `claim`; it vanishes `expiry_s`
+        seconds later unless saved again. False: a newer connection already loaded it."""
+        return bool(
+            await self._redis.fcall(
+                "gw_client_save",
+                2,
+                keys.client_state(client_id),
+                keys.client_claims(client_id),
+                state,
+                expiry_s or 0,
+                claim,
+            )
         )
 
-    async def load(self, client_id: str) -> bytes | None:
-        return await self._redis.get(keys.client_state(client_id))
+    async def load(self, client_id: str, claim: int | None = None) -> bytes | None:
+        """The stored state; with `claim`, as that connection's own: older connections can
+        no longer save over it."""
+        if claim is None:
+            return await self._redis.get(keys.client_state(client_id))
+        return await self._redis.fcall(
+            "gw_client_load", 2, keys.client_state(client_id), keys.client_claims(client_id), claim
+        )
 
     async def expire(self, client_id: str, expiry_s: int) -> None:
         """Start the expiry clock (e.g. when the client disconnects); 0 deletes now."""

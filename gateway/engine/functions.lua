@@ -1831,17 +1831,53 @@ register_always('gw_spool_report', function()
 end)
 
 -- A new number from the node-wide counter (client claims are ordered by it).
-register_always('gw_claim', function()
-  return redis.call('INCR', K_SEQ)
+-- KEYS: a client's claims hash. ARGV: node. A connection claims its client id: returns
+-- {claim, the holder before it ("node claim") when that was a connection on another live
+-- node, else false}. The new connection waits for that one's teardown, which saves what
+-- the session needs next, before it reads the state (gw_client_load).
+local CLAIMS_TTL = 86400  -- the claims of a client not seen for a day are forgotten
+
+register_always('gw_claim', function(k, a)
+  local claim = redis.call('INCR', K_SEQ)
+  local before = redis.call('HGET', k[1], 'holder')
+  redis.call('HSET', k[1], 'holder', a[1] .. ' ' .. claim)
+  redis.call('EXPIRE', k[1], CLAIMS_TTL)
+  if before then
+    local node = string.match(before, '^(%S+) ')
+    if node == a[1] or redis.call('EXISTS', k_node_alive(node)) == 0 then before = false end
+  end
+  return { claim, before or false }
 end)
 
--- KEYS: a client's state key. ARGV: state, expiry in seconds (0: none). Protocol sessions
--- keep their state while Redis is full, so clients can reconnect and drain their queues.
-register_always('gw_client_save', function(k, a)
-  if tonumber(a[2]) > 0 then
-    return redis.call('SET', k[1], a[1], 'EX', a[2])
+-- KEYS: a client's claims hash. ARGV: "node claim". The connection ended: no longer the
+-- holder (unless a newer one is).
+register_always('gw_unclaim', function(k, a)
+  if redis.call('HGET', k[1], 'holder') == a[1] then redis.call('HDEL', k[1], 'holder') end
+  return 1
+end)
+
+-- KEYS: a client's state key, its claims hash. ARGV: the reader's claim. The stored state;
+-- notes that this claim read it, so no older connection saves over it after.
+register_always('gw_client_load', function(k, a)
+  if tonumber(a[1]) > (tonumber(redis.call('HGET', k[2], 'loaded')) or 0) then
+    redis.call('HSET', k[2], 'loaded', a[1])
+    redis.call('EXPIRE', k[2], CLAIMS_TTL)
   end
-  return redis.call('SET', k[1], a[1])
+  return redis.call('GET', k[1])
+end)
+
+-- KEYS: a client's state key, its claims hash. ARGV: state, expiry in seconds (0: none),
+-- the saver's claim. Refused (0) once a newer claim read the state: a connection taken
+-- over does not overwrite what its successor loaded. Protocol sessions keep their state
+-- while Redis is full, so clients can reconnect and drain their queues.
+register_always('gw_client_save', function(k, a)
+  if (tonumber(redis.call('HGET', k[2], 'loaded')) or 0) > tonumber(a[3]) then return 0 end
+  if tonumber(a[2]) > 0 then
+    redis.call('SET', k[1], a[1], 'EX', a[2])
+  else
+    redis.call('SET', k[1], a[1])
+  end
+  return 1
 end)
 
 -- KEYS: a client's state and received-ids keys. ARGV: seconds until both expire; 0 deletes

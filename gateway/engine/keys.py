@@ -60,6 +60,7 @@ TEMPLATES: dict[str, str] = {
     "sink_batches": f"{PREFIX}:sink:{{s}}:batches",
     "client_state": f"{PREFIX}:client:{{c}}",
     "client_received": f"{PREFIX}:client:{{c}}:received",
+    "client_claims": f"{PREFIX}:client:{{c}}:claims",
 }
 
 
@@ -210,6 +211,12 @@ def client_state(c: str) -> str:
 
 def client_received(c: str) -> str:
     return _client_key("client_received", c)
+
+
+def client_claims(c: str) -> str:
+    """Which connection holds a client ('holder': node and claim) and the latest claim that
+    read its state ('loaded')."""
+    return _client_key("client_claims", c)
 
 
 def lua_prelude() -> str:

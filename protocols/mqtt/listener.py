@@ -145,10 +145,14 @@ class Registry:
     ) -> tuple[SessionState, bool]:
         client_id = session.client_id
         old = self.sessions.get(client_id)
-        session.claim = await self.broker.claim_client(client_id, session.take_over)
-        if old is not None:  # here: wait until it is torn down (elsewhere: it stops writing)
+        session.claim, before = await self.broker.claim_client(client_id, session.take_over)
+        # the connection it takes over saves what the session needs next (the packet ids of
+        # messages in flight...) as it ends: wait for that, here or on another node
+        if old is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(old.detached), CLOSE_TIMEOUT)
+        if before is not None:
+            await self.broker.handed_over(client_id, before, CLOSE_TIMEOUT)
         pending = self._wills.pop(client_id, None)
         if pending is not None:  # a new connection to the session cancels a delayed will
             pending[0].cancel()
@@ -157,15 +161,10 @@ class Registry:
         timer = self._expiry.pop(client_id, None)
         if timer is not None:
             timer.cancel()
-        state = None if clean_start else await self._load(client_id)
-        if state is not None and old is not None and old.state is not None:
-            # a takeover here saves no state
-            was = old.state
-            state.resend_ids, state.resend_shared = was.resend_ids, was.resend_shared
-            state.resend_retained = was.resend_retained
+        state = None if clean_start else await self._load(client_id, session.claim)
         present = state is not None
         if state is None:
-            await self._forget(client_id, clean_start)
+            await self._forget(client_id, clean_start, session.claim)
             state = SessionState(client_id)
         state.expiry = expiry
         state.persistent = expiry > 0
@@ -177,18 +176,19 @@ class Registry:
             await self.save(session)
         return state, present
 
-    async def _load(self, client_id: str) -> SessionState | None:
-        raw = await self.broker.clients.load(client_id)
+    async def _load(self, client_id: str, claim: int) -> SessionState | None:
+        """The stored state, as the connection of `claim` (older ones no longer save)."""
+        raw = await self.broker.clients.load(client_id, claim)
         if raw is None:
             return None
         state = SessionState.loads(client_id, raw)
         state.qos2_in = {int(pid) for pid in await self.broker.clients.received(client_id)}
         return state
 
-    async def _forget(self, client_id: str, clean_start: bool) -> None:
+    async def _forget(self, client_id: str, clean_start: bool, claim: int) -> None:
         """No session to resume: drop what an ended or expired one left in Redis (a clean
         start ends the stored session: it leaves its shared subscription groups)."""
-        raw = await self.broker.clients.load(client_id) if clean_start else None
+        raw = await self.broker.clients.load(client_id, claim) if clean_start else None
         await self.broker.clients.delete(client_id)
         name = queue_name(client_id)
         if await self.broker.queues.exists(name):
@@ -197,11 +197,12 @@ class Registry:
             await self._leave_groups(client_id, shared_queues(SessionState.loads(client_id, raw)))
 
     async def save(self, session: Session) -> None:
-        """Store a persistent session's state (with its lease while it is connected)."""
+        """Store a persistent session's state (with its lease while it is connected), unless
+        a connection that took it over has loaded it."""
         self._unsaved.discard(session)
-        state = session.state
-        if state is not None and state.persistent and not session.taken_over:
-            await self.broker.clients.save(session.client_id, state.dumps(), _lease(state))
+        state, claim = session.state, session.claim
+        if state is not None and state.persistent and claim is not None:
+            await self.broker.clients.save(session.client_id, state.dumps(), _lease(state), claim)
 
     async def _hold(self, state: SessionState) -> None:
         """Stop the expiry clock of a connected session, and its queue's, up to its lease."""
@@ -236,18 +237,27 @@ class Registry:
             self.spawn(self.save(session))
 
     async def detach(self, session: Session) -> None:
-        """The connection of `session` is gone: will, then end or keep the session."""
-        state = session.state
-        assert state is not None
+        """The connection of `session` is gone: will, then end or keep the session; then a
+        connection waiting to take it over may load it."""
         client_id = session.client_id
         if self.sessions.get(client_id) is session:
             del self.sessions[client_id]
-        if session.claim is not None:
-            self.broker.release_client(client_id, session.claim)
+        try:
+            await self._detach(session)
+        finally:
+            if session.claim is not None:
+                await self.broker.release_client(client_id, session.claim)
+
+    async def _detach(self, session: Session) -> None:
+        state = session.state
+        assert state is not None
+        client_id = session.client_id
         if session.will is not None:
             self._schedule_will(session, state)
-        if session.taken_over:  # the state is the new connection's now
-            if not state.persistent:
+        if session.taken_over:  # the state is the new connection's once it loads it
+            if state.persistent:
+                await self.save(session)  # what it needs next, unless it loaded already
+            else:
                 await self._end_queue(state)
                 await self._leave_groups(client_id, shared_queues(state))
             return
