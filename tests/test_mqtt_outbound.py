@@ -561,3 +561,39 @@ def test_the_resend_notes_survive_the_stored_session_state() -> None:
         {"def": "$share/g/t/#"},
         {"abc": [1, [7]]},
     )
+
+
+async def test_a_retained_message_keeps_its_resend_route_until_acknowledged(
+    gw: Listener,
+) -> None:
+    """A retained message stored for the session's next connection, sent again and not
+    acknowledged before that connection drops too, still goes as it did on SUBSCRIBE on
+    the third: RETAIN=1 and the subscription's id; once acknowledged, it goes no more."""
+    pub = await connected(gw.port, 4, "r2-pub")
+    for i in range(2):
+        await pub.send(publish(4, f"r2/{i}", b"r%d" % i, qos=1, pid=i + 1, flags=0x01))
+        assert await pub.packet() == b"\x40\x02\x00" + bytes((i + 1,))
+    cprops = props(u32(0x11, 300), u16(0x21, 1))  # session expiry, receive maximum 1
+    first = await connected(gw.port, 5, "r2-sub", flags=0x00, cprops=cprops)
+    await first.send(subscribe(5, 1, ("r2/#", 1), sprops=props(b"\x0b\x07")))
+    assert (await first.packet())[0] == 0x90
+    assert publish_parts(await first.packet())[3].endswith(b"r0")  # r1 waits for room
+    first.close()
+    second = await connected(gw.port, 5, "r2-sub", flags=0x00, cprops=cprops)
+    packet = await second.packet()
+    assert (publish_parts(packet)[1], packet[0] & 0x09) == ("r2/0", 0x09)  # DUP, RETAIN
+    second.close()  # unacknowledged once more
+    third = await connected(gw.port, 5, "r2-sub", flags=0x00, cprops=cprops)
+    seen = []
+    for _ in range(2):
+        packet = await third.packet()
+        _, topic, pid, rest = publish_parts(packet)
+        seen.append((topic, packet[0] & 0x01, rest[:3]))
+        await third.send(b"\x40\x02" + pid)
+    assert seen == [("r2/0", 1, b"\x02\x0b\x07"), ("r2/1", 1, b"\x02\x0b\x07")]
+    await nothing_more(third, "sent again", 0.3)
+    third.close()
+    fourth = await connected(gw.port, 5, "r2-sub", flags=0x00, cprops=cprops)
+    await nothing_more(fourth, "acknowledged, yet sent again", 0.3)
+    pub.close()
+    fourth.close()

@@ -212,6 +212,9 @@ class Session:
         # and its subscription ids: a retained one, or a shared group's QoS 2 one (only this
         # client may get it, §4.8.2)
         self._kept: dict[int, tuple[Message, list[int]]] = {}
+        # packet id -> message id of one in flight whose route the session state notes
+        # (resend_retained, resend_shared): forgotten once acknowledged
+        self._routed: dict[int, str] = {}
         # queued QoS 1/2 deliveries waiting for room in the client's receive maximum, which
         # holds across the session's flows (its queue, its shared groups): each flow's own
         # window alone would let them exceed it together
@@ -673,9 +676,9 @@ class Session:
             return
         shared = self._shared.get(queue) if queue is not None else None
         if shared is None and state.resend_shared and queue == state.queue:
-            shared = state.resend_shared.pop(msg.id, None)  # a group's, kept for this client
+            shared = state.resend_shared.get(msg.id)  # a group's, kept for this client
         if state.resend_retained and queue == state.queue and msg.id in state.resend_retained:
-            qos, sub_ids = state.resend_retained.pop(msg.id)  # as it went on SUBSCRIBE
+            qos, sub_ids = state.resend_retained[msg.id]  # as it went on SUBSCRIBE
             denied = _covered(self._deny_subscribe, msg.destination)
             route = None if denied else (qos, True, sub_ids)
         elif shared is not None:  # a shared group's queue: that one subscription
@@ -806,6 +809,13 @@ class Session:
             self._inflight[pid] = (queue, entry_id, qos)
             if queue is None or (qos == 2 and queue in self._shared):
                 self._kept[pid] = (msg, sub_ids)  # stored should this connection end
+            state = self.state
+            if (
+                state is not None
+                and queue == state.queue
+                and (state.resend_retained or state.resend_shared)
+            ):
+                self._routed[pid] = msg.id  # its noted route stays until it is acknowledged
         else:
             self._settle(queue, entry_id)
         self.link.send(data)
@@ -864,8 +874,20 @@ class Session:
             if item[0] is None or self._retained_waiting:
                 self._kept.pop(p.packet_id, None)
                 self._acked(item[0])
+            if self._routed:
+                self._forget_route(p.packet_id)
             if self._held_out:
                 self._send_held_out()
+
+    def _forget_route(self, pid: int) -> None:
+        """A message resent by the route noted for it (a retained or a group's one stored
+        for this session) was acknowledged: the note goes. Until then it stays, should this
+        connection end too."""
+        message_id = self._routed.pop(pid, None)
+        state = self.state
+        if message_id is not None and state is not None:
+            state.resend_retained.pop(message_id, None)
+            state.resend_shared.pop(message_id, None)
 
     def _on_pubrec(self, p: Pubrec) -> None:
         """QoS 2 out: the message is settled in the queue at PUBREC (the client owns it
@@ -874,6 +896,8 @@ class Session:
         assert state is not None
         item = self._inflight.pop(p.packet_id, None)
         self._kept.pop(p.packet_id, None)
+        if self._routed:
+            self._forget_route(p.packet_id)
         if item is not None:
             if item[2] != 2:  # the QoS 1 flow answered as QoS 2
                 self._wrong_ack(item[2])
