@@ -174,3 +174,36 @@ async def test_an_avoided_message_of_a_group_goes_to_another_consumer_in_order(
         b.ack(d.entry_id)
     await a.close()
     await b.close()
+
+
+@pytest.mark.parametrize("mode", ["default", "shared"])
+async def test_a_group_goes_on_only_once_its_consumer_holds_none_of_it(
+    broker: Broker, mode: str
+) -> None:
+    """A consumer holding two messages of its group cannot take the first: the group stays
+    its own (nothing of it goes to another meanwhile) until it settles the second, then
+    another consumer takes the group from the first message on, in order, and at once."""
+    await broker.declare_queue(QueueConfig(name="g", message_groups=mode))
+    got_a: list[Delivery] = []
+    a = await broker.bind("g", got_a.append, window=2)
+    await broker.publish(grouped("m0"))
+    await broker.publish(grouped("m1"))
+    await wait_for(lambda: len(got_a) == 2)
+    got_b: list[Delivery] = []
+    b = await broker.bind("g", got_b.append, window=5)
+    a.avoid(got_a[0].entry_id, False)
+    if mode == "default":
+        await broker.publish(grouped("m2"))
+    await asyncio.sleep(0.3)
+    assert got_b == [] and len(got_a) == 2  # the group is still A's, and A gets no more
+    if mode == "default":
+        a.release(got_a[1].entry_id)  # A gives m1 back: it holds none of the group
+    else:
+        a.ack(got_a[1].entry_id)  # A is done with m1: the group is free (and B woken)
+    expected = [b"m0", b"m1", b"m2"] if mode == "default" else [b"m0"]
+    await wait_for(lambda: len(got_b) == len(expected), timeout=1)
+    assert [d.message.payload for d in got_b] == expected
+    for d in got_b:
+        b.ack(d.entry_id)
+    await a.close()
+    await b.close()

@@ -1265,6 +1265,25 @@ local function held_entries(s, scan)
   return held
 end
 
+-- Whether `flow` holds (delivered, unsettled) an entry of message group `g`.
+local function holds_group(s, flow, g, mode, default_group)
+  for _, p in ipairs(redis.call('XPENDING', s, GROUP, '-', '+', IDS_PER_CALL, flow)) do
+    if entry_group(s, p[1], mode, default_group) == g then return true end
+  end
+  return false
+end
+
+-- Default mode: a group stays with its consumer while it lives, unless that consumer
+-- cannot take one of its messages (undeliverable-here): once it holds none of the group,
+-- the group is free for another (wake: its consumers fetch).
+local function free_avoided_group(q, s, flow, g)
+  local groups = k_queue_groups(q)
+  if redis.call('HGET', groups, g) == flow and not holds_group(s, flow, g, 'default') then
+    redis.call('HDEL', groups, g)
+    wake(q)
+  end
+end
+
 local function fetch_grouped(q, s, flow, count, mode, default_group, lim, out)
   local avoiding = avoid_key(q)  -- entries this flow must not get: looked past
   local scan = math.max(count * 4, 64) + (avoiding and redis.call('HLEN', avoiding) or 0)
@@ -1279,7 +1298,10 @@ local function fetch_grouped(q, s, flow, count, mode, default_group, lim, out)
     if g and blocked[g] then
       -- it waits, in its group's order, behind an entry another flow is to take
     elseif avoided(avoiding, id, flow) then
-      if g then blocked[g] = true end
+      if g then
+        blocked[g] = true
+        if mode == 'default' then free_avoided_group(q, s, flow, g) end
+      end
     else
       local owner = g and redis.call('HGET', groups, g)
       if not g or not owner or owner == flow then
@@ -1639,7 +1661,7 @@ register_always('gw_settle', function(_, a)
       local gmode = group_mode(q)
       local shared = gmode == 'shared'
       local default_group = shared and redis.call('HGET', k_queue_config(q), 'default_group')
-      local mine, bytes = {}, 0
+      local mine, bytes, avoided_groups, freed = {}, 0, {}, false
       local each = first
       if mode == 'ack' and not shared then
         total = total + ack_batch(q, s, a, first, n, bytes_total, sizes)
@@ -1663,15 +1685,13 @@ register_always('gw_settle', function(_, a)
           total = total + 1
           if mode ~= 'reject' then mine[#mine + 1] = id end
           if gmode == 'default' and (mode == 'avoid' or mode == 'avoid_failed') then
-            -- a group stays with its consumer, unless that one cannot take a message of it
             local dg = entry_group(s, id, gmode)
-            if dg and redis.call('HGET', k_queue_groups(q), dg) == flow then
-              redis.call('HDEL', k_queue_groups(q), dg)
-            end
+            if dg then avoided_groups[#avoided_groups + 1] = dg end
           end
           if g and redis.call('HINCRBY', k_queue_group_held(q), g, -1) <= 0 then
             redis.call('HDEL', k_queue_group_held(q), g)  -- the group is free again
             redis.call('HDEL', k_queue_groups(q), g)
+            freed = true  -- what waits for it may go to another consumer
           end
         end
       end
@@ -1679,6 +1699,7 @@ register_always('gw_settle', function(_, a)
         if mode ~= 'ack' then  -- back to the queue: requeue, release, avoid, avoid_failed
           if mode == 'avoid' or mode == 'avoid_failed' then avoid(q, mine, flow) end
           park(q, s, mine, mode == 'release' or mode == 'avoid')
+          for _, g in ipairs(avoided_groups) do free_avoided_group(q, s, flow, g) end
           redis.call('HINCRBY', k_queue_stats(q), 'requeued', #mine)
           wake(q)
         else
@@ -1697,6 +1718,7 @@ register_always('gw_settle', function(_, a)
           redis.call('HDEL', avoiding, unpack(a, from, math.min(pos - 1, from + IDS_PER_CALL - 1)))
         end
       end
+      if freed and (mode == 'ack' or mode == 'reject') then wake(q) end  -- else woken above
     end
   end
   return total
