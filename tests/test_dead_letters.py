@@ -10,6 +10,7 @@ import redis.asyncio as aioredis
 
 from gateway.broker import Broker
 from gateway.engine import keys
+from gateway.engine.partitions import partition_of
 from gateway.engine.queues import DEAD_MESSAGE_QUEUE, QueueConfig
 from gateway.model import (
     DEAD_LETTER_REASON,
@@ -381,3 +382,41 @@ async def test_times_past_what_entries_hold_are_bounded(broker: Broker) -> None:
     await wait_for_messages(broker, DEAD_MESSAGE_QUEUE, 1)  # the expired one
     await asyncio.sleep(0.2)
     assert len(got) == 1  # the held one waits (for 8,000 years)
+
+
+@pytest.mark.parametrize("kind", ["priorities", "partitions"])
+async def test_a_ring_dmq_with_levels_or_partitions_drops_from_all(
+    broker: Broker, kind: str
+) -> None:
+    """A full ring dead message queue drops its oldest message from whichever level or
+    partition holds it, rather than refusing a dead message for an empty one."""
+    extra = {"priorities": True} if kind == "priorities" else {"partition_count": 2}
+    await broker.declare_queue(
+        QueueConfig(name=DEAD_MESSAGE_QUEUE, max_messages=2, overflow="ring", **extra)
+    )
+    await broker.declare_queue(QueueConfig(name="q"))
+    keys_by_partition: dict[int, str] = {}
+    i = 0
+    while len(keys_by_partition) < 2:
+        keys_by_partition.setdefault(partition_of(f"k{i}", 2), f"k{i}")
+        i += 1
+    got: list[Delivery] = []
+    flow = await broker.bind("q", got.append, window=10)
+    for payload, place in (("a", 0), ("b", 0), ("c", 1)):
+        priority, key = (
+            (4 + 5 * place, None) if kind == "priorities" else (4, keys_by_partition[place])
+        )
+        await broker.publish(
+            msg(payload.encode(), priority=priority, dmq_eligible=True, partition_key=key)
+        )
+        await wait_for(lambda: len(got) == 1)
+        flow.reject(got.pop().entry_id)
+        deadline = time.monotonic() + 5
+        while (await broker.queues.info("q")).counters.get("rejected", 0) < ord(payload) - 96:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
+    await flow.close()
+    origin = await broker.queues.info("q")
+    dmq = await broker.queues.info(DEAD_MESSAGE_QUEUE)
+    assert origin.counters.get("dmq_failed", 0) == 0 and origin.counters["dead_lettered"] == 3
+    assert (dmq.messages, dmq.counters.get("dropped", 0)) == (2, 1)

@@ -874,11 +874,16 @@ end
 -- (ingress disabled), too large, or past its quota (a ring DMQ drops its oldest instead),
 -- the broker's or its VPN's.
 local function dmq_full(dmq, size)
-  local t = spool_target(dmq)
+  local families, by_name = {}, {}
+  local function target(name)  -- a ring DMQ with partitions or levels drops from them all
+    by_name[name] = by_name[name] or spool_target(name, families)
+    return by_name[name]
+  end
+  local t = target(dmq)
   if t.missing or not t.ingress or (t.maxsize > 0 and size > t.maxsize) then return true end
   local freed = 0
   if over_quota(t, size) then
-    if t.overflow ~= 'ring' or not plan_drop(t, size) then return true end
+    if t.overflow ~= 'ring' or not plan_drop(t, size, target) then return true end
     freed = t.plan.bytes
   end
   local broker, in_vpn = spool_limits(t.vpn)
@@ -888,9 +893,11 @@ local function dmq_full(dmq, size)
     return true
   end
   commit_drop(t)
-  if t.dropped > 0 then
-    account(dmq, -t.dropped, -t.dropped_bytes, t.vpn, t.maxbytes)
-    redis.call('HINCRBY', k_queue_stats(dmq), 'dropped', t.dropped)
+  for name, m in pairs(by_name) do
+    if m.dropped > 0 then
+      account(name, -m.dropped, -m.dropped_bytes, m.vpn, m.maxbytes)
+      redis.call('HINCRBY', k_queue_stats(name), 'dropped', m.dropped)
+    end
   end
   return false
 end
