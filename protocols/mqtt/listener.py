@@ -3,7 +3,9 @@
 `Registry` attaches connections to sessions. A session's state lives in Redis
 (`broker.clients`, saved on every change; see state.py), so it survives a gateway restart
 and follows the client to another node: `broker.claim_client` makes the connection that held
-the client id, on any node, disconnect (MQTT 5: 0x8E) and leave the state alone. The expiry
+the client id, on any node, disconnect (MQTT 5: 0x8E) and save the state on its way out; the
+new connection loads it once that one ended (`broker.handed_over`), and from then on the
+old one's saves are refused. The expiry
 clock runs in Redis (`expire` at disconnect); a session found gone at its next connect has
 its durable queue `#mqtt/<hex client id>` deleted, as does a local timer when the session
 expires while this node runs. While connected, a session with a finite expiry holds a lease
@@ -28,10 +30,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import logging
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 from gateway.broker import ANONYMOUS, Broker, Outcome, QueueConfig, QueueError
@@ -107,7 +111,8 @@ class Registry:
         self.connections: set[MqttConnection] = set()
         self.counters: dict[str, int] = {}
         self._locks: dict[str, list[Any]] = {}  # client id -> [lock, users]
-        self._wills: dict[str, tuple[asyncio.TimerHandle, Message]] = {}
+        # client id -> its delayed will: the timer, and what makes the message when it goes
+        self._wills: dict[str, tuple[asyncio.TimerHandle, Callable[[], Message]]] = {}
         self._expiry: dict[str, asyncio.TimerHandle] = {}
         self._rechecks: dict[str, asyncio.TimerHandle] = {}  # shared queue -> its recheck
         self._unsaved: set[Session] = set()
@@ -408,24 +413,25 @@ class Registry:
         will = session.will
         assert will is not None
         publisher = Publisher("mqtt", state.client_id, session.user)
-        msg = mapping.to_message(will, publisher, session.level)
+        # made when it goes: its message expiry interval counts from then (§3.1.3.2.4)
+        message = functools.partial(mapping.to_message, will, publisher, session.level)
         delay = 0
         if session.level == 5 and will.properties is not None:
             delay = min(will.properties.will_delay_interval or 0, state.expiry)
         if delay <= 0:
-            self._publish_will(msg)
+            self._publish_will(message)
             return
         handle = asyncio.get_running_loop().call_later(delay, self._fire_will, state.client_id)
-        self._wills[state.client_id] = (handle, msg)
+        self._wills[state.client_id] = (handle, message)
 
     def _fire_will(self, client_id: str) -> None:
         pending = self._wills.pop(client_id, None)
         if pending is not None:
             self._publish_will(pending[1])
 
-    def _publish_will(self, msg: Message) -> None:
+    def _publish_will(self, message: Callable[[], Message]) -> None:
         self.count("wills")
-        fut = self.broker.publish_nowait(msg)
+        fut = self.broker.publish_nowait(message())
         fut.add_done_callback(_log_will_outcome)
 
     # -- shutdown --------------------------------------------------------------------------

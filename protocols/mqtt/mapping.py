@@ -148,6 +148,11 @@ def _mqtt_string(text: str) -> str:
     return text.replace("\x00", "\ufffd") if "\x00" in text else text
 
 
+def is_topic_name(topic: str) -> bool:
+    """An MQTT topic name: at least a character and no wildcard (MQTT-4.7.3-1, -3.3.2-2)."""
+    return bool(topic) and "+" not in topic and "#" not in topic
+
+
 def egress_properties(
     msg: Message, expiry: int | None, subscription_ids: list[int]
 ) -> Properties | None:
@@ -162,11 +167,12 @@ def egress_properties(
     if corr is not None and not isinstance(corr, bytes):
         corr = str(corr).encode()
     fmt = msg.annotations.get(PAYLOAD_FORMAT)
+    reply = msg.reply_to or ""  # one MQTT cannot reply to (wildcards: MQTT-3.3.2-14) stays out
     props = Properties(
         payload_format_indicator=fmt if fmt in (0, 1) else None,
         message_expiry_interval=expiry,
         content_type=msg.content_type and _mqtt_string(msg.content_type),
-        response_topic=msg.reply_to and _mqtt_string(msg.reply_to),
+        response_topic=_mqtt_string(reply) if is_topic_name(reply) else None,
         correlation_data=corr,
         subscription_identifiers=subscription_ids,
         user_properties=user,

@@ -135,11 +135,23 @@ def _covered(patterns: list[str], topic: str) -> bool:
     return False
 
 
-def _wildcard(response_topic: str | None) -> bool:
+def _bad_response_topic(response_topic: str | None) -> bool:
     """A Response Topic is a topic name: MQTT 5 §3.3.2.3.5 forbids wildcards in it (a reply
-    published to it would be refused)."""
-    return response_topic is not None and ("+" in response_topic or "#" in response_topic)
+    published to it would be refused), and a topic name has a character at least."""
+    return response_topic is not None and not mapping.is_topic_name(response_topic)
 
+
+# CONNACK properties left out, in this order, for a client whose maximum packet size is
+# smaller than the CONNACK: first those that say what their absence says, then limits
+_CONNACK_OPTIONAL = (
+    "retain_available",
+    "wildcard_subscription_available",
+    "subscription_identifier_available",
+    "shared_subscription_available",
+    "topic_alias_maximum",
+    "maximum_packet_size",
+    "receive_maximum",
+)
 
 _DECIDED = object()  # an `_Ack` answered on arrival, with its own reason code
 
@@ -326,7 +338,7 @@ class Session:
             self._refuse_connect(ReasonCode.BAD_AUTHENTICATION_METHOD)
             return
         will_props = p.will.properties if p.will is not None else None
-        if will_props is not None and _wildcard(will_props.response_topic):
+        if will_props is not None and _bad_response_topic(will_props.response_topic):
             self._refuse_connect(ReasonCode.PROTOCOL_ERROR)
             return
         refusal = self._authenticate(p)
@@ -374,7 +386,13 @@ class Session:
                 subscription_identifier_available=1,
                 shared_subscription_available=1,
             )
-        self._send(Connack(present, 0, ack_props))
+        data = encode(Connack(present, 0, ack_props), self.level)
+        for optional in _CONNACK_OPTIONAL:  # within the client's maximum (MQTT-3.1.2-24)
+            if ack_props is None or self._max_out is None or len(data) <= self._max_out:
+                break
+            setattr(ack_props, optional, None)
+            data = encode(Connack(present, 0, ack_props), self.level)
+        self.link.send(data)
         self.connected = True
         self._start_keep_alive(keep_alive)
         await self._resume()
@@ -559,7 +577,7 @@ class Session:
         props = p.properties
         if props is None:
             return True
-        if props.subscription_identifiers or _wildcard(props.response_topic):
+        if props.subscription_identifiers or _bad_response_topic(props.response_topic):
             self.fail(ReasonCode.PROTOCOL_ERROR)
             return False
         alias = props.topic_alias
@@ -726,6 +744,10 @@ class Session:
         options = [state.subscriptions[f] for f in filters]
         if not options or _covered(self._deny_subscribe, msg.destination):
             return None
+        if not mapping.is_topic_name(msg.destination):  # from AMQP: no MQTT topic name
+            log.info("MQTT client %r: a message on %r, not a topic name, is not sent",
+                     self.client_id, msg.destination)  # fmt: skip
+            return None
         return (
             max(o.qos for o in options),
             any(o.retain_as_published for o in options),
@@ -788,17 +810,24 @@ class Session:
                 flow.release(entry_id)
             return
         alias = self._alias_for(msg.destination) if self._out_alias_max else None
-        data = mapping.encode_delivery(
-            msg,
-            qos=qos,
-            packet_id=pid,
-            dup=(dup or resent) and qos > 0,
-            retain=retain,
-            subscription_ids=sub_ids,
-            expiry=expiry,
-            level=self.level,
-            alias=alias,
-        )
+        try:
+            data = mapping.encode_delivery(
+                msg,
+                qos=qos,
+                packet_id=pid,
+                dup=(dup or resent) and qos > 0,
+                retain=retain,
+                subscription_ids=sub_ids,
+                expiry=expiry,
+                level=self.level,
+                alias=alias,
+            )
+        except ValueError as exc:  # a string over 65,535 bytes (from AMQP): dropped, as a
+            # packet over the client's maximum is (MQTT-3.1.2-25), not left to hold its place
+            log.info("MQTT client %r: a message MQTT cannot carry is not sent: %s",
+                     self.client_id, exc)  # fmt: skip
+            self._settle(queue, entry_id)
+            return
         if self._max_out is not None and len(data) > self._max_out:
             log.info("MQTT client %r: message over its maximum packet size dropped", self.client_id)
             self._settle(queue, entry_id)
@@ -1163,7 +1192,7 @@ class Session:
                 self.fail(ReasonCode.PROTOCOL_ERROR)
                 return
             state.expiry = expiry
-        if p.reason_code != ReasonCode.DISCONNECT_WITH_WILL_MESSAGE:
+        if p.reason_code == ReasonCode.NORMAL_DISCONNECTION:  # MQTT-3.1.2-8: only it drops it
             self.will = None
         self.close()
 
