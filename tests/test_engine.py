@@ -492,6 +492,7 @@ async def test_client_takeover_across_nodes(broker: Broker, second_node: Broker)
     local, before = await second_node.claim_client("sensor-9", lambda: taken.append("third"))
     assert taken == ["first", "second"] and before is None  # on the same node
     await second_node.release_client("sensor-9", local)
+    assert not await broker.redis.exists(keys.client_claims("sensor-9"))  # ended: gone
     _, before = await broker.claim_client("sensor-9", lambda: None)
     assert before is None  # released: nothing to wait for
     assert not await broker.handed_over("sensor-9", "gone 1", 0.1)

@@ -1878,10 +1878,10 @@ register_always('gw_claim', function(k, a)
   return { claim, before or false }
 end)
 
--- KEYS: a client's claims hash. ARGV: "node claim". The connection ended: no longer the
--- holder (unless a newer one is).
+-- KEYS: a client's claims hash. ARGV: "node claim". The connection ended: while no newer
+-- one claimed the client, the hash goes (nothing newer loaded the state either).
 register_always('gw_unclaim', function(k, a)
-  if redis.call('HGET', k[1], 'holder') == a[1] then redis.call('HDEL', k[1], 'holder') end
+  if redis.call('HGET', k[1], 'holder') == a[1] then redis.call('DEL', k[1]) end
   return 1
 end)
 
