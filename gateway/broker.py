@@ -152,6 +152,8 @@ class Broker:
         # client id -> the end ("node claim") of a connection on another node that a
         # connection here waits for (handed_over)
         self._handovers: dict[str, asyncio.Future[str]] = {}
+        # called with (client id, whether it starts afresh) when another node claims one
+        self.claim_watchers: list[Callable[[str, bool], None]] = []
         self.router = Router(redis)
         self.dispatcher = Dispatcher(redis, self.node_id)
         self.spooler = Spooler(redis, self.node_id, self._spooled, pacing=self.dispatcher)
@@ -282,10 +284,11 @@ class Broker:
     # -- client sessions -------------------------------------------------------------------
 
     async def claim_client(
-        self, client_id: str, on_takeover: Callable[[], None]
+        self, client_id: str, on_takeover: Callable[[], None], ends_session: bool = False
     ) -> tuple[int, str | None]:
         """Announce that this connection now holds `client_id`: an older connection with the
-        same id, on this node or another, gets `on_takeover()` called and should close.
+        same id, on this node or another, gets `on_takeover()` called and should close;
+        `claim_watchers` on other nodes learn of it (`ends_session`: it starts afresh).
         Claims are ordered by a Redis counter, so a late event never ends a newer claim.
         Returns the claim's number (for `release_client` and the state's load and saves)
         and, when a connection on another live node held the client, that one's holder
@@ -298,8 +301,9 @@ class Broker:
         self._connected[client_id] = (claim, on_takeover)
         if previous is not None:
             previous[1]()
+        ends = " 1" if ends_session else ""
         await self.redis.publish(
-            keys.events, f"client {self.node_id} {claim} {client_id.encode().hex()}"
+            keys.events, f"client {self.node_id} {claim} {client_id.encode().hex()}{ends}"
         )
         return claim, before
 
@@ -340,8 +344,11 @@ class Broker:
             fut.set_result(f"{node} {claim}")
 
     def _taken_over(self, arg: str) -> None:
-        node, claim, hex_id = arg.split(" ")
+        node, claim, hex_id, *ends = arg.split(" ")
         client_id = bytes.fromhex(hex_id).decode()
+        if node != self.node_id:
+            for watcher in self.claim_watchers:
+                watcher(client_id, bool(ends))
         current = self._connected.get(client_id)
         if node != self.node_id and current is not None and current[0] < int(claim):
             del self._connected[client_id]

@@ -491,8 +491,11 @@ async def test_client_takeover_across_nodes(broker: Broker, second_node: Broker)
     assert await waiting
     local, before = await second_node.claim_client("sensor-9", lambda: taken.append("third"))
     assert taken == ["first", "second"] and before is None  # on the same node
+    await second_node.clients.load("sensor-9", local)  # notes the claim that loaded it
     await second_node.release_client("sensor-9", local)
-    assert not await broker.redis.exists(keys.client_claims("sensor-9"))  # ended: gone
+    claims = keys.client_claims("sensor-9")
+    assert await broker.redis.hget(claims, "loaded") == str(local).encode()  # refuses saves
+    assert 0 < await broker.redis.ttl(claims) <= 120  # of older ones a while; no holder
     _, before = await broker.claim_client("sensor-9", lambda: None)
     assert before is None  # released: nothing to wait for
     assert not await broker.handed_over("sensor-9", "gone 1", 0.1)

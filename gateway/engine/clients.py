@@ -58,12 +58,28 @@ class ClientStore:
         await self._expire(client_id, -1)
 
     async def _expire(self, client_id: str, seconds: int) -> None:
-        """One function call for both keys (it runs while Redis is full, see functions.lua)."""
+        """One function call for both keys (it runs while Redis is full, see functions.lua);
+        the claims of a client whose session is held live on with it."""
         state, received = keys.client_state(client_id), keys.client_received(client_id)
-        await self._redis.fcall("gw_client_expire", 2, state, received, seconds)
+        claims = keys.client_claims(client_id)
+        await self._redis.fcall("gw_client_expire", 3, state, received, claims, seconds)
 
     async def delete(self, client_id: str) -> None:
         await self._redis.delete(keys.client_state(client_id), keys.client_received(client_id))
+
+    async def forget(self, client_id: str, claim: int) -> bool:
+        """Delete what the session of the connection of `claim` left, as `delete`, unless a
+        newer connection already loaded it: False then."""
+        return bool(
+            await self._redis.fcall(
+                "gw_client_forget",
+                3,
+                keys.client_state(client_id),
+                keys.client_received(client_id),
+                keys.client_claims(client_id),
+                claim,
+            )
+        )
 
     async def mark_received(self, client_id: str, message_id: int | str) -> bool:
         """Record an inbound message id; False if it was already recorded (a duplicate)."""

@@ -1859,12 +1859,12 @@ register_always('gw_spool_report', function()
   }
 end)
 
--- A new number from the node-wide counter (client claims are ordered by it).
+-- Claims are numbers from the node-wide counter, so they are ordered.
 -- KEYS: a client's claims hash. ARGV: node. A connection claims its client id: returns
 -- {claim, the holder before it ("node claim") when that was a connection on another live
 -- node, else false}. The new connection waits for that one's teardown, which saves what
 -- the session needs next, before it reads the state (gw_client_load).
-local CLAIMS_TTL = 86400  -- the claims of a client not seen for a day are forgotten
+local CLAIMS_TTL = 86400  -- renewed with a connected session's lease (gw_client_expire)
 
 register_always('gw_claim', function(k, a)
   local claim = redis.call('INCR', K_SEQ)
@@ -1879,9 +1879,15 @@ register_always('gw_claim', function(k, a)
 end)
 
 -- KEYS: a client's claims hash. ARGV: "node claim". The connection ended: while no newer
--- one claimed the client, the hash goes (nothing newer loaded the state either).
+-- one claimed the client, it is no longer held, and the hash goes once an older connection
+-- still tearing down could no longer save (its 'loaded' refuses that until then).
+local UNCLAIMED_TTL = 120
+
 register_always('gw_unclaim', function(k, a)
-  if redis.call('HGET', k[1], 'holder') == a[1] then redis.call('DEL', k[1]) end
+  if redis.call('HGET', k[1], 'holder') == a[1] then
+    redis.call('HDEL', k[1], 'holder')
+    redis.call('EXPIRE', k[1], UNCLAIMED_TTL)
+  end
   return 1
 end)
 
@@ -1893,6 +1899,14 @@ register_always('gw_client_load', function(k, a)
     redis.call('EXPIRE', k[2], CLAIMS_TTL)
   end
   return redis.call('GET', k[1])
+end)
+
+-- KEYS: a client's state and received-ids keys, its claims hash. ARGV: the claim of a
+-- connection whose session ends with it. Both keys go, unless a newer claim loaded them.
+register_always('gw_client_forget', function(k, a)
+  if (tonumber(redis.call('HGET', k[3], 'loaded')) or 0) > tonumber(a[1]) then return 0 end
+  redis.call('DEL', k[1], k[2])
+  return 1
 end)
 
 -- KEYS: a client's state key, its claims hash. ARGV: state, expiry in seconds (0: none),
@@ -1909,10 +1923,17 @@ register_always('gw_client_save', function(k, a)
   return 1
 end)
 
--- KEYS: a client's state and received-ids keys. ARGV: seconds until both expire; 0 deletes
--- them now, -1 keeps them for good (the client is connected again).
+-- KEYS: a client's state and received-ids keys, optionally its claims hash. ARGV: seconds
+-- until the first two expire; 0 deletes them now, -1 keeps them for good (the client is
+-- connected again). A connected session's claims hash lives CLAIMS_TTL more.
 register_always('gw_client_expire', function(k, a)
   local seconds = tonumber(a[1])
+  if k[3] then
+    if seconds ~= 0 and redis.call('EXISTS', k[3]) == 1 then
+      redis.call('EXPIRE', k[3], CLAIMS_TTL)
+    end
+    k[3] = nil
+  end
   for _, key in ipairs(k) do
     if seconds > 0 then
       redis.call('EXPIRE', key, seconds)

@@ -45,7 +45,7 @@ from gateway.topics import MQTT
 from protocols.listening import BackgroundTasks, Listener, Plan
 from protocols.mqtt import mapping
 from protocols.mqtt.connection import MqttConnection
-from protocols.mqtt.session import NEVER_EXPIRES, Session
+from protocols.mqtt.session import CONNECT_TIMEOUT, NEVER_EXPIRES, Session
 from protocols.mqtt.state import (
     SHARED_QUEUE_PREFIX,
     SessionState,
@@ -59,6 +59,8 @@ log = logging.getLogger(__name__)
 
 QUEUE_PREFIX = "#mqtt/"
 CLOSE_TIMEOUT = 5.0
+# the longest a connection taken over takes to end (its publishes in flight land first)
+HANDOVER_TIMEOUT = CONNECT_TIMEOUT + CLOSE_TIMEOUT
 LEASE_S = 60  # how long a connected session outlives its node, beyond its expiry
 # how long a session's queue outlives the session: a connect that found the session stored
 # renews the queue's membership before the sweep may take the queue
@@ -119,6 +121,7 @@ class Registry:
         self._tasks = BackgroundTasks("MQTT session")
         self.spawn = self._tasks.spawn
         self._renewer = asyncio.get_running_loop().create_task(self._renew_leases())
+        broker.claim_watchers.append(self._claimed_elsewhere)
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep_often())
 
     def count(self, name: str) -> None:
@@ -150,14 +153,16 @@ class Registry:
     ) -> tuple[SessionState, bool]:
         client_id = session.client_id
         old = self.sessions.get(client_id)
-        session.claim, before = await self.broker.claim_client(client_id, session.take_over)
+        session.claim, before = await self.broker.claim_client(
+            client_id, session.take_over, clean_start
+        )
         # the connection it takes over saves what the session needs next (the packet ids of
         # messages in flight...) as it ends: wait for that, here or on another node
         if old is not None:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(old.detached), CLOSE_TIMEOUT)
+                await asyncio.wait_for(asyncio.shield(old.detached), HANDOVER_TIMEOUT)
         if before is not None:
-            await self.broker.handed_over(client_id, before, CLOSE_TIMEOUT)
+            await self.broker.handed_over(client_id, before, HANDOVER_TIMEOUT)
         pending = self._wills.pop(client_id, None)
         if pending is not None:  # a new connection to the session cancels a delayed will
             pending[0].cancel()
@@ -262,8 +267,10 @@ class Registry:
         if session.taken_over:  # the state is the new connection's once it loads it
             if state.persistent:
                 await self.save(session)  # what it needs next, unless it loaded already
-            else:
+            else:  # the session ends with this connection: nothing stored is resumed
                 await self._end_queue(state)
+                if session.claim is not None:
+                    await self.broker.clients.forget(client_id, session.claim)
                 await self._leave_groups(client_id, shared_queues(state))
             return
         if state.expiry == 0:
@@ -421,8 +428,24 @@ class Registry:
         if delay <= 0:
             self._publish_will(message)
             return
+        if session.successor_ends is not None:  # a connection on another node took it over
+            if session.successor_ends:  # ... and ended the session
+                self._publish_will(message)
+            return
         handle = asyncio.get_running_loop().call_later(delay, self._fire_will, state.client_id)
         self._wills[state.client_id] = (handle, message)
+
+    def _claimed_elsewhere(self, client_id: str, ends_session: bool) -> None:
+        """A connection on another node took the client's session: its delayed will is not
+        sent, unless that connection starts afresh, ending the session (§3.1.3.2.2)."""
+        pending = self._wills.pop(client_id, None)
+        if pending is not None:
+            pending[0].cancel()
+            if ends_session:
+                self._publish_will(pending[1])
+        live = self.sessions.get(client_id)
+        if live is not None:  # about to be taken over: its will waits on this
+            live.successor_ends = ends_session
 
     def _fire_will(self, client_id: str) -> None:
         pending = self._wills.pop(client_id, None)
@@ -440,6 +463,7 @@ class Registry:
         """Disconnect every client, release their flows, publish pending wills now."""
         self._renewer.cancel()
         self._sweeper.cancel()
+        self.broker.claim_watchers.remove(self._claimed_elsewhere)
         for conn in list(self.connections):
             if conn.session is not None:
                 conn.session.shutdown()

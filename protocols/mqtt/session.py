@@ -203,6 +203,9 @@ class Session:
         self.connected = False
         self.closing = False
         self.taken_over = False  # another connection holds the client id now
+        # taken over from another node: whether that connection started afresh (it ends
+        # the session) or resumed it (a delayed will is then not sent)
+        self.successor_ends: bool | None = None
         self.claim: int | None = None  # from broker.claim_client, while attached
         self.detached: asyncio.Future[None] = self.loop.create_future()
         self._connect_seen = False
@@ -332,6 +335,9 @@ class Session:
     # -- CONNECT ---------------------------------------------------------------------------
 
     async def _on_connect(self, p: Connect) -> None:
+        if self._timer is not None:  # it came: taking a session over may wait a while
+            self._timer.cancel()
+            self._timer = None
         self.level = p.protocol_level
         props = p.properties or Properties()
         if props.authentication_method is not None:
