@@ -207,3 +207,26 @@ async def test_a_group_goes_on_only_once_its_consumer_holds_none_of_it(
         b.ack(d.entry_id)
     await a.close()
     await b.close()
+
+
+async def test_a_group_stays_while_its_consumer_holds_one_behind_many(broker: Broker) -> None:
+    """Whether a consumer still holds a message of a group is read through all it holds,
+    not the first thousand."""
+    await broker.declare_queue(QueueConfig(name="g", message_groups="default"))
+    got_a: list[Delivery] = []
+    a = await broker.bind("g", got_a.append, window=1100)
+    others = [Message(destination="g", to_queue=True, payload=b"x", partition_key="X")] * 1050
+    await asyncio.gather(*(broker.publish_nowait(m) for m in others))
+    await broker.publish(grouped("a1"))
+    await broker.publish(grouped("a2"))
+    await wait_for(lambda: len(got_a) == 1052, timeout=20)
+    got_b: list[Delivery] = []
+    b = await broker.bind("g", got_b.append, window=5)
+    assert [d.message.payload for d in got_a[-2:]] == [b"a1", b"a2"]
+    a.avoid(got_a[-1].entry_id, False)  # A cannot take a2, and still holds a1 of its group
+    await asyncio.sleep(0.5)
+    assert got_b == []  # the group is still A's: a2 waits
+    a.ack(got_a[-2].entry_id)  # now A holds none of it: B takes the group
+    await wait_for(lambda: [d.message.payload for d in got_b] == [b"a2"], timeout=5)
+    await a.close()
+    await b.close()

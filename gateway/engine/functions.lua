@@ -1274,10 +1274,15 @@ end
 
 -- Whether `flow` holds (delivered, unsettled) an entry of message group `g`.
 local function holds_group(s, flow, g, mode, default_group)
-  for _, p in ipairs(redis.call('XPENDING', s, GROUP, '-', '+', IDS_PER_CALL, flow)) do
-    if entry_group(s, p[1], mode, default_group) == g then return true end
+  local from = '-'
+  while true do
+    local page = redis.call('XPENDING', s, GROUP, from, '+', IDS_PER_CALL, flow)
+    for _, p in ipairs(page) do
+      if entry_group(s, p[1], mode, default_group) == g then return true end
+    end
+    if #page < IDS_PER_CALL then return false end
+    from = '(' .. page[#page][1]
   end
-  return false
 end
 
 -- Default mode: a group stays with its consumer while it lives, unless that consumer
