@@ -12,7 +12,7 @@ import pytest
 
 from gateway.broker import Broker, QueueConfig
 from gateway.config import Settings
-from gateway.engine import keys, library
+from gateway.engine import keys
 from protocols.mqtt.codec import (
     Connack,
     Connect,
@@ -28,24 +28,17 @@ from protocols.mqtt.codec import (
 from protocols.mqtt.listener import Listener
 from protocols.mqtt.listener import start as start_mqtt
 from protocols.mqtt.state import SessionState
+from tests import test_engine
 from tests.test_mqtt_protocol import Raw
 
 KEEP = Properties(session_expiry_interval=300)
+second_node = test_engine.second_node  # a second node on the same Redis
 
 
 @pytest.fixture
-async def node2(redis_url: str) -> AsyncIterator[Broker]:
-    client = await library.connect(redis_url)
-    node = Broker(client, heartbeat=0.2, node_ttl=1.0)
-    await node.start()
-    yield node
-    await node.stop()
-    await client.aclose()
-
-
-@pytest.fixture
-async def mqtt2(node2: Broker, listener_settings: Settings) -> AsyncIterator[Listener]:
-    listener = await start_mqtt(node2, listener_settings)
+async def mqtt2(second_node: Broker, listener_settings: Settings) -> AsyncIterator[Listener]:
+    """An MQTT listener on a second node sharing the first one's Redis."""
+    listener = await start_mqtt(second_node, listener_settings)
     assert listener is not None
     yield listener
     await listener.close()

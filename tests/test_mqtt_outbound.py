@@ -510,6 +510,23 @@ async def test_a_qos2_message_of_a_group_left_before_the_drop(gw: Listener) -> N
     assert ack[0] == 0x20 and ack[2:4] == b"\x01\x00", "session present, accepted"
 
 
+ONE_AT_A_TIME = props(u32(0x11, 300), u16(0x21, 1))  # session expiry 300 s, receive max 1
+
+
+async def retained_one_at_a_time(gw: Listener, name: str, count: int) -> tuple[Peer, Peer, bytes]:
+    """`count` retained QoS 1 messages on `<name>/<i>`, then a persistent v5 session
+    `<name>-sub` with Receive Maximum 1 subscribing `<name>/#` with subscription id 7:
+    the publisher, the subscriber and the one PUBLISH it got."""
+    pub = await connected(gw.port, 4, f"{name}-pub")
+    for i in range(count):
+        await pub.send(publish(4, f"{name}/{i}", b"r%d" % i, qos=1, pid=i + 1, flags=0x01))
+        assert await pub.packet() == b"\x40\x02\x00" + bytes((i + 1,))
+    first = await connected(gw.port, 5, f"{name}-sub", flags=0x00, cprops=ONE_AT_A_TIME)
+    await first.send(subscribe(5, 1, (f"{name}/#", 1), sprops=props(b"\x0b\x07")))
+    assert (await first.packet())[0] == 0x90
+    return pub, first, await first.packet()
+
+
 async def test_retained_messages_waiting_for_room_go_to_the_resumed_session(
     gw: Listener,
 ) -> None:
@@ -519,20 +536,12 @@ async def test_retained_messages_waiting_for_room_go_to_the_resumed_session(
     the session state, §4.1), each as it went or would have gone on SUBSCRIBE: RETAIN=1
     and the subscription's id (MQTT-3.3.1-8 / -3.3.4-3), though that subscription is not
     Retain As Published."""
-    pub = await connected(gw.port, 4, "rw-pub")
-    for i in range(3):
-        await pub.send(publish(4, f"rw/{i}", b"r%d" % i, qos=1, pid=i + 1, flags=0x01))
-        assert await pub.packet() == b"\x40\x02\x00" + bytes((i + 1,))
-    cprops = props(u32(0x11, 300), u16(0x21, 1))  # session expiry, receive maximum 1
-    first = await connected(gw.port, 5, "rw-sub", flags=0x00, cprops=cprops)
-    await first.send(subscribe(5, 1, ("rw/#", 1), sprops=props(b"\x0b\x07")))
-    assert (await first.packet())[0] == 0x90
-    packet = await first.packet()
+    pub, first, packet = await retained_one_at_a_time(gw, "rw", 3)
     qos, topic, pid, rest = publish_parts(packet)
     assert (qos, packet[0] & 0x09, rest) == (1, 0x01, b"\x02\x0b\x07" + b"r0")
     await nothing_more(first, "past receive maximum", 0.2)
     first.close()  # unacknowledged, two more waiting
-    second = await connected(gw.port, 5, "rw-sub", flags=0x00, cprops=cprops)
+    second = await connected(gw.port, 5, "rw-sub", flags=0x00, cprops=ONE_AT_A_TIME)
     got = []
     for _ in range(3):
         packet = await second.packet()
@@ -569,21 +578,14 @@ async def test_a_retained_message_keeps_its_resend_route_until_acknowledged(
     """A retained message stored for the session's next connection, sent again and not
     acknowledged before that connection drops too, still goes as it did on SUBSCRIBE on
     the third: RETAIN=1 and the subscription's id; once acknowledged, it goes no more."""
-    pub = await connected(gw.port, 4, "r2-pub")
-    for i in range(2):
-        await pub.send(publish(4, f"r2/{i}", b"r%d" % i, qos=1, pid=i + 1, flags=0x01))
-        assert await pub.packet() == b"\x40\x02\x00" + bytes((i + 1,))
-    cprops = props(u32(0x11, 300), u16(0x21, 1))  # session expiry, receive maximum 1
-    first = await connected(gw.port, 5, "r2-sub", flags=0x00, cprops=cprops)
-    await first.send(subscribe(5, 1, ("r2/#", 1), sprops=props(b"\x0b\x07")))
-    assert (await first.packet())[0] == 0x90
-    assert publish_parts(await first.packet())[3].endswith(b"r0")  # r1 waits for room
+    pub, first, packet = await retained_one_at_a_time(gw, "r2", 2)
+    assert publish_parts(packet)[3].endswith(b"r0")  # r1 waits for room
     first.close()
-    second = await connected(gw.port, 5, "r2-sub", flags=0x00, cprops=cprops)
+    second = await connected(gw.port, 5, "r2-sub", flags=0x00, cprops=ONE_AT_A_TIME)
     packet = await second.packet()
     assert (publish_parts(packet)[1], packet[0] & 0x09) == ("r2/0", 0x09)  # DUP, RETAIN
     second.close()  # unacknowledged once more
-    third = await connected(gw.port, 5, "r2-sub", flags=0x00, cprops=cprops)
+    third = await connected(gw.port, 5, "r2-sub", flags=0x00, cprops=ONE_AT_A_TIME)
     seen = []
     for _ in range(2):
         packet = await third.packet()
@@ -593,7 +595,7 @@ async def test_a_retained_message_keeps_its_resend_route_until_acknowledged(
     assert seen == [("r2/0", 1, b"\x02\x0b\x07"), ("r2/1", 1, b"\x02\x0b\x07")]
     await nothing_more(third, "sent again", 0.3)
     third.close()
-    fourth = await connected(gw.port, 5, "r2-sub", flags=0x00, cprops=cprops)
+    fourth = await connected(gw.port, 5, "r2-sub", flags=0x00, cprops=ONE_AT_A_TIME)
     await nothing_more(fourth, "acknowledged, yet sent again", 0.3)
     pub.close()
     fourth.close()

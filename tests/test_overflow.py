@@ -14,6 +14,7 @@ from gateway.engine.partitions import partition_of
 from gateway.engine.queues import QueueConfig
 from gateway.model import Delivery, Message, Outcome, encode
 from tests.test_engine import wait_for
+from tests.test_last_value import browse_all
 
 
 def msg(payload: str, priority: int = 4, **props: str) -> Message:
@@ -165,15 +166,6 @@ async def test_a_held_mark_holds_back_the_nodes_newer_messages_until_its_retry(
     assert not marks.exists(held_key)
 
 
-async def browsed(broker: Broker, queue: str) -> list[bytes]:
-    """The payloads a browser of `queue` sees, oldest first."""
-    seen: list[Delivery] = []
-    flow = await broker.bind(queue, seen.append, browse=True)
-    await asyncio.sleep(0.3)
-    await flow.close()
-    return [d.message.payload for d in seen]
-
-
 async def test_ring_drops_returned_messages_oldest_first(broker: Broker) -> None:
     """Messages a consumer took and gave back wait at the head of the queue: the ring drops
     them first (RabbitMQ's drop-head), and never refuses the publisher while they wait."""
@@ -185,12 +177,12 @@ async def test_ring_drops_returned_messages_oldest_first(broker: Broker) -> None
     await wait_for(lambda: len(got) == 1)
     await flow.close()  # "0" back, waiting
     assert await broker.publish(msg("3")) is Outcome.OK
-    assert await browsed(broker, "q") == [b"1", b"2", b"3"]
+    assert await browse_all(broker, "q") == [b"1", b"2", b"3"]
     flow = await broker.bind("q", got.append, window=10)
     await wait_for(lambda: len(got) == 4)
     await flow.close()  # all three back: only returned messages wait
     assert await broker.publish(msg("4")) is Outcome.OK
-    assert await browsed(broker, "q") == [b"2", b"3", b"4"]
+    assert await browse_all(broker, "q") == [b"2", b"3", b"4"]
     assert (await broker.queues.info("q")).messages == 3
 
 
