@@ -163,11 +163,7 @@ class Registry:
                 await asyncio.wait_for(asyncio.shield(old.detached), HANDOVER_TIMEOUT)
         if before is not None:
             await self.broker.handed_over(client_id, before, HANDOVER_TIMEOUT)
-        pending = self._wills.pop(client_id, None)
-        if pending is not None:  # a new connection to the session cancels a delayed will
-            pending[0].cancel()
-            if clean_start:  # ... unless the old session ends now
-                self._publish_will(pending[1])
+        self._new_connection(client_id, clean_start)
         timer = self._expiry.pop(client_id, None)
         if timer is not None:
             timer.cancel()
@@ -435,14 +431,19 @@ class Registry:
         handle = asyncio.get_running_loop().call_later(delay, self._fire_will, state.client_id)
         self._wills[state.client_id] = (handle, message)
 
-    def _claimed_elsewhere(self, client_id: str, ends_session: bool) -> None:
-        """A connection on another node took the client's session: its delayed will is not
-        sent, unless that connection starts afresh, ending the session (§3.1.3.2.2)."""
+    def _new_connection(self, client_id: str, ends_session: bool) -> None:
+        """A new connection to the session cancels its delayed will (§3.1.3.2.2), unless it
+        starts afresh: the old session ends now, and its will goes."""
         pending = self._wills.pop(client_id, None)
         if pending is not None:
             pending[0].cancel()
             if ends_session:
                 self._publish_will(pending[1])
+
+    def _claimed_elsewhere(self, client_id: str, ends_session: bool) -> None:
+        """A connection on another node took the client's session: its delayed will is not
+        sent, unless that connection starts afresh, ending the session (§3.1.3.2.2)."""
+        self._new_connection(client_id, ends_session)
         live = self.sessions.get(client_id)
         if live is not None:  # about to be taken over: its will waits on this
             live.successor_ends = ends_session

@@ -848,7 +848,7 @@ class Session:
             if (
                 state is not None
                 and queue == state.queue
-                and (state.resend_retained or state.resend_shared)
+                and (msg.id in state.resend_retained or msg.id in state.resend_shared)
             ):
                 self._routed[pid] = msg.id  # its noted route stays until it is acknowledged
         else:
