@@ -653,3 +653,44 @@ async def test_competing_flows_take_turns_at_small_batches(broker: Broker) -> No
     assert all(60 <= c <= 140 for c in counts.values()), counts
     for flow in flows.values():
         await flow.close()
+
+
+async def test_entries_a_former_reader_kept_go_with_later_acks(
+    redis_url: str, broker: Broker
+) -> None:
+    """Acked entries kept for a stream reader that was then forgotten are trimmed by the
+    next acks, and the trim takes nothing still waiting or unsettled."""
+    await broker.declare_queue(QueueConfig(name="q"))
+    client = aioredis.Redis.from_url(redis_url)
+    stream = keys.queue_stream("q")
+    await client.hset(keys.queue_readers("q"), "old-job", "0-0")
+    await client.sadd(keys.read_queues, "q")
+    for i in range(10):
+        await broker.publish(to_queue("q", b"%d" % i))
+    got: list[Delivery] = []
+    flow = await broker.bind("q", got.append, window=3)
+    await wait_for(lambda: len(got) == 3)
+    for d in got[:3]:
+        flow.ack(d.entry_id)
+    await wait_for(lambda: len(got) == 6)
+    assert await client.xlen(stream) == 10, "kept for the reader"
+    assert await broker.queues.forget_reader("q", "old-job") == 1
+    flow.ack(got[4].entry_id)  # ahead of the older, unsettled got[3]
+    await wait_for(lambda: len(got) == 7)
+    await asyncio.sleep(0.1)
+    ids = [e[0].decode() for e in await client.xrange(stream)]
+    # the three kept entries and got[4] are gone; got[3] (unsettled) and the rest stay
+    assert ids[:3] == [d.entry_id for d in (got[3], got[5], got[6])] and len(ids) == 6
+    for d in got[3:4] + got[5:7]:
+        flow.ack(d.entry_id)
+    await wait_for(lambda: len(got) == 10)
+    for d in got[7:]:
+        flow.ack(d.entry_id)
+    await wait_for(lambda: not flow.unacked)
+    for _ in range(100):  # the acks reach Redis with the next dispatch round
+        if await client.xlen(stream) == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert await client.xlen(stream) == 0
+    assert (await broker.queues.info("q")).messages == 0
+    await client.aclose()

@@ -62,6 +62,25 @@ local function ids_call(cmd, s, ids, first, last)
   return done
 end
 
+-- Delete ids[first..last], entries acked for good (no stream readers keep them). XTRIM
+-- MINID below the oldest entry still pending or undelivered drops whole listpack nodes,
+-- where XDEL seeks and rewrites each entry (~1.4 µs a message more in Redis, AMQP 100 B).
+-- When the trim did not take exactly as many entries, some of these are above the oldest
+-- pending one (another consumer still holds it): deleted by id. (Acked entries that former
+-- stream readers left below the floor can make the count match while some of these stay:
+-- they are trimmed once the floor passes them.)
+local function drop_acked(s, ids, first, last)
+  local floor = last_delivered(s)  -- later entries are undelivered
+  local oldest = redis.call('XPENDING', s, GROUP)[2]
+  local dropped
+  if oldest and not id_less(floor, oldest) then
+    dropped = redis.call('XTRIM', s, 'MINID', oldest)
+  else  -- nothing pending up to the last delivered entry: that one goes too
+    dropped = redis.call('XTRIM', s, 'MINID', floor) + redis.call('XDEL', s, floor)
+  end
+  if dropped ~= last - first + 1 then ids_call('XDEL', s, ids, first, last) end
+end
+
 -- XCLAIM ... JUSTID: moves entries between consumers without bumping the delivery count.
 local function claim_justid(s, consumer, ids)
   for from = 1, #ids, IDS_PER_CALL do
@@ -1643,7 +1662,7 @@ local function ack_batch(q, s, a, first, n, bytes, sizes)
         end
       end
     else
-      ids_call('XDEL', s, a, first, last)
+      drop_acked(s, a, first, last)
     end
   end
   if acked > 0 then
@@ -1718,7 +1737,7 @@ register_always('gw_settle', function(_, a)
           -- a queue with stream readers (the Spark source) keeps settled entries until
           -- every reader passed them (gw_reap trims); otherwise they go at once
           if redis.call('EXISTS', k_queue_readers(q)) == 0 then
-            ids_call('XDEL', s, mine, 1, #mine)
+            drop_acked(s, mine, 1, #mine)
           end
           account(q, -#mine, -bytes)
           redis.call('HINCRBY', k_queue_stats(q), 'acked', #mine)
