@@ -117,11 +117,17 @@ class Delivery:
     message: Message
     delivery_count: int = 1
     size: int = 0
+    acquired_before: bool = False  # by a consumer that gave it back uncounted (released)
 
     @property
     def redelivered(self) -> bool:
         """RabbitMQ / JMS redelivered flag: delivered to some consumer before."""
         return self.delivery_count > 1
+
+    @property
+    def first_acquirer(self) -> bool:
+        """AMQP first-acquirer (§3.2.1): no consumer acquired the message before."""
+        return self.delivery_count == 1 and not self.acquired_before
 
 
 _counter = itertools.count(1)

@@ -694,3 +694,41 @@ async def test_entries_a_former_reader_kept_go_with_later_acks(
     assert await client.xlen(stream) == 0
     assert (await broker.queues.info("q")).messages == 0
     await client.aclose()
+
+
+@pytest.mark.parametrize(
+    ("config", "selector"),
+    [
+        ({}, None),
+        ({"message_groups": "default"}, None),
+        ({"sort_key": "k"}, None),
+        ({"priorities": True}, None),
+        ({"partition_count": 2}, None),
+        ({}, "n >= 0"),
+        ({"sort_key": "k"}, "n >= 0"),
+    ],
+    ids=["plain", "groups", "sorted", "priorities", "partitioned", "selector", "sorted-selector"],
+)
+async def test_a_released_message_says_it_was_acquired_before(
+    broker: Broker, config: dict, selector: str | None
+) -> None:
+    """A release gives a message back with its delivery count as it was (AMQP §3.4.4),
+    and its next delivery says a consumer acquired it before (first-acquirer false,
+    §3.2.1); a failed delivery after that raises the count and keeps the mark."""
+    await broker.queues.create(QueueConfig(name="q", **config))
+    msg = to_queue("q", b"m")
+    msg.user_properties = [("k", "a"), ("n", 1)]
+    await broker.publish(msg)
+    got: list[Delivery] = []
+    flow = await broker.bind("q", got.append, window=1, selector=selector)
+    await wait_for(lambda: len(got) == 1)
+    assert (got[0].delivery_count, got[0].first_acquirer) == (1, True)
+    flow.release(got[0].entry_id)
+    await wait_for(lambda: len(got) == 2)
+    assert (got[1].delivery_count, got[1].acquired_before) == (1, True)
+    assert not got[1].first_acquirer and not got[1].redelivered
+    flow.requeue(got[1].entry_id)
+    await wait_for(lambda: len(got) == 3)
+    assert (got[2].delivery_count, got[2].acquired_before) == (2, True)
+    flow.ack(got[2].entry_id)
+    await wait_for(lambda: not flow.unacked)

@@ -71,6 +71,10 @@ FETCH_RETRY = 1.0  # seconds
 MAX_HELD_BROWSED = 10_000
 HELD_RECHECK = 0.01  # seconds: the least wait for a due one (Redis's clock may lag the node's)
 
+# gw_fetch adds this to a delivery count when the entry was acquired before without the
+# delivery counting (see ACQUIRED in functions.lua)
+ACQUIRED = 1 << 40
+
 DeliverCallback = Callable[[Delivery], None]
 ClosedCallback = Callable[[str], None]
 
@@ -776,7 +780,10 @@ class Dispatcher:
                 flow.credit -= 1
             self.delivered += 1
             try:
-                flow.on_deliver(Delivery(queue, entry_id, message, int(reply[i + 1]), size))
+                count = int(reply[i + 1])
+                flow.on_deliver(
+                    Delivery(queue, entry_id, message, count % ACQUIRED, size, count >= ACQUIRED)
+                )
             except Exception:
                 log.exception("delivery callback of flow %s failed", flow.id)
             if flow.closed:
@@ -950,7 +957,7 @@ class Dispatcher:
             except ValueError:  # unreadable: taken, and rejected as any consumer's fetch does
                 wanted.append(peeked[i])
                 continue
-            if matches(flow.selector, message, int(peeked[i + 1]) + 1):
+            if matches(flow.selector, message, int(peeked[i + 1]) % ACQUIRED + 1):
                 wanted.append(peeked[i])
         if flow.closed:
             return

@@ -281,8 +281,20 @@ local function unindex(q, id, fields)
   end
 end
 
+-- A delivery count of ACQUIRED or more marks an entry a flow acquired before without the
+-- delivery counting (an AMQP release, §3.4.4): its next delivery says so (first-acquirer
+-- false, §3.2.1) with the count it had. The mark is added to the count in the entry's
+-- pending entry, so XCLAIM's increments keep it and it goes with the entry (gw_fetch and
+-- gw_peek reply with it; the node splits it off). 2^40: a Lua number holds it exactly.
+local ACQUIRED = 1099511627776
+
+local function deliveries(count)
+  return count % ACQUIRED
+end
+
 -- Unsettled entries go back to wait for a flow; on a sorted queue, into their sorted place.
--- `uncount`: the delivery did not count (an AMQP release): its delivery count goes back.
+-- `uncount`: the delivery did not count (an AMQP release): its delivery count goes back,
+-- marked ACQUIRED.
 local function park(q, s, ids, uncount)
   local consumer = park_consumer(q)
   if uncount then
@@ -290,7 +302,7 @@ local function park(q, s, ids, uncount)
       local p = redis.call('XPENDING', s, GROUP, id, id, 1)
       if #p == 1 then
         redis.call('XCLAIM', s, GROUP, consumer, 0, id,
-          'RETRYCOUNT', math.max(p[1][4] - 1, 0), 'JUSTID')
+          'RETRYCOUNT', math.max(deliveries(p[1][4]) - 1, 0) + ACQUIRED, 'JUSTID')
       end
     end
   else
@@ -1245,7 +1257,7 @@ redis.register_function('gw_spool', function(_, a)
 end)
 
 -- ARGV: queue, flow, count, fence. Returns {'ok', dead-lettered, then per entry: id,
--- delivery count, blob, meta}, or {'noflow'} / {'notowner'} / {'egress'} / {'noqueue'}. Entries that expired or
+-- delivery count (ACQUIRED added: acquired before), blob, meta}, or {'noflow'} / {'notowner'} / {'egress'} / {'noqueue'}. Entries that expired or
 -- passed max_redelivery are dead-lettered instead of delivered (and counted in the reply).
 -- Requeued entries (oldest first) are served before new ones, so order survives failover.
 -- Meta of an entry: '' for a plain one, else "expiry\norigin queue\nreason": the stored
@@ -1288,7 +1300,7 @@ local function deliverable(q, s, id, fields, count, lim)
     dead_letter(q, s, id, blob, 'expired', lim.respect_ttl)
     return false
   end
-  if lim.max_redelivery > 0 and count > lim.max_redelivery + 1 then
+  if lim.max_redelivery > 0 and deliveries(count) > lim.max_redelivery + 1 then
     dead_letter(q, s, id, blob, 'max_redelivered', true)
     return false
   end
@@ -1526,7 +1538,7 @@ local function sorted_waiting(q, s, scan)
 end
 
 -- ARGV: queue, flow, scan. The oldest `scan` messages waiting for a selector flow (on a
--- sorted queue, the lowest): {'ok', id, delivery count, blob, ...}.
+-- sorted queue, the lowest): {'ok', id, delivery count so far (as gw_fetch's), blob, ...}.
 register_always('gw_peek', function(_, a)
   local q, flow, scan = a[1], a[2], tonumber(a[3])
   local c = redis.call('HMGET', k_queue_config(q), 'egress')

@@ -29,6 +29,7 @@ messages.
 |                  | several data (or amqp-sequence) sections: refused on ingress     |
 |                  | (amqp:not-implemented), proton's Message would keep one          |
 | delivery_count   | header.delivery-count = count - 1, first-acquirer = count == 1   |
+|                  | unless a consumer acquired it before (released: uncounted)       |
 | dmq_eligible     | message-annotation x-opt-dmq-eligible (bool, ingress)            |
 | not_before       | message-annotation x-opt-delivery-time / x-qpid-not-valid-before |
 |                  | (epoch ms, ingress): held in the queue until then                |
@@ -164,7 +165,7 @@ def from_delivery(delivery: Delivery) -> AmqpMessage:
     amqp.durable = msg.persistent
     amqp.priority = msg.priority
     amqp.delivery_count = delivery.delivery_count - 1
-    amqp.first_acquirer = delivery.delivery_count == 1
+    amqp.first_acquirer = delivery.first_acquirer
     if msg.expiration is not None:
         amqp.expiry_time = msg.expiration / 1000
         amqp.ttl = max(0.001, (msg.expiration - time.time() * 1000) / 1000)

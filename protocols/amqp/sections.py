@@ -410,12 +410,12 @@ def _section(code: int, value: bytes) -> bytes:
     return bytes((0x00, 0x53, code)) + value
 
 
-def _header(persistent: bool, priority: int, ttl: bytes, count: int) -> bytes:
+def _header(persistent: bool, priority: int, ttl: bytes, count: int, first: bool) -> bytes:
     items = [
         _TRUE if persistent else _FALSE,
         bytes((0x50, max(0, min(priority, MAX_PRIORITY)))),
         ttl,
-        _TRUE if count == 1 else _FALSE,
+        _TRUE if first else _FALSE,
         _uint(max(0, count - 1)),
     ]
     return _section(HEADER, _compound(0xC0, 0xD0, items))
@@ -460,9 +460,9 @@ def _merged(section: bytes, ours: dict[str, PropertyValue], to_queue: bool) -> b
 
 
 # Sections that most deliveries share, encoded once: the header of a message without
-# expiry, by (persistent, priority, delivery count), and the annotations of a message
-# that has none of its own, by to_queue.
-_HEADERS: dict[tuple[bool, int, int], bytes] = {}
+# expiry, by (persistent, priority, delivery count, first acquirer), and the annotations
+# of a message that has none of its own, by to_queue.
+_HEADERS: dict[tuple[bool, int, int, bool], bytes] = {}
 _HEADERS_MAX = 256
 _ANNOTATIONS = {to_queue: _annotations({}, to_queue) for to_queue in (False, True)}
 # The properties section of a message whose only property is `to`, by (destination,
@@ -483,19 +483,19 @@ def encode(delivery: Delivery, now_ms: int | None = None) -> bytes:
     mapping.from_delivery(...).encode() gives (Unsupported for an amqp-value body kept in
     an annotation by an earlier version: left to proton)."""
     msg = delivery.message
-    count = delivery.delivery_count
+    count, first = delivery.delivery_count, delivery.first_acquirer
     if msg.expiration is None:
-        key = (msg.persistent, msg.priority, count)
+        key = (msg.persistent, msg.priority, count, first)
         header = _HEADERS.get(key)
         if header is None:
-            header = _header(msg.persistent, msg.priority, _NULL, count)
+            header = _header(msg.persistent, msg.priority, _NULL, count, first)
             if len(_HEADERS) < _HEADERS_MAX:
                 _HEADERS[key] = header
         expiry = _NULL
     else:
         now = time.time() * 1000 if now_ms is None else now_ms
         ttl = _uint(max(1, int(msg.expiration - now)))
-        header = _header(msg.persistent, msg.priority, ttl, count)
+        header = _header(msg.persistent, msg.priority, ttl, count, first)
         expiry = b"\x83" + _pack_q(msg.expiration)
     if msg.amqp_bare is not None:  # the publisher's bare message, as it came
         if msg.amqp_annotations:
