@@ -1363,6 +1363,44 @@ async def test_shared_subscriptions(broker: Broker, amqp: Listener) -> None:
     assert await durable_queues(broker, 0) == []
 
 
+async def test_shared_and_unshared_durable_subscriptions_do_not_mix(
+    broker: Broker, amqp: Listener
+) -> None:
+    """JMS 2.0: a shared durable subscription cannot be created where an unshared one of
+    the same name and client id exists (createSharedDurableConsumer), nor the other way
+    round (createDurableConsumer); the existing one and its messages stay."""
+
+    def attach(name: str, caps: list[str]) -> str:
+        """Attach and leave (the connection goes, the subscription stays); why refused."""
+        conn = BlockingConnection(url(amqp), timeout=TIMEOUT, container_id="mix")
+        options = [DurableSubscription(), *([Capability(*caps)] if caps else [])]
+        try:
+            conn.create_receiver("topic://mix/t", name=name, options=options)
+            return ""
+        except LinkDetached as exc:
+            return str(exc)
+        finally:
+            conn.close()
+
+    def client() -> list[str]:
+        refusals = []
+        for name, first, then in (("a", [], ["shared"]), ("b", ["shared"], [])):
+            assert attach(name, first) == ""
+            refusals.append(attach(name, then))
+        conn = BlockingConnection(url(amqp), timeout=TIMEOUT)
+        try:
+            conn.create_sender("topic://mix/t").send(Message(body="kept"))
+        finally:
+            conn.close()
+        return refusals
+
+    refusals = await asyncio.to_thread(client)
+    assert len(refusals) == 2
+    assert all("amqp:precondition-failed" in r for r in refusals), refusals
+    for queue in await durable_queues(broker, 2):
+        assert (await broker.queues.info(queue)).messages == 1
+
+
 async def test_dead_lettered_message_annotations(broker: Broker, amqp: Listener) -> None:
     await broker.declare_queue(QueueConfig(name="#DEAD_MSG_QUEUE"))
     await broker.queues.create(QueueConfig(name="q", dmq_eligible_default=True))

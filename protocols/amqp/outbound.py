@@ -72,6 +72,7 @@ ATTACH_REFUSALS = {
     "unauthorized": UNAUTHORIZED,
     "invalid": INVALID_FIELD,
     "resource_locked": "amqp:resource-locked",
+    "precondition_failed": "amqp:precondition-failed",
 }
 BIND_REFUSALS = {
     "not_found": NOT_FOUND,
@@ -109,7 +110,8 @@ class Outbound(Endpoint):
         except QueueError as exc:
             if exc.code not in ATTACH_REFUSALS:
                 raise
-            # another user's durable subscription, one in use by another link, or a
+            # another user's durable subscription, one in use by another link, one shared
+            # where the link asks for an unshared one (or the other way round), or a
             # selector its queue cannot take: the subscription stays as it is
             self.refuse(ATTACH_REFUSALS[exc.code], str(exc))
             self.durable = None
@@ -249,6 +251,11 @@ class Outbound(Endpoint):
         except QueueError:  # not_found: a new subscription
             info = None
         if info is not None:
+            if sub.shared != (info.config.access_type != "exclusive"):
+                kind = "an unshared" if sub.shared else "a shared"
+                raise QueueError(  # JMS 2.0: createSharedDurableConsumer, createDurableConsumer
+                    "precondition_failed", f"{self.link.name!r} names {kind} durable subscription"
+                )
             same = info.config.subscription_selector == config.subscription_selector
             same = same and info.subscriptions == wanted
             if not (sub.shared and same):  # a shared one is joined
