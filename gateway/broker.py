@@ -24,7 +24,9 @@ Consuming
     messages; the others stay for other consumers. ``browse=True`` reads the queue oldest to
     newest without taking anything (AMQP distribution-mode copy; settling only frees the
     window), ``replay_ms`` limits a browser to messages of the last N ms plus new ones. On a
-    non-destructive queue every consumer browses. Not on partitioned queues.
+    non-destructive queue every consumer browses. Not on partitioned queues. ``get=True``:
+    the flow takes a few messages and goes (RabbitMQ's basic.get), no consumer to an
+    auto-delete queue, which goes only when its last consumer does.
     ``flow.on_empty = callback`` is called whenever a fetch finds nothing more for the flow
     (an AMQP drain can complete then).
     ``on_deliver(delivery)`` is called on the event loop for each message, at most `window`
@@ -369,6 +371,7 @@ class Broker:
         replay_ms: int = 0,
         user: str | None = None,
         connection: str | None = None,
+        get: bool = False,
     ) -> Flow:
         if user is not None or connection is not None:
             await self._check_access(queue, user, connection, BROWSE if browse else CONSUME)
@@ -384,6 +387,7 @@ class Broker:
                 selector=selector,
                 browse=browse,
                 replay_ms=replay_ms,
+                get=get,
             )
         except BindError:
             if queue not in self.dispatcher.flows:

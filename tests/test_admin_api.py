@@ -499,6 +499,18 @@ async def test_get_requeue_ack_and_reject(admin: Admin) -> None:
     assert counters["acked"] == 2 and counters["rejected"] == 1 and counters["requeued"] == 2
 
 
+async def test_a_get_is_no_consumer_of_an_auto_delete_queue(admin: Admin) -> None:
+    """RabbitMQ: an auto-delete queue goes when its last consumer is cancelled, and
+    basic.get (the management API's get) is no consumer: taking one message of three
+    leaves the queue and the other two."""
+    assert (await admin.create("ad", auto_delete=True)).status == 201
+    for i in range(3):
+        assert (await admin.publish("ad", f"m{i}")).status == 200
+    got = await admin.take("ad", count=1, ackmode="ack", timeout_ms=1000)
+    assert [m["payload"] for m in got] == ["m0"]
+    assert await admin.depth("ad") == 2
+
+
 async def test_get_timeout_waits_for_a_message(admin: Admin, broker: Broker) -> None:
     await admin.create("q1")
     loop = asyncio.get_running_loop()

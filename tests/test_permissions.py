@@ -6,6 +6,7 @@ import pytest
 
 from gateway.broker import BindError, Broker
 from gateway.engine.queues import QueueConfig, QueueError
+from gateway.model import Delivery, Message
 from tests.test_engine import wait_for
 
 
@@ -54,6 +55,38 @@ async def test_auto_delete_queue_goes_with_its_last_consumer(broker: Broker) -> 
     await b.close()
     assert not await broker.queues.exists("tmp")
     await wait_for(lambda: broker.router.match("t/x") == frozenset())
+
+
+async def test_a_get_does_not_delete_an_auto_delete_queue(broker: Broker) -> None:
+    """RabbitMQ: an auto-delete queue goes when its last consumer is cancelled, and a
+    basic.get (the admin API's get binds a get flow) is no consumer."""
+    await broker.declare_queue(QueueConfig(name="tmp", auto_delete=True))
+    for i in range(3):
+        await broker.publish(Message(destination="tmp", to_queue=True, payload=b"%d" % i))
+    got: list[Delivery] = []
+    getter = await broker.bind("tmp", got.append, window=1, get=True)
+    await wait_for(lambda: len(got) == 1)
+    getter.ack(got[0].entry_id)
+    await getter.close()
+    assert (await broker.queues.info("tmp")).messages == 2
+    consumer = await broker.bind("tmp", lambda d: None, window=1)
+    getter = await broker.bind("tmp", lambda d: None, window=1, get=True)
+    await consumer.close()  # its last consumer, though a get is bound: the queue goes
+    assert not await broker.queues.exists("tmp")
+    await getter.close()
+
+
+async def test_a_repartition_does_not_delete_an_auto_delete_queue(broker: Broker) -> None:
+    """A repartition unbinds every flow for it to bind again: it cancels no consumer. The
+    queue stays whole, with its settings (it was deleted midway, then half written)."""
+    await broker.declare_queue(QueueConfig(name="tmp", auto_delete=True))
+    consumer = await broker.bind("tmp", lambda d: None, window=1)
+    await broker.queues.update("tmp", {"egress_enabled": False})
+    await broker.queues.repartition("tmp", 2)
+    info = await broker.queues.info("tmp")
+    assert info.config.auto_delete and info.config.partition_count == 2
+    assert not info.config.egress_enabled and "tmp" in await broker.queues.names()
+    await consumer.close()
 
 
 async def test_invalid_permission_is_refused(broker: Broker) -> None:

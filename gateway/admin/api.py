@@ -240,7 +240,9 @@ class AdminApi:
             if len(got) >= count:
                 enough.set()
 
-        flow = await self.broker.bind(name, on_deliver, window=count, browse=browse, user=user)
+        flow = await self.broker.bind(
+            name, on_deliver, window=count, browse=browse, user=user, get=True
+        )
         try:
             if timeout:
                 with contextlib.suppress(TimeoutError):

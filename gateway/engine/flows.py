@@ -323,10 +323,12 @@ class Dispatcher:
         selector: str | None = None,
         browse: bool = False,
         replay_ms: int = 0,
+        get: bool = False,
     ) -> Flow:
         flow = Flow(
             self,
-            f"{self.node_id}.{next(self._ids)}",
+            # a get's flow is no consumer: an auto-delete queue stays (see functions.lua)
+            f"{self.node_id}.{'g' if get else ''}{next(self._ids)}",
             queue,
             window,
             credit,

@@ -20,6 +20,13 @@ local function node_of(flow)
   return string.match(flow, '^([^.]+)%.')
 end
 
+-- A get's flow (the admin API's get, as RabbitMQ's basic.get) takes messages but is no
+-- consumer: its id is node.gN (a consumer's node.N). An auto-delete queue goes when its
+-- last consumer does, never because of gets.
+local function consumer_flow(flow)
+  return not string.find(flow, '.g', 1, true)
+end
+
 -- Stream ids compare as integer (ms, seq) pairs, never as strings.
 local function id_less(x, y)
   local xm, xs = string.match(x, '^(%d+)-(%d+)$')
@@ -359,8 +366,9 @@ end
 -- Move every pending entry of `flow` to the returned consumer (no delivery-count bump:
 -- the count grows when a flow claims it again), forget the consumer, free its lease.
 -- On a partitioned queue the flow is released from every partition and the partitions
--- are rebalanced among the remaining flows (unless `no_rebalance`).
-local function release_flow(q, flow, no_rebalance)
+-- are rebalanced among the remaining flows (unless `no_rebalance`). `keep`: the queue
+-- stays even if it is auto-delete and this was its last consumer.
+local function release_flow(q, flow, no_rebalance, keep)
   local s = k_queue_stream(q)
   local moved = 0
   if redis.call('EXISTS', s) == 1 then
@@ -396,7 +404,10 @@ local function release_flow(q, flow, no_rebalance)
   end
   if partition_count(q) > 0 and not no_rebalance then rebalance(q, now_ms()) end
   local c = redis.call('HMGET', k_queue_config(q), 'auto_delete', 'parent')
-  if c[1] == '1' and not c[2] and redis.call('ZCARD', k_queue_flows(q)) == 0 then
+  if c[1] == '1' and not c[2] and not keep and consumer_flow(flow) then
+    for _, other in ipairs(redis.call('ZRANGE', k_queue_flows(q), 0, -1)) do
+      if consumer_flow(other) then return moved end
+    end
     delete_queue(q)  -- its last consumer went (RabbitMQ auto-delete)
   end
   return moved
@@ -478,6 +489,8 @@ rebalance = function(q, now)
   if n == 0 then return false end
   local parts = k_queue_parts(q)
   local flows = live_flows(q)
+  -- an auto-delete queue goes with its last consumer, on a dead node too
+  if redis.call('EXISTS', k_queue_config(q)) == 0 then return false end
   local nf = #flows
   local cap = {}
   for idx, f in ipairs(flows) do
@@ -2209,7 +2222,7 @@ register_always('gw_repartition', function(_, a)
   local old_n = tonumber(c[2]) or 0
   if old_n == new_n then return { 'ok', 0 } end
   for _, flow in ipairs(redis.call('ZRANGE', k_queue_flows(q), 0, -1)) do
-    release_flow(q, flow, true)
+    release_flow(q, flow, true, true)  -- they bind again; an auto-delete queue stays
   end
   local deleted = 0
   if old_n == 0 then
