@@ -99,6 +99,7 @@ from gateway.engine.flows import (
 from gateway.engine.leases import NodeLiveness, new_node_id
 from gateway.engine.permissions import BROWSE, CONSUME, DELETE, MODIFY_TOPIC, allowed
 from gateway.engine.queues import (
+    DEAD_MESSAGE_QUEUE,
     QueueConfig,
     QueueError,
     QueueInfo,
@@ -436,6 +437,12 @@ class Broker:
             config.owner_node = self.node_id
         subscriptions = list(subscriptions)
         if user is not None:
+            if config.name == DEAD_MESSAGE_QUEUE:  # a system endpoint (Solace)
+                raise QueueError(
+                    "unauthorized",
+                    f"only the operator declares {DEAD_MESSAGE_QUEUE}, where every queue's "
+                    "dead messages go by default",
+                )
             config.owner = user
         created = await self.queues.create(config, subscriptions, user=user)
         if subscriptions or config.lvq_key or config.sort_key or config.subscription_selector:

@@ -154,6 +154,18 @@ async def test_a_user_owns_the_queue_it_declares_and_alone_may_change_it(port: i
     refused(await alice.call("DELETE", q("mine", "readers", "spark")))  # operator only
 
 
+async def test_only_the_operator_declares_the_dead_message_queue(port: int) -> None:
+    """#DEAD_MSG_QUEUE is every queue's default dead message queue (a system endpoint on
+    Solace): a user who declared it would own other users' dead messages."""
+    root = Client(port, basic("root", "root-pw"))
+    alice = Client(port, basic("alice", "a-pw"))
+    body = {"name": "#DEAD_MSG_QUEUE", "permission": "none"}
+    refused(await alice.call("POST", "/api/v1/queues", body))
+    assert (await root.call("GET", q("#DEAD_MSG_QUEUE"))).status == 404
+    reply = await root.call("POST", "/api/v1/queues", {"name": "#DEAD_MSG_QUEUE"})
+    assert reply.status == 201 and reply.body["owner"] is None
+
+
 async def test_permission_levels_gate_other_users(port: int) -> None:
     alice = Client(port, basic("alice", "a-pw"))
     bob = Client(port, basic("bob", "b-pw"))
