@@ -37,7 +37,7 @@ Consuming
     turn. ``await flow.close()`` unbinds; whatever is unsettled is redelivered to another
     flow with ``delivery.redelivered`` set. Exclusive queues deliver to one flow at a time;
     the others are standbys in bind order. ``on_closed(reason)`` is called if the queue goes
-    away underneath the flow.
+    away underneath the flow (reason QUEUE_DELETED when it was deleted).
 
 Client sessions (state that must survive restarts and moves between nodes)
     ``broker.clients`` (`ClientStore`): ``save(client_id, state_bytes, expiry_s, claim)``,
@@ -90,6 +90,7 @@ from gateway.engine.direct import DirectCallback, DirectRelay
 from gateway.engine.events import EventListener
 from gateway.engine.flows import (
     DEFAULT_WINDOW,
+    QUEUE_DELETED,
     BindError,
     ClosedCallback,
     DeliverCallback,
@@ -112,6 +113,7 @@ from gateway.router import Router
 
 __all__ = [
     "ANONYMOUS",
+    "QUEUE_DELETED",
     "BindError",
     "Broker",
     "Flow",
@@ -555,7 +557,7 @@ class Broker:
             version = int(arg)
             self._spawn(self._until_answered("reloading the routes", self.router.reload, version))
         elif kind == "qdel":
-            self.dispatcher.close_queue_flows(arg, "queue deleted")
+            self.dispatcher.close_queue_flows(arg, QUEUE_DELETED)
         elif kind == "qcfg":
             self.dispatcher.wake_queue(arg)
         elif kind == "lease":

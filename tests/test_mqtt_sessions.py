@@ -12,6 +12,7 @@ import pytest
 from gateway.broker import Broker, QueueConfig
 from gateway.config import Settings
 from gateway.engine import keys
+from gateway.model import Message
 from protocols.mqtt import listener
 from protocols.mqtt.codec import (
     Connack,
@@ -220,3 +221,35 @@ async def test_a_session_queue_from_before_memberships_stays(
     await broker.queues.create(QueueConfig(name=name, access_type="exclusive"), reserved_ok=True)
     await mqtt.registry.sweep()
     assert await broker.queues.exists(name)
+
+
+@pytest.mark.parametrize("connected", [True, False], ids=["connected", "offline"])
+async def test_a_deleted_session_queue_ends_the_session(
+    mqtt: Listener, broker: Broker, connected: bool
+) -> None:
+    """An operator who deletes a session's queue deletes its subscriptions: the session
+    ends (a connected v5 client hears 0x98, administrative action), and the next CONNECT
+    gets session present 0 (MQTT-3.2.2-2), so the client subscribes again."""
+    props = Properties(session_expiry_interval=600)
+    raw, _ = await Raw.connected(
+        mqtt.port, 5, client_id="gone", clean_start=False, properties=props
+    )
+    await raw.send(Subscribe(1, [("t/#", SubscriptionOptions(qos=1))]))
+    assert isinstance(await raw.recv(), Suback)
+    if not connected:
+        await raw.send(Disconnect())
+        await raw.closed()
+    await broker.delete_queue(queue_name("gone"))
+    if connected:
+        [told] = await raw.closed()
+        assert isinstance(told, Disconnect) and told.reason_code == 0x98
+    raw, ack = await Raw.connected(
+        mqtt.port, 5, client_id="gone", clean_start=False, properties=props
+    )
+    assert not ack.session_present
+    await raw.send(Subscribe(2, [("t/#", SubscriptionOptions(qos=1))]))
+    assert isinstance(await raw.recv(), Suback)
+    assert (await broker.publish(Message(destination="t/1", payload=b"x"))).accepted
+    got = await raw.recv()
+    assert isinstance(got, Publish) and got.payload == b"x"
+    raw.close()

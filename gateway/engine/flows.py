@@ -75,6 +75,8 @@ HELD_RECHECK = 0.01  # seconds: the least wait for a due one (Redis's clock may 
 # delivery counting (see ACQUIRED in functions.lua)
 ACQUIRED = 1 << 40
 
+QUEUE_DELETED = "queue deleted"  # on_closed's reason when the flow's queue went
+
 DeliverCallback = Callable[[Delivery], None]
 ClosedCallback = Callable[[str], None]
 
@@ -1004,7 +1006,7 @@ class Dispatcher:
         elif status == "noflow":
             self._lost(flow)
         elif status == "noqueue":
-            self.close_queue_flows(flow.queue, "queue deleted")
+            self.close_queue_flows(flow.queue, QUEUE_DELETED)
         # 'egress': paused until the queue's config changes (a 'qcfg' event wakes it)
 
     def _fetch_lost(self, flow: Flow) -> None:

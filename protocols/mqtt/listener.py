@@ -183,11 +183,15 @@ class Registry:
         return state, present
 
     async def _load(self, client_id: str, claim: int) -> SessionState | None:
-        """The stored state, as the connection of `claim` (older ones no longer save)."""
+        """The stored state, as the connection of `claim` (older ones no longer save);
+        None once its queue was deleted (by an operator): its subscriptions went too."""
         raw = await self.broker.clients.load(client_id, claim)
         if raw is None:
             return None
         state = SessionState.loads(client_id, raw)
+        if state.queue is not None and not await self.broker.queues.exists(state.queue):
+            log.warning("MQTT client %r: its session's queue was deleted; new session", client_id)
+            return None
         state.qos2_in = {int(pid) for pid in await self.broker.clients.received(client_id)}
         return state
 

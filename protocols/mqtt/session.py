@@ -27,7 +27,15 @@ from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
-from gateway.broker import ANONYMOUS, BindError, Flow, Outcome, QueueError, StoreError
+from gateway.broker import (
+    ANONYMOUS,
+    QUEUE_DELETED,
+    BindError,
+    Flow,
+    Outcome,
+    QueueError,
+    StoreError,
+)
 from gateway.config import Settings
 from gateway.model import Delivery, Message, Publisher, new_message_id
 from gateway.topics import MQTT, TopicError, parse_pattern, pattern_matches
@@ -487,6 +495,21 @@ class Session:
         self._drop_held(queue)
         if self.state is not None and self.state.queue == queue:
             self.state.queue = None
+            if reason == QUEUE_DELETED:
+                self._end_session()
+
+    def _end_session(self) -> None:
+        """The session's queue was deleted (by an operator) and its subscriptions with it:
+        the session ends with this connection, so the client is not told on its next
+        CONNECT that a session with subscriptions is present (MQTT-3.2.2-2, 5.0
+        §3.2.2.1.2). A v5 client hears why (0x98)."""
+        log.warning(
+            "MQTT client %r: its session's queue was deleted; session ended", self.client_id
+        )
+        state = self.state
+        assert state is not None
+        state.expiry, state.persistent = 0, False
+        self.fail(ReasonCode.ADMINISTRATIVE_ACTION)
 
     # -- keep alive ------------------------------------------------------------------------
 
