@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
+import time
 
 import pytest
 import redis.asyncio as aioredis
@@ -14,7 +16,10 @@ from gateway.engine.flows import Flow
 from gateway.engine.partitions import partition_of
 from gateway.engine.queues import QueueConfig, QueueError
 from gateway.model import Delivery, Message
+from tests import test_engine
 from tests.test_engine import wait_for
+
+second_node = test_engine.second_node  # a fixture: another node on the same Redis
 
 
 def keyed(queue: str, key: str | None, payload: bytes) -> Message:
@@ -254,3 +259,33 @@ async def test_a_rebalance_redis_refuses_is_logged(
     )
     await broker.redis.delete(parts)
     await broker.redis.hset(parts, mapping=saved)
+
+
+async def test_a_message_stored_during_an_empty_fetch_is_not_left_waiting(
+    broker: Broker, second_node: Broker
+) -> None:
+    """A message stored on another node while the flow's fetch of its (then empty)
+    partition is in flight wakes the flow before that fetch answers: the empty answer
+    must not mark the partition idle, or the message waits for the next wake-up of every
+    flow (ten heartbeats). Heartbeats are slowed here so that one cannot hide it."""
+    broker.liveness.ttl_ms = 60_000
+    broker.liveness.interval = 3.0
+    await broker.declare_queue(
+        QueueConfig(name="p", partition_count=4, partition_rebalance_delay_ms=0)
+    )
+    got: list[Delivery] = []
+
+    def take(d: Delivery) -> None:
+        got.append(d)
+        asyncio.get_running_loop().call_soon(flow.ack, d.entry_id)
+
+    flow = await broker.bind("p", take, window=10)
+    await wait_for(lambda: len(flow.parts) == 4)
+    sent, deadline = 0, time.monotonic() + 4
+    while time.monotonic() < deadline:
+        await second_node.publish(keyed("p", f"k{sent % 7}", b"%d" % sent))
+        sent += 1
+        await asyncio.sleep(random.random() * 0.001)
+        if sent % 100 == 0:
+            await wait_for(lambda n=sent: len(got) == n, 1.0)
+    await wait_for(lambda: len(got) == sent, 1.0)

@@ -127,6 +127,7 @@ class Flow:
         "replay_since",
         "selector",
         "unacked",
+        "wakes",
         "window",
     )
 
@@ -148,6 +149,7 @@ class Flow:
         self.prioritised = False  # a priority queue: entry ids carry the level ("9/1700-0")
         self.parts: dict[int, str] = {}  # partition index -> fence, while this flow owns it
         self.idle: set[int] = set()  # owned partitions found empty since the last wake-up
+        self.wakes = 0  # wake-ups so far: a fetch sent before the last one finds no idleness
         self.window = window
         self.credit = credit
         self.on_deliver = on_deliver
@@ -227,13 +229,14 @@ class Flow:
 class _Fetch:
     """One fetch of one round: a flow reading `count` entries of `queue` (a partition)."""
 
-    __slots__ = ("count", "flow", "partition", "queue")
+    __slots__ = ("count", "flow", "partition", "queue", "wakes")
 
     def __init__(self, flow: Flow, queue: str, partition: int | None, count: int) -> None:
         self.flow = flow
         self.queue = queue
         self.partition = partition
         self.count = count
+        self.wakes = flow.wakes  # as the fetch is sent
 
 
 _Unbind = tuple[str, str, "asyncio.Future[None] | None"]  # queue, flow id, told when done
@@ -442,6 +445,7 @@ class Dispatcher:
     def wake(self, flow: Flow) -> None:
         """The flow may have work (new messages, more space)."""
         flow.idle.clear()
+        flow.wakes += 1
         if not flow.closed and flow.active and flow.space > 0 and flow not in self._refused:
             self._want[flow] = None
             self._kick()
@@ -797,7 +801,8 @@ class Dispatcher:
         elif self._behind.pop(flow, None) is not None:
             self._caught_up.set()
         if fetch.partition is not None:
-            if got < fetch.count:
+            # empty, unless woken since it was sent: what woke it may have come too late
+            if got < fetch.count and fetch.wakes == flow.wakes:
                 flow.idle.add(fetch.partition)
             if any(i not in flow.idle for i in flow.parts):
                 if flow.space > 0:
