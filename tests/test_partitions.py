@@ -289,3 +289,21 @@ async def test_a_message_stored_during_an_empty_fetch_is_not_left_waiting(
         if sent % 100 == 0:
             await wait_for(lambda n=sent: len(got) == n, 1.0)
     await wait_for(lambda: len(got) == sent, 1.0)
+
+
+@pytest.mark.parametrize("new_count", [2, 0, 8])
+async def test_a_repartition_keeps_the_consumers(broker: Broker, new_count: int) -> None:
+    """A changed partition_count unbinds the queue's flows for them to bind again: a flow
+    that fetches from a partition the change removed is not told the queue was deleted."""
+    await make_queue(broker)
+    got: list[Delivery] = []
+    closed: list[str] = []
+    flow = await broker.bind("p", got.append, on_closed=closed.append)
+    await wait_for(lambda: len(flow.parts) == 4)
+    await broker.update_queue("p", {"egress_enabled": False})
+    await broker.update_queue("p", {"partition_count": new_count})
+    await broker.update_queue("p", {"egress_enabled": True})
+    for i in range(10):
+        await broker.publish(keyed("p", f"k{i}", b"%d" % i))
+    await wait_for(lambda: len(got) == 10)
+    assert closed == []

@@ -1000,8 +1000,9 @@ class Dispatcher:
 
     def _fetch_refused(self, fetch: _Fetch, status: str) -> None:
         flow = fetch.flow
-        if fetch.partition is not None and status in ("notowner", "noflow"):
-            # the partition is being handed off (or was): stop dispatching it
+        if fetch.partition is not None and status in ("notowner", "noflow", "noqueue"):
+            # the partition is being handed off (or was), or a repartition removed it (and
+            # unbound every flow): stop dispatching it; the refresh binds the flow again
             flow.parts.pop(fetch.partition, None)
             flow.active = bool(flow.parts)
             self.request_partition_refresh(flow.queue)
@@ -1037,7 +1038,9 @@ class Dispatcher:
                 await self._register(flow)
                 break
             except BindError as exc:
-                self.close_queue_flows(flow.queue, str(exc))
+                self.close_queue_flows(
+                    flow.queue, QUEUE_DELETED if exc.code == "not_found" else str(exc)
+                )
                 return
             except (RedisConnectionError, RedisTimeoutError) as exc:
                 if flow.closed:
