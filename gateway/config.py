@@ -117,6 +117,15 @@ class Settings:
             for u in self.users
         )
 
+    def login(self, user: str, password: str) -> tuple[bool, str | None]:
+        """Whether a client that sent a user name and password may connect, and as whom: a
+        configured user with its password, as that user. With no users configured, any
+        client while anonymous ones are allowed (as Mosquitto with allow_anonymous and no
+        password file), as anonymous (None): a name nothing checked grants nothing."""
+        if self.users:
+            return (True, user) if self.password_ok(user, password) else (False, None)
+        return self.allow_anonymous, None
+
 
 _MAPPINGS = ("vpn_spool_quotas",)  # name -> bytes tables
 _SCALARS = {

@@ -11,6 +11,7 @@ from proton import Connection, Data, Described, Link, Message, Terminus, symbol
 from proton.reactor import DurableSubscription, Filter, LinkOption, Selector
 
 from gateway.broker import QueueConfig
+from gateway.config import Settings
 from gateway.model import Delivery, Publisher
 from gateway.model import Message as GatewayMessage
 from protocols.amqp import mapping, sections, terminus
@@ -22,7 +23,7 @@ USERS = {"alice": "s3cret"}
 
 
 def server(anonymous: bool = True) -> SaslServer:
-    return SaslServer(anonymous, lambda u, p: USERS.get(u) == p)
+    return SaslServer(anonymous, lambda u, p: (USERS.get(u) == p, u))
 
 
 def outcome_code(output: bytes) -> int:
@@ -42,6 +43,17 @@ def _last_frame_size(output: bytes) -> int:
         last = struct.unpack_from(">I", output, pos)[0]
         pos += last
     return last
+
+
+@pytest.mark.parametrize("anonymous", [True, False])
+def test_plain_without_configured_users(anonymous: bool) -> None:
+    """No users to check a name against: PLAIN with any name connects while anonymous
+    clients are allowed (as Mosquitto does), as anonymous; else it fails."""
+    sasl = SaslServer(anonymous, Settings(allow_anonymous=anonymous).login)
+    sasl.feed(SASL_HEADER + sasl_init("PLAIN", b"\0device1\0any") + AMQP_HEADER)
+    assert sasl.state is (State.DONE if anonymous else State.FAILED)
+    assert sasl.user is None
+    assert outcome_code(bytes(sasl.output)) == (0 if anonymous else 1)
 
 
 def test_plain_fed_byte_by_byte_keeps_pipelined_bytes() -> None:

@@ -162,6 +162,11 @@ max_messages = 10
     assert s.password_ok("alice", "s3cret")
     assert not s.password_ok("alice", "hunter2")
     assert not s.password_ok("carol", "s3cret")
+    assert s.login("alice", "s3cret") == (True, "alice")
+    assert s.login("alice", "hunter2") == (False, None)
+    # no users to check a name against: anyone while anonymous clients are allowed, as one
+    assert Settings(allow_anonymous=True).login("alice", "x") == (True, None)
+    assert Settings(allow_anonymous=False).login("alice", "x") == (False, None)
     assert s.acl == [
         AclRule(user="*", deny_subscribe=[], deny_publish=["secret/>"]),
         AclRule(user="bob", deny_subscribe=["a/b", "c/#"], deny_publish=[]),

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from gateway.broker import Broker, QueueConfig
+from gateway.broker import ANONYMOUS, Broker, QueueConfig
 from gateway.config import Settings, User
 from gateway.engine import library
 from protocols.mqtt.codec import (
@@ -169,6 +169,24 @@ async def test_v3_connack_return_codes(broker: Broker) -> None:
             raw = await Raw.open(listener.port, 4)
             await raw.send(Connect(protocol_level=4, client_id="c", **kw))
             assert await raw.closed() == [Connack(False, code)]
+    finally:
+        await listener.close()
+
+
+async def test_credentials_without_configured_users_connect_as_anonymous(
+    broker: Broker,
+) -> None:
+    """No users configured, anonymous clients allowed (the default): a client that sends a
+    user name (and password) anyway connects, as Mosquitto lets it, as anonymous."""
+    listener = await start(broker, Settings(mqtt_port=0, host="127.0.0.1"))
+    assert listener is not None
+    try:
+        for n, kw in enumerate(({"username": "dev"}, {"username": "dev", "password": b"x"})):
+            raw = await Raw.open(listener.port, 4)
+            await raw.send(Connect(protocol_level=4, client_id=f"named-{n}", **kw))
+            assert await raw.recv() == Connack(False, 0)
+            assert listener.registry.sessions[f"named-{n}"].access_user == ANONYMOUS
+            raw.close()
     finally:
         await listener.close()
 

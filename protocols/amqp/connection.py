@@ -94,7 +94,7 @@ class AmqpConnection(asyncio.Protocol):
         self.registry = registry
         self.broker = registry.broker
         settings = registry.settings
-        self.sasl = SaslServer(settings.allow_anonymous, settings.password_ok)
+        self.sasl = SaslServer(settings.allow_anonymous, settings.login)
         self.publisher = Publisher("amqp")
         self.connection_id = f"{self.broker.node_id}/amqp/{next(_connection_ids)}"
         self.nodes = DynamicNodes(self.broker, ANONYMOUS, self.connection_id)

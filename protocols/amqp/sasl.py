@@ -40,9 +40,12 @@ class State(Enum):
 class SaslServer:
     """Feed it the first bytes of a connection until `state` is DONE or FAILED."""
 
-    def __init__(self, allow_anonymous: bool, password_ok: Callable[[str, str], bool]) -> None:
+    def __init__(
+        self, allow_anonymous: bool, login: Callable[[str, str], tuple[bool, str | None]]
+    ) -> None:
+        """`login(user, password)`: (accepted, as whom: None for anonymous), Settings.login."""
         self.allow_anonymous = allow_anonymous
-        self.password_ok = password_ok
+        self.login = login
         self.state = State.NEGOTIATING
         self.user: str | None = None
         self.output = bytearray()
@@ -130,8 +133,9 @@ class SaslServer:
                     parts[1].decode(errors="replace"),
                     parts[2].decode(errors="replace"),
                 )
-                if self.password_ok(user, password):
-                    self._succeed(user)
+                accepted, who = self.login(user, password)
+                if accepted:
+                    self._succeed(who)
                     return
             self._fail()
         else:

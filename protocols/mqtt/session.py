@@ -421,9 +421,9 @@ class Session:
                 password = (p.password or b"").decode()
             except UnicodeDecodeError:
                 return ReasonCode.BAD_USER_NAME_OR_PASSWORD
-            if not self.settings.password_ok(p.username or "", password):
+            accepted, self.user = self.settings.login(p.username or "", password)
+            if not accepted:
                 return ReasonCode.BAD_USER_NAME_OR_PASSWORD
-            self.user = p.username
         for rule in self.settings.acl:
             if rule.user in ("*", self.user):
                 self._deny_publish += rule.deny_publish
