@@ -280,8 +280,9 @@ class Broker:
 
     # -- direct subscribers ----------------------------------------------------------------
 
-    def subscribe_direct(self, pattern: str, syntax: str, callback: DirectCallback) -> int:
-        return self.direct.subscribe(pattern, syntax, callback)
+    async def subscribe_direct(self, pattern: str, syntax: str, callback: DirectCallback) -> int:
+        """Once it returns, messages published on any node reach `callback`."""
+        return await self.direct.subscribe(pattern, syntax, callback)
 
     def unsubscribe_direct(self, token: int) -> None:
         self.direct.unsubscribe(token)
@@ -569,6 +570,7 @@ class Broker:
         elif kind == "released":
             self._released(arg)
         elif kind == "direct":
+            self.direct.told()
             self._spawn(self._until_answered("learning of direct subscribers", self.direct.refresh))
 
     def _resync(self) -> None:

@@ -316,7 +316,7 @@ async def test_deleting_a_queue_removes_its_routes(broker: Broker, second_node: 
 
 async def test_direct_subscribers_get_topic_messages(broker: Broker) -> None:
     got: list[Message] = []
-    token = broker.subscribe_direct("sensors/#", "mqtt", got.append)
+    token = await broker.subscribe_direct("sensors/#", "mqtt", got.append)
     await broker.publish(Message(destination="sensors/1/temp", payload=b"21"))
     broker.unsubscribe_direct(token)
     await broker.publish(Message(destination="sensors/1/temp", payload=b"22"))
@@ -334,8 +334,8 @@ async def test_direct_messages_wait_for_their_delivery_time_on_another_node_too(
     monkeypatch.setattr(direct, "MAX_HELD", 2)
     here: list[Message] = []
     there: list[Message] = []
-    broker.subscribe_direct("later/#", "mqtt", here.append)
-    second_node.subscribe_direct("later/#", "mqtt", there.append)
+    await broker.subscribe_direct("later/#", "mqtt", here.append)
+    await second_node.subscribe_direct("later/#", "mqtt", there.append)
     await wait_for(lambda: broker.direct._others)
     due = int(time.time() * 1000) + 300
     for i in range(3):
@@ -563,7 +563,7 @@ async def test_forgetting_a_stream_reader_lets_trimming_resume(
 
 async def test_direct_subscribers_on_another_node(broker: Broker, second_node: Broker) -> None:
     got: list[Message] = []
-    token = second_node.subscribe_direct("sensors/+/temp", "mqtt", got.append)
+    token = await second_node.subscribe_direct("sensors/+/temp", "mqtt", got.append)
     await wait_for(lambda: broker.direct._others)  # the other node announced itself
     await broker.publish(Message(destination="sensors/1/temp", payload=b"21"))
     await broker.publish(Message(destination="sensors/1/hum", payload=b"40"))

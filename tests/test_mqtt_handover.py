@@ -171,3 +171,22 @@ async def test_a_session_resumed_with_expiry_0_ends_with_its_connection(
     last, ack = await Raw.connected(port, 5, client_id="z", clean_start=False, properties=KEEP)
     assert not ack.session_present
     last.close()
+
+
+@pytest.mark.parametrize("level", [4, 5])
+async def test_a_qos0_subscriber_gets_what_another_node_takes_after_its_suback(
+    mqtt: Listener, mqtt2: Listener, level: int
+) -> None:
+    """The SUBACK says the subscription holds (MQTT-3.8.4-1): a node's first QoS 0
+    subscriber is announced to the other nodes before it, so a message another node
+    takes right after it reaches the subscriber."""
+    pub, _ = await Raw.connected(mqtt2.port, level, client_id="b-pub")
+    sub, _ = await Raw.connected(mqtt.port, level, client_id="a-sub")
+    await sub.send(Subscribe(1, [("xnode/#", SubscriptionOptions(qos=0))]))
+    assert isinstance(await sub.recv(), Suback)
+    await pub.send(Publish("xnode/1", b"after suback", qos=1, packet_id=1))
+    assert isinstance(await pub.recv(), Puback)
+    got = await sub.recv()
+    assert isinstance(got, Publish) and got.payload == b"after suback"
+    pub.close()
+    sub.close()

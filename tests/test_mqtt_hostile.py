@@ -552,7 +552,7 @@ async def test_refused_connect_ignores_what_follows(broker: Broker) -> None:
     listener = await start(broker, settings)
     assert listener is not None
     routed: list[bytes] = []
-    broker.subscribe_direct("h/#", "mqtt", lambda msg: routed.append(msg.payload))
+    await broker.subscribe_direct("h/#", "mqtt", lambda msg: routed.append(msg.payload))
     try:
         for level, refused in ((5, connack(5, 0x87)), (4, connack(4, 5))):
             peer = await Peer.open(listener.port)

@@ -3,7 +3,8 @@
 Subscribers are matched in a trie on their own node. A topic message published on a node
 reaches that node's subscribers at once, and is relayed over Redis pub/sub (batched per
 event-loop turn) only while another node has direct subscribers: nodes announce themselves
-in a Redis set and tell the others through the event channel. At most once, like QoS 0.
+in a Redis set and tell the others through the event channel, before a subscriber is told
+its subscription holds (`subscribe` returns once announced). At most once, like QoS 0.
 A message with a later delivery time is held on its node until then, as a spooled one is
 (at most MAX_HELD at a time: beyond that it is dropped, as QoS 0 may be).
 """
@@ -19,6 +20,7 @@ from collections.abc import Callable
 
 import msgpack
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from gateway.engine import keys
 from gateway.engine.events import EventListener
@@ -40,18 +42,28 @@ class DirectRelay:
         self._callbacks: dict[int, DirectCallback] = {}
         self._tokens = itertools.count(1)
         self._others = False  # another node has direct subscribers
+        self._announcing: asyncio.Task | None = None  # this node's, for its first subscriber
         self._outbox: list[bytes] = []
         self._tasks: set[asyncio.Task] = set()
         self._held: set[asyncio.TimerHandle] = set()
         self.relayed = 0
 
-    def subscribe(self, pattern: str, syntax: str, callback: DirectCallback) -> int:
+    async def subscribe(self, pattern: str, syntax: str, callback: DirectCallback) -> int:
+        """Returns once other nodes were told that this one has direct subscribers (the
+        first subscriber's announcement): they relay what is published there from then
+        on. Redis unreachable: local messages only, until the next announcement."""
         token = next(self._tokens)
         self._trie.add(pattern, token, syntax)
         first = not self._callbacks
         self._callbacks[token] = callback
         if first:
-            self._spawn(self._announce(True))
+            self._announcing = self._spawn(self._announce(True))
+        announcing = self._announcing
+        if announcing is not None and not announcing.done():
+            try:
+                await asyncio.shield(announcing)
+            except RedisError as exc:
+                log.warning("direct subscribers not announced to other nodes: %s", exc)
         return token
 
     def unsubscribe(self, token: int) -> None:
@@ -74,6 +86,12 @@ class DirectRelay:
             if not self._outbox:
                 asyncio.get_running_loop().call_soon(self._flush)
             self._outbox.append(encode(msg))
+
+    def told(self) -> None:
+        """A 'direct' event: a node announced (or withdrew) itself. Relay from now on,
+        before the set is read again: the announcing node's subscribers are told their
+        subscription holds once this event went out."""
+        self._others = True
 
     async def refresh(self) -> None:
         """Learn whether another node has direct subscribers (on start and on 'direct')."""
@@ -133,7 +151,8 @@ class DirectRelay:
             except Exception:
                 log.exception("direct subscriber failed")
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task

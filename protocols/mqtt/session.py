@@ -453,11 +453,19 @@ class Session:
                 except (QueueError, BindError) as exc:
                     log.warning("MQTT client %r: %s not resumed: %s", self.client_id, pattern, exc)
             elif options.qos == 0:
-                self._direct[pattern] = self.broker.subscribe_direct(pattern, MQTT, self._on_direct)
+                await self._subscribe_direct(pattern)
         for pid in sorted(state.pubrel_out):
             self._send(Pubrel(pid))
         if state.queue is not None:
             await self._bind(state.queue)
+
+    async def _subscribe_direct(self, pattern: str) -> None:
+        """A QoS 0 subscription: delivered straight from any node once this returns."""
+        token = await self.broker.subscribe_direct(pattern, MQTT, self._on_direct)
+        if self.closing:  # the connection ended meanwhile: its clean-up may be done
+            self.broker.unsubscribe_direct(token)
+        else:
+            self._direct[pattern] = token
 
     async def _bind(self, queue: str) -> bool:
         """Bind a flow on `queue` (the client's own, or a shared group's); False if gone."""
@@ -1074,7 +1082,7 @@ class Session:
         if options.qos == 0:
             state.set_subscription(pattern, options)
             if pattern not in self._direct:
-                self._direct[pattern] = self.broker.subscribe_direct(pattern, MQTT, self._on_direct)
+                await self._subscribe_direct(pattern)
             if previous is not None and previous.qos > 0 and state.queue is not None:
                 with self._both_routes_held():
                     await self.broker.unsubscribe_queue(
