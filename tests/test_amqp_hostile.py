@@ -355,8 +355,10 @@ def source(address: str | None, filters: object = None) -> Described:
         {b"binary-key": Described(symbol("apache.org:selector-filter:string"), "a = 1")},
         {symbol("s"): Described(symbol("gateway:replay-period"), -5)},
         {symbol("s"): Described(symbol("apache.org:selector-filter:string"), "a = = 1")},
+        {symbol("s"): Described(symbol("apache.org:selector-filter:string"), None)},
+        {symbol("s"): Described(symbol("apache.org:selector-filter:string"), True)},
     ],
-    ids=["binary-key", "negative-replay", "bad-selector"],
+    ids=["binary-key", "negative-replay", "bad-selector", "null-selector", "true-selector"],
 )
 async def test_a_bad_filter_refuses_the_link_with_invalid_field(port: int, filters) -> None:
     """A filter map proton cannot decode (binary keys do not hash) was an internal-error."""

@@ -73,10 +73,13 @@ def capabilities(terminus: Terminus) -> frozenset[str]:
 
 
 def selector(terminus: Terminus) -> SelectorFilter | None:
-    """The JMS selector of a source's filter map, if it has one."""
+    """The JMS selector of a source's filter map, if it has one; InvalidField unless its
+    value is a string (a null or a boolean made selector text 'None' or 'True')."""
     for key, value in _filters(terminus):
         if value.descriptor in (SELECTOR_SYMBOL, SELECTOR_CODE):
-            return SelectorFilter(key, value.descriptor, str(value.value))
+            if not isinstance(value.value, str):
+                raise InvalidField(f"a selector filter's value is a string, not {value.value!r}")
+            return SelectorFilter(key, value.descriptor, value.value)
     return None
 
 
