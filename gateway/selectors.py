@@ -27,8 +27,11 @@ Semantics:
   arithmetic result UNKNOWN; a message is selected only if the selector is TRUE.
 * Only like types compare: numbers (``int``/``float``, with numeric promotion) with
   numbers, strings with strings, booleans with booleans.  Strings and booleans only
-  support ``=`` and ``<>``.  Anything else (including ``bytes`` or other unsupported
-  value types) is UNKNOWN.  ``bool`` values are booleans, never numbers.
+  support ``=`` and ``<>``.  Comparing anything else (other types, ``bytes`` or other
+  unsupported value types) is FALSE, as JMS 2.0 §3.8.1.1 says (so ``NOT (a = 'x')`` is
+  TRUE for a number ``a``); so are ``[NOT] BETWEEN`` on a value that is not a number and
+  ``[NOT] IN`` / ``[NOT] LIKE`` on one that is not a string, as ActiveMQ and Qpid
+  evaluate them.  ``bool`` values are booleans, never numbers.
 * Integer arithmetic is exact; ``/`` on two integers truncates toward zero (Java
   semantics).  Division by zero, and an integer result outside
   ``[-2**63, 2**64)`` (the signed/unsigned 64-bit range), are UNKNOWN.
@@ -619,15 +622,23 @@ class _Parser:
 # --------------------------------------------------------------------------- evaluation
 
 
+class _Unsupported:
+    """A looked-up value of a type selectors do not compare: present (not NULL), and
+    like no other value."""
+
+
+_UNSUPPORTED: Final = _Unsupported()
+
+
 def _normalize(v: object) -> object:
-    """Map a non-exact-typed looked-up value to str/int/float, or None if unsupported."""
+    """Map a non-exact-typed looked-up value to str/int/float, or _UNSUPPORTED."""
     if isinstance(v, str):
         return str.__str__(v)
     if isinstance(v, int):  # int subclasses such as IntEnum (bool is handled by callers)
         return int.__int__(v)
     if isinstance(v, float):
         return float.__float__(v)
-    return None
+    return _UNSUPPORTED
 
 
 def _add(a: Any, b: Any) -> Any:
@@ -695,12 +706,15 @@ def _const_fn(value: object) -> _Fn:
     return lambda lk: value
 
 
-def _le3(a: Any, b: Any) -> bool | None:
-    """Three-valued ``a <= b`` on normalized values."""
+def _num_cmp3(f: Callable[[Any, Any], bool], a: Any, b: Any) -> bool | None:
+    """Three-valued numeric comparison on normalized values: UNKNOWN with a NULL operand,
+    FALSE unless both are numbers."""
+    if a is None or b is None:
+        return None
     ta, tb = type(a), type(b)
     if (ta is int or ta is float) and (tb is int or tb is float):
-        return bool(a <= b)
-    return None
+        return bool(f(a, b))
+    return False
 
 
 def _ident_value(name: str) -> _Fn:
@@ -814,7 +828,9 @@ def _ident_cmp_const(name: str, op: str, c: object) -> _Fn:
 
         def cmp_bool(lk: Lookup) -> bool | None:
             v = lk(name)
-            return f(v, c) if v is True or v is False else None
+            if v is True or v is False:
+                return f(v, c)
+            return None if v is None else False
 
         return cmp_bool
     if type(c) is str:
@@ -825,7 +841,7 @@ def _ident_cmp_const(name: str, op: str, c: object) -> _Fn:
                 return f(v, c)
             if isinstance(v, str):
                 return f(str.__str__(v), c)
-            return None
+            return None if v is None else False
 
         return cmp_str
 
@@ -834,13 +850,15 @@ def _ident_cmp_const(name: str, op: str, c: object) -> _Fn:
         t = type(v)
         if t is int or t is float:
             return f(v, c)
-        if v is None or t is str or t is bool:
+        if v is None:
             return None
+        if t is str or t is bool:
+            return False
         v = _normalize(v)
         t = type(v)
         if t is int or t is float:
             return f(v, c)
-        return None
+        return False
 
     return cmp_num
 
@@ -866,7 +884,7 @@ def _build_cmp(node: _Node) -> _Fn:
             return None
         ka = kinds.get(type(a))
         if ka is None or ka != kinds.get(type(b)) or (ordering and ka != _NUM_KIND):
-            return None
+            return False  # not like types
         return bool(f(a, b))
 
     return cmp_
@@ -881,12 +899,14 @@ def _build_between(node: _Node) -> _Fn:
             v = lk(name)
             t = type(v)
             if t is not int and t is not float:
-                if v is None or t is str or t is bool:
+                if v is None:
                     return None
+                if t is str or t is bool:
+                    return False  # NOT BETWEEN too: v < a OR v > b compare no like types
                 v = _normalize(v)
                 t = type(v)
                 if t is not int and t is not float:
-                    return None
+                    return False
             r = a <= v <= b
             return (not r) if negated else r
 
@@ -894,16 +914,16 @@ def _build_between(node: _Node) -> _Fn:
     xf, lof, hif = _compile_value(x), _compile_value(lo), _compile_value(hi)
 
     def between(lk: Lookup) -> bool | None:
-        v = xf(lk)
-        r1 = _le3(lof(lk), v)
-        r2 = _le3(v, hif(lk))
+        v, lo_, hi_ = xf(lk), lof(lk), hif(lk)
+        if negated:  # v < lo OR v > hi
+            r1, r2 = _num_cmp3(operator.lt, v, lo_), _num_cmp3(operator.gt, v, hi_)
+            if r1 is True or r2 is True:
+                return True
+            return False if r1 is False and r2 is False else None
+        r1, r2 = _num_cmp3(operator.le, lo_, v), _num_cmp3(operator.le, v, hi_)
         if r1 is False or r2 is False:
-            r: bool | None = False
-        elif r1 is None or r2 is None:
-            return None
-        else:
-            r = True
-        return (not r) if negated else r
+            return False
+        return True if r1 is True and r2 is True else None
 
     return between
 
@@ -916,7 +936,7 @@ def _string_predicate(x: _Node, negated: bool, test: Callable[[str], bool]) -> _
             v = lk(name)
             if type(v) is not str:
                 if not isinstance(v, str):
-                    return None
+                    return None if v is None else False  # NOT IN / NOT LIKE too
                 v = str.__str__(v)
             return (not test(v)) if negated else test(v)
 
@@ -926,7 +946,7 @@ def _string_predicate(x: _Node, negated: bool, test: Callable[[str], bool]) -> _
     def pred(lk: Lookup) -> bool | None:
         v = xf(lk)
         if type(v) is not str:
-            return None
+            return None if v is None else False
         return (not test(v)) if negated else test(v)
 
     return pred

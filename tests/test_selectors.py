@@ -63,7 +63,8 @@ def test_spec_car_example(values: dict[str, Any], expected: bool) -> None:
         ("age BETWEEN 15 AND 19", {"age": 14}, False),
         ("age BETWEEN 15 AND 19", {"age": 20}, False),
         ("age BETWEEN 15 AND 19", {}, None),
-        ("age BETWEEN 15 AND 19", {"age": "17"}, None),
+        ("age BETWEEN 15 AND 19", {"age": "17"}, False),  # JMS: non-like types: false
+        ("age NOT BETWEEN 15 AND 19", {"age": "17"}, False),
         ("age NOT BETWEEN 15 AND 19", {"age": 20}, True),
         ("age NOT BETWEEN 15 AND 19", {"age": 17}, False),
         ("age NOT BETWEEN 15 AND 19", {}, None),
@@ -74,7 +75,8 @@ def test_spec_car_example(values: dict[str, Any], expected: bool) -> None:
         ("Country IN ('UK', 'US', 'France')", {"Country": "UK"}, True),
         ("Country IN ('UK', 'US', 'France')", {"Country": "Peru"}, False),
         ("Country IN ('UK', 'US', 'France')", {}, None),
-        ("Country IN ('UK', 'US', 'France')", {"Country": 1}, None),
+        ("Country IN ('UK', 'US', 'France')", {"Country": 1}, False),
+        ("Country NOT IN ('UK', 'US', 'France')", {"Country": 1}, False),
         ("Country NOT IN ('UK', 'US', 'France')", {"Country": "Peru"}, True),
         ("Country NOT IN ('UK', 'US', 'France')", {"Country": "UK"}, False),
         ("Country NOT IN ('UK', 'US', 'France')", {}, None),
@@ -109,7 +111,9 @@ def test_spec_car_example(values: dict[str, Any], expected: bool) -> None:
         ("TRUE", {}, True),
         ("FALSE", {}, False),
         ("1 = 1", {}, True),
-        ("1 = '1'", {}, None),
+        ("1 = '1'", {}, False),
+        ("NOT (colour = 'red')", {"colour": 1}, True),
+        ("NOT (price > 100)", {"price": "150"}, True),
     ],
 )
 def test_examples(selector: str, values: dict[str, Any], expected: bool | None) -> None:
@@ -176,34 +180,41 @@ def test_identifiers(name: str) -> None:
 
 
 def test_numeric_promotion_and_type_mismatch() -> None:
+    """JMS 2.0 §3.8.1.1: comparing non-like types is false (a NULL makes it unknown)."""
     assert truth("x = 7", {"x": 7.0}) is True
     assert truth("x > 2.5", {"x": 3}) is True
     assert truth("x > 0", {"x": 2**80}) is True
-    assert truth("x = 1", {"x": "1"}) is None
-    assert truth("s = 'a'", {"s": 1}) is None
-    assert truth("s = t", {"s": "a", "t": 1}) is None
+    assert truth("x = 1", {"x": "1"}) is False
+    assert truth("x <> 1", {"x": "1"}) is False
+    assert truth("s = 'a'", {"s": 1}) is False
+    assert truth("s = t", {"s": "a", "t": 1}) is False
+    assert truth("s = t", {"s": "a"}) is None
     assert truth("s <> 'a'", {"s": "b"}) is True
     assert truth("s = t", {"s": "a", "t": "a"}) is True
     # strings and booleans only support = and <>
-    assert truth("s < t", {"s": "a", "t": "b"}) is None
-    assert truth("s >= t", {"s": True, "t": False}) is None
+    assert truth("s < t", {"s": "a", "t": "b"}) is False
+    assert truth("s >= t", {"s": True, "t": False}) is False
 
 
 def test_booleans_are_not_numbers() -> None:
-    assert truth("flag = 1", {"flag": True}) is None
-    assert truth("n = TRUE", {"n": 1}) is None
-    assert truth("flag + 1 > 0", {"flag": True}) is None
+    assert truth("flag = 1", {"flag": True}) is False
+    assert truth("n = TRUE", {"n": 1}) is False
+    assert truth("flag + 1 > 0", {"flag": True}) is None  # no arithmetic on them
     assert truth("-flag < 0", {"flag": True}) is None
-    assert truth("flag BETWEEN 0 AND 1", {"flag": True}) is None
+    assert truth("flag BETWEEN 0 AND 1", {"flag": True}) is False
     assert truth("n", {"n": 1}) is None
     assert truth("(a = 1) = (b = 2)", {"a": 1, "b": 2}) is True
     assert truth("(a = 1) <> (b = 2)", {"a": 1, "b": 3}) is True
 
 
-def test_unsupported_value_types_are_unknown() -> None:
-    assert truth("b = 'x'", {"b": b"x"}) is None
-    assert truth("b LIKE 'x'", {"b": b"x"}) is None
-    assert truth("b IN ('x')", {"b": ["x"]}) is None
+def test_unsupported_value_types_compare_as_no_like_type() -> None:
+    assert truth("b = 'x'", {"b": b"x"}) is False
+    assert truth("b <> 'x'", {"b": b"x"}) is False
+    assert truth("b = c", {"b": b"x", "c": b"x"}) is False
+    assert truth("b LIKE 'x'", {"b": b"x"}) is False
+    assert truth("b NOT LIKE 'x'", {"b": b"x"}) is False
+    assert truth("b IN ('x')", {"b": ["x"]}) is False
+    assert truth("b BETWEEN 1 AND 2", {"b": b"x"}) is False
     assert truth("b + 1 > 0", {"b": object()}) is None
     assert truth("b IS NULL", {"b": b"x"}) is False
     assert truth("b IS NOT NULL", {"b": b"x"}) is True
