@@ -499,6 +499,26 @@ async def test_get_requeue_ack_and_reject(admin: Admin) -> None:
     assert counters["acked"] == 2 and counters["rejected"] == 1 and counters["requeued"] == 2
 
 
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("DELETE", "/api/v1/queues/keep?if-empty=true"),  # RabbitMQ's conditional delete
+        ("DELETE", "/api/v1/queues/keep/subscriptions?pattern=a%2F%23&sytnax=mqtt"),
+        ("GET", "/api/v1/queues/keep?verbose=1"),
+    ],
+)
+async def test_unknown_query_parameters_are_refused(admin: Admin, method: str, path: str) -> None:
+    """A parameter no route reads would be ignored: the queue went with its message, or
+    the subscription stayed while the answer said nothing changed."""
+    body = {"subscriptions": [{"pattern": "a/#", "syntax": "mqtt"}]}
+    assert (await admin.create("keep", **body)).status == 201
+    assert (await admin.publish("keep", "m")).status == 200
+    reply = await admin.request(method, path)
+    assert reply.status == 400 and "query" in reply.error, reply
+    assert await admin.depth("keep") == 1
+    assert (await admin.get(q("keep"))).body["subscriptions"] != []
+
+
 async def test_a_get_is_no_consumer_of_an_auto_delete_queue(admin: Admin) -> None:
     """RabbitMQ: an auto-delete queue goes when its last consumer is cancelled, and
     basic.get (the management API's get) is no consumer: taking one message of three

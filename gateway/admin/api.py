@@ -111,10 +111,14 @@ class AdminApi:
     async def _route(self, req: Request, user: str | None) -> Response:
         """`user` None is the operator; a user name is checked by the broker."""
         p, m = req.path, req.method
+        rest = p[2:] if p[:2] == ["api", "v1"] else []
+        unsubscribing = len(rest) == 3 and rest[2] == "subscriptions" and m == "DELETE"
+        # a parameter no route reads would be ignored: DELETE ...?if-empty=true deleted
+        # the queue with its messages
+        _known(req.query, ("pattern", "syntax") if unsubscribing else (), "query")
         if p == ["metrics"] and m == "GET":
             text = await render_metrics(self.broker)
             return Response(200, text.encode(), [("Content-Type", "text/plain; version=0.0.4")])
-        rest = p[2:] if p[:2] == ["api", "v1"] else []
         if rest == ["spool"] and m == "GET":
             return Response.json((await read_usage(self.broker.redis)).to_json())
         if rest == ["queues"]:
