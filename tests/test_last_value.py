@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from gateway.broker import Broker
-from gateway.engine.partitions import partition_of
-from gateway.engine.queues import QueueConfig
+from gateway.engine.queues import QueueConfig, QueueError
 from gateway.model import Delivery, Message, Outcome
 from tests.test_engine import wait_for
 
@@ -54,17 +55,24 @@ async def test_qpid_lvq_keeps_the_last_message_per_key(broker: Broker) -> None:
     assert (await broker.queues.info("ticks")).messages == 3
 
 
-async def test_lvq_per_partition(broker: Broker) -> None:
-    await broker.declare_queue(
-        QueueConfig(name="plast", max_spool_bytes=0, partition_count=2), [("prices/>", "smf")]
-    )
-    for i in range(6):
-        m = msg(f"{i}")
-        m.partition_key = f"dev-{i % 3}"
-        await broker.publish(m)
-    info = await broker.queues.info("plast")
-    used = {partition_of(f"dev-{i}", 2) for i in range(3)}
-    assert [p["messages"] for p in info.partitions] == [1 if i in used else 0 for i in range(2)]
+async def test_a_partitioned_queue_is_never_a_last_value_queue(broker: Broker) -> None:
+    """Each partition is a stream of its own, so a key's values (a Solace last value
+    queue's one value) would live in several, one per partition: refused when declared,
+    changed or repartitioned, as for a priority queue."""
+    for extra in ({"lvq_key": "sym"}, {"max_spool_bytes": 0}):
+        with pytest.raises(QueueError, match="last value queue"):
+            await broker.declare_queue(QueueConfig(name="p", partition_count=2, **extra))
+        await broker.declare_queue(QueueConfig(name="lv", **extra))
+        await broker.update_queue("lv", {"egress_enabled": False})
+        with pytest.raises(QueueError, match="last value queue"):
+            await broker.update_queue("lv", {"partition_count": 2})
+        with pytest.raises(QueueError, match="last value queue"):
+            await broker.queues.repartition("lv", 2)
+        assert (await broker.queues.config("lv")).partition_count == 0
+        await broker.delete_queue("lv")
+    await broker.declare_queue(QueueConfig(name="p", partition_count=2))
+    with pytest.raises(QueueError, match="last value queue"):
+        await broker.update_queue("p", {"max_spool_bytes": 0})
 
 
 async def test_a_full_lvq_still_takes_a_new_value_of_a_key_it_holds(broker: Broker) -> None:

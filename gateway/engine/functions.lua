@@ -2204,12 +2204,12 @@ end)
 -- removed partitions (or of the old layout when switching kind) are deleted and counted.
 -- Returns {'ok', deleted messages} or {'noqueue'} / {'egress'}, or a refusal of what
 -- cannot be partitioned: {'exclusive'} / {'sorted'} / {'priority'} / {'grouped'} /
--- {'non_destructive'}.
+-- {'non_destructive'} / {'lvq'}.
 register_always('gw_repartition', function(_, a)
   local q, new_n = a[1], tonumber(a[2])
   local cfg = k_queue_config(q)
   local c = redis.call('HMGET', cfg, 'egress', 'partition_count', 'access', 'priorities',
-    'message_groups', 'non_destructive', 'parent')
+    'message_groups', 'non_destructive', 'parent', 'lvq_key', 'max_spool_bytes')
   if not c[1] or c[7] then return { 'noqueue' } end
   if c[1] == '1' then return { 'egress' } end
   if new_n > 0 then  -- the rules of QueueConfig.validate
@@ -2218,6 +2218,7 @@ register_always('gw_repartition', function(_, a)
     if c[4] == '1' then return { 'priority' } end
     if c[5] and c[5] ~= '' then return { 'grouped' } end
     if c[6] == '1' then return { 'non_destructive' } end
+    if (c[8] and c[8] ~= '') or c[9] == '0' then return { 'lvq' } end
   end
   local old_n = tonumber(c[2]) or 0
   if old_n == new_n then return { 'ok', 0 } end

@@ -117,6 +117,8 @@ _UNPARTITIONABLE = {
     "priority": "a priority queue cannot be partitioned or grouped",
     "grouped": "message groups are for non-partitioned queues",
     "non_destructive": "a partitioned queue cannot be non-destructive",
+    # its partitions are streams of their own: one key's values would live in several
+    "lvq": "a last value queue (lvq_key, max_spool_bytes=0) cannot be partitioned",
 }
 
 
@@ -215,6 +217,8 @@ class QueueConfig:
                 "invalid",
                 "a priority queue cannot be a last value queue (lvq_key, max_spool_bytes=0)",
             )
+        if self.partition_count and (self.lvq_key or self.max_spool_bytes == 0):
+            raise QueueError("invalid", _UNPARTITIONABLE["lvq"])  # as a priority queue's
         if self.priorities and self.non_destructive:  # its consumers would browse: refused
             raise QueueError("invalid", "a priority queue cannot be non-destructive")
         if self.non_destructive and self.partition_count:
