@@ -133,6 +133,33 @@ async def test_create_is_idempotent_and_checks_equivalence(admin: Admin) -> None
 
 
 @pytest.mark.parametrize(
+    "other",
+    [
+        {"lvq_key": "k"},
+        {"non_destructive": True},
+        {"max_ttl_ms": 1000},
+        {"respect_ttl": True},
+        {"max_redelivery": 3},
+        {"dead_message_queue": "other"},
+        {"dmq_eligible_default": True},
+        {"message_groups": "shared", "default_group": "g"},
+    ],
+    ids=lambda other: ",".join(other),
+)
+async def test_a_redeclaration_with_other_message_semantics_is_409(
+    admin: Admin, other: dict
+) -> None:
+    """RabbitMQ compares a re-declaration's arguments (x-message-ttl, x-dead-letter-
+    exchange, x-delivery-limit...): the declarer would not have the queue it asked for.
+    Run-time settings (limits, overflow) are not compared: an operator may change them."""
+    base = {"message_groups": "shared"} if "default_group" in other else {}
+    assert (await admin.create("eq", **base)).status == 201
+    reply = await admin.create("eq", **other)
+    assert reply.status == 409 and next(iter(reversed(other))) in reply.error, reply
+    assert (await admin.create("eq", **base, max_messages=7, overflow="ring")).status == 200
+
+
+@pytest.mark.parametrize(
     ("body", "needle"),
     [
         ({"name": "bad*name"}, "forbidden"),

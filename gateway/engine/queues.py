@@ -369,16 +369,26 @@ class QueueConfig:
 
 
 # Fields whose change would alter how existing messages or flows behave: a re-declaration
-# with other values is refused (RabbitMQ's property equivalence).
+# with other values is refused (RabbitMQ's property equivalence). The run-time settings
+# (_RUNTIME_SETTINGS: limits, overflow...) are not compared: an operator may have changed
+# them since, as a RabbitMQ policy does.
 EQUIVALENCE_FIELDS = (
     "access_type",
     "durable",
     "auto_delete",
     "partition_count",
     "message_groups",
+    "default_group",
     "priorities",
     "sort_key",
+    "lvq_key",
+    "non_destructive",
     "subscription_selector",
+    "max_ttl_ms",
+    "respect_ttl",
+    "max_redelivery",
+    "dead_message_queue",
+    "dmq_eligible_default",
     "vpn",
 )
 
