@@ -801,3 +801,18 @@ async def test_cli_errors(admin: Admin) -> None:
     rc, out, err = await run_cli("queue", "--admin-url", closed, "list")
     assert rc == 1 and out == ""
     assert len(err.splitlines()) == 1 and "cannot reach the admin API" in err
+
+
+async def test_concurrent_patches_of_other_fields_both_stay(admin: Admin) -> None:
+    """A PATCH writes the fields it changes, not the whole config it read: two PATCHes
+    of other fields at once both take effect (a whole write lost one in half the rounds)."""
+    assert (await admin.create("cp")).status == 201
+    for i in range(1, 11):
+        a, b = await asyncio.gather(
+            admin.request("PATCH", q("cp"), {"max_messages": 100 + i}),
+            admin.request("PATCH", q("cp"), {"max_message_size": 1000 + i}),
+        )
+        assert a.status == 200 and b.status == 200
+        shown = (await admin.get(q("cp"))).body
+        assert (shown["max_messages"], shown["max_message_size"]) == (100 + i, 1000 + i)
+    assert (await admin.request("PATCH", q("cp"), {"max_messages": 110})).status == 200

@@ -2191,7 +2191,7 @@ register_always('gw_queue_update', function(_, a)
   local q = a[1]
   local cfg = k_queue_config(q)
   if redis.call('EXISTS', cfg) == 0 or hidden(q) then return 0 end
-  redis.call('HSET', cfg, unpack(a, 2))
+  if #a > 1 then redis.call('HSET', cfg, unpack(a, 2)) end
   for _, child in ipairs(children(q)) do child_settings(q, child) end
   queue_alarms(q)
   redis.call('PUBLISH', K_EVENTS, 'qcfg ' .. q)

@@ -110,6 +110,19 @@ _RUNTIME_SETTINGS = {
     "owner",
 }
 
+
+def _applied(current: QueueConfig, changes: dict[str, Any], repartition: bool) -> QueueConfig:
+    """`current` with `changes` (run-time settings; `repartition`: partition_count too)
+    applied, validated as a whole."""
+    allowed = _RUNTIME_SETTINGS | ({"partition_count"} if repartition else set())
+    bad = sorted(set(changes) - allowed)
+    if bad:
+        raise QueueError("invalid", f"cannot change {', '.join(bad)} on an existing queue")
+    updated = dataclasses.replace(current, **changes)
+    updated.validate(reserved_ok=True)
+    return updated
+
+
 # gw_repartition's refusals: what QueueConfig.validate forbids to combine with partitions.
 _UNPARTITIONABLE = {
     "exclusive": "only non-exclusive queues can be partitioned",
@@ -527,18 +540,20 @@ class QueueStore:
         """The queue's config with `changes` applied, validated as a whole (nothing is
         written): a change set is refused before any part of it is applied.
         `repartition`: partition_count may be among the changes."""
-        allowed = _RUNTIME_SETTINGS | ({"partition_count"} if repartition else set())
-        bad = sorted(set(changes) - allowed)
-        if bad:
-            raise QueueError("invalid", f"cannot change {', '.join(bad)} on an existing queue")
-        updated = dataclasses.replace(await self.config(name), **changes)
-        updated.validate(reserved_ok=True)
-        return updated
+        return _applied(await self.config(name), changes, repartition)
 
     async def update(self, name: str, changes: dict[str, Any]) -> QueueConfig:
-        """Change run-time settings (ingress / egress switches, limits)."""
-        updated = await self.changed(name, changes)
-        pairs = updated.to_redis()
+        """Change run-time settings (ingress / egress switches, limits). Only the fields
+        that change are written: another change made meanwhile to other fields stays."""
+        current = await self.config(name)
+        updated = _applied(current, changes, False)
+        old, new = current.to_redis(), updated.to_redis()
+        pairs = [
+            v
+            for i in range(0, len(new), 2)
+            if new[i + 1] != old[i + 1]
+            for v in (new[i], new[i + 1])
+        ]
         if not await self._redis.fcall("gw_queue_update", 0, name, *pairs):
             raise QueueError("not_found", f"queue {name!r} does not exist")
         return updated
