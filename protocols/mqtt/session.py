@@ -1081,10 +1081,12 @@ class Session:
             return options.qos
         if options.qos == 0:
             state.set_subscription(pattern, options)
-            if pattern not in self._direct:
-                await self._subscribe_direct(pattern)
-            if previous is not None and previous.qos > 0 and state.queue is not None:
-                with self._both_routes_held():
+            # from QoS 1/2: the direct route is live while the queued one still is (its
+            # announcement to other nodes may take a round trip)
+            with self._both_routes_held():
+                if pattern not in self._direct:
+                    await self._subscribe_direct(pattern)
+                if previous is not None and previous.qos > 0 and state.queue is not None:
                     await self.broker.unsubscribe_queue(
                         state.queue, [pattern], MQTT, user=self.access_user
                     )
