@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import shutil
 
 import pytest
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
-from protocols.mqtt.codec import Publish, Suback, Subscribe, SubscriptionOptions, Will
+from protocols.mqtt.codec import Publish, Suback, Subscribe, SubscriptionOptions, Will, encode
 from protocols.mqtt.listener import Listener
 from tests.test_mqtt_paho import V5, V311, WAIT, Client
 from tests.test_mqtt_protocol import Raw
@@ -106,3 +107,44 @@ async def test_retained_will(mqtt: Listener) -> None:
     got = await late.recv()
     assert isinstance(got, Publish) and (got.payload, got.retain) == (b"offline", True)
     late.close()
+
+
+async def test_a_new_subscription_gets_no_retained_value_older_than_live_ones(
+    mqtt: Listener,
+) -> None:
+    """MQTT-4.6.0-6 (a topic's messages in order), as Mosquitto: while a publisher keeps
+    updating a retained topic, a new QoS 0 subscriber never gets the retained value after
+    newer live ones (it was read once the subscription was live: it came last)."""
+    topic = "ret-order/t"
+    pub, _ = await Raw.connected(mqtt.port, 4, client_id="ret-order-pub")
+    stop = asyncio.Event()
+
+    async def publish() -> None:
+        i = 0
+        while not stop.is_set():
+            i += 1
+            pub.writer.write(encode(Publish(topic, b"%d" % i, qos=0, retain=True), 4))
+            if i % 5 == 0:
+                await pub.writer.drain()
+                await asyncio.sleep(0.001)
+
+    task = asyncio.create_task(publish())
+    await asyncio.sleep(0.2)
+    backwards = []
+    try:
+        for k in range(15):
+            sub, _ = await Raw.connected(mqtt.port, 4, client_id=f"ret-order-{k}")
+            await sub.send(Subscribe(1, [(topic, SubscriptionOptions(qos=0))]))
+            seen: list[int] = []
+            while len(seen) < 15:
+                p = await sub.recv()
+                if isinstance(p, Publish):
+                    seen.append(int(p.payload))
+            sub.close()
+            if any(b < a for a, b in itertools.pairwise(seen)):
+                backwards.append(seen)
+    finally:
+        stop.set()
+        await task
+        pub.close()
+    assert not backwards, backwards[:2]

@@ -242,6 +242,9 @@ class Session:
         # holds across the session's flows (its queue, its shared groups): each flow's own
         # window alone would let them exceed it together
         self._held_out: deque[tuple[Any, ...]] = deque()
+        # while a SUBSCRIBE is handled: routed deliveries (_send_or_hold's arguments) wait
+        # here, for the retained messages it sends to go first (MQTT-4.6.0-6)
+        self._gate: list[tuple[Any, ...]] | None = None
         self._next_pid = 1
         self._reserved: set[int] = set()  # packet ids kept for resends (state.resend_ids)
         self._aliases: dict[int, str] = {}
@@ -762,13 +765,24 @@ class Session:
         max_qos, retain_as_published, sub_ids = route
         qos = min(mapping.message_qos(msg), max_qos)
         retain = msg.retain and retain_as_published
-        # a queued QoS 1/2 message waits while the client's receive maximum is full
-        # (MQTT-3.3.4-9, across all the session's flows), or while others wait before it
-        if (
-            qos
-            and queue is not None
-            and (self._held_out or len(self._inflight) + len(state.pubrel_out) >= self._window)
-        ):
+        if self._gate is not None:  # routed as the subscriptions are now, sent later
+            self._gate.append((msg, queue, entry_id, qos, dup, retain, sub_ids))
+            return
+        self._send_or_hold(msg, queue, entry_id, qos, dup, retain, sub_ids)
+
+    def _send_or_hold(
+        self,
+        msg: Message,
+        queue: str | None,
+        entry_id: str | None,
+        qos: int,
+        dup: bool,
+        retain: bool,
+        sub_ids: list[int],
+    ) -> None:
+        """A queued QoS 1/2 message waits while the client's receive maximum is full
+        (MQTT-3.3.4-9, across all the session's flows), or while others wait before it."""
+        if qos and queue is not None and (self._held_out or not self._room()):
             self._held_out.append((msg, queue, entry_id, qos, dup, retain, sub_ids))
             return
         self._transmit(msg, queue, entry_id, qos, dup, retain, sub_ids)
@@ -810,9 +824,12 @@ class Session:
         return len(self._inflight) + pending < self._window
 
     def _drop_held(self, queue: str) -> None:
-        """Deliveries waiting for room from a flow that ended: its queue has them back."""
+        """Deliveries waiting for room (or at the gate) from a flow that ended: its queue
+        has them back."""
         if self._held_out:
             self._held_out = deque(held for held in self._held_out if held[1] != queue)
+        if self._gate:
+            self._gate = [waiting for waiting in self._gate if waiting[1] != queue]
 
     def _send_held_out(self) -> None:
         while self._held_out and self._room() and not self.closing:
@@ -1018,6 +1035,20 @@ class Session:
     # -- SUBSCRIBE / UNSUBSCRIBE -----------------------------------------------------------
 
     async def _on_subscribe(self, p: Subscribe) -> None:
+        """A new subscription is live before its retained messages are read, so what it
+        gets meanwhile waits (the gate) until they went: a retained message never comes
+        after a newer live one of its topic."""
+        self._gate = []
+        try:
+            await self._subscribe_all(p)
+        finally:
+            waiting, self._gate = self._gate, None
+            for delivery in waiting:
+                if self.closing:  # the flows give the queued ones back
+                    break
+                self._send_or_hold(*delivery)
+
+    async def _subscribe_all(self, p: Subscribe) -> None:
         state = self.state
         assert state is not None
         sub_id = None
@@ -1134,6 +1165,7 @@ class Session:
                 return
             if _covered(self._deny_subscribe, msg.destination):
                 continue
+            self._pass_over_older(msg)
             qos = min(mapping.message_qos(msg), options.qos)
             sub_ids = [] if sub_id is None else [sub_id]
             if qos:
@@ -1141,6 +1173,22 @@ class Session:
             else:
                 self._transmit(msg, None, None, 0, False, True, sub_ids)
         self._send_retained_waiting()
+
+    def _pass_over_older(self, retained: Message) -> None:
+        """A retained message read while its QoS 0 live copy waits at the gate: that copy
+        and the direct messages of its topic before it are older than what goes as
+        retained now, and are not sent (QoS 0 may drop them)."""
+        gate = self._gate
+        if not gate:
+            return
+        at = next((i for i, d in enumerate(gate) if d[2] is None and d[0].id == retained.id), None)
+        if at is not None:
+            topic = retained.destination
+            self._gate = [
+                d
+                for i, d in enumerate(gate)
+                if i > at or d[2] is not None or d[0].destination != topic
+            ]
 
     def _send_retained_waiting(self) -> None:
         """Retained QoS 1/2 messages go out while the client's receive maximum has room
