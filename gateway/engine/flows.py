@@ -126,6 +126,7 @@ class Flow:
         "queue",
         "replay_since",
         "selector",
+        "turns",
         "unacked",
         "wakes",
         "window",
@@ -150,6 +151,7 @@ class Flow:
         self.parts: dict[int, str] = {}  # partition index -> fence, while this flow owns it
         self.idle: set[int] = set()  # owned partitions found empty since the last wake-up
         self.wakes = 0  # wake-ups so far: a fetch sent before the last one finds no idleness
+        self.turns = 0  # fetches of its partitions so far: which partition goes first
         self.window = window
         self.credit = credit
         self.on_deliver = on_deliver
@@ -618,11 +620,13 @@ class Dispatcher:
                 asked += count
                 continue
             # a small window cannot serve every partition each round: start with those not
-            # yet found empty, in turn, so each gets its share
+            # yet found empty, in turn (the flow's own: the rounds between its fetches may
+            # come in any number), so each gets its share
             ready = [i for i in flow.parts if i not in flow.idle]
             if not ready:
                 continue
-            shift = self.rounds % len(ready)
+            flow.turns += 1
+            shift = flow.turns % len(ready)
             ready = ready[shift:] + ready[:shift]
             for index, count in zip(ready, split_window(space, len(ready)), strict=True):
                 if count > 0:
