@@ -87,6 +87,7 @@ class Message:
     # The AMQP publisher's message-annotations section (sent on with the gateway's own merged
     # in, such as x-opt-jms-dest); None when it sent none.
     amqp_annotations: bytes | None = None
+    timestamp: int | None = None  # epoch ms its publisher made it (AMQP creation-time)
 
 
 class Outcome(IntEnum):
@@ -183,6 +184,7 @@ def encode(msg: Message) -> bytes:
         msg.amqp_bare,
         msg.payload_in_bare,
         msg.amqp_annotations,
+        msg.timestamp,
     ]
     if msg.payload_in_bare is not None:
         fields[1] = b""  # read back from the bare message
@@ -193,7 +195,7 @@ def encode(msg: Message) -> bytes:
 
 
 _unpackb = msgpack.unpackb
-_FIELDS = 20
+_FIELDS = 21
 _PADDING = [[None] * (_FIELDS - n) for n in range(_FIELDS + 1)]  # by the number of fields read
 
 
@@ -218,6 +220,8 @@ def decode(blob: bytes) -> Message:
             raise ValueError("bare message is not bytes")
         if annotations is not None and annotations.__class__ is not bytes:
             raise ValueError("message annotations are not bytes")
+        if f[20] is not None and f[20].__class__ is not int:
+            raise ValueError("timestamp is not an integer")
         return Message(  # positional, in field order: measurably faster on the hot path
             f[2],  # destination
             f[1] if at is None else bare[at:],  # payload
@@ -241,6 +245,7 @@ def decode(blob: bytes) -> Message:
             bare,
             at,
             annotations,
+            f[20],  # timestamp
         )
     except (TypeError, ValueError, IndexError, KeyError) as exc:
         raise ValueError(f"stream entry has malformed fields: {exc}") from exc

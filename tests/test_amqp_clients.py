@@ -1132,6 +1132,37 @@ async def test_selectors_symbolic_and_numeric_descriptor(broker: Broker, amqp: L
     assert await queued(broker, "paint", 1) == 1  # green: left for others
 
 
+async def test_jms_timestamp_selects_on_creation_time(broker: Broker, amqp: Listener) -> None:
+    """JMS 2.0 §3.8.1.1: selectors may use JMSTimestamp, which Qpid JMS sends as
+    properties.creation-time; a message without one has none (NULL)."""
+    await broker.queues.create(QueueConfig(name="stamped"))
+
+    def client() -> tuple[list[str], list[str]]:
+        conn = BlockingConnection(url(amqp), timeout=TIMEOUT)
+        try:
+            snd = conn.create_sender("stamped")
+            for body, created in (("old", 1_000_000_000), ("new", 2_000_000_000), ("none", 0)):
+                msg = Message(body=body)
+                if created:
+                    msg.creation_time = created  # seconds, as proton's Message has it
+                snd.send(msg)
+            got = []
+            for name, text in (
+                ("late", "JMSTimestamp > 1500000000000"),
+                ("bare", "JMSTimestamp IS NULL"),
+            ):
+                rcv = conn.create_receiver("stamped", name=name, credit=10, options=Selector(text))
+                got.append([str(rcv.receive(TIMEOUT).body)])
+                rcv.accept()
+            return got[0], got[1]
+        finally:
+            conn.close()
+
+    late, bare = await asyncio.to_thread(client)
+    assert late == ["new"] and bare == ["none"]
+    assert await queued(broker, "stamped", 1) == 1  # old: left for others
+
+
 async def test_browse_takes_nothing(broker: Broker, amqp: Listener) -> None:
     await broker.queues.create(QueueConfig(name="shelf"))
 

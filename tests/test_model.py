@@ -82,6 +82,7 @@ def message_strategy(payloads: st.SearchStrategy[bytes]) -> st.SearchStrategy[Me
         retain=st.booleans(),
         to_queue=st.booleans(),
         id=st.one_of(st.just(""), st.text(min_size=1, max_size=30)),
+        timestamp=epoch_ms,
     )
 
 
@@ -138,6 +139,7 @@ def test_round_trip_of_a_fully_populated_message() -> None:
             ("k", False),
         ],
         annotations={"x-mqtt-qos": 1, "x-opt": b"z", "none": None},
+        timestamp=1_700_000_000_123,
         publisher=Publisher("mqtt", "client-1", "alice"),
         retain=True,
         id=new_message_id(),
@@ -327,5 +329,5 @@ def test_message_field_order_is_the_one_positional_builders_use() -> None:
         "destination", "payload", "partition_key", "priority", "expiration", "not_before",
         "persistent", "dmq_eligible", "content_type", "correlation_id", "reply_to",
         "message_id", "subject", "user_properties", "annotations", "publisher", "retain",
-        "to_queue", "id", "amqp_bare", "payload_in_bare", "amqp_annotations",
+        "to_queue", "id", "amqp_bare", "payload_in_bare", "amqp_annotations", "timestamp",
     ]  # fmt: skip

@@ -23,6 +23,7 @@ def matches(selector: Selector, msg: Message, delivery_count: int) -> bool:
         "JMSType": msg.subject,
         "JMSDeliveryMode": "PERSISTENT" if msg.persistent else "NON_PERSISTENT",
         "JMSExpiration": msg.expiration or 0,
+        "JMSTimestamp": msg.timestamp,
         "JMSXGroupID": msg.partition_key,
         "JMSXDeliveryCount": delivery_count,
     }

@@ -21,6 +21,7 @@ messages.
 | message_id       | properties.message-id                                            |
 | subject          | properties.subject                                               |
 | content_type     | properties.content-type                                          |
+| timestamp        | properties.creation-time (epoch ms; JMSTimestamp in selectors)   |
 | payload          | one data section; amqp-value str (utf-8, text/plain) or binary   |
 |                  | accepted on ingress; egress sends one data section               |
 |                  | other amqp-values (map, list...): JSON payload for other         |
@@ -137,6 +138,7 @@ def decode(data: bytes, publisher: Publisher) -> Ingress:
         subject=amqp.subject or None,
         user_properties=[(str(k), _value(v)) for k, v in properties.items()],
         publisher=publisher,
+        timestamp=int(amqp.creation_time * 1000) if amqp.creation_time else None,
     )
     start, end = framing.bare_range(data)
     if start < end:
@@ -169,6 +171,8 @@ def from_delivery(delivery: Delivery) -> AmqpMessage:
     if msg.expiration is not None:
         amqp.expiry_time = msg.expiration / 1000
         amqp.ttl = max(0.001, (msg.expiration - time.time() * 1000) / 1000)
+    if msg.timestamp is not None:
+        amqp.creation_time = msg.timestamp / 1000
     amqp.address = msg.destination if msg.to_queue else f"topic://{msg.destination}"
     annotations: dict[symbol, object] = {
         symbol(k): v for k, v in msg.annotations.items() if k != AMQP_VALUE

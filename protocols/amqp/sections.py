@@ -256,10 +256,12 @@ def _decode(data: bytes, publisher: Publisher) -> tuple[Message, str | None, int
             raise Unsupported("content-type type")
         if not content_type or content_type == "None":
             content_type = None
-        expiry = props[8]
+        expiry, created = props[8], props[9]
+        if created is not None and created.__class__ is not int:  # a timestamp
+            raise Unsupported("creation-time type")
         message_id, correlation_id = _ident(props[0]), _ident(props[5])
     else:
-        to = subject = reply_to = group_id = content_type = expiry = None
+        to = subject = reply_to = group_id = content_type = expiry = created = None
         message_id = correlation_id = None
     if body is None:
         payload = b""
@@ -311,6 +313,7 @@ def _decode(data: bytes, publisher: Publisher) -> tuple[Message, str | None, int
         {},  # annotations
         publisher,
     )
+    msg.timestamp = created  # type: ignore[assignment]
     if bare_start < bare_end:
         keep_bare(msg, data[bare_start:bare_end])
     if not annotations:
@@ -594,7 +597,7 @@ def _properties(msg: Message, expiry: bytes) -> bytes:
         _NULL if msg.content_type is None else _sym(msg.content_type),
         _NULL,  # content-encoding
         expiry,
-        _NULL,  # creation-time
+        _NULL if msg.timestamp is None else b"\x83" + _pack_q(msg.timestamp),  # creation-time
         _NULL if msg.partition_key is None else _str(msg.partition_key),
     ]
     while props[-1] is _NULL:
