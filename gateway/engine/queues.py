@@ -471,10 +471,14 @@ class QueueStore:
         *,
         reserved_ok: bool = False,
         user: str | None = None,
+        as_it_is: bool = False,
     ) -> bool:
         """Create a queue; returns False when an equivalent one exists (idempotent declare).
         Subscribing `user` (None: the operator) to a queue that already existed needs
-        modify-topic on it, checked on the config the create found, before any is added."""
+        modify-topic on it, checked on the config the create found, before any is added.
+        `as_it_is`: an existing queue is taken with its properties (an adapter's own queue
+        that an operator may have provisioned beforehand, such as an MQTT shared group's
+        with a TTL)."""
         config.validate(reserved_ok=reserved_ok)
         entries = [subscription_entry(p, s) for p, s in subscriptions]
         config.created_ms = int(time.time() * 1000)
@@ -484,7 +488,7 @@ class QueueStore:
             existing = QueueConfig.from_redis(
                 config.name, dict(zip(reply[1::2], reply[2::2], strict=False))
             )
-            for name in EQUIVALENCE_FIELDS:
+            for name in () if as_it_is else EQUIVALENCE_FIELDS:
                 if getattr(existing, name) != getattr(config, name):
                     raise QueueError(
                         "precondition_failed",

@@ -313,7 +313,7 @@ class Registry:
         config = QueueConfig(
             name=name, durable=True, access_type="non-exclusive", permission="consume"
         )
-        await self.broker.queues.create(config, reserved_ok=True)
+        await self.broker.queues.create(config, reserved_ok=True, as_it_is=True)
         await self.broker.subscribe_queue(name, [topic_filter], MQTT)
         return name
 
