@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 
 from gateway.broker import Broker
 from gateway.engine import direct, keys, library
-from gateway.engine.flows import BindError
+from gateway.engine.flows import BindError, Flow
 from gateway.engine.queues import QueueConfig, QueueError
 from gateway.model import Delivery, Message, Outcome
 from gateway.topics import pattern_matches
@@ -501,18 +501,26 @@ async def test_client_takeover_across_nodes(broker: Broker, second_node: Broker)
     assert not await broker.handed_over("sensor-9", "gone 1", 0.1)
 
 
+async def read_and_consumed(
+    redis_url: str, broker: Broker, reader: str, n: int, window: int
+) -> tuple[aioredis.Redis, Flow, list[Delivery]]:
+    """Queue q with a stream reader at its start, n messages and a flow holding `window`."""
+    await broker.declare_queue(QueueConfig(name="q"))
+    client = aioredis.Redis.from_url(redis_url)
+    await client.hset(keys.queue_readers("q"), reader, "0-0")
+    await client.sadd(keys.read_queues, "q")
+    for i in range(n):
+        await broker.publish(to_queue("q", b"%d" % i))
+    got: list[Delivery] = []
+    flow = await broker.bind("q", got.append, window=window)
+    await wait_for(lambda: len(got) == window)
+    return client, flow, got
+
+
 async def test_stream_readers_keep_settled_entries_until_they_pass(
     redis_url: str, broker: Broker
 ) -> None:
-    await broker.declare_queue(QueueConfig(name="q"))
-    client = aioredis.Redis.from_url(redis_url)
-    await client.hset(keys.queue_readers("q"), "archiver", "0-0")
-    await client.sadd(keys.read_queues, "q")
-    for i in range(6):
-        await broker.publish(to_queue("q", b"%d" % i))
-    got: list[Delivery] = []
-    flow = await broker.bind("q", got.append, window=4)
-    await wait_for(lambda: len(got) == 4)
+    client, flow, got = await read_and_consumed(redis_url, broker, "archiver", 6, window=4)
     for d in got[:3]:
         flow.ack(d.entry_id)
     await wait_for(lambda: len(flow.unacked) == 1)
@@ -660,16 +668,8 @@ async def test_entries_a_former_reader_kept_go_with_later_acks(
 ) -> None:
     """Acked entries kept for a stream reader that was then forgotten are trimmed by the
     next acks, and the trim takes nothing still waiting or unsettled."""
-    await broker.declare_queue(QueueConfig(name="q"))
-    client = aioredis.Redis.from_url(redis_url)
+    client, flow, got = await read_and_consumed(redis_url, broker, "old-job", 10, window=3)
     stream = keys.queue_stream("q")
-    await client.hset(keys.queue_readers("q"), "old-job", "0-0")
-    await client.sadd(keys.read_queues, "q")
-    for i in range(10):
-        await broker.publish(to_queue("q", b"%d" % i))
-    got: list[Delivery] = []
-    flow = await broker.bind("q", got.append, window=3)
-    await wait_for(lambda: len(got) == 3)
     for d in got[:3]:
         flow.ack(d.entry_id)
     await wait_for(lambda: len(got) == 6)

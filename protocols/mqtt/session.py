@@ -770,22 +770,15 @@ class Session:
             return
         self._send_or_hold(msg, queue, entry_id, qos, dup, retain, sub_ids)
 
-    def _send_or_hold(
-        self,
-        msg: Message,
-        queue: str | None,
-        entry_id: str | None,
-        qos: int,
-        dup: bool,
-        retain: bool,
-        sub_ids: list[int],
-    ) -> None:
-        """A queued QoS 1/2 message waits while the client's receive maximum is full
-        (MQTT-3.3.4-9, across all the session's flows), or while others wait before it."""
+    def _send_or_hold(self, *routed: Any) -> None:
+        """`routed`: _transmit's arguments. A queued QoS 1/2 message waits while the
+        client's receive maximum is full (MQTT-3.3.4-9, across all the session's flows),
+        or while others wait before it."""
+        queue, qos = routed[1], routed[3]
         if qos and queue is not None and (self._held_out or not self._room()):
-            self._held_out.append((msg, queue, entry_id, qos, dup, retain, sub_ids))
+            self._held_out.append(routed)
             return
-        self._transmit(msg, queue, entry_id, qos, dup, retain, sub_ids)
+        self._transmit(*routed)
 
     def _route(
         self, state: SessionState, filters: list[str], msg: Message
