@@ -334,8 +334,7 @@ class Dispatcher:
     ) -> Flow:
         flow = Flow(
             self,
-            # a get's flow is no consumer: an auto-delete queue stays (see functions.lua)
-            f"{self.node_id}.{'g' if get else ''}{next(self._ids)}",
+            self._flow_id(get),
             queue,
             window,
             credit,
@@ -359,6 +358,11 @@ class Dispatcher:
         else:
             self.wake(flow)
         return flow
+
+    def _flow_id(self, get: bool) -> str:
+        """A new flow id, node.N; a get's flow is no consumer, and its id node.gN says so
+        to an auto-delete queue (see functions.lua)."""
+        return f"{self.node_id}.{'g' if get else ''}{next(self._ids)}"
 
     async def _register(self, flow: Flow) -> float:
         """gw_bind; sets the flow's kind. Returns the queue's rebalance delay (seconds)."""
@@ -1033,7 +1037,7 @@ class Dispatcher:
         log.warning("flow %s %s; rebinding", flow.id, why)
         flow.unacked.clear()
         flow.parts.clear()
-        flow.id = f"{self.node_id}.{next(self._ids)}"
+        flow.id = self._flow_id(flow.id.partition(".")[2].startswith("g"))
         asyncio.get_running_loop().create_task(self._rebind(flow))
 
     async def _rebind(self, flow: Flow) -> None:
