@@ -732,3 +732,19 @@ async def test_a_released_message_says_it_was_acquired_before(
     assert (got[2].delivery_count, got[2].acquired_before) == (2, True)
     flow.ack(got[2].entry_id)
     await wait_for(lambda: not flow.unacked)
+
+
+async def test_a_direct_subscriber_right_after_the_last_one_left_hears_other_nodes(
+    broker: Broker, second_node: Broker
+) -> None:
+    """A node's withdrawal (its last direct subscriber gone) still under way when a new
+    first subscriber comes goes first, or not at all: it must not stop the node
+    listening after the new announcement."""
+    first = await broker.subscribe_direct("warm/#", "mqtt", lambda m: None)
+    await wait_for(lambda: second_node.direct._others)
+    broker.unsubscribe_direct(first)
+    got: list[Message] = []
+    await broker.subscribe_direct("race/#", "mqtt", got.append)
+    await asyncio.sleep(0.5)
+    await second_node.publish(Message(destination="race/1", payload=b"x"))
+    await wait_for(lambda: [m.payload for m in got] == [b"x"])

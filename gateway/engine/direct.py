@@ -42,28 +42,39 @@ class DirectRelay:
         self._callbacks: dict[int, DirectCallback] = {}
         self._tokens = itertools.count(1)
         self._others = False  # another node has direct subscribers
-        self._announcing: asyncio.Task | None = None  # this node's, for its first subscriber
+        self._told = 0  # 'direct' events heard: a read of the set older than one is stale
+        self._announced = False  # other nodes know this one has direct subscribers
+        self._announcing: asyncio.Task | None = None  # the latest (with)drawal of that
+        self._announce_lock = asyncio.Lock()  # one at a time, in order
         self._outbox: list[bytes] = []
         self._tasks: set[asyncio.Task] = set()
         self._held: set[asyncio.TimerHandle] = set()
         self.relayed = 0
 
     async def subscribe(self, pattern: str, syntax: str, callback: DirectCallback) -> int:
-        """Returns once other nodes were told that this one has direct subscribers (the
-        first subscriber's announcement): they relay what is published there from then
-        on. Redis unreachable: local messages only, until the next announcement."""
+        """Returns once other nodes were told that this one has direct subscribers: they
+        relay what is published there from then on. Redis unreachable: local messages
+        only, until a later subscriber's announcement gets through."""
         token = next(self._tokens)
         self._trie.add(pattern, token, syntax)
-        first = not self._callbacks
         self._callbacks[token] = callback
-        if first:
-            self._announcing = self._spawn(self._announce(True))
-        announcing = self._announcing
-        if announcing is not None and not announcing.done():
-            try:
-                await asyncio.shield(announcing)
-            except RedisError as exc:
-                log.warning("direct subscribers not announced to other nodes: %s", exc)
+        try:
+            while self._callbacks:  # a withdrawal under way goes first, then ours
+                pending, ours = self._announcing, False
+                if pending is None or pending.done():
+                    if self._announced:
+                        break
+                    pending = self._announcing = self._spawn(self._announce(True))
+                    ours = True
+                try:
+                    await asyncio.shield(pending)
+                except RedisError as exc:
+                    if ours:
+                        log.warning("direct subscribers not announced to other nodes: %s", exc)
+                        break
+        except BaseException:  # cancelled: the caller never gets the token
+            self.unsubscribe(token)
+            raise
         return token
 
     def unsubscribe(self, token: int) -> None:
@@ -73,7 +84,7 @@ class DirectRelay:
             if value == token:
                 self._trie.remove(pattern, value, syntax)
         if not self._callbacks:
-            self._spawn(self._announce(False))
+            self._announcing = self._spawn(self._announce(False))
 
     def publish(self, msg: Message) -> None:
         """A topic message published on this node: local subscribers, then other nodes'."""
@@ -91,12 +102,15 @@ class DirectRelay:
         """A 'direct' event: a node announced (or withdrew) itself. Relay from now on,
         before the set is read again: the announcing node's subscribers are told their
         subscription holds once this event went out."""
+        self._told += 1
         self._others = True
 
     async def refresh(self) -> None:
         """Learn whether another node has direct subscribers (on start and on 'direct')."""
+        told = self._told
         nodes = {n.decode() for n in await self._redis.smembers(keys.direct_nodes)}
-        self._others = bool(nodes - {self._node})
+        # an event heard meanwhile may be of a node this read missed: its own read follows
+        self._others = bool(nodes - {self._node}) or (told != self._told and self._others)
 
     def _hold(self, msg: Message) -> None:
         if len(self._held) >= MAX_HELD:
@@ -121,12 +135,19 @@ class DirectRelay:
             await self._announce(False)
 
     async def _announce(self, present: bool) -> None:
-        if present:
-            await self._events.watch_channel(keys.direct_channel, self._received)
-        await self._redis.fcall("gw_direct_node", 0, self._node, 1 if present else 0)
-        if not present:
-            await self._events.unwatch_channel(keys.direct_channel)
-        await self._redis.publish(keys.events, "direct")
+        """Tell other nodes whether this one has direct subscribers, unless it already
+        did or a later change undid the need (a subscriber came back before a withdrawal
+        ran: the node must keep listening)."""
+        async with self._announce_lock:
+            if present != bool(self._callbacks) or present == self._announced:
+                return
+            if present:
+                await self._events.watch_channel(keys.direct_channel, self._received)
+            await self._redis.fcall("gw_direct_node", 0, self._node, 1 if present else 0)
+            if not present:
+                await self._events.unwatch_channel(keys.direct_channel)
+            await self._redis.publish(keys.events, "direct")
+            self._announced = present
 
     def _flush(self) -> None:
         batch, self._outbox = self._outbox, []

@@ -1,0 +1,146 @@
+"""SUBSCRIBE while messages flow: routes that change under way, the retained messages'
+gate, QoS 0 subscriptions announced to other nodes. Delays are added to real calls to
+widen the windows these races happen in."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.broker import Broker
+from gateway.engine.direct import DirectRelay
+from gateway.model import Message
+from protocols.mqtt.codec import (
+    Properties,
+    Puback,
+    Publish,
+    Suback,
+    Subscribe,
+    SubscriptionOptions,
+    Unsuback,
+    Unsubscribe,
+    encode,
+)
+from protocols.mqtt.listener import Listener
+from tests import test_engine, test_mqtt_handover
+from tests.test_mqtt_protocol import Raw
+
+second_node = test_engine.second_node  # fixtures: a second node and its MQTT listener
+mqtt2 = test_mqtt_handover.mqtt2
+
+
+async def publishes(raw: Raw, timeout: float) -> list[Publish]:
+    """What comes until nothing has for `timeout` seconds (QoS 1 ones acknowledged)."""
+    got = []
+    try:
+        while True:
+            p = await raw.recv(timeout=timeout)
+            if isinstance(p, Publish):
+                got.append(p)
+                if p.qos:
+                    await raw.send(Puback(p.packet_id))
+    except TimeoutError:
+        return got
+
+
+async def test_a_new_qos0_filter_under_a_qos1_wildcard_loses_nothing(
+    mqtt: Listener, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a new QoS 0 filter's node announcement is under way, a message it matches
+    that a QoS 1 filter takes from the queue is sent once, at QoS 1 (a direct copy noted
+    as sent though no direct route sent it made the queued one be settled unsent)."""
+    sub, _ = await Raw.connected(mqtt.port, 4, client_id="br-sub")
+    pub, _ = await Raw.connected(mqtt.port, 4, client_id="br-pub")
+    await sub.send(Subscribe(1, [("br/#", SubscriptionOptions(qos=1))]))
+    assert isinstance(await sub.recv(), Suback)
+    announce = DirectRelay._announce
+
+    async def slow(self: DirectRelay, present: bool) -> None:
+        await asyncio.sleep(0.5)
+        await announce(self, present)
+
+    monkeypatch.setattr(DirectRelay, "_announce", slow)
+    await sub.send(Subscribe(2, [("br/x", SubscriptionOptions(qos=0))]))
+    await asyncio.sleep(0.2)
+    await pub.send(Publish("br/x", b"during", qos=1, packet_id=1))
+    assert isinstance(await pub.recv(), Puback)
+    got = await publishes(sub, 2)
+    assert [(p.payload, p.qos) for p in got] == [(b"during", 1)]
+    sub.close()
+    pub.close()
+
+
+async def test_an_overlapping_subscribe_keeps_an_older_subscriptions_live_messages(
+    mqtt: Listener, broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Live messages waiting while a new filter's retained messages are read go on to
+    the subscriptions the client had before (only the new filter gets the retained one)."""
+    raw, _ = await Raw.connected(mqtt.port, 5, client_id="gate-old")
+    ids = Properties(subscription_identifiers=[1])
+    await raw.send(Subscribe(1, [("pa/#", SubscriptionOptions(qos=0))], ids))
+    assert isinstance(await raw.recv(), Suback)
+    matching = broker.retained.matching
+
+    async def traffic_meanwhile(pattern: str, syntax: str = "mqtt") -> list[Message]:
+        await broker.publish(Message(destination="pa/b", payload=b"live-1"))
+        await broker.publish(Message(destination="pa/b", payload=b"state-2", retain=True))
+        return await matching(pattern, syntax)
+
+    monkeypatch.setattr(broker.retained, "matching", traffic_meanwhile)
+    ids = Properties(subscription_identifiers=[2])
+    await raw.send(Subscribe(2, [("pa/b", SubscriptionOptions(qos=0))], ids))
+    got = [
+        (p.payload, (p.properties.subscription_identifiers if p.properties else None))
+        for p in await publishes(raw, 1.5)
+    ]
+    raw.close()
+    assert any(payload == b"live-1" and sub_ids and 1 in sub_ids for payload, sub_ids in got)
+
+
+async def test_a_slow_subscribe_holds_no_other_subscriptions_messages(
+    mqtt: Listener, broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only messages on the topics of the filters a SUBSCRIBE reads retained messages for
+    wait while it reads them (here for 3 s); the others go on."""
+    raw, _ = await Raw.connected(mqtt.port, 4, client_id="gate-slow")
+    await raw.send(Subscribe(1, [("busy/#", SubscriptionOptions(qos=1))]))
+    assert isinstance(await raw.recv(), Suback)
+    matching = broker.retained.matching
+
+    async def slow(pattern: str, syntax: str = "mqtt") -> list[Message]:
+        await asyncio.sleep(3)
+        return await matching(pattern, syntax)
+
+    monkeypatch.setattr(broker.retained, "matching", slow)
+    await raw.send(Subscribe(2, [("unrelated/#", SubscriptionOptions(qos=0))]))
+    assert isinstance(await raw.recv(), Suback)
+    assert (await broker.publish(Message(destination="busy/1", payload=b"now"))).accepted
+    got = await raw.recv(timeout=1.5)
+    assert isinstance(got, Publish) and got.payload == b"now"
+    raw.close()
+
+
+async def test_unsubscribe_then_subscribe_at_once_still_gets_other_nodes_messages(
+    mqtt: Listener, mqtt2: Listener
+) -> None:
+    """UNSUBSCRIBE and SUBSCRIBE of a node's only QoS 0 filter sent together: the node's
+    withdrawal from the other nodes must not run after the new announcement (it stopped
+    the node listening while the SUBACK said the subscription holds)."""
+    sub, _ = await Raw.connected(mqtt.port, 4, client_id="flip-sub")
+    pub, _ = await Raw.connected(mqtt2.port, 4, client_id="flip-pub")
+    await sub.send(Subscribe(1, [("flip/#", SubscriptionOptions(qos=0))]))
+    assert isinstance(await sub.recv(), Suback)
+    await asyncio.sleep(0.3)
+    sub.writer.write(encode(Unsubscribe(2, ["flip/#"]), 4))
+    sub.writer.write(encode(Subscribe(3, [("flip/#", SubscriptionOptions(qos=0))]), 4))
+    await sub.writer.drain()
+    assert isinstance(await sub.recv(), Unsuback)
+    assert isinstance(await sub.recv(), Suback)
+    await asyncio.sleep(0.3)
+    await pub.send(Publish("flip/1", b"after suback", qos=1, packet_id=1))
+    assert isinstance(await pub.recv(), Puback)
+    got = await sub.recv(timeout=2)
+    assert isinstance(got, Publish) and got.payload == b"after suback"
+    pub.close()
+    sub.close()
