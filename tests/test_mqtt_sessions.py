@@ -253,3 +253,32 @@ async def test_a_deleted_session_queue_ends_the_session(
     got = await raw.recv()
     assert isinstance(got, Publish) and got.payload == b"x"
     raw.close()
+
+
+async def test_a_session_not_resumed_for_its_deleted_queue_leaves_its_groups(
+    mqtt: Listener, broker: Broker
+) -> None:
+    """An offline session whose queue an operator deleted is not resumed, and it leaves
+    its shared subscription groups (a session that never expires stayed a member for
+    good, and the group's queue outlived its last real member)."""
+    props = Properties(session_expiry_interval=0xFFFFFFFF)
+    raw, _ = await Raw.connected(
+        mqtt.port, 5, client_id="ghost", clean_start=False, properties=props
+    )
+    subs = [
+        ("own/#", SubscriptionOptions(qos=1)),
+        ("$share/grp/jobs/#", SubscriptionOptions(qos=1)),
+    ]
+    await raw.send(Subscribe(1, subs))
+    assert isinstance(await raw.recv(), Suback)
+    await raw.send(Disconnect())
+    await raw.closed()
+    members = keys.queue_members(shared_queue_name("grp", "jobs/#"))
+    assert await broker.redis.zscore(members, "ghost") is not None
+    await broker.delete_queue(queue_name("ghost"))
+    raw, ack = await Raw.connected(
+        mqtt.port, 5, client_id="ghost", clean_start=False, properties=props
+    )
+    assert not ack.session_present
+    assert await broker.redis.zscore(members, "ghost") is None
+    raw.close()

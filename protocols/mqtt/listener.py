@@ -184,13 +184,15 @@ class Registry:
 
     async def _load(self, client_id: str, claim: int) -> SessionState | None:
         """The stored state, as the connection of `claim` (older ones no longer save);
-        None once its queue was deleted (by an operator): its subscriptions went too."""
+        None once its queue was deleted (by an operator): its subscriptions went too, and
+        it leaves its shared subscription groups."""
         raw = await self.broker.clients.load(client_id, claim)
         if raw is None:
             return None
         state = SessionState.loads(client_id, raw)
         if state.queue is not None and not await self.broker.queues.exists(state.queue):
             log.warning("MQTT client %r: its session's queue was deleted; new session", client_id)
+            await self._leave_groups(client_id, shared_queues(state))
             return None
         state.qos2_in = {int(pid) for pid in await self.broker.clients.received(client_id)}
         return state

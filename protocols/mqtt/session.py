@@ -242,9 +242,11 @@ class Session:
         # holds across the session's flows (its queue, its shared groups): each flow's own
         # window alone would let them exceed it together
         self._held_out: deque[tuple[Any, ...]] = deque()
-        # while a SUBSCRIBE is handled: routed deliveries (_send_or_hold's arguments) wait
-        # here, for the retained messages it sends to go first (MQTT-4.6.0-6)
+        # while a SUBSCRIBE is handled: routed deliveries (_send_or_hold's arguments) on
+        # topics of the filters it sends retained messages for wait here, for those to go
+        # first (MQTT-4.6.0-6)
         self._gate: list[tuple[Any, ...]] | None = None
+        self._gate_filters: list[str] = []
         self._next_pid = 1
         self._reserved: set[int] = set()  # packet ids kept for resends (state.resend_ids)
         self._aliases: dict[int, str] = {}
@@ -718,10 +720,6 @@ class Session:
         if self.closing or msg.id == self._last_direct:
             return
         self._last_direct = msg.id
-        if self._both_routes:  # its copy on the session's queue is not sent again
-            self._sent_direct[msg.id] = None
-            if len(self._sent_direct) > MAX_SENT_DIRECT:
-                del self._sent_direct[next(iter(self._sent_direct))]
         self._deliver(msg, None, None, False)
 
     def _on_delivery(self, delivery: Delivery) -> None:
@@ -765,10 +763,19 @@ class Session:
         max_qos, retain_as_published, sub_ids = route
         qos = min(mapping.message_qos(msg), max_qos)
         retain = msg.retain and retain_as_published
-        if self._gate is not None:  # routed as the subscriptions are now, sent later
+        if entry_id is None and self._both_routes:  # its queued copy is not sent again
+            self._sent_direct[msg.id] = None
+            if len(self._sent_direct) > MAX_SENT_DIRECT:
+                del self._sent_direct[next(iter(self._sent_direct))]
+        if self._gate is not None and self._gated(msg.destination):
             self._gate.append((msg, queue, entry_id, qos, dup, retain, sub_ids))
             return
         self._send_or_hold(msg, queue, entry_id, qos, dup, retain, sub_ids)
+
+    def _gated(self, topic: str) -> bool:
+        """Whether a delivery on `topic` waits at the gate: one of the filters the SUBSCRIBE
+        being handled sends retained messages for matches it."""
+        return any(pattern_matches(f, topic, MQTT) for f in self._gate_filters)
 
     def _send_or_hold(self, *routed: Any) -> None:
         """`routed`: _transmit's arguments. A queued QoS 1/2 message waits while the
@@ -1035,7 +1042,7 @@ class Session:
         try:
             await self._subscribe_all(p)
         finally:
-            waiting, self._gate = self._gate, None
+            waiting, self._gate, self._gate_filters = self._gate, None, []
             for delivery in waiting:
                 if self.closing:  # the flows give the queued ones back
                     break
@@ -1056,7 +1063,13 @@ class Session:
             if rc is None and previous is None and len(state.subscriptions) >= MAX_SUBSCRIPTIONS:
                 rc = ReasonCode.QUOTA_EXCEEDED
                 over_quota += 1
+            handling = options.retain_handling
+            sends_retained = shared_filter(pattern) is None and (
+                handling == 0 or (handling == 1 and previous is None)
+            )
             if rc is None:
+                if sends_retained:  # live before its retained messages are read
+                    self._gate_filters.append(pattern)
                 try:
                     rc = await self._subscribe(pattern, options, previous)
                 except (QueueError, BindError) as exc:  # e.g. a race with the queue's end
@@ -1071,10 +1084,7 @@ class Session:
                     state.drop_subscription(pattern)
             else:
                 state.set_subscription_id(pattern, sub_id)
-                handling = options.retain_handling
-                if shared_filter(pattern) is None and (
-                    handling == 0 or (handling == 1 and previous is None)
-                ):
+                if sends_retained:
                     retained.append((pattern, options))
             codes.append(rc)
         if over_quota:
@@ -1105,15 +1115,18 @@ class Session:
             return options.qos
         if options.qos == 0:
             state.set_subscription(pattern, options)
-            # from QoS 1/2: the direct route is live while the queued one still is (its
-            # announcement to other nodes may take a round trip)
+            if previous is None or previous.qos == 0 or state.queue is None:
+                if pattern not in self._direct:
+                    await self._subscribe_direct(pattern)
+                return 0
+            # from QoS 1/2: the direct route is live (its announcement to other nodes may
+            # take a round trip) while the queued one still is
             with self._both_routes_held():
                 if pattern not in self._direct:
                     await self._subscribe_direct(pattern)
-                if previous is not None and previous.qos > 0 and state.queue is not None:
-                    await self.broker.unsubscribe_queue(
-                        state.queue, [pattern], MQTT, user=self.access_user
-                    )
+                await self.broker.unsubscribe_queue(
+                    state.queue, [pattern], MQTT, user=self.access_user
+                )
             return 0
         if pattern not in self._direct:
             state.set_subscription(pattern, options)
@@ -1170,9 +1183,12 @@ class Session:
     def _pass_over_older(self, retained: Message) -> None:
         """A retained message read while its QoS 0 live copy waits at the gate: that copy
         and the direct messages of its topic before it are older than what goes as
-        retained now, and are not sent (QoS 0 may drop them)."""
-        gate = self._gate
-        if not gate:
+        retained now, and are not sent (QoS 0 may drop them), unless a filter that gets no
+        retained messages now matches the topic too (an older subscription gets its own)."""
+        gate, state = self._gate, self.state
+        if not gate or state is None:
+            return
+        if not set(state.trie.match(retained.destination)) <= set(self._gate_filters):
             return
         at = next((i for i, d in enumerate(gate) if d[2] is None and d[0].id == retained.id), None)
         if at is not None:
