@@ -748,3 +748,32 @@ async def test_a_direct_subscriber_right_after_the_last_one_left_hears_other_nod
     await asyncio.sleep(0.5)
     await second_node.publish(Message(destination="race/1", payload=b"x"))
     await wait_for(lambda: [m.payload for m in got] == [b"x"])
+
+
+async def test_an_ack_after_a_reader_went_takes_its_own_entry_not_a_kept_one(
+    redis_url: str, broker: Broker
+) -> None:
+    """An entry a forgotten stream reader kept sits below an unsettled one; an ack above
+    that one deletes its own entry (a trim took the kept one and, counting one entry as
+    expected, left the acked entry standing, where browsers saw it)."""
+    client, flow, got = await read_and_consumed(redis_url, broker, "old-job", 3, window=3)
+    flow.ack(got[0].entry_id)  # kept for the reader
+    await wait_for(lambda: len(flow.unacked) == 2)
+    await asyncio.sleep(0.1)
+    assert await broker.queues.forget_reader("q", "old-job") == 1
+    flow.ack(got[2].entry_id)  # above the unsettled got[1]
+    await wait_for(lambda: len(flow.unacked) == 1)
+    stream = keys.queue_stream("q")
+    for _ in range(100):  # the ack reaches Redis with the next dispatch round
+        if await client.xlen(stream) == 1:
+            break
+        await asyncio.sleep(0.02)
+    assert [e[0].decode() for e in await client.xrange(stream)] == [got[1].entry_id]
+    flow.ack(got[1].entry_id)
+    await wait_for(lambda: not flow.unacked)
+    for _ in range(100):
+        if not await client.exists(keys.queue_kept("q"), stream):
+            break
+        await asyncio.sleep(0.02)
+    assert not await client.exists(keys.queue_kept("q")), "the mark goes once all kept went"
+    await client.aclose()

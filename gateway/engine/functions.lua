@@ -69,21 +69,29 @@ local function ids_call(cmd, s, ids, first, last)
   return done
 end
 
--- Delete ids[first..last], entries acked for good (no stream readers keep them). XTRIM
--- MINID below the oldest entry still pending or undelivered drops whole listpack nodes,
--- where XDEL seeks and rewrites each entry (~1.4 µs a message more in Redis, AMQP 100 B).
--- When the trim did not take exactly as many entries, some of these are above the oldest
--- pending one (another consumer still holds it): deleted by id. (Acked entries that former
--- stream readers left below the floor can make the count match while some of these stay:
--- they are trimmed once the floor passes them.)
-local function drop_acked(s, ids, first, last)
+-- Delete ids[first..last] of queue q's stream s, entries acked for good (no stream readers
+-- keep them). XTRIM MINID below the oldest entry still pending or undelivered drops whole
+-- listpack nodes, where XDEL seeks and rewrites each entry (~1.4 µs a message more in
+-- Redis, AMQP 100 B). When the trim did not take exactly as many entries, some of these are
+-- above the oldest pending one (another consumer still holds it): deleted by id. So are
+-- they all while acked entries that former stream readers kept (k_queue_kept) may stand
+-- above it: the trim's count could match while some of these stay.
+local function drop_acked(q, s, ids, first, last)
   local floor = last_delivered(s)  -- later entries are undelivered
   local oldest = redis.call('XPENDING', s, GROUP)[2]
-  local dropped
-  if oldest and not id_less(floor, oldest) then
+  local dropped, pending = nil, oldest and not id_less(floor, oldest)
+  if pending then
     dropped = redis.call('XTRIM', s, 'MINID', oldest)
   else  -- nothing pending up to the last delivered entry: that one goes too
     dropped = redis.call('XTRIM', s, 'MINID', floor) + redis.call('XDEL', s, floor)
+  end
+  local kept = redis.call('GET', k_queue_kept(q))
+  if kept then
+    if pending and not id_less(kept, oldest) then
+      ids_call('XDEL', s, ids, first, last)
+      return
+    end
+    redis.call('DEL', k_queue_kept(q))  -- the trim took all the readers kept
   end
   if dropped ~= last - first + 1 then ids_call('XDEL', s, ids, first, last) end
 end
@@ -428,7 +436,7 @@ delete_queue = function(q)
   redis.call('DEL', k_queue_parts(q), k_queue_groups(q), k_queue_group_held(q),
     k_queue_last_values(q), k_queue_timed(q), k_queue_config(q), k_queue_stream(q), k_queue_stats(q), k_queue_subs(q),
     k_queue_flows(q), k_queue_lease(q), k_queue_readers(q), k_queue_sorted(q),
-    k_queue_members(q), k_queue_flow_held(q), k_queue_avoid(q))
+    k_queue_members(q), k_queue_flow_held(q), k_queue_avoid(q), k_queue_kept(q))
   redis.call('SREM', K_QUEUES, q)
   redis.call('SREM', K_READ_QUEUES, q)
   redis.call('SREM', K_EXPIRING_QUEUES, q)
@@ -1716,7 +1724,7 @@ local function ack_batch(q, s, a, first, n, bytes, sizes)
         end
       end
     else
-      drop_acked(s, a, first, last)
+      drop_acked(q, s, a, first, last)
     end
   end
   if acked > 0 then
@@ -1791,7 +1799,7 @@ register_always('gw_settle', function(_, a)
           -- a queue with stream readers (the Spark source) keeps settled entries until
           -- every reader passed them (gw_reap trims); otherwise they go at once
           if redis.call('EXISTS', k_queue_readers(q)) == 0 then
-            drop_acked(s, mine, 1, #mine)
+            drop_acked(q, s, mine, 1, #mine)
           end
           account(q, -#mine, -bytes)
           redis.call('HINCRBY', k_queue_stats(q), 'acked', #mine)
@@ -1922,10 +1930,18 @@ register_always('gw_reader_at', function(_, a)
 end)
 
 -- ARGV: queue, reader. Forgets the reader's place; returns 1 if it had one (0 if not).
+-- With the last one gone, the acked entries the readers kept go with later acks
+-- (k_queue_kept: up to the last delivered entry, see drop_acked).
 register_always('gw_forget_reader', function(_, a)
   local readers = k_queue_readers(a[1])
   local removed = redis.call('HDEL', readers, a[2])
-  if redis.call('HLEN', readers) == 0 then redis.call('SREM', K_READ_QUEUES, a[1]) end
+  if redis.call('HLEN', readers) == 0 then
+    redis.call('SREM', K_READ_QUEUES, a[1])
+    local s = k_queue_stream(a[1])
+    if removed == 1 and redis.call('EXISTS', s) == 1 then
+      redis.call('SET', k_queue_kept(a[1]), last_delivered(s))
+    end
+  end
   return removed
 end)
 
@@ -2199,8 +2215,10 @@ register_always('gw_queue_update', function(_, a)
   return 1
 end)
 
--- ARGV: queue, new partition count. Scaling partitions or switching between partitioned
--- and not is only allowed with egress disabled; every flow is unbound. Messages of
+-- ARGV: queue, new partition count, and the max_spool_bytes the same change sets, if it
+-- does (a last value queue ceasing to be one is partitioned then). Scaling partitions or
+-- switching between partitioned and not is only allowed with egress disabled; every flow
+-- is unbound. Messages of
 -- removed partitions (or of the old layout when switching kind) are deleted and counted.
 -- Returns {'ok', deleted messages} or {'noqueue'} / {'egress'}, or a refusal of what
 -- cannot be partitioned: {'exclusive'} / {'sorted'} / {'priority'} / {'grouped'} /
@@ -2218,7 +2236,7 @@ register_always('gw_repartition', function(_, a)
     if c[4] == '1' then return { 'priority' } end
     if c[5] and c[5] ~= '' then return { 'grouped' } end
     if c[6] == '1' then return { 'non_destructive' } end
-    if (c[8] and c[8] ~= '') or c[9] == '0' then return { 'lvq' } end
+    if (c[8] and c[8] ~= '') or (a[3] or c[9]) == '0' then return { 'lvq' } end
   end
   local old_n = tonumber(c[2]) or 0
   if old_n == new_n then return { 'ok', 0 } end

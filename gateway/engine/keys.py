@@ -33,6 +33,7 @@ TEMPLATES: dict[str, str] = {
     "queue_lease": f"{PREFIX}:q:{{{{q}}}}:lease",
     "queue_wake": f"{PREFIX}:wake:{{{{q}}}}",
     "queue_readers": f"{PREFIX}:q:{{{{q}}}}:readers",
+    "queue_kept": f"{PREFIX}:q:{{{{q}}}}:kept",
     "queue_parts": f"{PREFIX}:q:{{{{q}}}}:parts",
     "queue_groups": f"{PREFIX}:q:{{{{q}}}}:groups",
     "queue_last_values": f"{PREFIX}:q:{{{{q}}}}:lvq",
@@ -126,6 +127,12 @@ def queue_wake(q: str) -> str:
 
 def queue_readers(q: str) -> str:
     return _queue_key("queue_readers", q)
+
+
+def queue_kept(q: str) -> str:
+    """Once a queue's last stream reader went: the last delivered entry id then, up to
+    which acked entries the readers kept may still stand in the stream."""
+    return _queue_key("queue_kept", q)
 
 
 def queue_parts(q: str) -> str:
