@@ -515,7 +515,9 @@ class Broker:
         await self.queues.changed(queue, changes, repartition=True)  # all or nothing
         deleted = 0
         if "partition_count" in changes:
-            deleted = await self.queues.repartition(queue, changes.pop("partition_count"))
+            deleted = await self.queues.repartition(
+                queue, changes.pop("partition_count"), changes.get("max_spool_bytes")
+            )
         if changes:
             await self.queues.update(queue, changes)
         return deleted

@@ -73,6 +73,11 @@ async def test_a_partitioned_queue_is_never_a_last_value_queue(broker: Broker) -
     await broker.declare_queue(QueueConfig(name="p", partition_count=2))
     with pytest.raises(QueueError, match="last value queue"):
         await broker.update_queue("p", {"max_spool_bytes": 0})
+    # one change that ends a last value queue and partitions it is fine
+    await broker.declare_queue(QueueConfig(name="lv", max_spool_bytes=0, egress_enabled=False))
+    await broker.update_queue("lv", {"partition_count": 2, "max_spool_bytes": 1_000_000})
+    config = await broker.queues.config("lv")
+    assert (config.partition_count, config.max_spool_bytes) == (2, 1_000_000)
 
 
 async def test_a_full_lvq_still_takes_a_new_value_of_a_key_it_holds(broker: Broker) -> None:

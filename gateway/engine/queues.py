@@ -651,12 +651,16 @@ class QueueStore:
             dropped += await self._redis.fcall("gw_forget_reader", 0, queue, reader)
         return dropped
 
-    async def repartition(self, name: str, partition_count: int) -> int:
+    async def repartition(
+        self, name: str, partition_count: int, max_spool_bytes: int | None = None
+    ) -> int:
         """Change the partition count (0: not partitioned); egress must be disabled.
-        Every flow is unbound. Returns how many messages the removed partitions held."""
+        Every flow is unbound. Returns how many messages the removed partitions held.
+        `max_spool_bytes`: set by the same change (applied after: see gw_repartition)."""
         if not isinstance(partition_count, int) or not 0 <= partition_count <= 1024:
             raise QueueError("invalid", "partition_count must be an integer from 0 to 1024")
-        reply = await self._redis.fcall("gw_repartition", 0, name, partition_count)
+        spool = () if max_spool_bytes is None else (max_spool_bytes,)
+        reply = await self._redis.fcall("gw_repartition", 0, name, partition_count, *spool)
         status = reply[0].decode()
         if status == "noqueue":
             raise QueueError("not_found", f"queue {name!r} does not exist")
