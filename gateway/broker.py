@@ -560,7 +560,7 @@ class Broker:
             version = int(arg)
             self._spawn(self._until_answered("reloading the routes", self.router.reload, version))
         elif kind == "qdel":
-            self.dispatcher.close_queue_flows(arg, QUEUE_DELETED)
+            self._spawn(self.dispatcher.queue_deleted(arg))
         elif kind == "qcfg":
             self.dispatcher.wake_queue(arg)
         elif kind == "lease":

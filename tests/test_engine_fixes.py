@@ -247,3 +247,28 @@ async def test_small_fetches_woken_together_share_a_round(broker: Broker) -> Non
     """Flows with small windows (a shared group's members) fetch many to a round: a round
     per flow would cost the node a round's overhead for a few messages each."""
     assert await woken_together(broker, 9, window=8) <= 2
+
+
+async def test_a_late_deletion_event_spares_the_flows_of_the_queue_made_again(
+    broker: Broker,
+) -> None:
+    """A queue deleted and made again under its name (an MQTT clean start does so with its
+    session's queue) may have its new flows bound before the node hears of the deletion
+    (pub/sub is a connection of its own). That late event ends only the flows of the
+    deleted queue: the new consumer keeps its flow and gets its messages."""
+    await broker.declare_queue(QueueConfig(name="q"))
+    old_reasons: list[str] = []
+    await broker.bind("q", lambda d: None, on_closed=old_reasons.append)
+    await broker.delete_queue("q")
+    await wait_for(lambda: old_reasons == ["queue deleted"])
+    await broker.declare_queue(QueueConfig(name="q"))
+    got: list = []
+    reasons: list[str] = []
+    flow = await broker.bind("q", got.append, on_closed=reasons.append)
+    await broker.redis.publish(keys.events, "qdel q")  # the deletion's event, heard late
+    await asyncio.sleep(0.3)
+    assert reasons == [] and not flow.closed
+    assert await broker.publish(Message("q", b"kept", to_queue=True)) is Outcome.OK
+    await wait_for(lambda: len(got) == 1)
+    await broker.delete_queue("q")  # a deletion heard in time still ends it
+    await wait_for(lambda: reasons == ["queue deleted"])
