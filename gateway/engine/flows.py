@@ -349,15 +349,33 @@ class Dispatcher:
         flow.browse = browse
         if replay_ms > 0:
             flow.replay_since = int(time.time() * 1000) - replay_ms
-        delay = await self._register(flow)
+        try:
+            delay = await self._register(flow)
+        except (RedisConnectionError, RedisTimeoutError):
+            self._unbind_unknown(flow)  # the bind may have run, its reply lost
+            raise
         self.flows.setdefault(queue, []).append(flow)
         if flow.exclusive:
-            await self.check_lease(queue)
+            try:
+                await self.check_lease(queue)
+            except BaseException:  # the caller is told the bind failed: the flow goes too
+                flow.closed = True
+                self._forget(flow)
+                self._unbind_unknown(flow)
+                raise
         elif flow.partitioned:
             self.request_rebalance(queue, delay)
         else:
             self.wake(flow)
         return flow
+
+    def _unbind_unknown(self, flow: Flow) -> None:
+        """Unbind the flow's id in Redis without waiting: the caller does not know whether
+        it is bound there (a flow nobody owns would hold an exclusive queue's lease or
+        partitions, and messages, until the node stops). Unbinding an id not bound changes
+        nothing."""
+        self._unbinds.append((flow.queue, flow.id, None))
+        self._kick()
 
     def _flow_id(self, get: bool) -> str:
         """A new flow id, node.N; a get's flow is no consumer, and its id node.gN says so
@@ -1060,8 +1078,12 @@ class Dispatcher:
         log.warning("flow %s %s; rebinding", flow.id, why)
         flow.unacked.clear()
         flow.parts.clear()
-        flow.id = self._flow_id(flow.id.partition(".")[2].startswith("g"))
+        self._renew_id(flow)
         asyncio.get_running_loop().create_task(self._rebind(flow))
+
+    def _renew_id(self, flow: Flow) -> None:
+        """A new id of the same kind (a get's stays a get's)."""
+        flow.id = self._flow_id(flow.id.partition(".")[2].startswith("g"))
 
     async def _rebind(self, flow: Flow) -> None:
         while True:
@@ -1074,10 +1096,15 @@ class Dispatcher:
                 )
                 return
             except (RedisConnectionError, RedisTimeoutError) as exc:
+                log.warning("flow %s cannot bind again yet: %s", flow.id, exc)
+                self._unbind_unknown(flow)  # it may have run: the next try binds a new id
                 if flow.closed:
                     return
-                log.warning("flow %s cannot bind again yet: %s", flow.id, exc)
+                self._renew_id(flow)
                 await asyncio.sleep(REBIND_RETRY)
+        if flow.closed:  # closed meanwhile: its unbind may have run before this bind
+            self._unbind_unknown(flow)
+            return
         if flow.exclusive:
             await self.check_lease(flow.queue)
         elif flow.partitioned:

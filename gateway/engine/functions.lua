@@ -446,6 +446,17 @@ delete_queue = function(q)
   return 1
 end
 
+-- Whether node n counts as alive: its liveness key lives, or liveness cannot be judged now.
+-- When no node beat for longer than a TTL, Redis itself was out of touch (restarted: the
+-- keys expired meanwhile; refusing writes; unreachable) and every live node lost its key
+-- alike: each gets one TTL from the first beat after that to beat again (gw_node_up).
+local function node_alive(n)
+  if redis.call('EXISTS', k_node_alive(n)) == 1 then return true end
+  if redis.call('EXISTS', K_LIVENESS_GRACE) == 1 then return true end
+  local last = redis.call('HMGET', K_LIVENESS, 't', 'ttl')
+  return last[1] ~= false and now_ms() - tonumber(last[1]) > tonumber(last[2])
+end
+
 -- Forget a node: return its flows' messages, delete the temporary queues it owned.
 local function reap_node(n)
   local released = 0
@@ -468,7 +479,7 @@ end
 local function live_flows(q)
   local out = {}
   for _, flow in ipairs(redis.call('ZRANGE', k_queue_flows(q), 0, -1)) do
-    if redis.call('EXISTS', k_node_alive(node_of(flow))) == 1 then
+    if node_alive(node_of(flow)) then
       out[#out + 1] = flow
     else
       release_flow(q, flow, true)
@@ -1739,8 +1750,9 @@ end
 -- a release, a requeue, and the flow does not get the entries again), then groups of
 -- queue, flow, n, their total size, their sizes (n little-endian uint32s in one argument),
 -- then n entry ids. A flow that is no longer bound (released after its node was presumed
--- dead: its entries went back to the queue) settles nothing; entries already settled are
--- skipped. Returns the count settled.
+-- dead: its entries went back to the queue) settles nothing; entries it no longer holds
+-- (settled already: a settlement may be sent again after its reply was lost) are skipped.
+-- Returns the count settled.
 register_always('gw_settle', function(_, a)
   local mode = a[1]
   local pos, total = 2, 0
@@ -1771,8 +1783,9 @@ register_always('gw_settle', function(_, a)
           local e = redis.call('XRANGE', s, id, id)
           settled = #e > 0 and #redis.call('XPENDING', s, GROUP, id, id, 1, flow) == 1
           if settled then dead_letter(q, s, id, entry_blob(e[1][2]), 'rejected', true) end
-        else
-          settled = true
+        else  -- back to the queue, if the flow still holds it: a settlement sent again after
+          -- its reply was lost must not take the entry from a consumer that got it since
+          settled = #redis.call('XPENDING', s, GROUP, id, id, 1, flow) == 1
         end
         if settled then
           total = total + 1
@@ -1867,8 +1880,11 @@ register_always('gw_bind', function(_, a)
     prioritised and 1 or 0 }
 end)
 
--- ARGV: queue, flow. Unbinds a flow; its unacked messages go back for redelivery.
+-- ARGV: queue, flow. Unbinds a flow; its unacked messages go back for redelivery. A flow
+-- not bound (released already, or a bind whose reply was lost never ran) changes nothing:
+-- above all, it is no last consumer of an auto-delete queue.
 register_always('gw_unbind', function(_, a)
+  if not redis.call('ZSCORE', k_queue_flows(a[1]), a[2]) then return 0 end
   return release_flow(a[1], a[2])
 end)
 
@@ -1880,7 +1896,7 @@ register_always('gw_lease', function(_, a)
   local active = false
   local live = {}
   for _, flow in ipairs(redis.call('ZRANGE', k_queue_flows(q), 0, -1)) do
-    if active or redis.call('EXISTS', k_node_alive(node_of(flow))) == 1 then
+    if active or node_alive(node_of(flow)) then
       active = active or flow
       live[#live + 1] = flow
     else
@@ -1906,6 +1922,11 @@ end)
 
 -- ARGV: node, ttl_ms. Registers a node and its liveness key.
 register_always('gw_node_up', function(_, a)
+  local now, last = now_ms(), redis.call('HMGET', K_LIVENESS, 't', 'ttl')
+  if last[1] and now - tonumber(last[1]) > tonumber(last[2]) then  -- see node_alive
+    redis.call('SET', K_LIVENESS_GRACE, '1', 'PX', a[2])
+  end
+  redis.call('HSET', K_LIVENESS, 't', now, 'ttl', a[2])
   redis.call('SADD', K_NODES, a[1])
   redis.call('SET', k_node_alive(a[1]), '1', 'PX', a[2])
   return 1
@@ -1967,7 +1988,7 @@ register_always('gw_claim', function(k, a)
   redis.call('EXPIRE', k[1], CLAIMS_TTL)
   if before then
     local node = string.match(before, '^(%S+) ')
-    if node == a[1] or redis.call('EXISTS', k_node_alive(node)) == 0 then before = false end
+    if node == a[1] or not node_alive(node) then before = false end
   end
   return { claim, before or false }
 end)
@@ -2135,7 +2156,7 @@ end
 register_always('gw_reap', function(_, _)
   local released = 0
   for _, n in ipairs(redis.call('SMEMBERS', K_NODES)) do
-    if redis.call('EXISTS', k_node_alive(n)) == 0 then released = released + reap_node(n) end
+    if not node_alive(n) then released = released + reap_node(n) end
   end
   for _, q in ipairs(redis.call('SMEMBERS', K_READ_QUEUES)) do trim_read_queue(q) end
   local now = now_ms()

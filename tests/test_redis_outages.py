@@ -1,0 +1,162 @@
+"""Redis out of touch: commands it ran whose replies were lost with the connection (what
+the node does again, or undoes, takes nothing from other consumers and leaves nothing
+bound), and a restart longer than the nodes' liveness TTL (no live node is presumed dead)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from gateway.broker import Broker
+from gateway.engine import keys, library
+from gateway.engine.queues import QueueConfig
+from gateway.model import Delivery, Outcome
+from tests.redis_proxy import CuttingProxy
+from tests.test_engine import second_node, to_queue, wait_for  # noqa: F401
+
+
+async def test_a_requeue_sent_again_after_a_lost_reply_takes_nothing_from_another_consumer(
+    redis_server,
+    redis_url: str,
+    second_node: Broker,  # noqa: F811
+) -> None:
+    proxy = CuttingProxy(redis_server.port)
+    await proxy.start()
+    client = await library.connect(proxy.url)
+    node1 = Broker(client, heartbeat=0.2, node_ttl=1.0)
+    await node1.start()
+    try:
+        await node1.queues.create(QueueConfig(name="q"))
+        assert await node1.publish(to_queue("q", b"X")) is Outcome.OK
+        got_a: list[Delivery] = []
+        a = await node1.bind("q", got_a.append, window=10, credit=1)
+        await wait_for(lambda: len(got_a) == 1)
+        got_b: list[Delivery] = []
+        await second_node.bind("q", got_b.append, window=10)  # holds what it gets
+        # A gives X back; the connection breaks after Redis ran the requeue, before its
+        # reply reached node 1, which sends the requeue again on a new connection
+        proxy.cut_on = [b"gw_settle", b"requeue"]
+        a.requeue(got_a[0].entry_id)
+        await wait_for(lambda: proxy.cuts == 1)
+        await wait_for(lambda: len(got_b) >= 1, timeout=5)  # B took X and holds it
+        await asyncio.sleep(2.0)  # the node sends the requeue again meanwhile
+        r = redis.Redis.from_url(redis_url)
+        pending = r.xpending_range(keys.queue_stream("q"), "g", "-", "+", 10)
+        assert [d.message.payload for d in got_b] == [b"X"], (
+            f"X was delivered again while B held it unsettled: {len(got_b)} deliveries to B, "
+            f"counts {[d.delivery_count for d in got_b]}; pending {pending}"
+        )
+    finally:
+        await node1.stop()
+        await client.aclose()
+        await proxy.close()
+
+
+async def test_a_bind_whose_reply_was_lost_leaves_no_consumer_holding_an_exclusive_queue(
+    redis_server, redis_url: str
+) -> None:
+    proxy = CuttingProxy(redis_server.port)
+    await proxy.start()
+    client = await library.connect(proxy.url)
+    node1 = Broker(client, heartbeat=0.2, node_ttl=1.0)
+    await node1.start()
+    try:
+        await node1.queues.create(QueueConfig(name="ex", access_type="exclusive"))
+        assert await node1.publish(to_queue("ex", b"X")) is Outcome.OK
+        # the consumer's bind runs in Redis, its reply is lost with the connection: the
+        # consumer is told the bind failed (its AMQP attach is refused) and attaches again
+        proxy.cut_on = [b"gw_bind", b"ex"]
+        got: list[Delivery] = []
+        with pytest.raises(RedisConnectionError):
+            await node1.bind("ex", got.append, window=10)
+        assert proxy.cuts == 1
+        flow = await node1.bind("ex", got.append, window=10)
+        try:
+            await wait_for(lambda: len(got) == 1, timeout=4)
+        except AssertionError:
+            info = await node1.queues.info("ex")
+            raise AssertionError(
+                f"the stored message is never delivered: the consumer is a standby "
+                f"(active={flow.active}) behind a flow nobody owns; bound flows {info.flows}"
+            ) from None
+    finally:
+        await node1.stop()
+        await client.aclose()
+        await proxy.close()
+
+
+async def test_a_bind_whose_reply_was_lost_leaves_no_partition_to_nobody(
+    redis_server, redis_url: str
+) -> None:
+    proxy = CuttingProxy(redis_server.port)
+    await proxy.start()
+    client = await library.connect(proxy.url)
+    node1 = Broker(client, heartbeat=0.2, node_ttl=1.0)
+    await node1.start()
+    try:
+        await node1.queues.create(
+            QueueConfig(name="pq", partition_count=4, partition_rebalance_delay_ms=0)
+        )
+        for i in range(40):
+            msg = to_queue("pq", b"%d" % i, partition_key=f"k{i}")
+            assert await node1.publish(msg) is Outcome.OK
+        proxy.cut_on = [b"gw_bind", b"pq"]
+        got: list[Delivery] = []
+        with pytest.raises(RedisConnectionError):  # the consumer is told its bind failed
+            await node1.bind("pq", got.append, window=100)
+        assert proxy.cuts == 1
+        await node1.bind("pq", got.append, window=100)  # it binds again
+        try:
+            await wait_for(lambda: len(got) == 40, timeout=4)
+        except AssertionError:
+            raise AssertionError(
+                f"{40 - len(got)} of 40 stored messages never delivered: their partitions "
+                "went to a flow nobody owns"
+            ) from None
+    finally:
+        await node1.stop()
+        await client.aclose()
+        await proxy.close()
+
+
+async def test_a_redis_restart_deletes_no_live_nodes_temporary_queue(
+    redis_server,
+    broker: Broker,
+    second_node: Broker,  # noqa: F811
+) -> None:
+    temps = {}
+    for name, node in (("one", broker), ("two", second_node)):
+        q = await node.create_temporary_queue(owner="u")
+        assert await node.publish(to_queue(q, b"stored for " + name.encode())) is Outcome.OK
+        temps[name] = q
+    # Redis restarts; it was down a little longer than the node TTL (1 s here, 5 s by
+    # default: a restart replaying a large AOF, a failover)
+    redis_server.stop()
+    await asyncio.sleep(1.6)
+    await asyncio.to_thread(redis_server.start)
+    # both nodes beat again
+    before = (broker.liveness.reaped, second_node.liveness.reaped)
+    await asyncio.sleep(1.5)
+    missing = []
+    for name, q in temps.items():
+        if not await broker.queues.exists(q):
+            missing.append(name)
+    assert not missing, (
+        f"temporary queues of live node(s) {missing} were deleted with their stored "
+        f"message; reaped before/after: {before} -> "
+        f"{(broker.liveness.reaped, second_node.liveness.reaped)}"
+    )
+
+
+async def test_unbinding_a_flow_never_bound_keeps_an_auto_delete_queue(broker: Broker) -> None:
+    """A bind whose reply was lost is undone by an unbind, whether it ran or not: one that
+    did not run leaves an auto-delete queue nobody consumed from, with its messages, as it
+    was (RabbitMQ deletes one when its last consumer goes, not before it has any)."""
+    await broker.queues.create(QueueConfig(name="ad", auto_delete=True))
+    assert await broker.publish(to_queue("ad", b"kept")) is Outcome.OK
+    assert await broker.redis.fcall("gw_unbind", 0, "ad", f"{broker.node_id}.999") == 0
+    assert await broker.queues.exists("ad")
+    assert (await broker.queues.info("ad")).messages == 1
