@@ -420,3 +420,104 @@ async def test_a_ring_dmq_with_levels_or_partitions_drops_from_all(
     dmq = await broker.queues.info(DEAD_MESSAGE_QUEUE)
     assert origin.counters.get("dmq_failed", 0) == 0 and origin.counters["dead_lettered"] == 3
     assert (dmq.messages, dmq.counters.get("dropped", 0)) == (2, 1)
+
+
+async def test_a_grouped_dmq_keeps_dead_messages_groups(broker: Broker) -> None:
+    """A dead message queue with message groups (Qpid Broker-J's DLQ of a grouped queue): a
+    dead-lettered message keeps its group (JMSXGroupID / group-id), so one group never
+    reaches two of the DMQ's consumers at once."""
+    await broker.declare_queue(QueueConfig(name="dlq", message_groups="default"))
+    await broker.declare_queue(QueueConfig(name="q", dead_message_queue="dlq"))
+    for i in range(2):
+        await broker.publish(
+            Message(
+                destination="q",
+                to_queue=True,
+                payload=b"%d" % i,
+                partition_key="A",
+                dmq_eligible=True,
+            )
+        )
+    got: list[Delivery] = []
+    flow = await broker.bind("q", got.append)
+    await wait_for(lambda: len(got) == 2, timeout=5)
+    for d in got:
+        flow.reject(d.entry_id)
+    await flow.close()
+    deadline = asyncio.get_running_loop().time() + 5
+    while (await broker.queues.info("dlq")).messages < 2:
+        assert asyncio.get_running_loop().time() < deadline, "never dead-lettered"
+        await asyncio.sleep(0.05)
+    a: list[Delivery] = []
+    await broker.bind("dlq", a.append, window=1)
+    await wait_for(lambda: len(a) == 1, timeout=5)
+    assert a[0].message.partition_key == "A"
+    b: list[Delivery] = []
+    await broker.bind("dlq", b.append, window=1)
+    await asyncio.sleep(0.5)
+    assert b == [], "group A is a's while it holds one of its messages"
+
+
+@pytest.mark.parametrize("kind", ["plain", "priorities", "partitioned"])
+async def test_an_expired_message_is_never_delivered_by_a_queue_that_is_its_own_dmq(
+    broker: Broker, kind: str
+) -> None:
+    """A queue named as its own dead message queue discards what it would dead-letter; a
+    priority or partitioned one too (its levels and partitions dead-letter as it), not
+    putting the message back into itself, where an expired one is delivered after all."""
+    extra = {"priorities": {"priorities": True}, "partitioned": {"partition_count": 2}}
+    await broker.declare_queue(
+        QueueConfig(
+            name="q",
+            dead_message_queue="q",
+            respect_ttl=True,
+            dmq_eligible_default=True,
+            **extra.get(kind, {}),
+        )
+    )
+    now = int(time.time() * 1000)
+    await broker.publish(
+        Message(destination="q", to_queue=True, payload=b"expired", expiration=now - 1)
+    )
+    await broker.publish(Message(destination="q", to_queue=True, payload=b"fresh"))
+    got: list[Delivery] = []
+    await broker.bind("q", got.append)
+    await wait_for(lambda: len(got) >= 1, timeout=5)
+    await asyncio.sleep(0.5)
+    assert [d.message.payload for d in got] == [b"fresh"], [
+        (d.message.payload, d.message.annotations) for d in got
+    ]
+
+
+async def test_dmq_takes_a_dead_message_it_would_take_from_a_publisher(broker: Broker) -> None:
+    """A dead message queue's max_message_size limits the payload, as on the spool: not the
+    stored entry (payload and every header), which discarded as "DMQ full" a dead message
+    the DMQ takes from a publisher."""
+    LIMIT = 1000
+    await broker.declare_queue(QueueConfig(name="dmq", max_message_size=LIMIT))
+    await broker.declare_queue(
+        QueueConfig(name="q", dead_message_queue="dmq", max_message_size=LIMIT)
+    )
+    payload = b"x" * LIMIT
+    # the DMQ takes this very message from a publisher
+    assert (
+        await broker.publish(
+            Message(destination="dmq", to_queue=True, payload=payload, subject="s")
+        )
+        is Outcome.OK
+    )
+    assert (
+        await broker.publish(
+            Message(destination="q", to_queue=True, payload=payload, subject="s", dmq_eligible=True)
+        )
+        is Outcome.OK
+    )
+    got: list[Delivery] = []
+    flow = await broker.bind("q", got.append)
+    await wait_for(lambda: len(got) == 1, timeout=5)
+    flow.reject(got[0].entry_id)
+    await flow.close()
+    info = await broker.queues.info("q")
+    assert info.counters.get("rejected") == 1
+    assert info.counters.get("dmq_failed", 0) == 0, info.counters
+    assert (await broker.queues.info("dmq")).messages == 2

@@ -15,6 +15,8 @@ from proton import Message
 from proton.utils import BlockingConnection
 
 from gateway.broker import Broker, QueueConfig
+from gateway.model import Message as GatewayMessage
+from gateway.model import Outcome
 from protocols.amqp.listener import Listener as AmqpListener
 from protocols.mqtt.listener import Listener as MqttListener
 from protocols.mqtt.state import shared_queue_name
@@ -100,3 +102,25 @@ async def test_amqp_browser_sees_the_capped_ttl(broker: Broker, amqp: AmqpListen
             conn.close()
 
     assert 0 < await asyncio.to_thread(client) <= CAP_MS / 1000
+
+
+async def test_expired_messages_leave_a_queue_a_stream_reader_reads(broker: Broker) -> None:
+    """Messages nobody consumes expire on the heartbeat's sweep (README), on a queue a Spark
+    stream reader reads too (gw_reader_at, as gateway/spark/source.py registers it): they
+    stop counting toward its limits, where they had kept it full."""
+    await broker.declare_queue(QueueConfig(name="q", max_ttl_ms=200, max_messages=2))
+    await broker.redis.fcall("gw_reader_at", 0, "q", "spark-1", "0-0", 1)
+    for i in range(2):
+        assert (
+            await broker.publish(GatewayMessage(destination="q", to_queue=True, payload=b"%d" % i))
+            is Outcome.OK
+        )
+    deadline = time.monotonic() + 3
+    while (await broker.queues.info("q")).messages and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    info = await broker.queues.info("q")
+    assert info.messages == 0 and info.counters.get("expired") == 2, info.counters
+    assert (
+        await broker.publish(GatewayMessage(destination="q", to_queue=True, payload=b"room again"))
+        is Outcome.OK
+    )

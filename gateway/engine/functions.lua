@@ -580,40 +580,61 @@ rebalance = function(q, now)
   return changed
 end
 
--- DMQ eligibility: the publisher's flag when it set one (flag bit 16 says so, bit 2 is the
--- value; see gateway/model.py), else the queue's default.
--- Redis 7.0's cmsgpack cannot read msgpack bin values, so the flags and the priority (5th
--- and 6th elements: after version, payload bin, destination str, id str) are found by
--- skipping the first four. Returns flags, priority.
-local function message_flags(blob)
-  local pos = 1
-  local b = string.byte(blob, pos)
-  if not b then return 0, 4 end
-  if b >= 0x90 and b <= 0x9f then pos = pos + 1 elseif b == 0xdc then pos = pos + 3
-  elseif b == 0xdd then pos = pos + 5 else return 0, 4 end
-  local function be(at, n)  -- a big-endian length; 0 past the end (the next read fails)
-    local v = 0
-    for i = 0, n - 1 do v = v * 256 + (string.byte(blob, at + i) or 0) end
-    return v
-  end
-  for _ = 1, 4 do
-    b = string.byte(blob, pos)
-    if not b then return 0, 4 end
-    if b < 0x80 then pos = pos + 1  -- positive fixint (the version)
-    elseif b >= 0xa0 and b <= 0xbf then pos = pos + 1 + (b - 0xa0)  -- fixstr
-    elseif b == 0xc4 or b == 0xd9 then pos = pos + 2 + be(pos + 1, 1)
-    elseif b == 0xc5 or b == 0xda then pos = pos + 3 + be(pos + 1, 2)
-    elseif b == 0xc6 or b == 0xdb then pos = pos + 5 + be(pos + 1, 4)
-    else return 0, 4 end
-  end
-  b = string.byte(blob, pos)
-  local flags = (b and b < 0x80) and b or 0
-  local p = string.byte(blob, pos + 1)  -- the priority: a fixint, or nil (0xc0): default 4
-  return flags, (p and p < 10) and p or 4
+-- A message's blob is a msgpack array (see gateway/model.py); Redis 7.0's cmsgpack cannot
+-- read msgpack bin values (the payload), so the fields dead-lettering needs are found by
+-- skipping: version, payload bin, destination, id, flags, priority, partition key.
+
+-- A big-endian unsigned number of n bytes at `at`; 0 past the end (the next read fails).
+local function be(blob, at, n)
+  local v = 0
+  for i = 0, n - 1 do v = v * 256 + (string.byte(blob, at + i) or 0) end
+  return v
 end
 
+-- Where the msgpack value at `pos` ends (one past it), and where its data starts; nil for
+-- a kind a message's first fields never have, or past the end.
+local function msgpack_value(blob, pos)
+  local b = string.byte(blob, pos)
+  if not b then return nil end
+  if b < 0x80 or b >= 0xe0 or b == 0xc0 or b == 0xc2 or b == 0xc3 then return pos + 1, pos end
+  if b >= 0xa0 and b <= 0xbf then return pos + 1 + (b - 0xa0), pos + 1 end  -- fixstr
+  if b == 0xc4 or b == 0xd9 then return pos + 2 + be(blob, pos + 1, 1), pos + 2 end
+  if b == 0xc5 or b == 0xda then return pos + 3 + be(blob, pos + 1, 2), pos + 3 end
+  if b == 0xc6 or b == 0xdb then return pos + 5 + be(blob, pos + 1, 4), pos + 5 end
+  local width = ({ [0xcc] = 1, [0xd0] = 1, [0xcd] = 2, [0xd1] = 2, [0xce] = 4, [0xd2] = 4,
+    [0xca] = 4, [0xcf] = 8, [0xd3] = 8, [0xcb] = 8 })[b]
+  if width then return pos + 1 + width, pos + 1 end
+  return nil
+end
+
+-- Flags (bit 16: DMQ eligibility set, bit 2 its value), priority (default 4), the
+-- payload's size (what a queue's max_message_size limits: gw_spool's `size`) and the
+-- partition key (nil without one) of a message's blob.
+local function message_fields(blob)
+  local pos = 1
+  local b = string.byte(blob, pos)
+  if b and b >= 0x90 and b <= 0x9f then pos = pos + 1 elseif b == 0xdc then pos = pos + 3
+  elseif b == 0xdd then pos = pos + 5 else return 0, 4, #blob, nil end
+  local starts, data = {}, {}
+  for field = 1, 7 do
+    local after, at = msgpack_value(blob, pos)
+    if not after then break end
+    starts[field], data[field], pos = pos, at, after
+    starts[field + 1] = after
+  end
+  local flags = starts[5] and string.byte(blob, starts[5]) or 0
+  local priority = starts[6] and string.byte(blob, starts[6])
+  local payload = starts[3] and starts[3] - data[2] or #blob
+  local key = nil
+  local kb = starts[7] and string.byte(blob, starts[7])
+  if kb and kb ~= 0xc0 then key = string.sub(blob, data[7], starts[8] - 1) end
+  return flags < 0x80 and flags or 0, (priority and priority < 10) and priority or 4, payload,
+    key
+end
+
+-- DMQ eligibility: the publisher's flag when it set one, else the queue's default.
 local function dmq_eligible(blob, default)
-  local flags = message_flags(blob)
+  local flags = message_fields(blob)
   if bit.band(flags, 16) ~= 0 then return bit.band(flags, 2) ~= 0 end
   return default
 end
@@ -936,17 +957,18 @@ local function commit_drop(q)
   end
 end
 
--- Whether a dead message of `size` bytes finds no room in dead message queue `dmq`: shut
--- (ingress disabled), too large, or past its quota (a ring DMQ drops its oldest instead),
+-- Whether a dead message of `size` bytes stored (`payload` of them its payload, what
+-- max_message_size limits) finds no room in dead message queue `dmq`: shut (ingress
+-- disabled), too large, or past its quota (a ring DMQ drops its oldest instead),
 -- the broker's or its VPN's.
-local function dmq_full(dmq, size)
+local function dmq_full(dmq, size, payload)
   local families, by_name = {}, {}
   local function target(name)  -- a ring DMQ with partitions or levels drops from them all
     by_name[name] = by_name[name] or spool_target(name, families)
     return by_name[name]
   end
   local t = target(dmq)
-  if t.missing or not t.ingress or (t.maxsize > 0 and size > t.maxsize) then return true end
+  if t.missing or not t.ingress or (t.maxsize > 0 and payload > t.maxsize) then return true end
   local freed = 0
   if over_quota(t, size) then
     if t.overflow ~= 'ring' or not plan_drop(t, size, target) then return true end
@@ -983,10 +1005,12 @@ local function dead_letter(q, s, id, blob, reason, to_dmq)
   account(q, -1, -#blob)
   redis.call('HINCRBY', st, reason, 1)
   local dmq = c[1]
-  if to_dmq and dmq and dmq ~= q and dmq_eligible(blob, c[2] == '1')
+  -- a partition or priority level dead-letters as its queue: never into that queue itself
+  local origin = redis.call('HGET', k_queue_config(q), 'parent') or q
+  if to_dmq and dmq and dmq ~= origin and dmq_eligible(blob, c[2] == '1')
       and redis.call('EXISTS', k_queue_config(dmq)) == 1 then
-    local origin = redis.call('HGET', k_queue_config(q), 'parent') or q
-    local d = redis.call('HMGET', k_queue_config(dmq), 'partition_count', 'priorities')
+    local d = redis.call('HMGET', k_queue_config(dmq), 'partition_count', 'priorities',
+      'message_groups')
     local np = tonumber(d[1]) or 0
     if np > 0 then  -- by the key's hash, like the spool; partition 0 without a key
       local index = 0
@@ -995,13 +1019,12 @@ local function dead_letter(q, s, id, blob, reason, to_dmq)
         index = ((tonumber(hi) % np) * (4294967296 % np) + tonumber(lo) % np) % np
       end
       dmq = partition_queue(dmq, index)
-    elseif d[2] == '1' then
-      local _, priority = message_flags(blob)
-      dmq = priority_queue(dmq, priority)
     end
+    local _, priority, payload, key = message_fields(blob)
+    if np == 0 and d[2] == '1' then dmq = priority_queue(dmq, priority) end
     -- a sorted dead message queue sorts by the key the entry kept if it sorts by the same
     -- property as its origin; else the message counts as one without the key
-    if dmq_full(dmq, #blob) then
+    if dmq_full(dmq, #blob, payload) then
       redis.call('HINCRBY', st, 'discarded', 1)
       redis.call('HINCRBY', st, 'dmq_failed', 1)
       return
@@ -1012,6 +1035,15 @@ local function dead_letter(q, s, id, blob, reason, to_dmq)
     if sk then
       add[#add + 1] = 'sk'
       add[#add + 1] = sk
+    end
+    -- its message group in a dead message queue with groups (as entry_args stores it)
+    if key and d[3] and d[3] ~= '' then
+      add[#add + 1] = 'k'
+      add[#add + 1] = key
+    end
+    if kh then
+      add[#add + 1] = 'kh'
+      add[#add + 1] = kh
     end
     -- the dead message queue's own max_ttl_ms applies from now (the message's expiry,
     -- passed or not, stays behind: a message expired to the DMQ is kept there)
@@ -2142,12 +2174,24 @@ local function expire_waiting(q, now)
       end
     end
   end
-  -- never delivered: unless stream readers keep entries (dead_letter would leave it for
-  -- a fetch), then their turn comes once a fetch returns them
-  if redis.call('EXISTS', k_queue_readers(q)) == 1 then return end
+  -- never delivered. While stream readers keep entries, dead_letter leaves them in the
+  -- stream, where a fetch would still find them: the group first takes the leading run of
+  -- expired ones (in the returned consumer, settled at once); a later one waits its turn
   local start = '(' .. last_delivered(s)
-  for _, e in ipairs(redis.call('XRANGE', s, start, '+', 'COUNT', EXPIRE_SCAN)) do
-    expire(e[1], e[2])
+  local waiting = redis.call('XRANGE', s, start, '+', 'COUNT', EXPIRE_SCAN)
+  local last = #waiting
+  if redis.call('EXISTS', k_queue_readers(q)) == 1 then
+    last = 0
+    for _, e in ipairs(waiting) do
+      local x = tonumber(entry_field(e[2], 'x'))
+      if not (x and x <= now) then break end
+      last = last + 1
+    end
+    if last == 0 then return end
+    redis.call('XREADGROUP', 'GROUP', GROUP, RETURNED, 'COUNT', last, 'STREAMS', s, '>')
+  end
+  for i = 1, last do
+    expire(waiting[i][1], waiting[i][2])
   end
 end
 

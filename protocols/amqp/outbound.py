@@ -285,9 +285,13 @@ class Outbound(Endpoint):
         self.fail("amqp:resource-deleted", reason)
 
     def _on_deliver(self, delivery: GatewayDelivery) -> None:
-        if not self.live or self.flow is None:
-            return  # unsettled in the flow: redelivered once the flow closes
         flow = self.flow
+        if flow is None:
+            return  # unsettled in the flow: redelivered once the flow closes
+        if not self.live:  # the link is going: given back uncounted, never sent, and no
+            flow.set_credit(0)  # more fetched until the flow closes
+            flow.release(delivery.entry_id)
+            return
         try:
             body = self._encode(delivery)
         except Exception:  # left unsettled it would come back on every close: reject it

@@ -831,6 +831,17 @@ class Session:
         if self._gate:
             self._gate = [waiting for waiting in self._gate if waiting[1] != queue]
 
+    async def _close_flow(self, queue: str, flow: Flow) -> None:
+        """Close the flow; its deliveries waiting for room (or at the gate) are released
+        first, so its queue has them back with the delivery uncounted (the unbind would
+        count it: max_redelivery, DUP): no client saw them. The close follows at once, so
+        the flow does not fetch them again meanwhile."""
+        for _, held_queue, entry_id, *_ in [*self._held_out, *(self._gate or ())]:
+            if held_queue == queue and entry_id is not None:
+                flow.release(entry_id)
+        self._drop_held(queue)
+        await flow.close()
+
     def _send_held_out(self) -> None:
         while self._held_out and self._room() and not self.closing:
             self._transmit(*self._held_out.popleft())
@@ -848,8 +859,10 @@ class Session:
         expiry = None
         if msg.expiration is not None:
             expiry = mapping.remaining_expiry(msg, mapping.now_ms())
-            if expiry == 0:
-                self._settle(queue, entry_id)
+            if expiry == 0:  # expired while it waited: its queue expires it (DMQ, counters)
+                flow = self._flows.get(queue) if queue is not None else None
+                if flow is not None and entry_id is not None:
+                    flow.release(entry_id)
                 return
         resent = False
         if not qos:
@@ -1271,10 +1284,11 @@ class Session:
         assert group is not None
         queue = shared_queue_name(*group)
         if self._shared.pop(queue, None) is not None:
-            self._drop_held(queue)
             flow = self._flows.pop(queue, None)
             if flow is not None:
-                await flow.close()
+                await self._close_flow(queue, flow)
+            else:
+                self._drop_held(queue)
         await self.registry.leave_shared(queue, self.client_id)
 
     # -- DISCONNECT and teardown -----------------------------------------------------------
@@ -1336,9 +1350,9 @@ class Session:
                 self.broker.unsubscribe_direct(token)
             self._direct.clear()
             await self._keep_in_flight()
-            flows, self._flows = list(self._flows.values()), {}
-            for flow in flows:
-                await flow.close()
+            flows, self._flows = self._flows, {}
+            for queue, flow in flows.items():
+                await self._close_flow(queue, flow)
             if self.state is not None:
                 await self.registry.detach(self)
         except StoreError as exc:  # what Redis did not take stays until a clean start ends it
