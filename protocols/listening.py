@@ -13,6 +13,12 @@ from gateway.broker import StoreError
 
 log = logging.getLogger(__name__)
 
+# A TLS client has as long for its handshake as a plain one for the protocol's opening (a
+# socket that never starts one was held for asyncio's 60 s), and a TLS connection the
+# gateway closes waits as long as a plain one's unsent bytes for the client's close_notify
+# (asyncio's 30 s kept a dead MQTT client's connection, delaying its will and takeover).
+TLS_TIMEOUTS = {"ssl_handshake_timeout": 10.0, "ssl_shutdown_timeout": 1.0}
+
 # ready-line key -> (protocol factory, port, TLS context or None)
 Plan = dict[str, tuple[Callable[[], asyncio.BaseProtocol], int, ssl.SSLContext | None]]
 
@@ -49,7 +55,10 @@ class Listener:
         loop = asyncio.get_running_loop()
         servers = {}
         for key, (factory, port, context) in plan.items():
-            servers[key] = server = await loop.create_server(factory, host, port, ssl=context)
+            tls = {} if context is None else TLS_TIMEOUTS
+            servers[key] = server = await loop.create_server(
+                factory, host, port, ssl=context, **tls
+            )
             log.info("%s listening on %s:%d", key, host, server.sockets[0].getsockname()[1])
         return cls(name, servers, registry)
 

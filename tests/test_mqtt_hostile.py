@@ -852,11 +852,18 @@ async def test_websocket_bad_frames(
     await assert_serving(gw.port)
 
 
-async def test_websocket_oversized_frame_header(gw: Listener) -> None:
-    """A frame header announcing 2**40 bytes is refused with 1009 before any body."""
+async def test_websocket_huge_frame_headers(gw: Listener) -> None:
+    """A frame announcing 2**40 bytes is a byte stream like any other (MQTT §6): its
+    packets count as they arrive, each within the packet limit. A length with the most
+    significant bit set is refused with 1002 (RFC 6455 §5.2)."""
     peer = await WsPeer.open(gw)
-    peer.writer.write(b"\x82\xff" + struct.pack("!Q", 1 << 40) + b"\x00\x00\x00\x00")
-    assert await peer.until_eof() == [ws_close(1009)]
+    mask = b"\x00\x00\x00\x00"
+    peer.writer.write(b"\x82\xff" + struct.pack("!Q", 1 << 40) + mask + connect(4, "ws-huge"))
+    assert await peer.packet() == b"\x20\x02\x00\x00"
+    peer.abort()
+    peer = await WsPeer.open(gw)
+    peer.writer.write(b"\x82\xff" + struct.pack("!Q", 1 << 63) + mask)
+    assert await peer.until_eof() == [ws_close(1002)]
     peer.abort()
     await assert_serving(gw.port)
 

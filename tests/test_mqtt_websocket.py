@@ -20,11 +20,13 @@ import paho.mqtt.client as paho
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
-from gateway.broker import Broker
+from gateway.broker import Broker, QueueConfig
 from gateway.config import Settings
 from protocols.mqtt import websocket
+from protocols.mqtt.codec import encode_publish
 from protocols.mqtt.listener import Listener, start
 from protocols.mqtt.websocket import BINARY, CLOSE, CONTINUATION, PING, PONG, TEXT, accept_key
+from tests.test_engine import wait_for
 
 TIMEOUT = 10.0
 CONNECT = bytes.fromhex("100c00044d5154540402003c0000")  # MQTT 3.1.1 CONNECT, empty id
@@ -256,3 +258,48 @@ async def test_silent_socket_is_dropped(mqtt: Listener, monkeypatch: pytest.Monk
     assert await asyncio.wait_for(reader.read(), TIMEOUT) == b""
     writer.close()
     await writer.wait_closed()
+
+
+async def test_mqtt_is_chosen_when_offered_after_another(mqtt: Listener) -> None:
+    """MQTT-6.0.0-4: the subprotocol the server selects is "mqtt"; some 3.1 client libraries
+    offer the legacy name first."""
+    client, head = await RawClient.upgrade(mqtt, protocol="mqttv3.1, mqtt")
+    assert head.startswith(b"HTTP/1.1 101 ")
+    assert b"Sec-WebSocket-Protocol: mqtt\r\n" in head
+    await client.close()
+
+
+async def test_a_frame_may_carry_packets_larger_than_one_together(
+    broker: Broker, mqtt: Listener
+) -> None:
+    """MQTT §6: one data frame may hold several MQTT packets. Two PUBLISHes of 1.5 MiB each,
+    each within the packet limit, in one frame of 3 MiB: both are stored."""
+    await broker.declare_queue(QueueConfig(name="wsbig"), [("ws/big", "mqtt")])
+    client, _ = await RawClient.upgrade(mqtt)
+    client.send(BINARY, CONNECT)
+    assert await client.receive() == (BINARY, CONNACK)
+    publish = encode_publish("ws/big", b"p" * (3 * 512 * 1024))
+    client.send(BINARY, publish + publish)
+    await wait_for(lambda: broker.spooler.messages >= 2, timeout=TIMEOUT)
+    assert (await broker.queues.info("wsbig")).messages == 2
+    await client.close()
+
+
+async def test_a_refused_frame_is_told_before_the_socket_closes(mqtt: Listener) -> None:
+    """A client that breaks the protocol gets the close frame saying why (RFC 6455 §7.4.1)
+    even while more of its bytes arrive: closing the socket with them unread would reset
+    the connection, and the reset overtakes the close frame."""
+    client, _ = await RawClient.upgrade(mqtt)
+    client.send(BINARY, CONNECT)
+    assert await client.receive() == (BINARY, CONNACK)
+    client.writer.write(bytes([0x80 | TEXT, 0x80 | 127]) + struct.pack("!Q", 1 << 20) + b"mask")
+    await client.writer.drain()  # refused at its header: the rest of it comes on
+    for _ in range(4):
+        await asyncio.sleep(0.1)
+        client.writer.write(b"x" * 65536)
+    try:
+        got: object = await client.receive()
+    except (ConnectionResetError, asyncio.IncompleteReadError) as exc:
+        got = exc
+    assert got == (CLOSE, struct.pack("!H", 1003))
+    client.writer.transport.abort()

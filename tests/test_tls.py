@@ -10,7 +10,9 @@ import asyncio
 import queue
 import shutil
 import socket
+import ssl
 import subprocess
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -181,3 +183,120 @@ async def test_plain_bytes_to_tls_port_close_only_that_connection(
     await asyncio.to_thread(garbage)
     payload = await asyncio.to_thread(paho_roundtrip, mqtt_tls, cert_pair[0], "tls/after")
     assert payload == b"over tls"
+
+
+def silent_for(port: int, limit: float) -> float:
+    """Connect, send nothing; seconds until the gateway closed the socket (or `limit`)."""
+    start = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=limit) as sock:
+        try:
+            while sock.recv(4096):
+                pass
+        except TimeoutError:
+            pass
+    return time.monotonic() - start
+
+
+async def test_a_silent_socket_on_a_tls_port_is_dropped_as_on_the_plain_port(
+    amqp_tls: int, mqtt_tls: int
+) -> None:
+    """README: "a client has 10 s for the protocol header and SASL"; the plain MQTT port
+    drops a socket that sends no CONNECT after 10 s. A TLS port gives a socket that never
+    starts its handshake as long, not asyncio's 60 s (idle sockets would pile up)."""
+    took = await asyncio.gather(
+        asyncio.to_thread(silent_for, amqp_tls, 14.0), asyncio.to_thread(silent_for, mqtt_tls, 14.0)
+    )
+    assert max(took) < 13.0, f"silent TLS sockets (amqps, mqtts) open for {took} s"
+
+
+def _client_ctx(ca: Path) -> ssl.SSLContext:
+    return ssl.create_default_context(cafile=str(ca))
+
+
+def _connect_ka1_with_will(client_id: bytes) -> bytes:
+    """MQTT 3.1.1 CONNECT, keep alive 1 s, will 'will/t' = 'bye' at QoS 1."""
+    body = b"\x00\x04MQTT\x04" + bytes([0x02 | 0x04 | 0x08]) + b"\x00\x01"
+    for part in (client_id, b"will/t", b"bye"):
+        body += len(part).to_bytes(2, "big") + part
+    return b"\x10" + bytes([len(body)]) + body
+
+
+def _stalled_tls_client(port: int, ca: Path, hold: float, client_id: bytes = b"ka") -> None:
+    """CONNECT over TLS, read the CONNACK, then go silent (a dead peer: nothing read, no TLS
+    close_notify answered) for `hold` seconds."""
+    raw = socket.create_connection(("127.0.0.1", port), timeout=8)
+    tls = _client_ctx(ca).wrap_socket(raw, server_hostname="localhost")
+    tls.sendall(_connect_ka1_with_will(client_id))
+    assert tls.recv(4) == b"\x20\x02\x00\x00"
+    time.sleep(hold)
+    raw.close()
+
+
+async def test_keep_alive_expiry_of_a_dead_tls_client_sends_the_will_promptly(
+    broker: Broker, mqtt_tls: int, cert_pair: tuple[Path, Path]
+) -> None:
+    """MQTT §3.1.2.10: after 1.5 x keep alive without a packet the server closes the
+    connection as if the network failed, and the will goes (§3.1.2.5). On the plain port
+    it goes ~1.5 s after the last packet; over TLS the close waits for the dead peer's
+    close_notify (asyncio's 30 s TLS shutdown timeout) before the connection counts as lost."""
+    await broker.declare_queue(QueueConfig(name="wills2"), [("will/t", "mqtt")])
+    peer = asyncio.create_task(asyncio.to_thread(_stalled_tls_client, mqtt_tls, cert_pair[0], 6.0))
+    try:
+        start = time.monotonic()
+        while time.monotonic() - start < 5.0:
+            if (await broker.queues.info("wills2")).messages:
+                break
+            await asyncio.sleep(0.1)
+        took = time.monotonic() - start
+        assert (await broker.queues.info("wills2")).messages == 1, (
+            f"no will {took:.1f} s after a keep alive of 1 s lapsed"
+        )
+    finally:
+        await peer
+
+
+def _connect_ka60(client_id: bytes) -> bytes:
+    body = b"\x00\x04MQTT\x04\x02\x00\x3c" + len(client_id).to_bytes(2, "big") + client_id
+    return b"\x10" + bytes([len(body)]) + body
+
+
+def _stalled_tls_client_ka60(port: int, ca: Path, hold: float, client_id: bytes) -> None:
+    raw = socket.create_connection(("127.0.0.1", port), timeout=8)
+    tls = _client_ctx(ca).wrap_socket(raw, server_hostname="localhost")
+    tls.sendall(_connect_ka60(client_id))
+    assert tls.recv(4) == b"\x20\x02\x00\x00"
+    time.sleep(hold)
+    raw.close()
+
+
+async def test_takeover_of_a_dead_tls_connection_is_prompt(
+    mqtt_tls: int, cert_pair: tuple[Path, Path]
+) -> None:
+    """MQTT §3.1.4-3: a CONNECT with a client id already connected makes the server
+    disconnect the existing client. Clients reconnect (with the same id) precisely when
+    the old connection is dead; over TLS the new CONNECT waits for the dead peer's
+    close_notify answer (asyncio's TLS shutdown), so it is not answered in time."""
+    peer = asyncio.create_task(
+        asyncio.to_thread(_stalled_tls_client_ka60, mqtt_tls, cert_pair[0], 5.0, b"tk")
+    )
+    await asyncio.sleep(0.5)
+
+    def second() -> float:
+        start = time.monotonic()
+        raw = socket.create_connection(("127.0.0.1", mqtt_tls), timeout=4)
+        tls = _client_ctx(cert_pair[0]).wrap_socket(raw, server_hostname="localhost")
+        tls.sendall(_connect_ka60(b"tk"))
+        try:
+            ack = tls.recv(4)
+        except TimeoutError:
+            ack = b""
+        took = time.monotonic() - start
+        tls.close()
+        assert ack[:1] == b"\x20", f"no CONNACK after {took:.1f} s"
+        return took
+
+    try:
+        took = await asyncio.to_thread(second)
+        assert took < 3.0, f"the takeover CONNACK took {took:.1f} s"
+    finally:
+        await peer

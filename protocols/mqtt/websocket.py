@@ -3,9 +3,10 @@
 `WebSocketConnection` is the asyncio protocol of the socket. After the upgrade it hands
 the MQTT connection a `FramedTransport`, so the MQTT code is the same for every listener:
 binary frame payloads (fragments too; MQTT is a byte stream, so they need no reassembly)
-go to its `data_received`, its writes go out as binary frames. Pings are answered, a
-valid close frame is answered; anything else a client must not send closes with 1002
-(1003 for text, 1007 for a close reason that is not UTF-8, 1009 for an oversized frame).
+go to its `data_received` as they arrive, a frame of any size (it may carry several MQTT
+packets, MQTT §6: the MQTT decoder caps each packet), and its writes go out as binary
+frames. Pings are answered, a valid close frame is answered; anything else a client must
+not send closes with 1002 (1003 for text, 1007 for a close reason that is not UTF-8).
 """
 
 from __future__ import annotations
@@ -17,19 +18,17 @@ import logging
 import struct
 from typing import cast
 
-from protocols.mqtt.session import MAX_PACKET_SIZE
-
 log = logging.getLogger(__name__)
 
 PATH = "/mqtt"
-SUBPROTOCOLS = ("mqtt", "mqttv3.1")
+SUBPROTOCOLS = ("mqtt", "mqttv3.1")  # in the server's order of choice (MQTT-6.0.0-4)
 GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
 MAX_REQUEST = 8192  # bytes of HTTP upgrade request
-MAX_FRAME = MAX_PACKET_SIZE + 16  # bytes of one frame's payload (the decoder caps packets)
+MAX_CONTROL = 125  # bytes of a control frame's payload (RFC 6455 §5.5)
 HANDSHAKE_TIMEOUT = 10.0  # seconds a new socket has to complete the upgrade request
 CLOSE_WAIT = 1.0  # seconds to wait for the client's close frame before closing the socket
 CONTINUATION, TEXT, BINARY, CLOSE, PING, PONG = 0x0, 0x1, 0x2, 0x8, 0x9, 0xA
-PROTOCOL_ERROR, UNSUPPORTED_DATA, INVALID_DATA, TOO_BIG = 1002, 1003, 1007, 1009
+PROTOCOL_ERROR, UNSUPPORTED_DATA, INVALID_DATA = 1002, 1003, 1007
 # Close codes a peer may send (RFC 6455 §7.4; 1012-1014 registered with IANA since).
 VALID_CLOSE_CODES = frozenset((1000, 1001, 1002, 1003, *range(1007, 1015), *range(3000, 5000)))
 
@@ -46,8 +45,10 @@ def frame(opcode: int, payload: bytes) -> bytes:
     return head + payload
 
 
-def unmask(data: bytes, key: bytes) -> bytes:
+def unmask(data: bytes, key: bytes, phase: int = 0) -> bytes:
+    """`data` unmasked with `key`, starting `phase` bytes into the frame's payload."""
     n = len(data)
+    key = key[phase % 4 :] + key[: phase % 4]
     pad = (key * (n // 4 + 1))[:n]
     return (int.from_bytes(data, "big") ^ int.from_bytes(pad, "big")).to_bytes(n, "big")
 
@@ -76,6 +77,7 @@ class FramedTransport:
     def __init__(self, socket: asyncio.Transport) -> None:
         self.socket = socket
         self.close_sent = False
+        self.failed = False  # the client broke the protocol: what it sends is not read
 
     def write(self, data: bytes) -> None:
         if not self.close_sent:
@@ -90,11 +92,14 @@ class FramedTransport:
             asyncio.get_running_loop().call_later(CLOSE_WAIT, self.socket.close)
 
     def fail(self, code: int) -> None:
-        """The client broke the protocol: say why and close at once."""
+        """The client broke the protocol: say why, read no more of it, and close after
+        CLOSE_WAIT. Closing at once, with its bytes unread, would reset the connection,
+        and the reset overtakes the close frame: the client would never learn why."""
+        self.failed = True
         if not self.close_sent:
             self.close_sent = True
             self.socket.write(frame(CLOSE, struct.pack("!H", code)))
-        self.socket.close()
+            asyncio.get_running_loop().call_later(CLOSE_WAIT, self.socket.close)
 
     def abort(self) -> None:
         self.socket.abort()
@@ -127,6 +132,10 @@ class WebSocketConnection(asyncio.Protocol):
         self.framed: FramedTransport | None = None  # set once upgraded
         self._buf = bytearray()
         self._in_message = False  # a fragmented binary message awaits continuations
+        # the data frame whose payload is arriving: bytes still to come, mask key, offset
+        self._remaining = 0
+        self._key = b""
+        self._phase = 0
         self._timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -139,10 +148,17 @@ class WebSocketConnection(asyncio.Protocol):
             self.socket.close()
 
     def data_received(self, data: bytes) -> None:
+        if self.framed is not None and self.framed.failed:
+            return
         self._buf += data
         if self.framed is None:
             self._handshake()
-        while self.framed is not None and not self.framed.socket.is_closing() and self._frame():
+        while (
+            self.framed is not None
+            and not self.framed.failed
+            and not self.framed.socket.is_closing()
+            and self._frame()
+        ):
             pass
 
     def eof_received(self) -> bool:
@@ -184,7 +200,7 @@ class WebSocketConnection(asyncio.Protocol):
             self._refuse(404, "Not Found")
             return
         offered = [p.strip() for p in headers.get("sec-websocket-protocol", "").split(",")]
-        chosen = next((p for p in offered if p in SUBPROTOCOLS), None)
+        chosen = next((p for p in SUBPROTOCOLS if p in offered), None)
         key = headers.get("sec-websocket-key")
         if (
             chosen is None
@@ -218,9 +234,12 @@ class WebSocketConnection(asyncio.Protocol):
     # -- frames ----------------------------------------------------------------------------
 
     def _frame(self) -> bool:
-        """Handle one complete frame from the buffer; False when it holds none."""
+        """Handle what the buffer holds of one frame: a data frame's payload as it arrives,
+        a control frame once whole. False when it holds nothing more to handle."""
         assert self.framed is not None
         buf = self._buf
+        if self._remaining:
+            return self._payload()
         if len(buf) < 2:
             return False
         fin, opcode = buf[0] & 0x80, buf[0] & 0x0F
@@ -234,25 +253,53 @@ class WebSocketConnection(asyncio.Protocol):
             if len(buf) < 10:
                 return False
             size, offset = struct.unpack_from("!Q", buf, 2)[0], 10
-        if not masked or buf[0] & 0x70:
+        if (
+            not masked
+            or buf[0] & 0x70
+            or size >> 63  # a 64-bit length's most significant bit must be 0
+            or (opcode >= CLOSE and (not fin or size > MAX_CONTROL))
+        ):
             self.framed.fail(PROTOCOL_ERROR)
             return False
-        if size > MAX_FRAME:
-            self.framed.fail(TOO_BIG)
+        if opcode == TEXT:
+            self.framed.fail(UNSUPPORTED_DATA)
             return False
+        if opcode < CLOSE:  # data: its payload goes on as it arrives
+            if opcode != (CONTINUATION if self._in_message else BINARY):
+                self.framed.fail(PROTOCOL_ERROR)  # an unknown opcode, or out of place
+                return False
+            if len(buf) < offset + 4:
+                return False
+            self._in_message = not fin
+            self._key, self._phase, self._remaining = bytes(buf[offset : offset + 4]), 0, size
+            del buf[: offset + 4]
+            return True
         if len(buf) < offset + 4 + size:
             return False
         key = bytes(buf[offset : offset + 4])
         payload = unmask(bytes(buf[offset + 4 : offset + 4 + size]), key)
         del buf[: offset + 4 + size]
-        self._dispatch(bool(fin), opcode, payload)
+        self._control(opcode, payload)
         return True
 
-    def _dispatch(self, fin: bool, opcode: int, payload: bytes) -> None:
+    def _payload(self) -> bool:
+        """Hand the MQTT connection what has arrived of the current data frame's payload."""
         assert self.framed is not None
-        if opcode >= CLOSE and (not fin or len(payload) > 125):
-            self.framed.fail(PROTOCOL_ERROR)
-        elif opcode == CLOSE:  # the client's answer, or its own close: we answer
+        buf = self._buf
+        take = min(len(buf), self._remaining)
+        if not take:
+            return False
+        data = unmask(bytes(buf[:take]), self._key, self._phase)
+        del buf[:take]
+        self._remaining -= take
+        self._phase += take
+        if not self.framed.close_sent:
+            self.inner.data_received(data)
+        return True
+
+    def _control(self, opcode: int, payload: bytes) -> None:
+        assert self.framed is not None
+        if opcode == CLOSE:  # the client's answer, or its own close: we answer
             error = close_frame_error(payload)
             if error is not None:
                 self.framed.fail(error)
@@ -261,13 +308,5 @@ class WebSocketConnection(asyncio.Protocol):
                 self.framed.socket.close()
         elif opcode == PING:
             self.framed.socket.write(frame(PONG, payload))
-        elif opcode == PONG:
-            pass
-        elif opcode == TEXT:
-            self.framed.fail(UNSUPPORTED_DATA)
-        elif opcode == (CONTINUATION if self._in_message else BINARY):
-            self._in_message = not fin
-            if payload and not self.framed.close_sent:
-                self.inner.data_received(payload)
-        else:  # an unknown opcode, or a continuation out of place
+        elif opcode != PONG:  # an unknown control opcode
             self.framed.fail(PROTOCOL_ERROR)
