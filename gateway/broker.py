@@ -84,6 +84,7 @@ from typing import Any, overload
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError as StoreError
 
+from gateway.config import ANONYMOUS
 from gateway.engine import keys
 from gateway.engine.clients import ClientStore, RetainedStore
 from gateway.engine.direct import DirectCallback, DirectRelay
@@ -124,7 +125,6 @@ __all__ = [
     "StoreError",
 ]
 
-ANONYMOUS = "anonymous"  # the user of clients that did not authenticate: never the operator
 REFRESH_RETRY_S = 1.0  # a routing table or direct-subscriber list Redis did not answer
 
 log = logging.getLogger(__name__)

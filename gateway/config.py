@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import hmac
 import os
+import ssl
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -16,6 +17,9 @@ from typing import Any
 from gateway.engine.spool_usage import vpn_name_error
 
 APPENDFSYNC = ("everysec", "always")
+
+
+ANONYMOUS = "anonymous"  # the user of clients that did not authenticate: never the operator
 
 
 class ConfigError(ValueError):
@@ -83,6 +87,13 @@ class Settings:
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():
                 raise ConfigError(f"{name}: {path} is not a file")
+        if self.tls_cert is not None and self.tls_key is not None:
+            tls_server_context(self.tls_cert, self.tls_key)
+        if any(user.name == ANONYMOUS for user in self.users):
+            raise ConfigError(
+                f"users: {ANONYMOUS!r} is who clients that do not authenticate are; "
+                "a user of that name would share their sessions and queues"
+            )
         if self.appendfsync not in APPENDFSYNC:
             raise ConfigError(f"appendfsync must be one of {', '.join(APPENDFSYNC)}")
         if self.redis_url is not None and not self.redis_url.startswith(
@@ -232,3 +243,23 @@ def load_settings(
             )
     settings.validate()
     return settings
+
+
+def tls_server_context(cert: str, key: str) -> ssl.SSLContext:
+    """The TLS server context of a certificate chain and its key, or a ConfigError saying
+    why not in one line (OpenSSL's own words alone name no setting, and an encrypted key
+    would prompt for a passphrase on the terminal: the gateway takes none)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(cert, key, password=_no_passphrase)
+    except (ssl.SSLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", None) or str(exc)
+        raise ConfigError(
+            f"tls_cert / tls_key: {cert} and {key} are not a PEM certificate chain and its "
+            f"unencrypted private key ({reason})"
+        ) from None
+    return context
+
+
+def _no_passphrase() -> bytes:
+    raise ValueError("the key is encrypted")

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import ssl
 
-from gateway.config import Settings
+from gateway.config import Settings, tls_server_context
 
 
 def tls_context(settings: Settings) -> ssl.SSLContext | None:
     """The context of settings.tls_cert / tls_key; None when they are not set."""
     if settings.tls_cert is None or settings.tls_key is None:
         return None
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.load_cert_chain(settings.tls_cert, settings.tls_key)
-    return context
+    return tls_server_context(settings.tls_cert, settings.tls_key)

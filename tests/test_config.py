@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from gateway.config import AclRule, ConfigError, Settings, User, load_settings
 from gateway.engine.queues import QueueConfig
+from tests.test_tls import make_cert
 
 # The example from ARCHITECTURE.md, section "Configuration and operation", verbatim.
 ARCHITECTURE_EXAMPLE = """\
@@ -330,3 +332,42 @@ def test_non_integer_toml_port_is_refused(tmp_path: Path, value: str) -> None:
     path = write(tmp_path, f"[server]\nmqtt_port = {value}\n")
     with pytest.raises(ConfigError, match="mqtt_port"):
         load_settings(env={}, config_path=path)
+
+
+def test_a_user_named_anonymous_is_refused(tmp_path: Path) -> None:
+    """Clients that do not authenticate are the user `anonymous` (README): a configured user
+    of that name would share their sessions and queues."""
+    path = tmp_path / "g.toml"
+    path.write_text('[[users]]\nname = "anonymous"\npassword = "pw"\n')
+    with pytest.raises(ConfigError, match="anonymous"):
+        load_settings(env={}, config_path=str(path))
+
+
+@pytest.mark.parametrize("case", ["not-pem", "mismatched-key", "encrypted-key"])
+def test_a_bad_certificate_or_key_is_one_clear_error(tmp_path: Path, case: str) -> None:
+    """A bad tls_cert / tls_key is refused at start as other bad settings are, naming them:
+    not after Redis, the admin API and the plain listeners started, in OpenSSL's words (an
+    encrypted key prompted for a passphrase on the terminal)."""
+    cert, key = make_cert(tmp_path)
+    if case == "not-pem":
+        cert = tmp_path / "garbage.pem"
+        cert.write_text("not a certificate\n")
+    elif case == "mismatched-key":
+        (tmp_path / "other").mkdir()
+        _, key = make_cert(tmp_path / "other")
+    else:
+        key = tmp_path / "enc.key"
+        subprocess.run(
+            ["openssl", "genrsa", "-aes256", "-passout", "pass:pw", "-out", str(key), "2048"],
+            check=True, capture_output=True, timeout=60,
+        )  # fmt: skip
+        cert = tmp_path / "enc.pem"
+        subprocess.run(
+            ["openssl", "req", "-x509", "-key", str(key), "-passin", "pass:pw", "-days", "2",
+             "-out", str(cert), "-subj", "/CN=localhost"],
+            check=True, capture_output=True, timeout=60,
+        )  # fmt: skip
+    env = {"GATEWAY_TLS_CERT": str(cert), "GATEWAY_TLS_KEY": str(key)}
+    with pytest.raises(ConfigError, match="tls_cert / tls_key") as err:
+        load_settings(env=env)
+    assert "\n" not in str(err.value)
