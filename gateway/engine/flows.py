@@ -1078,12 +1078,8 @@ class Dispatcher:
         log.warning("flow %s %s; rebinding", flow.id, why)
         flow.unacked.clear()
         flow.parts.clear()
-        self._renew_id(flow)
-        asyncio.get_running_loop().create_task(self._rebind(flow))
-
-    def _renew_id(self, flow: Flow) -> None:
-        """A new id of the same kind (a get's stays a get's)."""
         flow.id = self._flow_id(flow.id.partition(".")[2].startswith("g"))
+        asyncio.get_running_loop().create_task(self._rebind(flow))
 
     async def _rebind(self, flow: Flow) -> None:
         while True:
@@ -1096,12 +1092,11 @@ class Dispatcher:
                 )
                 return
             except (RedisConnectionError, RedisTimeoutError) as exc:
-                log.warning("flow %s cannot bind again yet: %s", flow.id, exc)
-                self._unbind_unknown(flow)  # it may have run: the next try binds a new id
-                if flow.closed:
+                if flow.closed:  # a bind of its id may have run, its reply lost
+                    self._unbind_unknown(flow)
                     return
-                self._renew_id(flow)
-                await asyncio.sleep(REBIND_RETRY)
+                log.warning("flow %s cannot bind again yet: %s", flow.id, exc)
+                await asyncio.sleep(REBIND_RETRY)  # the same id: binding it twice is once
         if flow.closed:  # closed meanwhile: its unbind may have run before this bind
             self._unbind_unknown(flow)
             return
