@@ -1,6 +1,8 @@
 """A TCP proxy in front of Redis that can cut a connection right after forwarding a command
 whose bytes contain a marker, before its reply reaches the client: a command that ran in
-Redis whose answer was lost with the connection (real sockets, real Redis)."""
+Redis whose answer was lost with the connection; or hold back the replies of the
+connection that sent such a command for a while: a slow answer, while the client's other
+connections go on (real sockets, real Redis)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ class CuttingProxy:
         self.server: asyncio.base_events.Server | None = None
         self.port = 0
         self.cut_on: list[bytes] | None = None  # all of these in one chunk: cut after it
+        self.delay_on: bytes | None = None  # in a chunk: that connection's replies wait
+        self.delay = 0.0  # seconds
         self.cuts = 0
         self._tasks: set[asyncio.Task] = set()
         self._writers: list[asyncio.StreamWriter] = []
@@ -38,7 +42,8 @@ class CuttingProxy:
     async def _client(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
         ur, uw = await asyncio.open_connection("127.0.0.1", self.upstream_port)
         self._writers += [cw, uw]
-        state = {"blackhole": False}
+        state = {"blackhole": False, "held_until": 0.0}
+        loop = asyncio.get_running_loop()
 
         async def up() -> None:
             try:
@@ -54,6 +59,9 @@ class CuttingProxy:
                         cw.transport.abort()
                         uw.transport.abort()
                         return
+                    if self.delay_on and self.delay_on in data:
+                        self.delay_on = None
+                        state["held_until"] = loop.time() + self.delay
                     uw.write(data)
                     await uw.drain()
             except (ConnectionError, OSError):
@@ -67,6 +75,9 @@ class CuttingProxy:
                 while data := await ur.read(65536):
                     if state["blackhole"]:
                         continue
+                    held = state["held_until"] - loop.time()
+                    if held > 0:
+                        await asyncio.sleep(held)
                     cw.write(data)
                     await cw.drain()
             except (ConnectionError, OSError):

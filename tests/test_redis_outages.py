@@ -160,3 +160,46 @@ async def test_unbinding_a_flow_never_bound_keeps_an_auto_delete_queue(broker: B
     assert await broker.redis.fcall("gw_unbind", 0, "ad", f"{broker.node_id}.999") == 0
     assert await broker.queues.exists("ad")
     assert (await broker.queues.info("ad")).messages == 1
+
+
+@pytest.mark.parametrize("kind", ["partitioned", "exclusive"])
+async def test_a_flow_bound_while_an_older_answer_comes_is_not_taken_for_lost(
+    redis_server, kind: str
+) -> None:
+    """A read of a queue's flows (the partition map, the exclusive lease) whose answer comes
+    after a flow bound meanwhile does not know that flow: it is no sign the flow was
+    released. Taking it so rebound the flow under a new id and left the first id bound with
+    nobody owning it, holding partitions (or the lease) and their messages."""
+    proxy = CuttingProxy(redis_server.port)
+    await proxy.start()
+    client = await library.connect(proxy.url)
+    node = Broker(client, heartbeat=0.2, node_ttl=1.0)
+    await node.start()
+    try:
+        options = {"partitioned": {"partition_count": 2}, "exclusive": {"access_type": "exclusive"}}
+        await node.queues.create(QueueConfig(name=kind, **options[kind]))
+        proxy.delay_on, proxy.delay = (
+            b"gw_partitions" if kind == "partitioned" else b"gw_lease",
+            0.5,
+        )
+        read = asyncio.ensure_future(
+            node.dispatcher.refresh_partitions(kind)
+            if kind == "partitioned"
+            else node.dispatcher.check_lease(kind)
+        )
+        await asyncio.sleep(0.1)  # the read ran in Redis; its answer is on its way
+        got: list[Delivery] = []
+        flow = await node.bind(kind, got.append, window=100)
+        first_id = flow.id
+        await read
+        for i in range(10):
+            assert (
+                await node.publish(to_queue(kind, b"%d" % i, partition_key=f"k{i}")) is Outcome.OK
+            )
+        await wait_for(lambda: len(got) == 10, timeout=5)
+        assert flow.id == first_id
+        assert (await node.queues.info(kind)).flows == [first_id]
+    finally:
+        await node.stop()
+        await client.aclose()
+        await proxy.close()

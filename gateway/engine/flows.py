@@ -124,6 +124,7 @@ class Flow:
         "parts",
         "prioritised",
         "queue",
+        "registered",
         "replay_since",
         "selector",
         "turns",
@@ -151,6 +152,7 @@ class Flow:
         self.parts: dict[int, str] = {}  # partition index -> fence, while this flow owns it
         self.idle: set[int] = set()  # owned partitions found empty since the last wake-up
         self.wakes = 0  # wake-ups so far: a fetch sent before the last one finds no idleness
+        self.registered = 0  # when its bind was last answered (Dispatcher._registrations)
         self.turns = 0  # fetches of its partitions so far: which partition goes first
         self.window = window
         self.credit = credit
@@ -287,6 +289,9 @@ class Dispatcher:
         self._calls = OrderedCalls(redis)
         self.node_id = node_id
         self._ids = itertools.count(1)
+        # binds answered so far: a read of a queue's flows sent before a flow's bind was
+        # answered may not have it (see Flow.registered)
+        self._registrations = 0
         self.flows: dict[str, list[Flow]] = {}
         self._want: dict[Flow, None] = {}
         self._fetching: set[Flow] = set()  # a fetch (or selection) of theirs is in flight
@@ -395,6 +400,8 @@ class Dispatcher:
         flow.partitioned = int(reply[3]) > 0
         flow.prioritised = reply[6] == 1
         flow.active = not (flow.exclusive or flow.partitioned)
+        self._registrations += 1
+        flow.registered = self._registrations
         return int(reply[4]) / 1000
 
     async def unbind(self, flow: Flow) -> None:
@@ -526,12 +533,14 @@ class Dispatcher:
     # -- exclusive queues ------------------------------------------------------------------
 
     async def check_lease(self, queue: str) -> None:
-        """Ask Redis who holds an exclusive queue; promote or demote local flows."""
+        """Ask Redis who holds an exclusive queue; promote or demote local flows (not one
+        bound after the question went: the answer may not know it)."""
+        seen = self._registrations
         fence, holder, *bound = await self._redis.fcall("gw_lease", 0, queue)
         holder = holder.decode()
         bound_ids = {f.decode() for f in bound}
         for flow in list(self.flows.get(queue, ())):
-            if not flow.exclusive:
+            if not flow.exclusive or flow.registered > seen:
                 continue
             if flow.id not in bound_ids and not flow.closed:
                 self._lost(flow)  # a standby released while our node was presumed dead
@@ -572,11 +581,13 @@ class Dispatcher:
             self._kick()
 
     async def refresh_partitions(self, queue: str) -> None:
-        """Read a partitioned queue's map; give local flows the partitions they own now."""
+        """Read a partitioned queue's map; give local flows the partitions they own now (not
+        one bound after the read went: the map may not know it)."""
+        seen = self._registrations
         pmap = PartitionMap.from_reply(await self._redis.fcall("gw_partitions", 0, queue))
         bound = set(pmap.flows)
         for flow in list(self.flows.get(queue, ())):
-            if not flow.partitioned or flow.closed:
+            if not flow.partitioned or flow.closed or flow.registered > seen:
                 continue
             if flow.id not in bound:  # released while our node was presumed dead
                 self._lost(flow)
@@ -1069,13 +1080,15 @@ class Dispatcher:
         flow's id in Redis and unknown here: unbind that id (its messages go back to the
         queue, to be redelivered) and bind again under a new one."""
         if not flow.closed:
-            self._unbinds.append((flow.queue, flow.id, None))
             self._lost(flow, "lost a fetch's answer")
 
     def _lost(self, flow: Flow, why: str = "was released by another node") -> None:
         """Our node was presumed dead and the flow released: its messages went back to the
-        queue. Bind again under a new id, so late settlements of the old id are ignored."""
+        queue. Bind again under a new id, so late settlements of the old id are ignored.
+        The old id is unbound: a no-op when it was released, and should it still be bound
+        (a lost fetch's answer), nobody would own what it holds."""
         log.warning("flow %s %s; rebinding", flow.id, why)
+        self._unbind_unknown(flow)
         flow.unacked.clear()
         flow.parts.clear()
         flow.id = self._flow_id(flow.id.partition(".")[2].startswith("g"))
