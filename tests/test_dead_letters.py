@@ -21,6 +21,7 @@ from gateway.model import (
     Outcome,
     encode,
 )
+from protocols.amqp.sections import keep_bare
 from tests.test_engine import wait_for
 
 
@@ -521,3 +522,34 @@ async def test_dmq_takes_a_dead_message_it_would_take_from_a_publisher(broker: B
     assert info.counters.get("rejected") == 1
     assert info.counters.get("dmq_failed", 0) == 0, info.counters
     assert (await broker.queues.info("dmq")).messages == 2
+
+
+async def _reject_one(broker: Broker, msg: Message) -> None:
+    await broker.publish(msg)
+    got: list[Delivery] = []
+    flow = await broker.bind("q", got.append)
+    await wait_for(lambda: len(got) == 1, timeout=5)
+    flow.reject(got[0].entry_id)
+    await flow.close()
+
+
+async def test_dmq_max_message_size_limits_an_amqp_published_payload(broker: Broker) -> None:
+    """A message an AMQP publisher sent keeps its payload in its bare message (its payload
+    field empty): the DMQ's max_message_size still limits it, as the spool does."""
+    LIMIT = 100
+    await broker.declare_queue(QueueConfig(name="dmq", max_message_size=LIMIT))
+    await broker.declare_queue(QueueConfig(name="q", dead_message_queue="dmq"))
+    payload = b"x" * 5000
+    msg = Message(destination="q", to_queue=True, payload=payload, dmq_eligible=True)
+    keep_bare(msg, b"\x00\x53\x75\xb0" + len(payload).to_bytes(4, "big") + payload)
+    assert msg.payload_in_bare is not None
+    # a publisher cannot send it to the DMQ
+    direct = Message(destination="dmq", to_queue=True, payload=payload)
+    keep_bare(direct, msg.amqp_bare)
+    assert not (await broker.publish(direct)).accepted
+    await _reject_one(broker, msg)
+    info = await broker.queues.info("q")
+    dmq = await broker.queues.info("dmq")
+    assert info.counters.get("rejected") == 1
+    assert dmq.messages == 0, "the DMQ took a dead message over its max_message_size"
+    assert info.counters.get("dmq_failed") == 1, info.counters

@@ -19,7 +19,7 @@ from gateway.engine.spool_usage import (
     read_usage,
     stored_limits,
 )
-from gateway.model import Message, Outcome, encode
+from gateway.model import Delivery, Message, Outcome, encode
 from tests.test_engine import wait_for
 
 PAYLOAD = b"x" * 100
@@ -272,3 +272,31 @@ async def test_a_late_deletion_event_spares_the_flows_of_the_queue_made_again(
     await wait_for(lambda: len(got) == 1)
     await broker.delete_queue("q")  # a deletion heard in time still ends it
     await wait_for(lambda: reasons == ["queue deleted"])
+
+
+async def test_a_browser_of_a_deleted_queue_ends_even_if_the_name_is_made_again(
+    broker: Broker,
+) -> None:
+    """A browser attached to queue q (AMQP distribution-mode copy, or any consumer of a
+    non-destructive queue) browses that queue; q is deleted and a new queue q made (another
+    owner, other settings) before the node hears the deletion. Like every other flow of
+    the deleted queue, the browser ends (AMQP: detached, resource-deleted); it must not go
+    on reading the new queue."""
+    await broker.queues.create(QueueConfig(name="q"))
+    assert await broker.publish(Message("q", b"old", to_queue=True)) is Outcome.OK
+    got: list[Delivery] = []
+    closed: list[str] = []
+    await broker.bind("q", got.append, browse=True, on_closed=closed.append)
+    await wait_for(lambda: len(got) == 1, timeout=5)
+    # deleted and made again before the node handles the 'qdel' event
+    cfg = QueueConfig(name="q", owner="someone-else")
+    pipe = broker.redis.pipeline(transaction=True)
+    pipe.fcall("gw_queue_delete", 0, "q")
+    pipe.fcall("gw_queue_create", 0, "q", *cfg.to_redis())
+    await pipe.execute()
+    assert await broker.publish(Message("q", b"new queue's", to_queue=True)) is Outcome.OK
+    await asyncio.sleep(1.0)
+    assert closed, (
+        f"the browser of the deleted queue goes on browsing the new one: got "
+        f"{[d.message.payload for d in got]}"
+    )

@@ -44,7 +44,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from gateway.engine.keys import partition_queue, priority_queue, queue_config, queue_flows
+from gateway.engine.keys import partition_queue, priority_queue, queue_flows
 from gateway.engine.ordered_calls import OrderedCalls, broke, refused_for_now
 from gateway.engine.partitions import PartitionMap, split_window
 from gateway.engine.selection import matches
@@ -466,21 +466,19 @@ class Dispatcher:
     async def queue_deleted(self, queue: str) -> None:
         """The queue's deletion was announced: end its local flows. The news comes on a
         connection of its own, so the queue may have been made again under its name and
-        flows bound to it by then (an MQTT clean start): Redis has those registered (a
-        browser, registered nowhere, stays if the queue exists), and they stay."""
+        flows bound to it by then (an MQTT clean start): Redis has those registered, and
+        they stay. A browser is registered nowhere: it ends (one of the deleted queue must
+        not go on reading the new one, whose access it was never checked for)."""
         local = [flow for flow in self.flows.get(queue, ()) if not flow.closed]
         if not local:
             return
-        pipe = self._redis.pipeline(transaction=False)
-        pipe.zmscore(queue_flows(queue), [flow.id for flow in local])
-        pipe.exists(queue_config(queue))
         try:
-            registered, exists = await pipe.execute()
+            registered = await self._redis.zmscore(queue_flows(queue), [f.id for f in local])
         except RedisError as exc:  # as the event says, then
             log.warning("checking the flows of deleted queue %s failed: %s", queue, exc)
-            registered, exists = [None] * len(local), 0
+            registered = [None] * len(local)
         for flow, score in zip(local, registered, strict=True):
-            if score is None and not (flow.browse and exists) and not flow.closed:
+            if (score is None or flow.browse) and not flow.closed:
                 self._end_flow(flow, QUEUE_DELETED)
 
     def close_queue_flows(self, queue: str, reason: str) -> None:

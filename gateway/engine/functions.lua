@@ -446,15 +446,9 @@ delete_queue = function(q)
   return 1
 end
 
--- Whether node n counts as alive: its liveness key lives, or liveness cannot be judged now.
--- When no node beat for longer than a TTL, Redis itself was out of touch (restarted: the
--- keys expired meanwhile; refusing writes; unreachable) and every live node lost its key
--- alike: each gets one TTL from the first beat after that to beat again (gw_node_up).
+-- Whether node n counts as alive: its liveness key lives.
 local function node_alive(n)
-  if redis.call('EXISTS', k_node_alive(n)) == 1 then return true end
-  if redis.call('EXISTS', K_LIVENESS_GRACE) == 1 then return true end
-  local last = redis.call('HMGET', K_LIVENESS, 't', 'ttl')
-  return last[1] ~= false and now_ms() - tonumber(last[1]) > tonumber(last[2])
+  return redis.call('EXISTS', k_node_alive(n)) == 1
 end
 
 -- Forget a node: return its flows' messages, delete the temporary queues it owned.
@@ -624,7 +618,9 @@ local function message_fields(blob)
   end
   local flags = starts[5] and string.byte(blob, starts[5]) or 0
   local priority = starts[6] and string.byte(blob, starts[6])
-  local payload = starts[3] and starts[3] - data[2] or #blob
+  -- an AMQP message kept whole (payload_in_bare) has its payload in the bare message: the
+  -- blob's size stands in for it
+  local payload = starts[3] and starts[3] > data[2] and starts[3] - data[2] or #blob
   local key = nil
   local kb = starts[7] and string.byte(blob, starts[7])
   if kb and kb ~= 0xc0 then key = string.sub(blob, data[7], starts[8] - 1) end
@@ -1954,11 +1950,6 @@ end)
 
 -- ARGV: node, ttl_ms. Registers a node and its liveness key.
 register_always('gw_node_up', function(_, a)
-  local now, last = now_ms(), redis.call('HMGET', K_LIVENESS, 't', 'ttl')
-  if last[1] and now - tonumber(last[1]) > tonumber(last[2]) then  -- see node_alive
-    redis.call('SET', K_LIVENESS_GRACE, '1', 'PX', a[2])
-  end
-  redis.call('HSET', K_LIVENESS, 't', now, 'ttl', a[2])
   redis.call('SADD', K_NODES, a[1])
   redis.call('SET', k_node_alive(a[1]), '1', 'PX', a[2])
   return 1
@@ -2195,11 +2186,13 @@ local function expire_waiting(q, now)
   end
 end
 
--- Reap every node whose liveness key expired. Returns the number of flows released.
--- Also trims the queues that stream readers hold open (see trim_read_queue).
-register_always('gw_reap', function(_, _)
+-- ARGV: 1 to reap every node whose liveness key expired, 0 not to (the caller was out of
+-- touch itself: see leases.py). Returns the number of flows released. Also trims the
+-- queues that stream readers hold open (see trim_read_queue) and sweeps timed and expired
+-- entries.
+register_always('gw_reap', function(_, a)
   local released = 0
-  for _, n in ipairs(redis.call('SMEMBERS', K_NODES)) do
+  for _, n in ipairs(a[1] == '1' and redis.call('SMEMBERS', K_NODES) or {}) do
     if not node_alive(n) then released = released + reap_node(n) end
   end
   for _, q in ipairs(redis.call('SMEMBERS', K_READ_QUEUES)) do trim_read_queue(q) end
