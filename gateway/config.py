@@ -89,10 +89,10 @@ class Settings:
                 raise ConfigError(f"{name}: {path} is not a file")
         if self.tls_cert is not None and self.tls_key is not None:
             tls_server_context(self.tls_cert, self.tls_key)
-        if any(user.name == ANONYMOUS for user in self.users):
+        if any(user.name in ("", ANONYMOUS) for user in self.users):
             raise ConfigError(
-                f"users: {ANONYMOUS!r} is who clients that do not authenticate are; "
-                "a user of that name would share their sessions and queues"
+                f"users: {ANONYMOUS!r} is who clients that do not authenticate are (a user "
+                "without a name too); such a user would share their sessions and queues"
             )
         if self.appendfsync not in APPENDFSYNC:
             raise ConfigError(f"appendfsync must be one of {', '.join(APPENDFSYNC)}")

@@ -334,11 +334,13 @@ def test_non_integer_toml_port_is_refused(tmp_path: Path, value: str) -> None:
         load_settings(env={}, config_path=path)
 
 
-def test_a_user_named_anonymous_is_refused(tmp_path: Path) -> None:
-    """Clients that do not authenticate are the user `anonymous` (README): a configured user
-    of that name would share their sessions and queues."""
+@pytest.mark.parametrize("name", ["anonymous", ""])
+def test_a_user_named_anonymous_is_refused(tmp_path: Path, name: str) -> None:
+    """Clients that do not authenticate are the user `anonymous` (README), as are clients
+    with an empty user name: a configured user of either name would share their sessions
+    and queues."""
     path = tmp_path / "g.toml"
-    path.write_text('[[users]]\nname = "anonymous"\npassword = "pw"\n')
+    path.write_text(f'[[users]]\nname = "{name}"\npassword = "pw"\n')
     with pytest.raises(ConfigError, match="anonymous"):
         load_settings(env={}, config_path=str(path))
 

@@ -21,6 +21,7 @@ from protocols.mqtt.codec import (
     SubscriptionOptions,
 )
 from protocols.mqtt.listener import Listener
+from protocols.mqtt.session import Session
 from protocols.mqtt.state import shared_queue_name
 from tests.test_mqtt_protocol import Raw
 
@@ -130,5 +131,38 @@ async def test_messages_held_back_and_never_sent_do_not_count_toward_max_redeliv
         assert isinstance(got, Publish) and got.payload == b"never sent", (
             f"never sent to anyone, yet dead-lettered past max_redelivery: {info.counters}"
         )
+    finally:
+        raw.close()
+
+
+async def test_delivery_fetched_during_teardown_is_released_uncounted(
+    broker: Broker, mqtt: Listener, monkeypatch
+) -> None:
+    """A delivery that reaches the session after its connection ended, before its flow is
+    closed, was never sent: it comes on the next connection without DUP (the teardown's
+    Redis work is stretched here to 0.5 s)."""
+    original = Session._keep_in_flight
+
+    async def slow_keep_in_flight(self: Session) -> None:
+        await asyncio.sleep(0.5)
+        await original(self)
+
+    monkeypatch.setattr(Session, "_keep_in_flight", slow_keep_in_flight)
+    raw, _ = await Raw.connected(mqtt.port, 4, client_id="tear", clean_start=False)
+    await raw.send(Subscribe(1, [("td/#", SubscriptionOptions(qos=1))]))
+    assert isinstance(await raw.recv(), Suback)
+    raw.writer.transport.abort()
+    await asyncio.sleep(0.1)  # the teardown runs
+    await broker.publish(Message(destination="td/1", payload=b"never sent"))
+    sessions = mqtt.registry.sessions
+    async with asyncio.timeout(5):
+        while "tear" in sessions:
+            await asyncio.sleep(0.05)
+    await asyncio.sleep(0.3)
+    raw, _ = await Raw.connected(mqtt.port, 4, client_id="tear", clean_start=False)
+    try:
+        got = await raw.recv(timeout=3)
+        assert isinstance(got, Publish) and got.payload == b"never sent"
+        assert not got.dup, "never sent to the client, yet DUP=1 (its delivery was counted)"
     finally:
         raw.close()

@@ -22,11 +22,20 @@ from paho.mqtt.enums import CallbackAPIVersion
 
 from gateway.broker import Broker, QueueConfig
 from gateway.config import Settings
+from gateway.model import Message
 from protocols.mqtt import websocket
-from protocols.mqtt.codec import encode_publish
+from protocols.mqtt.codec import (
+    Connect,
+    Publish,
+    Subscribe,
+    SubscriptionOptions,
+    encode,
+    encode_publish,
+)
 from protocols.mqtt.listener import Listener, start
 from protocols.mqtt.websocket import BINARY, CLOSE, CONTINUATION, PING, PONG, TEXT, accept_key
 from tests.test_engine import wait_for
+from tests.test_mqtt_protocol import Raw
 
 TIMEOUT = 10.0
 CONNECT = bytes.fromhex("100c00044d5154540402003c0000")  # MQTT 3.1.1 CONNECT, empty id
@@ -303,3 +312,35 @@ async def test_a_refused_frame_is_told_before_the_socket_closes(mqtt: Listener) 
         got = exc
     assert got == (CLOSE, struct.pack("!H", 1003))
     client.writer.transport.abort()
+
+
+async def test_session_of_a_failed_websocket_sends_nothing_into_the_void(
+    broker: Broker, mqtt: Listener
+) -> None:
+    """A client that broke the protocol ends its MQTT connection at once, while the socket
+    waits to tell it why: its session sends nothing more into it (a QoS 1 message it took
+    then came back counted, and the next connection got it with DUP=1)."""
+    client, _ = await RawClient.upgrade(mqtt)
+    connect = encode(Connect(protocol_level=4, clean_start=False, client_id="wsf"), 4)
+    client.send(BINARY, connect)
+    assert (await client.receive())[0] == BINARY  # CONNACK
+    client.send(BINARY, encode(Subscribe(1, [("wf/#", SubscriptionOptions(qos=1))]), 4))
+    assert (await client.receive())[0] == BINARY  # SUBACK
+    client.send(TEXT, b"not allowed")  # the client breaks the protocol: 1003
+    await client.writer.drain()
+    assert await client.receive() == (CLOSE, b"\x03\xeb")
+    await broker.publish(Message(destination="wf/1", payload=b"never sent"))
+    sessions = mqtt.registry.sessions
+    await asyncio.sleep(0.2)
+    async with asyncio.timeout(5):
+        while "wsf" in sessions:
+            await asyncio.sleep(0.05)
+    await asyncio.sleep(0.3)
+    client.writer.transport.abort()
+    raw, _ = await Raw.connected(mqtt.port, 4, client_id="wsf", clean_start=False)
+    try:
+        got = await raw.recv(timeout=3)
+        assert isinstance(got, Publish) and got.payload == b"never sent"
+        assert not got.dup, "never reached the client, yet DUP=1 (its delivery was counted)"
+    finally:
+        raw.close()

@@ -729,6 +729,7 @@ class Session:
         """Send one message; `entry_id` None: a direct (QoS 0, not spooled) message."""
         state = self.state
         if state is None or self.closing:
+            self._give_back(queue, entry_id)  # fetched as the connection ended: never sent
             return
         shared = self._shared.get(queue) if queue is not None else None
         if shared is None and state.resend_shared and queue == state.queue:
@@ -837,9 +838,10 @@ class Session:
         count it: max_redelivery, DUP): no client saw them. The close follows at once, so
         the flow does not fetch them again meanwhile."""
         for _, held_queue, entry_id, *_ in [*self._held_out, *(self._gate or ())]:
-            if held_queue == queue and entry_id is not None:
-                flow.release(entry_id)
+            if held_queue == queue:
+                self._give_back(queue, entry_id)
         self._drop_held(queue)
+        self._flows.pop(queue, None)
         await flow.close()
 
     def _send_held_out(self) -> None:
@@ -860,9 +862,7 @@ class Session:
         if msg.expiration is not None:
             expiry = mapping.remaining_expiry(msg, mapping.now_ms())
             if expiry == 0:  # expired while it waited: its queue expires it (DMQ, counters)
-                flow = self._flows.get(queue) if queue is not None else None
-                if flow is not None and entry_id is not None:
-                    flow.release(entry_id)
+                self._give_back(queue, entry_id)
                 return
         resent = False
         if not qos:
@@ -926,6 +926,13 @@ class Session:
         if len(self._out_aliases) < self._out_alias_max:
             return len(self._out_aliases) + 1, False
         return None
+
+    def _give_back(self, queue: str | None, entry_id: str | None) -> None:
+        """A queued delivery no client saw goes back to its queue, the delivery uncounted
+        (max_redelivery, DUP)."""
+        flow = self._flows.get(queue) if queue is not None else None
+        if flow is not None and entry_id is not None:
+            flow.release(entry_id)
 
     def _settle(self, queue: str | None, entry_id: str | None) -> None:
         if queue is None or entry_id is None:
@@ -1057,9 +1064,10 @@ class Session:
         finally:
             waiting, self._gate, self._gate_filters = self._gate, None, []
             for delivery in waiting:
-                if self.closing:  # the flows give the queued ones back
-                    break
-                self._send_or_hold(*delivery)
+                if self.closing:  # never sent: back to their queues uncounted
+                    self._give_back(delivery[1], delivery[2])
+                else:
+                    self._send_or_hold(*delivery)
 
     async def _subscribe_all(self, p: Subscribe) -> None:
         state = self.state
@@ -1284,7 +1292,7 @@ class Session:
         assert group is not None
         queue = shared_queue_name(*group)
         if self._shared.pop(queue, None) is not None:
-            flow = self._flows.pop(queue, None)
+            flow = self._flows.get(queue)
             if flow is not None:
                 await self._close_flow(queue, flow)
             else:
@@ -1335,6 +1343,8 @@ class Session:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        for flow in self._flows.values():  # nothing more to send: fetch no more
+            flow.set_window(0)
         self.registry.spawn(self._teardown())
 
     async def _teardown(self) -> None:
@@ -1350,8 +1360,7 @@ class Session:
                 self.broker.unsubscribe_direct(token)
             self._direct.clear()
             await self._keep_in_flight()
-            flows, self._flows = self._flows, {}
-            for queue, flow in flows.items():
+            for queue, flow in list(self._flows.items()):
                 await self._close_flow(queue, flow)
             if self.state is not None:
                 await self.registry.detach(self)

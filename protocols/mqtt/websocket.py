@@ -89,7 +89,7 @@ class FramedTransport:
         if not self.close_sent:
             self.close_sent = True
             self.socket.write(frame(CLOSE, struct.pack("!H", 1000)))
-            asyncio.get_running_loop().call_later(CLOSE_WAIT, self.socket.close)
+            asyncio.get_running_loop().call_later(CLOSE_WAIT, self._shut)
 
     def fail(self, code: int) -> None:
         """The client broke the protocol: say why, read no more of it, and close after
@@ -99,7 +99,15 @@ class FramedTransport:
         if not self.close_sent:
             self.close_sent = True
             self.socket.write(frame(CLOSE, struct.pack("!H", code)))
-            asyncio.get_running_loop().call_later(CLOSE_WAIT, self.socket.close)
+            asyncio.get_running_loop().call_later(CLOSE_WAIT, self._shut)
+
+    def _shut(self) -> None:
+        """Close the socket; abort it when the client still has bytes of ours unread (a
+        close waits for them, for ever from a client that stopped reading)."""
+        if self.socket.get_write_buffer_size():
+            self.socket.abort()
+        else:
+            self.socket.close()
 
     def abort(self) -> None:
         self.socket.abort()
@@ -167,8 +175,16 @@ class WebSocketConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        if self.framed is not None:
+        if self.framed is not None and not self.framed.failed:
             self.inner.connection_lost(exc)
+
+    def _fail(self, code: int) -> None:
+        """The client broke the protocol: the MQTT connection ends now (its session sends
+        nothing more into a socket that only waits to tell the client why)."""
+        assert self.framed is not None
+        if not self.framed.failed:
+            self.framed.fail(code)
+            self.inner.connection_lost(None)
 
     def pause_writing(self) -> None:
         if self.framed is not None:
@@ -259,14 +275,14 @@ class WebSocketConnection(asyncio.Protocol):
             or size >> 63  # a 64-bit length's most significant bit must be 0
             or (opcode >= CLOSE and (not fin or size > MAX_CONTROL))
         ):
-            self.framed.fail(PROTOCOL_ERROR)
+            self._fail(PROTOCOL_ERROR)
             return False
         if opcode == TEXT:
-            self.framed.fail(UNSUPPORTED_DATA)
+            self._fail(UNSUPPORTED_DATA)
             return False
         if opcode < CLOSE:  # data: its payload goes on as it arrives
             if opcode != (CONTINUATION if self._in_message else BINARY):
-                self.framed.fail(PROTOCOL_ERROR)  # an unknown opcode, or out of place
+                self._fail(PROTOCOL_ERROR)  # an unknown opcode, or out of place
                 return False
             if len(buf) < offset + 4:
                 return False
@@ -302,11 +318,11 @@ class WebSocketConnection(asyncio.Protocol):
         if opcode == CLOSE:  # the client's answer, or its own close: we answer
             error = close_frame_error(payload)
             if error is not None:
-                self.framed.fail(error)
+                self._fail(error)
             else:
                 self.framed.close()
                 self.framed.socket.close()
         elif opcode == PING:
             self.framed.socket.write(frame(PONG, payload))
         elif opcode != PONG:  # an unknown control opcode
-            self.framed.fail(PROTOCOL_ERROR)
+            self._fail(PROTOCOL_ERROR)
