@@ -29,6 +29,7 @@ from gateway.model import Delivery, Message, Outcome, decode  # noqa: E402
 from gateway.spark import jobs  # noqa: E402
 from gateway.spark.session import activate, build_session  # noqa: E402
 from protocols.amqp.listener import start as start_amqp  # noqa: E402
+from tests.test_engine import wait_for  # noqa: E402
 
 pytestmark = pytest.mark.spark
 
@@ -339,3 +340,193 @@ async def test_archive_and_dmq_report(
     assert len(archived) == 7  # incremental: the second run added only the new entry
     assert {r.queue for r in archived} == {dmq}
     assert {str(r.date) for r in archived} == {str(archived[0].ingest_ts.date())}
+
+
+async def test_batch_read_of_a_priority_queue_returns_its_messages(
+    spark: SparkSession, broker: Broker, redis_url: str
+) -> None:
+    """A priority queue keeps its messages in hidden per-level streams (#R/<p>/<name>): the
+    source reads them all, as it reads every partition of a partitioned one."""
+    await broker.declare_queue(QueueConfig(name="prio", priorities=True))
+    for n, prio in enumerate([1, 9, 4]):
+        msg = Message(destination="prio", payload=f"p{n}".encode(), to_queue=True, priority=prio)
+        assert await broker.publish(msg) is Outcome.OK
+    assert (await broker.queues.info("prio")).messages == 3
+    rows = await asyncio.to_thread(lambda: read(spark, redis_url, "prio").collect())
+    assert sorted(r.payload for r in rows) == [b"p0", b"p1", b"p2"]
+
+
+async def test_dmq_report_counts_real_dead_messages_by_origin_and_reason(
+    spark: SparkSession, broker: Broker, redis_url: str
+) -> None:
+    """`gateway pipeline dmq-report` counts really dead-lettered messages by origin and
+    reason, which the engine keeps as stream fields 'o' / 'r' beside the blob."""
+    dmq = "#DEAD_MSG_QUEUE"
+    await broker.declare_queue(QueueConfig(name=dmq))
+    await broker.declare_queue(QueueConfig(name="orders", dmq_eligible_default=True))
+    for n in range(2):
+        msg = Message(destination="orders", payload=f"o{n}".encode(), to_queue=True)
+        assert await broker.publish(msg) is Outcome.OK
+    got: list[Delivery] = []
+    flow = await broker.bind("orders", got.append)
+    await wait_for(lambda: len(got) == 2)
+    for d in got:
+        flow.reject(d.entry_id)
+    await flow.close()
+    stream = keys.queue_stream(dmq)
+
+    async def dead() -> int:
+        return await broker.redis.xlen(stream)
+
+    for _ in range(100):
+        if await dead() == 2:
+            break
+        await asyncio.sleep(0.05)
+    raw = await broker.redis.xrange(stream)
+    assert len(raw) == 2 and raw[0][1][b"o"] == b"orders" and raw[0][1][b"r"] == b"rejected"
+
+    report = await asyncio.to_thread(lambda: jobs.dmq_report(spark, redis_url, dmq).collect())
+    assert [(r.origin_queue, r.reason, r.messages) for r in report] == [("orders", "rejected", 2)]
+
+
+async def test_batch_sink_replay_after_a_failed_write_publishes_every_row(
+    spark: SparkSession, broker: Broker, redis_url: str
+) -> None:
+    """A write refused half-way fails; replaying it with the same batchId once there is
+    room publishes every row, however the replay is partitioned (per-partition markers of
+    the failed write skipped other rows of a replay partitioned otherwise: lost)."""
+    await broker.declare_queue(QueueConfig(name="sq", max_messages=7))
+    rows = [(f"r{i}",) for i in range(10)]
+    first = spark.sparkContext.parallelize(rows, 2).toDF("payload string")  # r0-r4 | r5-r9
+
+    def save(frame) -> None:
+        activate(spark)
+        (
+            frame.write.format("gateway")
+            .mode("append")
+            .option("redis_url", redis_url)
+            .option("queue", "sq")
+            .option("batchId", "nightly-1")
+            .save()
+        )
+
+    with pytest.raises(Exception, match="refused"):
+        await asyncio.to_thread(save, first)
+    stored = {
+        decode(f[b"m"]).payload for _, f in await broker.redis.xrange(keys.queue_stream("sq"))
+    }
+    assert len(stored) == 7  # r0-r4 and two of r5-r9
+
+    await broker.queues.update("sq", {"max_messages": 0})  # room now: replay the write
+    replay = spark.sparkContext.parallelize(rows, 1).toDF("payload string")
+    await asyncio.to_thread(save, replay)
+    stored |= {
+        decode(f[b"m"]).payload for _, f in await broker.redis.xrange(keys.queue_stream("sq"))
+    }
+    assert stored == {f"r{i}".encode() for i in range(10)}
+
+
+async def test_batch_read_and_dmq_report_of_an_empty_queue(
+    spark: SparkSession, broker: Broker, redis_url: str
+) -> None:
+    """With nothing spooled the reader plans no range; PySpark still runs one task (an
+    InputPartition of its own): no rows, no failure (`gateway pipeline dmq-report` on a
+    broker with no dead messages)."""
+    await broker.declare_queue(QueueConfig(name="#DEAD_MSG_QUEUE"))
+    await broker.declare_queue(QueueConfig(name="empty"))
+    assert await asyncio.to_thread(lambda: read(spark, redis_url, "empty").count()) == 0
+    report = await asyncio.to_thread(
+        lambda: jobs.dmq_report(spark, redis_url, "#DEAD_MSG_QUEUE").collect()
+    )
+    assert report == []
+
+
+async def test_capped_stream_from_earliest_is_not_failed_by_acks_before_it_started(
+    spark: SparkSession, broker: Broker, redis_url: str, tmp_path
+) -> None:
+    """A streaming read from the earliest entry, maxEntriesPerBatch=2, of a queue whose
+    consumer acked some later entries (deleted: max-deleted-entry-id moved) before the query
+    existed: nothing it could have read went away after it started, so no DataLossError."""
+    await broker.declare_queue(QueueConfig(name="ooo"))
+    for n in range(10):
+        msg = Message(destination="ooo", payload=f"e{n}".encode(), to_queue=True)
+        assert await broker.publish(msg) is Outcome.OK
+    got: list[Delivery] = []
+    flow = await broker.bind("ooo", got.append)
+    try:
+        await wait_for(lambda: len(got) == 10)
+        for d in got[5:]:  # the consumer settles the later half first
+            flow.ack(d.entry_id)
+        for _ in range(100):
+            if await broker.redis.xlen(keys.queue_stream("ooo")) == 5:
+                break
+            await asyncio.sleep(0.05)
+        assert await broker.redis.xlen(keys.queue_stream("ooo")) == 5
+
+        batches: list[list[bytes]] = []
+        errors: list[object] = []
+
+        def run() -> None:
+            activate(spark)
+            query = (
+                spark.readStream.format("gateway")
+                .option("redis_url", redis_url)
+                .option("queue", "ooo")
+                .option("readerName", "late")
+                .option("maxEntriesPerBatch", "2")
+                .load()
+                .writeStream.foreachBatch(
+                    lambda frame, _: batches.append([r.payload for r in frame.collect()])
+                )
+                .option("checkpointLocation", str(tmp_path / "ck"))
+                .trigger(availableNow=True)
+                .start()
+            )
+            query.awaitTermination(60)
+            errors.append(query.exception())
+
+        await asyncio.to_thread(run)
+        assert errors == [None], str(errors[0])[:300]
+        assert sorted(p for b in batches for p in b) == [f"e{n}".encode() for n in range(5)]
+    finally:
+        await flow.close()
+
+
+async def test_sink_duplicates_carry_a_message_id_consumers_can_recognise(
+    spark: SparkSession, broker: Broker, redis_url: str, amqp
+) -> None:
+    """The sink's deterministic message ids go out as the AMQP message-id: the two copies
+    of a row published twice (a retried task, a failed batch write replayed) can be told
+    from two rows."""
+    await broker.declare_queue(QueueConfig(name="ids"))
+    df = spark.createDataFrame([("row-1", "hello")], "id string, payload string")
+
+    def save(batch: str) -> None:
+        activate(spark)
+        (
+            df.write.format("gateway")
+            .mode("append")
+            .option("redis_url", redis_url)
+            .option("queue", "ids")
+            .option("batchId", batch)
+            .save()
+        )
+
+    await asyncio.to_thread(save, "try-1")
+    await asyncio.to_thread(save, "try-2")  # the same row spooled again
+
+    def receive() -> list:
+        conn = BlockingConnection(f"amqp://127.0.0.1:{amqp.port}", timeout=10)
+        try:
+            receiver = conn.create_receiver("ids", credit=2)
+            got = []
+            for _ in range(2):
+                got.append(receiver.receive(timeout=10))
+                receiver.accept()
+            return got
+        finally:
+            conn.close()
+
+    first, second = await asyncio.to_thread(receive)
+    assert (bytes(first.body), bytes(second.body)) == (b"hello", b"hello")
+    assert first.id is not None and first.id == second.id

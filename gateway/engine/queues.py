@@ -135,11 +135,17 @@ _UNPARTITIONABLE = {
 }
 
 
-def stream_queues(parent: str, partition_count: int) -> list[tuple[int | None, str]]:
-    """(partition, queue name) of every stream that holds a queue's messages."""
-    if partition_count <= 0:
-        return [(None, parent)]
-    return [(i, keys.partition_queue(parent, i)) for i in range(partition_count)]
+def stream_queues(
+    parent: str, partition_count: int, priorities: bool = False
+) -> list[tuple[int | None, str]]:
+    """(partition, queue name) of every stream that holds a queue's messages: its own, its
+    partitions', or its priority levels' (highest first; partition None)."""
+    if partition_count > 0:
+        return [(i, keys.partition_queue(parent, i)) for i in range(partition_count)]
+    if priorities:
+        levels = range(keys.PRIORITY_LEVELS - 1, -1, -1)
+        return [(None, keys.priority_queue(parent, level)) for level in levels]
+    return [(None, parent)]
 
 
 def temporary_queue_name(node_id: str) -> str:

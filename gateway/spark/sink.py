@@ -3,10 +3,12 @@
 Going through `Broker.publish_nowait` (not a raw XADD) means quotas, routing and topic
 subscriptions apply exactly as for a protocol client. Replays are idempotent: markers in
 `keys.sink_batches(sink)` record each (batch, Spark partition) once its messages are
-spooled, and, for batch writes, the whole batch once the driver commits it (a re-run may
-partition differently); a task that finds either marker publishes nothing. Message ids are
-deterministic, so a crash between spool and marker leaves duplicates a consumer can
-recognise.
+spooled, and, for batch writes, the whole batch once the driver commits it; a task that
+finds its batch's marker publishes nothing, and a streaming one its partition's too (a
+micro-batch replays as it ran). A batch write replayed after it failed part-way may
+partition differently: it publishes every row again (duplicates, never a loss). Message
+ids are deterministic and go out as the AMQP message-id, so a crash between spool and
+marker leaves duplicates a consumer can recognise.
 
 Row columns: ``payload`` (binary or string, required); optional ``partition_key``,
 ``properties`` (map of user properties), ``content_type``, ``correlation_id`` and ``id``
@@ -113,18 +115,20 @@ class RowMapper:
             content_type=self._get(row, "content_type"),
             correlation_id=self._get(row, "correlation_id"),
             user_properties=sorted((self._get(row, "properties") or {}).items()),
-            id=message_id(self.opts.sink_name, key),
+            id=(stable := message_id(self.opts.sink_name, key)),
+            message_id=stable,
         )
 
 
 async def publish(
-    opts: SinkOptions, batch: str, marker: str, messages: Iterable[Message]
+    opts: SinkOptions, batch: str, marker: str, messages: Iterable[Message], replays_alike: bool
 ) -> SinkCommit:
-    """Spool `messages` through a Broker unless the batch or this partition is done."""
+    """Spool `messages` through a Broker unless the batch is done, or, when a replay of
+    the batch partitions as it did (`replays_alike`), this partition."""
     client = await library.connect(opts.redis_url, replace=False)
     marks = keys.sink_batches(opts.sink_name)
     try:
-        if any(await client.smismember(marks, [batch, marker])):
+        if any(await client.smismember(marks, [batch, marker] if replays_alike else [batch])):
             return SinkCommit(marker, 0, True)
         broker = Broker(client)
         await broker.start()
@@ -151,7 +155,7 @@ async def publish(
 
 
 def write_partition(
-    opts: SinkOptions, mapper: RowMapper, batch: str, rows: Iterator[Row]
+    opts: SinkOptions, mapper: RowMapper, batch: str, rows: Iterator[Row], replays_alike: bool
 ) -> SinkCommit:
     """Runs on an executor: one event loop, one client and one Broker per task."""
     ctx = TaskContext.get()
@@ -162,7 +166,7 @@ def write_partition(
     if first is None:  # stateful queries run many empty tasks: no client, no Broker
         return SinkCommit(marker, 0, False)
     messages = (mapper.message(row, marker, i) for i, row in enumerate(chain([first], rows)))
-    return asyncio.run(publish(opts, batch, marker, messages))
+    return asyncio.run(publish(opts, batch, marker, messages, replays_alike))
 
 
 def _report(opts: SinkOptions, messages: list[WriterCommitMessage | None], batch: str) -> None:
@@ -185,7 +189,7 @@ class BatchWriter(DataSourceWriter):
         self.batch = opts.batch_id or uuid.uuid4().hex
 
     def write(self, iterator: Iterator[Row]) -> SinkCommit:
-        return write_partition(self.opts, self.mapper, self.batch, iterator)
+        return write_partition(self.opts, self.mapper, self.batch, iterator, False)
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
         client = redis.Redis.from_url(self.opts.redis_url)
@@ -212,7 +216,7 @@ class StreamWriter(DataSourceStreamWriter):
         batch = (
             f"{ctx.getLocalProperty(QUERY_ID_PROPERTY)}/{ctx.getLocalProperty(BATCH_ID_PROPERTY)}"
         )
-        return write_partition(self.opts, self.mapper, batch, iterator)
+        return write_partition(self.opts, self.mapper, batch, iterator, True)
 
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         _report(self.opts, messages, str(batchId))

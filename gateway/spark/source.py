@@ -34,7 +34,7 @@ from pyspark.sql.types import StructType
 
 from gateway.engine import keys
 from gateway.engine.queues import stream_queues
-from gateway.model import Message, PropertyValue, decode
+from gateway.model import DEAD_LETTER_REASON, ORIGIN_QUEUE, Message, PropertyValue, decode
 from gateway.spark import DEFAULT_REDIS_URL
 from gateway.spark.sink import BatchWriter, SinkOptions, StreamWriter
 
@@ -58,6 +58,7 @@ ARROW_SCHEMA = pa.schema(
 )
 PAGE = 5000  # XRANGE COUNT per round trip
 ZERO = "0-0"
+DELETED_BEFORE = "~deleted"  # offsets' key of no stream (see StreamReader.initialOffset)
 
 StreamId = tuple[int, int]
 
@@ -139,18 +140,22 @@ class StreamInfo:
         )
 
 
-def lost_range(client: redis.Redis, queue: str, start: StreamId) -> str | None:
+def lost_range(
+    client: redis.Redis, queue: str, start: StreamId, deleted_before: StreamId = (0, 0)
+) -> str | None:
     """Why entries after `start` are gone, or None when nothing a reader needed was removed.
 
     XDEL moves `max-deleted-entry-id`; XTRIM only moves the first entry. A trim is loss when
     `start` itself was trimmed (the engine keeps a reader's committed entry) or when the
-    stream is empty although entries after `start` were added.
+    stream is empty although entries after `start` were added. `deleted_before`: the
+    stream's max-deleted-entry-id when a query from earliest started (deletions then were
+    acks before it existed, not its loss).
     """
     if start == (0, 0):
         return None
     info = StreamInfo.fetch(client, queue)
     at = format_id(start)
-    if info.max_deleted > start:
+    if info.max_deleted > start and info.max_deleted > deleted_before:
         deleted = format_id(info.max_deleted)
         return f"entries after {at} were deleted (max-deleted-entry-id {deleted})"
     if info.length == 0:
@@ -166,9 +171,15 @@ def lost_range(client: redis.Redis, queue: str, start: StreamId) -> str | None:
     return None
 
 
-def check_loss(client: redis.Redis, opts: Options, queue: str, start: StreamId) -> None:
+def check_loss(
+    client: redis.Redis,
+    opts: Options,
+    queue: str,
+    start: StreamId,
+    deleted_before: StreamId = (0, 0),
+) -> None:
     """Raise (failOnDataLoss) or warn when the range after `start` lost entries."""
-    reason = lost_range(client, queue, start)
+    reason = lost_range(client, queue, start, deleted_before)
     if reason is None:
         return
     message = f"data loss in queue {opts.queue!r} stream {queue!r}: {reason}"
@@ -203,6 +214,16 @@ def properties(msg: Message) -> dict[str, str | None]:
     return out
 
 
+def dead_letter_fields(msg: Message, fields: list[bytes]) -> None:
+    """A dead message queue's entry keeps where its message came from and why beside it
+    (fields 'o' and 'r'): its properties carry them, as a consumer's delivery does."""
+    extra = dict(zip(fields[2::2], fields[3::2], strict=False))
+    origin, reason = extra.get(b"o"), extra.get(b"r")
+    if origin is not None:
+        msg.annotations[ORIGIN_QUEUE] = origin.decode()
+        msg.annotations[DEAD_LETTER_REASON] = (reason or b"").decode()
+
+
 def to_batch(parent: str, partition: int | None, queue: str, page: list) -> pa.RecordBatch:
     """One raw XRANGE page as an Arrow batch: Spark takes it without per-row conversion."""
     ids: list[str] = []
@@ -216,6 +237,7 @@ def to_batch(parent: str, partition: int | None, queue: str, page: list) -> pa.R
         except (IndexError, ValueError) as exc:
             log.warning("skipping entry %s of %s: %s", entry_id, queue, exc)
             continue
+        dead_letter_fields(msg, fields)
         eid = entry_id.decode()
         ids.append(eid)
         stamps.append(int(eid.partition("-")[0]) * 1000)
@@ -247,8 +269,12 @@ class StreamRange(InputPartition):
         self.end = end
 
 
-def read_range(opts: Options, part: StreamRange) -> Iterator[pa.RecordBatch]:
-    """XRANGE the range page by page; runs on an executor with its own client."""
+def read_range(opts: Options, part: InputPartition) -> Iterator[pa.RecordBatch]:
+    """XRANGE the range page by page; runs on an executor with its own client. A plan with
+    no range (nothing to read) still runs one task, given a partition of its own: it reads
+    nothing."""
+    if not isinstance(part, StreamRange):
+        return
     client = redis.Redis.from_url(opts.redis_url)
     # raw [id, [field, value]] replies: redis-py's pairs-to-dict costs ~4 µs per entry
     client.set_response_callback("XRANGE", lambda response, **_: response)
@@ -269,10 +295,10 @@ def read_range(opts: Options, part: StreamRange) -> Iterator[pa.RecordBatch]:
 
 def queue_streams(client: redis.Redis, queue: str) -> list[tuple[int | None, str]]:
     """(partition, child queue) of every stream of `queue`, from its config hash."""
-    raw = client.hget(keys.queue_config(queue), "partition_count")
-    if raw is None and not client.exists(keys.queue_config(queue)):
+    count, priorities = client.hmget(keys.queue_config(queue), "partition_count", "priorities")
+    if count is None and not client.exists(keys.queue_config(queue)):
         raise ValueError(f"queue {queue!r} does not exist")
-    return stream_queues(queue, int(raw or 0))
+    return stream_queues(queue, int(count or 0), priorities == b"1")
 
 
 def starting_offsets(client: redis.Redis, opts: Options) -> tuple[dict[str, str], bool]:
@@ -353,8 +379,17 @@ class BatchReader(DataSourceReader):
             client.close()
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        assert isinstance(partition, StreamRange)
         return read_range(self.opts, partition)
+
+
+def streams_of(offsets: dict) -> dict[str, str]:
+    """An offset's start or end id per stream."""
+    return {q: sid for q, sid in offsets.items() if q != DELETED_BEFORE}
+
+
+def deleted_before_of(offsets: dict) -> dict:
+    """An offset's DELETED_BEFORE entry, as the next offset carries it on."""
+    return {DELETED_BEFORE: offsets[DELETED_BEFORE]} if DELETED_BEFORE in offsets else {}
 
 
 class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
@@ -380,7 +415,15 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return self._client
 
     def initialOffset(self) -> dict:
-        return starting_offsets(self.client, self.opts)[0]
+        """Start ids per stream; from earliest or latest (not a chosen position) also each
+        stream's max-deleted-entry-id now, under DELETED_BEFORE, kept in every offset so a
+        restart from the checkpoint still knows what was deleted before the query began."""
+        starts, explicit = starting_offsets(self.client, self.opts)
+        if not explicit:
+            starts[DELETED_BEFORE] = {
+                q: format_id(StreamInfo.fetch(self.client, q).max_deleted) for q in starts
+            }
+        return starts
 
     def getDefaultReadLimit(self) -> ReadLimit:
         if self.opts.max_entries is None:
@@ -396,6 +439,8 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
         self._register(start)
         ends: dict[str, StreamId] = {}
+        carried = deleted_before_of(start)
+        start = streams_of(start)
         for _, queue in queue_streams(self.client, self.opts.queue):
             end = StreamInfo.fetch(self.client, queue).last_generated
             if self._target is not None:
@@ -403,7 +448,8 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             ends[queue] = max(end, parse_id(start.get(queue, ZERO)))
         if isinstance(limit, ReadMaxRows):
             self._cap(start, ends, limit.max_rows)
-        return {q: format_id(e) for q, e in ends.items()}
+        offsets: dict = {q: format_id(e) for q, e in ends.items()}
+        return offsets | carried
 
     def _cap(self, start: dict, ends: dict[str, StreamId], max_rows: int) -> None:
         """Share `max_rows` among streams with new entries; move their ends back to fit."""
@@ -426,16 +472,16 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def partitions(self, start: dict, end: dict) -> Sequence[InputPartition]:
         out = []
         streams = dict((q, p) for p, q in queue_streams(self.client, self.opts.queue))
-        for queue, last in end.items():
+        deleted = start.get(DELETED_BEFORE, {})
+        for queue, last in streams_of(end).items():
             low = parse_id(start.get(queue, ZERO))
             if parse_id(last) <= low or queue not in streams:
                 continue
-            check_loss(self.client, self.opts, queue, low)
+            check_loss(self.client, self.opts, queue, low, parse_id(deleted.get(queue, ZERO)))
             out.append(StreamRange(streams[queue], queue, format_id(low), last))
         return out
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        assert isinstance(partition, StreamRange)
         return read_range(self.opts, partition)
 
     def _register(self, start: dict) -> None:
@@ -443,7 +489,7 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         if self._registered or self.opts.reader_name is None:
             return
         pipe = self.client.pipeline(transaction=False)
-        for queue, sid in start.items():  # a function: it runs while Redis is full
+        for queue, sid in streams_of(start).items():  # a function: it runs while Redis is full
             pipe.fcall("gw_reader_at", 0, queue, self.opts.reader_name, sid, 1)
         pipe.execute()
         self._registered = True
@@ -452,7 +498,7 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         if self.opts.reader_name is None:
             return
         pipe = self.client.pipeline(transaction=False)
-        for queue, sid in end.items():
+        for queue, sid in streams_of(end).items():
             pipe.fcall("gw_reader_at", 0, queue, self.opts.reader_name, sid, 0)
         pipe.execute()
 
