@@ -5,6 +5,7 @@ bound), and a restart longer than the nodes' liveness TTL (no live node is presu
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 
 import pytest
 import redis
@@ -18,108 +19,98 @@ from tests.redis_proxy import CuttingProxy
 from tests.test_engine import second_node, to_queue, wait_for  # noqa: F401
 
 
+@pytest.fixture
+async def proxy(redis_server) -> AsyncIterator[CuttingProxy]:
+    """A proxy in front of the test's Redis; `node` talks to Redis through it."""
+    proxy = CuttingProxy(redis_server.port)
+    await proxy.start()
+    yield proxy
+    await proxy.close()
+
+
+@pytest.fixture
+async def node(proxy: CuttingProxy) -> AsyncIterator[Broker]:
+    client = await library.connect(proxy.url)
+    node = Broker(client, heartbeat=0.2, node_ttl=1.0)
+    await node.start()
+    yield node
+    await node.stop()
+    await client.aclose()
+
+
 async def test_a_requeue_sent_again_after_a_lost_reply_takes_nothing_from_another_consumer(
-    redis_server,
+    proxy: CuttingProxy,
+    node: Broker,
     redis_url: str,
     second_node: Broker,  # noqa: F811
 ) -> None:
-    proxy = CuttingProxy(redis_server.port)
-    await proxy.start()
-    client = await library.connect(proxy.url)
-    node1 = Broker(client, heartbeat=0.2, node_ttl=1.0)
-    await node1.start()
-    try:
-        await node1.queues.create(QueueConfig(name="q"))
-        assert await node1.publish(to_queue("q", b"X")) is Outcome.OK
-        got_a: list[Delivery] = []
-        a = await node1.bind("q", got_a.append, window=10, credit=1)
-        await wait_for(lambda: len(got_a) == 1)
-        got_b: list[Delivery] = []
-        await second_node.bind("q", got_b.append, window=10)  # holds what it gets
-        # A gives X back; the connection breaks after Redis ran the requeue, before its
-        # reply reached node 1, which sends the requeue again on a new connection
-        proxy.cut_on = [b"gw_settle", b"requeue"]
-        a.requeue(got_a[0].entry_id)
-        await wait_for(lambda: proxy.cuts == 1)
-        await wait_for(lambda: len(got_b) >= 1, timeout=5)  # B took X and holds it
-        await asyncio.sleep(2.0)  # the node sends the requeue again meanwhile
-        r = redis.Redis.from_url(redis_url)
-        pending = r.xpending_range(keys.queue_stream("q"), "g", "-", "+", 10)
-        assert [d.message.payload for d in got_b] == [b"X"], (
-            f"X was delivered again while B held it unsettled: {len(got_b)} deliveries to B, "
-            f"counts {[d.delivery_count for d in got_b]}; pending {pending}"
-        )
-    finally:
-        await node1.stop()
-        await client.aclose()
-        await proxy.close()
+    await node.queues.create(QueueConfig(name="q"))
+    assert await node.publish(to_queue("q", b"X")) is Outcome.OK
+    got_a: list[Delivery] = []
+    a = await node.bind("q", got_a.append, window=10, credit=1)
+    await wait_for(lambda: len(got_a) == 1)
+    got_b: list[Delivery] = []
+    await second_node.bind("q", got_b.append, window=10)  # holds what it gets
+    # A gives X back; the connection breaks after Redis ran the requeue, before its
+    # reply reached node 1, which sends the requeue again on a new connection
+    proxy.cut_on = [b"gw_settle", b"requeue"]
+    a.requeue(got_a[0].entry_id)
+    await wait_for(lambda: proxy.cuts == 1)
+    await wait_for(lambda: len(got_b) >= 1, timeout=5)  # B took X and holds it
+    await asyncio.sleep(2.0)  # the node sends the requeue again meanwhile
+    r = redis.Redis.from_url(redis_url)
+    pending = r.xpending_range(keys.queue_stream("q"), "g", "-", "+", 10)
+    assert [d.message.payload for d in got_b] == [b"X"], (
+        f"X was delivered again while B held it unsettled: {len(got_b)} deliveries to B, "
+        f"counts {[d.delivery_count for d in got_b]}; pending {pending}"
+    )
 
 
 async def test_a_bind_whose_reply_was_lost_leaves_no_consumer_holding_an_exclusive_queue(
-    redis_server, redis_url: str
+    proxy: CuttingProxy, node: Broker
 ) -> None:
-    proxy = CuttingProxy(redis_server.port)
-    await proxy.start()
-    client = await library.connect(proxy.url)
-    node1 = Broker(client, heartbeat=0.2, node_ttl=1.0)
-    await node1.start()
+    await node.queues.create(QueueConfig(name="ex", access_type="exclusive"))
+    assert await node.publish(to_queue("ex", b"X")) is Outcome.OK
+    # the consumer's bind runs in Redis, its reply is lost with the connection: the
+    # consumer is told the bind failed (its AMQP attach is refused) and attaches again
+    proxy.cut_on = [b"gw_bind", b"ex"]
+    got: list[Delivery] = []
+    with pytest.raises(RedisConnectionError):
+        await node.bind("ex", got.append, window=10)
+    assert proxy.cuts == 1
+    flow = await node.bind("ex", got.append, window=10)
     try:
-        await node1.queues.create(QueueConfig(name="ex", access_type="exclusive"))
-        assert await node1.publish(to_queue("ex", b"X")) is Outcome.OK
-        # the consumer's bind runs in Redis, its reply is lost with the connection: the
-        # consumer is told the bind failed (its AMQP attach is refused) and attaches again
-        proxy.cut_on = [b"gw_bind", b"ex"]
-        got: list[Delivery] = []
-        with pytest.raises(RedisConnectionError):
-            await node1.bind("ex", got.append, window=10)
-        assert proxy.cuts == 1
-        flow = await node1.bind("ex", got.append, window=10)
-        try:
-            await wait_for(lambda: len(got) == 1, timeout=4)
-        except AssertionError:
-            info = await node1.queues.info("ex")
-            raise AssertionError(
-                f"the stored message is never delivered: the consumer is a standby "
-                f"(active={flow.active}) behind a flow nobody owns; bound flows {info.flows}"
-            ) from None
-    finally:
-        await node1.stop()
-        await client.aclose()
-        await proxy.close()
+        await wait_for(lambda: len(got) == 1, timeout=4)
+    except AssertionError:
+        info = await node.queues.info("ex")
+        raise AssertionError(
+            f"the stored message is never delivered: the consumer is a standby "
+            f"(active={flow.active}) behind a flow nobody owns; bound flows {info.flows}"
+        ) from None
 
 
 async def test_a_bind_whose_reply_was_lost_leaves_no_partition_to_nobody(
-    redis_server, redis_url: str
+    proxy: CuttingProxy, node: Broker
 ) -> None:
-    proxy = CuttingProxy(redis_server.port)
-    await proxy.start()
-    client = await library.connect(proxy.url)
-    node1 = Broker(client, heartbeat=0.2, node_ttl=1.0)
-    await node1.start()
+    await node.queues.create(
+        QueueConfig(name="pq", partition_count=4, partition_rebalance_delay_ms=0)
+    )
+    for i in range(40):
+        msg = to_queue("pq", b"%d" % i, partition_key=f"k{i}")
+        assert await node.publish(msg) is Outcome.OK
+    proxy.cut_on = [b"gw_bind", b"pq"]
+    got: list[Delivery] = []
+    with pytest.raises(RedisConnectionError):  # the consumer is told its bind failed
+        await node.bind("pq", got.append, window=100)
+    assert proxy.cuts == 1
+    await node.bind("pq", got.append, window=100)  # it binds again
     try:
-        await node1.queues.create(
-            QueueConfig(name="pq", partition_count=4, partition_rebalance_delay_ms=0)
-        )
-        for i in range(40):
-            msg = to_queue("pq", b"%d" % i, partition_key=f"k{i}")
-            assert await node1.publish(msg) is Outcome.OK
-        proxy.cut_on = [b"gw_bind", b"pq"]
-        got: list[Delivery] = []
-        with pytest.raises(RedisConnectionError):  # the consumer is told its bind failed
-            await node1.bind("pq", got.append, window=100)
-        assert proxy.cuts == 1
-        await node1.bind("pq", got.append, window=100)  # it binds again
-        try:
-            await wait_for(lambda: len(got) == 40, timeout=4)
-        except AssertionError:
-            raise AssertionError(
-                f"{40 - len(got)} of 40 stored messages never delivered: their partitions "
-                "went to a flow nobody owns"
-            ) from None
-    finally:
-        await node1.stop()
-        await client.aclose()
-        await proxy.close()
+        await wait_for(lambda: len(got) == 40, timeout=4)
+    except AssertionError:
+        raise AssertionError(
+            f"{40 - len(got)} of 40 stored messages never delivered: their partitions "
+            "went to a flow nobody owns"
+        ) from None
 
 
 async def test_a_redis_restart_deletes_no_live_nodes_temporary_queue(
@@ -164,42 +155,30 @@ async def test_unbinding_a_flow_never_bound_keeps_an_auto_delete_queue(broker: B
 
 @pytest.mark.parametrize("kind", ["partitioned", "exclusive"])
 async def test_a_flow_bound_while_an_older_answer_comes_is_not_taken_for_lost(
-    redis_server, kind: str
+    proxy: CuttingProxy, node: Broker, kind: str
 ) -> None:
     """A read of a queue's flows (the partition map, the exclusive lease) whose answer comes
     after a flow bound meanwhile does not know that flow: it is no sign the flow was
     released. Taking it so rebound the flow under a new id and left the first id bound with
     nobody owning it, holding partitions (or the lease) and their messages."""
-    proxy = CuttingProxy(redis_server.port)
-    await proxy.start()
-    client = await library.connect(proxy.url)
-    node = Broker(client, heartbeat=0.2, node_ttl=1.0)
-    await node.start()
-    try:
-        options = {"partitioned": {"partition_count": 2}, "exclusive": {"access_type": "exclusive"}}
-        await node.queues.create(QueueConfig(name=kind, **options[kind]))
-        proxy.delay_on, proxy.delay = (
-            b"gw_partitions" if kind == "partitioned" else b"gw_lease",
-            0.5,
-        )
-        read = asyncio.ensure_future(
-            node.dispatcher.refresh_partitions(kind)
-            if kind == "partitioned"
-            else node.dispatcher.check_lease(kind)
-        )
-        await asyncio.sleep(0.1)  # the read ran in Redis; its answer is on its way
-        got: list[Delivery] = []
-        flow = await node.bind(kind, got.append, window=100)
-        first_id = flow.id
-        await read
-        for i in range(10):
-            assert (
-                await node.publish(to_queue(kind, b"%d" % i, partition_key=f"k{i}")) is Outcome.OK
-            )
-        await wait_for(lambda: len(got) == 10, timeout=5)
-        assert flow.id == first_id
-        assert (await node.queues.info(kind)).flows == [first_id]
-    finally:
-        await node.stop()
-        await client.aclose()
-        await proxy.close()
+    options = {"partitioned": {"partition_count": 2}, "exclusive": {"access_type": "exclusive"}}
+    await node.queues.create(QueueConfig(name=kind, **options[kind]))
+    proxy.delay_on, proxy.delay = (
+        b"gw_partitions" if kind == "partitioned" else b"gw_lease",
+        0.5,
+    )
+    read = asyncio.ensure_future(
+        node.dispatcher.refresh_partitions(kind)
+        if kind == "partitioned"
+        else node.dispatcher.check_lease(kind)
+    )
+    await asyncio.sleep(0.1)  # the read ran in Redis; its answer is on its way
+    got: list[Delivery] = []
+    flow = await node.bind(kind, got.append, window=100)
+    first_id = flow.id
+    await read
+    for i in range(10):
+        assert await node.publish(to_queue(kind, b"%d" % i, partition_key=f"k{i}")) is Outcome.OK
+    await wait_for(lambda: len(got) == 10, timeout=5)
+    assert flow.id == first_id
+    assert (await node.queues.info(kind)).flows == [first_id]

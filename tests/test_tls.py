@@ -221,12 +221,12 @@ def _connect_ka1_with_will(client_id: bytes) -> bytes:
     return b"\x10" + bytes([len(body)]) + body
 
 
-def _stalled_tls_client(port: int, ca: Path, hold: float, client_id: bytes = b"ka") -> None:
-    """CONNECT over TLS, read the CONNACK, then go silent (a dead peer: nothing read, no TLS
-    close_notify answered) for `hold` seconds."""
+def _stalled_tls_client(port: int, ca: Path, hold: float, connect: bytes) -> None:
+    """`connect` over TLS, read the CONNACK, then go silent (a dead peer: nothing read, no
+    TLS close_notify answered) for `hold` seconds."""
     raw = socket.create_connection(("127.0.0.1", port), timeout=8)
     tls = _client_ctx(ca).wrap_socket(raw, server_hostname="localhost")
-    tls.sendall(_connect_ka1_with_will(client_id))
+    tls.sendall(connect)
     assert tls.recv(4) == b"\x20\x02\x00\x00"
     time.sleep(hold)
     raw.close()
@@ -240,7 +240,10 @@ async def test_keep_alive_expiry_of_a_dead_tls_client_sends_the_will_promptly(
     it goes ~1.5 s after the last packet; over TLS the close waits for the dead peer's
     close_notify (asyncio's 30 s TLS shutdown timeout) before the connection counts as lost."""
     await broker.declare_queue(QueueConfig(name="wills2"), [("will/t", "mqtt")])
-    peer = asyncio.create_task(asyncio.to_thread(_stalled_tls_client, mqtt_tls, cert_pair[0], 6.0))
+    connect = _connect_ka1_with_will(b"ka")
+    peer = asyncio.create_task(
+        asyncio.to_thread(_stalled_tls_client, mqtt_tls, cert_pair[0], 6.0, connect)
+    )
     try:
         start = time.monotonic()
         while time.monotonic() - start < 5.0:
@@ -260,15 +263,6 @@ def _connect_ka60(client_id: bytes) -> bytes:
     return b"\x10" + bytes([len(body)]) + body
 
 
-def _stalled_tls_client_ka60(port: int, ca: Path, hold: float, client_id: bytes) -> None:
-    raw = socket.create_connection(("127.0.0.1", port), timeout=8)
-    tls = _client_ctx(ca).wrap_socket(raw, server_hostname="localhost")
-    tls.sendall(_connect_ka60(client_id))
-    assert tls.recv(4) == b"\x20\x02\x00\x00"
-    time.sleep(hold)
-    raw.close()
-
-
 async def test_takeover_of_a_dead_tls_connection_is_prompt(
     mqtt_tls: int, cert_pair: tuple[Path, Path]
 ) -> None:
@@ -277,7 +271,7 @@ async def test_takeover_of_a_dead_tls_connection_is_prompt(
     the old connection is dead; over TLS the new CONNECT waits for the dead peer's
     close_notify answer (asyncio's TLS shutdown), so it is not answered in time."""
     peer = asyncio.create_task(
-        asyncio.to_thread(_stalled_tls_client_ka60, mqtt_tls, cert_pair[0], 5.0, b"tk")
+        asyncio.to_thread(_stalled_tls_client, mqtt_tls, cert_pair[0], 5.0, _connect_ka60(b"tk"))
     )
     await asyncio.sleep(0.5)
 
