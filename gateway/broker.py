@@ -184,7 +184,10 @@ class Broker:
         await self.direct.close()
         await self.spooler.close()
         await self.dispatcher.close()
-        await self.liveness.stop()
+        try:
+            await self.liveness.stop()
+        except StoreError as exc:  # other nodes take over once its liveness key expires
+            log.warning("cannot tell Redis this node stops (%s): others take over later", exc)
         await self.events.stop()
 
     # -- publishing ------------------------------------------------------------------------

@@ -255,3 +255,20 @@ async def test_temporary_queues_redis_refused_to_delete_go_later(
         lambda: "temporary queues Redis had refused to delete are deleted" in caplog.text
     )
     assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
+async def test_a_node_stops_cleanly_while_redis_refuses_writes(
+    redis_url: str, read_only: ReadOnly, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A node stopping (SIGTERM) while Redis refuses writes cannot say so in Redis: it says
+    so in its log and stops all the same (its pub/sub connection too); other nodes take
+    over after its TTL."""
+    client = await library.connect(redis_url)
+    node = Broker(client, heartbeat=0.2, node_ttl=1.0)
+    await node.start()
+    await read_only(True)
+    caplog.set_level(logging.WARNING, logger="gateway.broker")
+    await asyncio.wait_for(node.stop(), 10)
+    await client.aclose()
+    assert any("stops" in r.getMessage() for r in caplog.records)
+    assert node.events._task is not None and node.events._task.done()
