@@ -553,3 +553,52 @@ async def test_dmq_max_message_size_limits_an_amqp_published_payload(broker: Bro
     assert info.counters.get("rejected") == 1
     assert dmq.messages == 0, "the DMQ took a dead message over its max_message_size"
     assert info.counters.get("dmq_failed") == 1, info.counters
+
+
+DMQ_LIMIT = 1000
+
+
+def _amqp(dest: str, payload: bytes) -> Message:
+    msg = Message(
+        destination=dest, to_queue=True, payload=payload, dmq_eligible=True, subject="s" * 200
+    )
+    keep_bare(msg, b"\x00\x53\x75\xb0" + len(payload).to_bytes(4, "big") + payload)
+    assert msg.payload_in_bare is not None
+    return msg
+
+
+def _empty(dest: str) -> Message:
+    """An MQTT-style message with an empty payload and a large user property."""
+    return Message(
+        destination=dest,
+        to_queue=True,
+        payload=b"",
+        dmq_eligible=True,
+        user_properties=[("k", "v" * (2 * DMQ_LIMIT))],
+    )
+
+
+@pytest.mark.parametrize("make", [_amqp, _empty], ids=["amqp_payload_at_limit", "empty_payload"])
+async def test_dmq_takes_a_dead_message_a_publisher_may_send_it(broker: Broker, make) -> None:
+    """A DMQ's max_message_size limits a dead message's payload as the spool does: an AMQP
+    one at the limit (its headers and bare-message framing on top), an empty one with
+    large properties."""
+    await broker.declare_queue(QueueConfig(name="dmq", max_message_size=DMQ_LIMIT))
+    await broker.declare_queue(QueueConfig(name="q", dead_message_queue="dmq"))
+    payload = b"x" * DMQ_LIMIT
+    # a publisher may send this very message to the DMQ
+    assert (
+        await broker.publish(make("dmq", payload) if make is _amqp else make("dmq"))
+    ) is Outcome.OK
+    assert (await broker.publish(make("q", payload) if make is _amqp else make("q"))) is Outcome.OK
+    got: list[Delivery] = []
+    flow = await broker.bind("q", got.append)
+    await wait_for(lambda: len(got) == 1, timeout=5)
+    flow.reject(got[0].entry_id)
+    await flow.close()
+    info = await broker.queues.info("q")
+    assert info.counters.get("rejected") == 1
+    assert info.counters.get("dmq_failed", 0) == 0, (
+        f"the DMQ refused a dead message it takes from a publisher: {info.counters}"
+    )
+    assert (await broker.queues.info("dmq")).messages == 2

@@ -358,6 +358,7 @@ async def test_keys_module_names_every_key(redis_url: str, broker: Broker) -> No
         keys.queues,
         keys.seq,
         keys.nodes,
+        keys.liveness,
         keys.sub_version,
         keys.queue_config("q"),
         keys.queue_stream("q"),

@@ -5,18 +5,23 @@ bound), and a restart longer than the nodes' liveness TTL (no live node is presu
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import pytest
 import redis
+import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from gateway.broker import Broker
 from gateway.engine import keys, library
 from gateway.engine.queues import QueueConfig
 from gateway.model import Delivery, Outcome
+from protocols.mqtt.codec import Connack, Connect
+from protocols.mqtt.listener import start
 from tests.redis_proxy import CuttingProxy
 from tests.test_engine import second_node, to_queue, wait_for  # noqa: F401
+from tests.test_mqtt_protocol import Raw, settings
 
 
 @pytest.fixture
@@ -182,3 +187,199 @@ async def test_a_flow_bound_while_an_older_answer_comes_is_not_taken_for_lost(
     await wait_for(lambda: len(got) == 10, timeout=5)
     assert flow.id == first_id
     assert (await node.queues.info(kind)).flows == [first_id]
+
+
+async def _restart_redis(redis_server, down: float) -> None:
+    redis_server.stop()
+    await asyncio.sleep(down)
+    await asyncio.to_thread(redis_server.start)
+
+
+@pytest.mark.parametrize("kind", ["exclusive", "partitioned"])
+async def test_redis_restart_first_node_back_releases_no_live_nodes_flow(
+    redis_server,
+    broker: Broker,
+    second_node: Broker,  # noqa: F811
+    kind: str,
+) -> None:
+    """After Redis was out of touch for longer than the TTL, the first node back does not
+    release, through its lease checks or rebalances, the flow of a live node whose beats
+    come back a little later (its unsettled messages would go to another consumer)."""
+    a, b = broker, second_node
+    if kind == "exclusive":
+        await a.queues.create(QueueConfig(name="x", access_type="exclusive"))
+    else:
+        await a.queues.create(
+            QueueConfig(name="x", partition_count=1, partition_rebalance_delay_ms=0)
+        )
+    for i in range(6):
+        assert await a.publish(to_queue("x", b"%d" % i, partition_key=f"k{i}")) is Outcome.OK
+    got_b: list[Delivery] = []
+    fb = await b.bind("x", got_b.append, window=100, credit=6)  # holds them, unsettled
+    await wait_for(lambda: len(got_b) == 6, timeout=5)
+    got_a: list[Delivery] = []
+    fa = await a.bind(
+        "x", got_a.append, window=100
+    )  # exclusive standby / a partitioned flow without a partition
+    await asyncio.sleep(0.6)
+    b_id = fb.id
+    assert got_a == []
+    # node B's beats come back a little later than node A's (well within one TTL)
+    b.liveness._task.cancel()
+    await _restart_redis(redis_server, 1.6)  # down for longer than the TTL (1 s)
+    await asyncio.sleep(0.7)  # node A beats again first
+    b.liveness._task = asyncio.get_running_loop().create_task(b.liveness._run())
+    await asyncio.sleep(1.5)
+    info = await a.queues.info("x")
+    assert fb.id == b_id and not got_a, (
+        f"node B's flow was released while B was alive (first node back judged it dead): "
+        f"B's flow {b_id} -> {fb.id}; A got {[d.message.payload for d in got_a]} which B "
+        f"still holds unsettled; bound now {info.flows}; A's flow {fa.id}"
+    )
+
+
+async def test_a_node_starting_right_after_a_redis_outage_reaps_no_live_node(
+    redis_server,
+    redis_url: str,
+    broker: Broker,
+    second_node: Broker,  # noqa: F811
+) -> None:
+    """A node starting just after Redis was out of touch for longer than the TTL (a gateway
+    restarted by its supervisor, a scale-out) reaps no live node whose key expired during
+    the outage."""
+    temps = {}
+    for name, node in (("one", broker), ("two", second_node)):
+        q = await node.create_temporary_queue(owner="u")
+        assert await node.publish(to_queue(q, b"stored for " + name.encode())) is Outcome.OK
+        temps[name] = q
+    for node in (broker, second_node):  # both come back a little after the third starts
+        node.liveness._task.cancel()
+    await _restart_redis(redis_server, 1.6)
+    client = await library.connect(redis_url)
+    third = Broker(client, heartbeat=0.2, node_ttl=1.0)
+    await third.start()
+    try:
+        await asyncio.sleep(0.3)
+        for node in (broker, second_node):
+            node.liveness._task = asyncio.get_running_loop().create_task(node.liveness._run())
+        await asyncio.sleep(1.0)
+        missing = [name for name, q in temps.items() if not await third.queues.exists(q)]
+        assert not missing, (
+            f"temporary queues of live node(s) {missing} were deleted with their stored "
+            f"messages by a node that started after the outage (reaped {third.liveness.reaped})"
+        )
+    finally:
+        await third.stop()
+        await client.aclose()
+
+
+async def test_redis_stalled_longer_than_the_ttl_reaps_no_live_node(
+    redis_url: str,
+    broker: Broker,
+    second_node: Broker,  # noqa: F811
+) -> None:
+    """Redis itself stalls (a slow script, fork or disk) for longer than the TTL: every key
+    expires meanwhile, yet no live node is reaped once it runs again."""
+    temps = {}
+    for name, node in (("one", broker), ("two", second_node)):
+        q = await node.create_temporary_queue(owner="u")
+        assert await node.publish(to_queue(q, b"stored for " + name.encode())) is Outcome.OK
+        temps[name] = q
+    await asyncio.sleep(0.3)
+    stall = aioredis.Redis.from_url(redis_url)
+    script = (
+        "local t = redis.call('TIME'); local s = t[1] * 1000 + math.floor(t[2] / 1000) "
+        "while true do t = redis.call('TIME') "
+        "if t[1] * 1000 + math.floor(t[2] / 1000) - s > 1500 then return 1 end end"
+    )
+    try:
+        await stall.eval(script, 0)  # Redis busy for 1.5 s (the TTL is 1 s)
+        await asyncio.sleep(1.0)
+        missing = [name for name, q in temps.items() if not await broker.queues.exists(q)]
+        reaped = (broker.liveness.reaped, second_node.liveness.reaped)
+        assert not missing, (
+            f"temporary queues of live node(s) {missing} were deleted with their stored "
+            f"messages after Redis stalled for longer than the TTL (reaped {reaped})"
+        )
+    finally:
+        await stall.aclose()
+
+
+async def test_a_node_dead_long_before_a_restart_is_not_presumed_alive(redis_url: str) -> None:
+    """The only gateway node crashed with an MQTT client connected; the gateway is back a
+    few TTLs later (Redis never went away). While no node can be judged dead (see
+    node_alive in functions.lua), the reconnecting client does not wait HANDOVER_TIMEOUT
+    (15 s) for a teardown from the crashed node that never comes."""
+    # the crashed node, as it was (same calls the node makes)
+    old_client = await library.connect(redis_url)
+    old = Broker(old_client, heartbeat=0.2, node_ttl=1.0)
+    await old.start()
+    await old.claim_client("c1", lambda: None)
+    old.liveness._task.cancel()  # crash: no more beats, no clean shutdown
+    await asyncio.sleep(0.05)
+    dead_id = old.node_id
+    # down 2 TTLs: its liveness key expired; Redis kept running
+    await asyncio.sleep(2.0)
+    r = aioredis.Redis.from_url(redis_url)
+    assert not await r.exists(keys.node_alive(dead_id))
+    await r.aclose()
+    client = await library.connect(redis_url)
+    node = Broker(client, heartbeat=0.2, node_ttl=1.0)
+    await node.start()
+    listener = await start(node, settings())
+    try:
+        t0 = time.monotonic()
+        raw = await Raw.open(listener.port)
+        await raw.send(Connect(protocol_level=4, client_id="c1", clean_start=False))
+        try:
+            ack = await raw.recv(timeout=4.0)
+        except TimeoutError:
+            ack = None
+        waited = time.monotonic() - t0
+        raw.close()
+        assert isinstance(ack, Connack), (
+            f"CONNACK not within 4 s ({waited:.1f} s): the new node waits for a handover "
+            f"from node {dead_id}, dead for 2 TTLs"
+        )
+    finally:
+        await listener.close()
+        await node.stop()
+        await client.aclose()
+        await old_client.aclose()
+
+
+@pytest.mark.parametrize("kind", ["exclusive", "partitioned"])
+async def test_a_flow_being_bound_again_is_not_judged_by_an_older_answer(
+    proxy: CuttingProxy, node: Broker, kind: str
+) -> None:
+    """A flow taken for lost binds again under a new id: a lease or partition-map answer
+    asked before that bind ran does not know the new id, and is no sign it was released
+    (it took the flow for lost once more: another unbind, another id, another rebind)."""
+    options = {
+        "partitioned": {"partition_count": 2},
+        "exclusive": {"access_type": "exclusive"},
+    }
+    await node.queues.create(QueueConfig(name=kind, **options[kind]))
+    got: list[Delivery] = []
+    flow = await node.bind(kind, got.append, window=100)
+    await asyncio.sleep(0.5)
+    d = node.dispatcher
+    # a lease / map read goes; Redis answers it at once, the answer is slow to come back
+    proxy.delay_on = b"gw_lease" if kind == "exclusive" else b"gw_partitions"
+    proxy.delay = 0.4
+    read = asyncio.ensure_future(
+        d.check_lease(kind) if kind == "exclusive" else d.refresh_partitions(kind)
+    )
+    await asyncio.sleep(0.1)
+    # meanwhile the flow is lost (e.g. a fetch's answer lost with its connection) and
+    # binds again; that bind runs in Redis now, its answer comes after the read's
+    proxy.delay_on, proxy.delay = b"gw_bind", 0.8
+    d._lost(flow, "lost a fetch's answer")
+    second_id = flow.id
+    await read
+    await asyncio.sleep(1.5)
+    info = await node.queues.info(kind)
+    assert flow.id == second_id, (
+        f"an answer asked before the rebind ran took the rebinding flow for lost again: "
+        f"{second_id} -> {flow.id}; bound {info.flows}"
+    )

@@ -152,7 +152,8 @@ class Flow:
         self.parts: dict[int, str] = {}  # partition index -> fence, while this flow owns it
         self.idle: set[int] = set()  # owned partitions found empty since the last wake-up
         self.wakes = 0  # wake-ups so far: a fetch sent before the last one finds no idleness
-        self.registered = 0  # when its bind was last answered (Dispatcher._registrations)
+        # when its bind was last answered (Dispatcher._registrations); inf while it binds again
+        self.registered: float = 0
         self.turns = 0  # fetches of its partitions so far: which partition goes first
         self.window = window
         self.credit = credit
@@ -1087,6 +1088,7 @@ class Dispatcher:
         (a lost fetch's answer), nobody would own what it holds."""
         log.warning("flow %s %s; rebinding", flow.id, why)
         self._unbind_unknown(flow)
+        flow.registered = float("inf")  # no answer asked before its new bind judges it
         flow.unacked.clear()
         flow.parts.clear()
         flow.id = self._flow_id(flow.id.partition(".")[2].startswith("g"))

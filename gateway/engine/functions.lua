@@ -446,9 +446,16 @@ delete_queue = function(q)
   return 1
 end
 
--- Whether node n counts as alive: its liveness key lives.
+-- Whether node n counts as alive: its liveness key lives, or liveness cannot be judged now.
+-- When no node beat for longer than a TTL, Redis itself was out of touch (restarted: the
+-- keys expired meanwhile; stalled; refusing writes; unreachable), or every node stopped:
+-- every live node lost its key alike, so each gets one TTL from the first beat after that
+-- to beat again (gw_node_up). A node that really died is presumed dead that much later.
 local function node_alive(n)
-  return redis.call('EXISTS', k_node_alive(n)) == 1
+  if redis.call('EXISTS', k_node_alive(n)) == 1 then return true end
+  if redis.call('EXISTS', K_LIVENESS_GRACE) == 1 then return true end
+  local last = redis.call('HMGET', K_LIVENESS, 't', 'ttl')
+  return last[1] ~= false and now_ms() - tonumber(last[1]) > tonumber(last[2])
 end
 
 -- Forget a node: return its flows' messages, delete the temporary queues it owned.
@@ -601,6 +608,28 @@ local function msgpack_value(blob, pos)
   return nil
 end
 
+-- Where the msgpack value at `pos` ends, arrays and maps too (a message's user properties,
+-- annotations, publisher); nil for another kind, past the end or nested too deep.
+local function msgpack_skip(blob, pos, depth)
+  local after = msgpack_value(blob, pos)
+  if after then return after end
+  local b = string.byte(blob, pos)
+  if not b or depth > 8 then return nil end
+  local n, head
+  if b >= 0x90 and b <= 0x9f then n, head = b - 0x90, 1
+  elseif b >= 0x80 and b <= 0x8f then n, head = 2 * (b - 0x80), 1
+  elseif b == 0xdc or b == 0xde then n, head = be(blob, pos + 1, 2), 3
+  elseif b == 0xdd or b == 0xdf then n, head = be(blob, pos + 1, 4), 5
+  else return nil end
+  if b >= 0xde then n = 2 * n end
+  pos = pos + head
+  for _ = 1, n do
+    pos = msgpack_skip(blob, pos, depth + 1)
+    if not pos then return nil end
+  end
+  return pos
+end
+
 -- Flags (bit 16: DMQ eligibility set, bit 2 its value), priority (default 4), the
 -- payload's size (what a queue's max_message_size limits: gw_spool's `size`) and the
 -- partition key (nil without one) of a message's blob.
@@ -609,21 +638,29 @@ local function message_fields(blob)
   local b = string.byte(blob, pos)
   if b and b >= 0x90 and b <= 0x9f then pos = pos + 1 elseif b == 0xdc then pos = pos + 3
   elseif b == 0xdd then pos = pos + 5 else return 0, 4, #blob, nil end
-  local starts, data = {}, {}
-  for field = 1, 7 do
-    local after, at = msgpack_value(blob, pos)
+  local starts = {}
+  for field = 1, 19 do  -- ... 18: the AMQP bare message, 19: where the payload starts in it
+    local after = msgpack_skip(blob, pos, 0)
     if not after then break end
-    starts[field], data[field], pos = pos, at, after
+    starts[field], pos = pos, after
     starts[field + 1] = after
+  end
+  local function data(field)  -- where the field's bytes start (after its header)
+    local _, at = msgpack_value(blob, starts[field])
+    return at
   end
   local flags = starts[5] and string.byte(blob, starts[5]) or 0
   local priority = starts[6] and string.byte(blob, starts[6])
-  -- an AMQP message kept whole (payload_in_bare) has its payload in the bare message: the
-  -- blob's size stands in for it
-  local payload = starts[3] and starts[3] > data[2] and starts[3] - data[2] or #blob
+  local payload = starts[3] and starts[3] - data(2) or #blob
+  local pib = starts[20] and string.byte(blob, starts[19])
+  if payload == 0 and pib and pib ~= 0xc0 then  -- kept whole: the payload is the bare's tail
+    local at = data(19)
+    local offset = pib < 0x80 and pib or be(blob, at, starts[20] - at)
+    payload = starts[19] - data(18) - offset
+  end
   local key = nil
   local kb = starts[7] and string.byte(blob, starts[7])
-  if kb and kb ~= 0xc0 then key = string.sub(blob, data[7], starts[8] - 1) end
+  if kb and kb ~= 0xc0 then key = string.sub(blob, data(7), starts[8] - 1) end
   return flags < 0x80 and flags or 0, (priority and priority < 10) and priority or 4, payload,
     key
 end
@@ -1950,6 +1987,11 @@ end)
 
 -- ARGV: node, ttl_ms. Registers a node and its liveness key.
 register_always('gw_node_up', function(_, a)
+  local now, last = now_ms(), redis.call('HMGET', K_LIVENESS, 't', 'ttl')
+  if last[1] and now - tonumber(last[1]) > tonumber(last[2]) then  -- see node_alive
+    redis.call('SET', K_LIVENESS_GRACE, '1', 'PX', a[2])
+  end
+  redis.call('HSET', K_LIVENESS, 't', now, 'ttl', a[2])
   redis.call('SADD', K_NODES, a[1])
   redis.call('SET', k_node_alive(a[1]), '1', 'PX', a[2])
   return 1
@@ -2011,7 +2053,9 @@ register_always('gw_claim', function(k, a)
   redis.call('EXPIRE', k[1], CLAIMS_TTL)
   if before then
     local node = string.match(before, '^(%S+) ')
-    if node == a[1] or not node_alive(node) then before = false end
+    -- the key itself: a connection does not wait ~15 s for a handover from a node counted
+    -- alive only for want of judging (see node_alive), e.g. a lone node's crashed self
+    if node == a[1] or redis.call('EXISTS', k_node_alive(node)) == 0 then before = false end
   end
   return { claim, before or false }
 end)
@@ -2186,13 +2230,11 @@ local function expire_waiting(q, now)
   end
 end
 
--- ARGV: 1 to reap every node whose liveness key expired, 0 not to (the caller was out of
--- touch itself: see leases.py). Returns the number of flows released. Also trims the
--- queues that stream readers hold open (see trim_read_queue) and sweeps timed and expired
--- entries.
-register_always('gw_reap', function(_, a)
+-- Reap every node whose liveness key expired. Returns the number of flows released.
+-- Also trims the queues that stream readers hold open (see trim_read_queue).
+register_always('gw_reap', function(_, _)
   local released = 0
-  for _, n in ipairs(a[1] == '1' and redis.call('SMEMBERS', K_NODES) or {}) do
+  for _, n in ipairs(redis.call('SMEMBERS', K_NODES)) do
     if not node_alive(n) then released = released + reap_node(n) end
   end
   for _, q in ipairs(redis.call('SMEMBERS', K_READ_QUEUES)) do trim_read_queue(q) end

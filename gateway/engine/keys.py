@@ -57,6 +57,9 @@ TEMPLATES: dict[str, str] = {
     "direct_nodes": f"{PREFIX}:directnodes",
     "direct_channel": f"{PREFIX}:direct",
     "node_alive": f"{PREFIX}:node:{{n}}",
+    # the last heartbeat of any node: "t" (epoch ms) and that node's "ttl" (ms)
+    "liveness": f"{PREFIX}:nodes:liveness",
+    "liveness_grace": f"{PREFIX}:nodes:grace",  # while it lives, no node is presumed dead
     "node_queues": f"{PREFIX}:node:{{n}}:queues",
     "sink_batches": f"{PREFIX}:sink:{{s}}:batches",
     "client_state": f"{PREFIX}:client:{{c}}",
@@ -76,6 +79,8 @@ def _node_key(name: str, n: str) -> str:
 queues = TEMPLATES["queues"]
 seq = TEMPLATES["seq"]
 nodes = TEMPLATES["nodes"]
+liveness = TEMPLATES["liveness"]
+liveness_grace = TEMPLATES["liveness_grace"]
 events = TEMPLATES["events"]
 sub_version = TEMPLATES["sub_version"]
 retained = TEMPLATES["retained"]

@@ -4,9 +4,6 @@ Each node keeps a liveness key with a short TTL. Every node periodically reaps n
 key expired: their flows' unacked messages return to their queues and their temporary
 queues are deleted, all in one function call. Exclusive-queue leases are checked at the same
 pace, so a standby on another node takes over within about one TTL of the holder dying.
-A node whose beats stopped for longer than the TTL (Redis restarted, refused writes or was
-unreachable; the node stalled) reaps no one for one TTL after it beats again: the others
-were cut off alike and their keys expired too, and they get that long to beat again.
 """
 
 from __future__ import annotations
@@ -47,8 +44,6 @@ class NodeLiveness:
         self.ttl_ms = int(ttl * 1000)
         self._task: asyncio.Task | None = None
         self.reaped = 0
-        self._last_beat = -float("inf")  # loop time of the last beat Redis took
-        self._steady_since = -float("inf")  # since then every beat came within a TTL
 
     async def start(self) -> None:
         await self._redis.fcall("gw_node_up", 0, self.node_id, self.ttl_ms)
@@ -65,18 +60,13 @@ class NodeLiveness:
 
     async def beat(self) -> None:
         """Refresh our liveness, release dead nodes' flows, re-check standby leases."""
-        now = asyncio.get_running_loop().time()
-        ttl = self.ttl_ms / 1000
-        if now - self._last_beat > ttl and self._last_beat > -float("inf"):
-            self._steady_since = now  # out of touch: see the module docstring
         pipe = self._redis.pipeline(transaction=False)
         pipe.fcall("gw_node_up", 0, self.node_id, self.ttl_ms)  # it runs while Redis is full
-        pipe.fcall("gw_reap", 0, 1 if now - self._steady_since >= ttl else 0)
+        pipe.fcall("gw_reap", 0)
         replies = await pipe.execute(raise_on_error=False)
         for reply in replies:  # Redis's own error: redis-py 6.4 garbles the one it raises
             if isinstance(reply, Exception):
                 raise reply
-        self._last_beat = now
         released = replies[1]
         if released:
             self.reaped += int(released)
