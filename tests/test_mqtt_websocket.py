@@ -33,6 +33,7 @@ from protocols.mqtt.codec import (
     encode_publish,
 )
 from protocols.mqtt.listener import Listener, start
+from protocols.mqtt.session import Session
 from protocols.mqtt.websocket import BINARY, CLOSE, CONTINUATION, PING, PONG, TEXT, accept_key
 from tests.test_engine import wait_for
 from tests.test_mqtt_protocol import Raw
@@ -344,3 +345,36 @@ async def test_session_of_a_failed_websocket_sends_nothing_into_the_void(
         assert not got.dup, "never reached the client, yet DUP=1 (its delivery was counted)"
     finally:
         raw.close()
+
+
+async def test_closing_session_does_not_fetch_and_release_in_a_loop(
+    broker: Broker, mqtt: Listener, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session the server ends (here a second CONNECT) fetches nothing more while its
+    socket waits for the client's answer to the close frame: what it gives back is not
+    fetched again and again (one message went round 1,481 times in 0.6 s)."""
+    given_back: list[str | None] = []
+    original = Session._give_back
+
+    def counting(self: Session, queue, entry_id) -> None:
+        given_back.append(entry_id)
+        original(self, queue, entry_id)
+
+    monkeypatch.setattr(Session, "_give_back", counting)
+    client, _ = await RawClient.upgrade(mqtt)
+    client.send(BINARY, encode(Connect(protocol_level=4, clean_start=False, client_id="loop"), 4))
+    assert (await client.receive())[0] == BINARY  # CONNACK
+    client.send(BINARY, encode(Subscribe(1, [("lp/#", SubscriptionOptions(qos=1))]), 4))
+    assert (await client.receive())[0] == BINARY  # SUBACK
+    # a second CONNECT: the server fails the session; the socket waits (1 s) for the
+    # client's answer to its close frame, which this client does not send
+    client.send(BINARY, encode(Connect(protocol_level=4, clean_start=False, client_id="loop"), 4))
+    await client.writer.drain()
+    assert (await client.receive())[0] == CLOSE
+    delivered = broker.dispatcher.delivered
+    await broker.publish(Message(destination="lp/1", payload=b"x"))
+    await asyncio.sleep(0.6)
+    fetched = broker.dispatcher.delivered - delivered
+    client.writer.transport.abort()
+    # one message: fetched once (and given back once), not over and over
+    assert fetched <= 2 and len(given_back) <= 2, (fetched, len(given_back))

@@ -1040,6 +1040,8 @@ class Session:
         self.registry.save_soon(self)
 
     def _resize_windows(self) -> None:
+        if self.closing:  # they stay shut (see _closing)
+            return
         for queue, flow in self._flows.items():
             flow.set_window(self._flow_window(queue))
 
@@ -1324,7 +1326,7 @@ class Session:
 
     def close(self) -> None:
         if not self.closing:
-            self.closing = True
+            self._closing()
             self.link.close()
 
     def take_over(self) -> None:
@@ -1339,13 +1341,18 @@ class Session:
     def connection_lost(self) -> None:
         """The transport is gone: release flows and subscriptions, then the registry decides
         about the will and the session's lifetime."""
-        self.closing = True
+        self._closing()
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        for flow in self._flows.values():  # nothing more to send: fetch no more
-            flow.set_window(0)
         self.registry.spawn(self._teardown())
+
+    def _closing(self) -> None:
+        """Nothing more goes to the client: the flows fetch no more (what they still hand
+        over is given back, see `_deliver`)."""
+        self.closing = True
+        for flow in self._flows.values():
+            flow.set_window(0)
 
     async def _teardown(self) -> None:
         try:
