@@ -7,8 +7,9 @@ import asyncio
 import pytest
 
 from gateway.broker import BindError, Broker
+from gateway.engine import keys
 from gateway.engine.keys import partition_queue, priority_queue
-from gateway.engine.queues import DEAD_MESSAGE_QUEUE, QueueConfig, QueueError
+from gateway.engine.queues import DEAD_MESSAGE_QUEUE, QueueConfig, QueueError, stream_queues
 from gateway.model import Delivery, Message, Outcome
 from tests.test_engine import wait_for
 
@@ -150,3 +151,33 @@ async def test_a_priority_queue_is_never_a_last_value_queue(broker: Broker) -> N
     with pytest.raises(QueueError, match="last value queue"):
         await broker.update_queue("p", {"max_spool_bytes": 0})
     assert (await broker.queues.config("p")).max_spool_bytes != 0
+
+
+async def test_forget_reader_of_a_priority_queue_drops_its_level_registrations(
+    broker: Broker,
+) -> None:
+    """A Spark reader of a priority queue registers on its levels' streams: forgetting it
+    (DELETE /api/v1/queues/{name}/readers/{reader}) drops every registration, or the
+    levels keep acked entries for it for ever."""
+    await broker.declare_queue(QueueConfig(name="prio", priorities=True))
+    # what gateway.spark.source.StreamReader._register does for a priority queue
+    levels = [q for _, q in stream_queues("prio", 0, True)]
+    for queue in levels:
+        await broker.redis.fcall("gw_reader_at", 0, queue, "retired", "0-0", 1)
+
+    msg = Message(destination="prio", payload=b"p", to_queue=True, priority=4)
+    assert await broker.publish(msg) is Outcome.OK
+    got: list[Delivery] = []
+    flow = await broker.bind("prio", got.append)
+    await wait_for(lambda: len(got) == 1)
+    flow.ack(got[0].entry_id)
+    await flow.close()
+
+    forgotten = await broker.queues.forget_reader("prio", "retired")
+    still = [q for q in levels if await broker.redis.hexists(keys.queue_readers(q), "retired")]
+    level4 = keys.queue_stream(keys.priority_queue("prio", 4))
+    await asyncio.sleep(0.1)
+    assert forgotten == len(levels) and not still, (
+        f"forget_reader dropped {forgotten} registrations; still registered on {len(still)} "
+        f"levels, which keep acked entries ({await broker.redis.xlen(level4)} in level 4)"
+    )

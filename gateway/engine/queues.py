@@ -653,7 +653,7 @@ class QueueStore:
         retention stops holding settled messages. Returns the streams it was registered on."""
         config = await self.config(name)
         dropped = 0
-        for _, queue in stream_queues(name, config.partition_count):
+        for _, queue in stream_queues(name, config.partition_count, config.priorities):
             dropped += await self._redis.fcall("gw_forget_reader", 0, queue, reader)
         return dropped
 

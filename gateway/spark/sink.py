@@ -4,11 +4,12 @@ Going through `Broker.publish_nowait` (not a raw XADD) means quotas, routing and
 subscriptions apply exactly as for a protocol client. Replays are idempotent: markers in
 `keys.sink_batches(sink)` record each (batch, Spark partition) once its messages are
 spooled, and, for batch writes, the whole batch once the driver commits it; a task that
-finds its batch's marker publishes nothing, and a streaming one its partition's too (a
-micro-batch replays as it ran). A batch write replayed after it failed part-way may
-partition differently: it publishes every row again (duplicates, never a loss). Message
-ids are deterministic and go out as the AMQP message-id, so a crash between spool and
-marker leaves duplicates a consumer can recognise.
+finds either marker publishes nothing. A streaming micro-batch replays as it ran, so its
+partition markers hold across runs; a batch write replayed after it failed part-way may
+partition differently, so its partition markers (and the message ids of rows without an
+`id` column) belong to one attempt: the replay publishes every row again (duplicates,
+never a loss). Message ids go out as the AMQP message-id: a task retried within a write,
+and every copy of a row with an `id` column, carry the same one.
 
 Row columns: ``payload`` (binary or string, required); optional ``partition_key``,
 ``properties`` (map of user properties), ``content_type``, ``correlation_id`` and ``id``
@@ -121,14 +122,13 @@ class RowMapper:
 
 
 async def publish(
-    opts: SinkOptions, batch: str, marker: str, messages: Iterable[Message], replays_alike: bool
+    opts: SinkOptions, batch: str, marker: str, messages: Iterable[Message]
 ) -> SinkCommit:
-    """Spool `messages` through a Broker unless the batch is done, or, when a replay of
-    the batch partitions as it did (`replays_alike`), this partition."""
+    """Spool `messages` through a Broker unless the batch or this partition is done."""
     client = await library.connect(opts.redis_url, replace=False)
     marks = keys.sink_batches(opts.sink_name)
     try:
-        if any(await client.smismember(marks, [batch, marker] if replays_alike else [batch])):
+        if any(await client.smismember(marks, [batch, marker])):
             return SinkCommit(marker, 0, True)
         broker = Broker(client)
         await broker.start()
@@ -155,18 +155,19 @@ async def publish(
 
 
 def write_partition(
-    opts: SinkOptions, mapper: RowMapper, batch: str, rows: Iterator[Row], replays_alike: bool
+    opts: SinkOptions, mapper: RowMapper, batch: str, attempt: str, rows: Iterator[Row]
 ) -> SinkCommit:
-    """Runs on an executor: one event loop, one client and one Broker per task."""
+    """Runs on an executor: one event loop, one client and one Broker per task. `attempt`
+    names what the partition markers hold for (see the module docstring)."""
     ctx = TaskContext.get()
     partition = ctx.partitionId() if ctx is not None else 0
-    marker = f"{batch}:{partition}"
+    marker = f"{attempt}:{partition}"
     rows = iter(rows)
     first = next(rows, None)
     if first is None:  # stateful queries run many empty tasks: no client, no Broker
         return SinkCommit(marker, 0, False)
     messages = (mapper.message(row, marker, i) for i, row in enumerate(chain([first], rows)))
-    return asyncio.run(publish(opts, batch, marker, messages, replays_alike))
+    return asyncio.run(publish(opts, batch, marker, messages))
 
 
 def _report(opts: SinkOptions, messages: list[WriterCommitMessage | None], batch: str) -> None:
@@ -187,9 +188,10 @@ class BatchWriter(DataSourceWriter):
         self.opts = opts
         self.mapper = RowMapper(opts, schema)
         self.batch = opts.batch_id or uuid.uuid4().hex
+        self.attempt = f"{self.batch}/{uuid.uuid4().hex}"  # this write, not a replay of it
 
     def write(self, iterator: Iterator[Row]) -> SinkCommit:
-        return write_partition(self.opts, self.mapper, self.batch, iterator, False)
+        return write_partition(self.opts, self.mapper, self.batch, self.attempt, iterator)
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
         client = redis.Redis.from_url(self.opts.redis_url)
@@ -216,7 +218,7 @@ class StreamWriter(DataSourceStreamWriter):
         batch = (
             f"{ctx.getLocalProperty(QUERY_ID_PROPERTY)}/{ctx.getLocalProperty(BATCH_ID_PROPERTY)}"
         )
-        return write_partition(self.opts, self.mapper, batch, iterator, True)
+        return write_partition(self.opts, self.mapper, batch, batch, iterator)
 
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         _report(self.opts, messages, str(batchId))

@@ -58,7 +58,6 @@ ARROW_SCHEMA = pa.schema(
 )
 PAGE = 5000  # XRANGE COUNT per round trip
 ZERO = "0-0"
-DELETED_BEFORE = "~deleted"  # offsets' key of no stream (see StreamReader.initialOffset)
 
 StreamId = tuple[int, int]
 
@@ -140,22 +139,18 @@ class StreamInfo:
         )
 
 
-def lost_range(
-    client: redis.Redis, queue: str, start: StreamId, deleted_before: StreamId = (0, 0)
-) -> str | None:
+def lost_range(client: redis.Redis, queue: str, start: StreamId) -> str | None:
     """Why entries after `start` are gone, or None when nothing a reader needed was removed.
 
     XDEL moves `max-deleted-entry-id`; XTRIM only moves the first entry. A trim is loss when
     `start` itself was trimmed (the engine keeps a reader's committed entry) or when the
-    stream is empty although entries after `start` were added. `deleted_before`: the
-    stream's max-deleted-entry-id when a query from earliest started (deletions then were
-    acks before it existed, not its loss).
+    stream is empty although entries after `start` were added.
     """
     if start == (0, 0):
         return None
     info = StreamInfo.fetch(client, queue)
     at = format_id(start)
-    if info.max_deleted > start and info.max_deleted > deleted_before:
+    if info.max_deleted > start:
         deleted = format_id(info.max_deleted)
         return f"entries after {at} were deleted (max-deleted-entry-id {deleted})"
     if info.length == 0:
@@ -171,15 +166,9 @@ def lost_range(
     return None
 
 
-def check_loss(
-    client: redis.Redis,
-    opts: Options,
-    queue: str,
-    start: StreamId,
-    deleted_before: StreamId = (0, 0),
-) -> None:
+def check_loss(client: redis.Redis, opts: Options, queue: str, start: StreamId) -> None:
     """Raise (failOnDataLoss) or warn when the range after `start` lost entries."""
-    reason = lost_range(client, queue, start, deleted_before)
+    reason = lost_range(client, queue, start)
     if reason is None:
         return
     message = f"data loss in queue {opts.queue!r} stream {queue!r}: {reason}"
@@ -211,6 +200,9 @@ def properties(msg: Message) -> dict[str, str | None]:
         out[str(name)] = _text(value)
     for name, value in msg.user_properties:
         out[name] = _text(value)
+    for name in (ORIGIN_QUEUE, DEAD_LETTER_REASON):  # the engine's word, not a publisher's
+        if name in msg.annotations:
+            out[name] = _text(msg.annotations[name])
     return out
 
 
@@ -382,16 +374,6 @@ class BatchReader(DataSourceReader):
         return read_range(self.opts, partition)
 
 
-def streams_of(offsets: dict) -> dict[str, str]:
-    """An offset's start or end id per stream."""
-    return {q: sid for q, sid in offsets.items() if q != DELETED_BEFORE}
-
-
-def deleted_before_of(offsets: dict) -> dict:
-    """An offset's DELETED_BEFORE entry, as the next offset carries it on."""
-    return {DELETED_BEFORE: offsets[DELETED_BEFORE]} if DELETED_BEFORE in offsets else {}
-
-
 class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     """Micro-batches over id ranges; commits record the reader's position for retention."""
 
@@ -415,15 +397,7 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return self._client
 
     def initialOffset(self) -> dict:
-        """Start ids per stream; from earliest or latest (not a chosen position) also each
-        stream's max-deleted-entry-id now, under DELETED_BEFORE, kept in every offset so a
-        restart from the checkpoint still knows what was deleted before the query began."""
-        starts, explicit = starting_offsets(self.client, self.opts)
-        if not explicit:
-            starts[DELETED_BEFORE] = {
-                q: format_id(StreamInfo.fetch(self.client, q).max_deleted) for q in starts
-            }
-        return starts
+        return starting_offsets(self.client, self.opts)[0]
 
     def getDefaultReadLimit(self) -> ReadLimit:
         if self.opts.max_entries is None:
@@ -439,8 +413,6 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
         self._register(start)
         ends: dict[str, StreamId] = {}
-        carried = deleted_before_of(start)
-        start = streams_of(start)
         for _, queue in queue_streams(self.client, self.opts.queue):
             end = StreamInfo.fetch(self.client, queue).last_generated
             if self._target is not None:
@@ -448,8 +420,7 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             ends[queue] = max(end, parse_id(start.get(queue, ZERO)))
         if isinstance(limit, ReadMaxRows):
             self._cap(start, ends, limit.max_rows)
-        offsets: dict = {q: format_id(e) for q, e in ends.items()}
-        return offsets | carried
+        return {q: format_id(e) for q, e in ends.items()}
 
     def _cap(self, start: dict, ends: dict[str, StreamId], max_rows: int) -> None:
         """Share `max_rows` among streams with new entries; move their ends back to fit."""
@@ -472,12 +443,11 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def partitions(self, start: dict, end: dict) -> Sequence[InputPartition]:
         out = []
         streams = dict((q, p) for p, q in queue_streams(self.client, self.opts.queue))
-        deleted = start.get(DELETED_BEFORE, {})
-        for queue, last in streams_of(end).items():
+        for queue, last in end.items():
             low = parse_id(start.get(queue, ZERO))
             if parse_id(last) <= low or queue not in streams:
                 continue
-            check_loss(self.client, self.opts, queue, low, parse_id(deleted.get(queue, ZERO)))
+            check_loss(self.client, self.opts, queue, low)
             out.append(StreamRange(streams[queue], queue, format_id(low), last))
         return out
 
@@ -489,7 +459,7 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         if self._registered or self.opts.reader_name is None:
             return
         pipe = self.client.pipeline(transaction=False)
-        for queue, sid in streams_of(start).items():  # a function: it runs while Redis is full
+        for queue, sid in start.items():  # a function: it runs while Redis is full
             pipe.fcall("gw_reader_at", 0, queue, self.opts.reader_name, sid, 1)
         pipe.execute()
         self._registered = True
@@ -498,7 +468,7 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         if self.opts.reader_name is None:
             return
         pipe = self.client.pipeline(transaction=False)
-        for queue, sid in streams_of(end).items():
+        for queue, sid in end.items():
             pipe.fcall("gw_reader_at", 0, queue, self.opts.reader_name, sid, 0)
         pipe.execute()
 
