@@ -25,7 +25,7 @@ from gateway.model import Delivery, Message, Outcome
 from protocols.amqp.listener import Listener as AmqpListener
 from protocols.mqtt.listener import Listener as MqttListener
 from tests.test_amqp_clients import TIMEOUT, send_outcome, url
-from tests.test_engine import wait_for
+from tests.test_engine import to_queue, wait_for
 from tests.test_mqtt_paho import V5, V311, Client
 from tests.test_spool_quota import eventually
 
@@ -272,3 +272,26 @@ async def test_a_node_stops_cleanly_while_redis_refuses_writes(
     await client.aclose()
     assert any("stops" in r.getMessage() for r in caplog.records)
     assert node.events._task is not None and node.events._task.done()
+
+
+async def test_a_standby_whose_rebind_was_refused_binds_again(
+    broker: Broker, read_only: ReadOnly
+) -> None:
+    """An exclusive queue's standby is taken for lost while Redis refuses writes (a
+    failover): its rebind, refused for now, is tried again, and the standby takes over
+    once the holder goes."""
+    await broker.queues.create(QueueConfig(name="x", access_type="exclusive"))
+    got_h: list[Delivery] = []
+    holder = await broker.bind("x", got_h.append, window=10)
+    got_s: list[Delivery] = []
+    standby = await broker.bind("x", got_s.append, window=10)
+    await asyncio.sleep(0.3)
+    assert holder.active and not standby.active
+    await read_only(True)
+    broker.dispatcher._lost(standby, "test: released while presumed dead")
+    await asyncio.sleep(0.3)  # the rebind is refused (READONLY)
+    await read_only(False)
+    await asyncio.sleep(1.0)  # several beats: lease checks of the standby queue
+    await holder.close()
+    assert await broker.publish(to_queue("x", b"m")) is Outcome.OK
+    await wait_for(lambda: len(got_s) == 1, timeout=5)

@@ -1104,7 +1104,15 @@ class Dispatcher:
                     flow.queue, QUEUE_DELETED if exc.code == "not_found" else str(exc)
                 )
                 return
-            except (RedisConnectionError, RedisTimeoutError) as exc:
+            except RedisError as exc:
+                if not isinstance(exc, (RedisConnectionError, RedisTimeoutError)) and not (
+                    refused_for_now(exc)
+                ):
+                    # not to be tried again: the next lease check or partition refresh
+                    # finds the id unbound and takes the flow for lost once more
+                    log.error("flow %s cannot bind again: %s", flow.id, exc)
+                    flow.registered = 0
+                    return
                 if flow.closed:  # a bind of its id may have run, its reply lost
                     self._unbind_unknown(flow)
                     return
