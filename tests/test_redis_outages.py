@@ -227,7 +227,7 @@ async def test_redis_restart_first_node_back_releases_no_live_nodes_flow(
     # node B's beats come back a little later than node A's (well within one TTL)
     b.liveness._task.cancel()
     await _restart_redis(redis_server, 1.6)  # down for longer than the TTL (1 s)
-    await asyncio.sleep(0.7)  # node A beats again first
+    await asyncio.sleep(0.3)  # node A beats again first (B within A's grace of one TTL)
     b.liveness._task = asyncio.get_running_loop().create_task(b.liveness._run())
     await asyncio.sleep(1.5)
     info = await a.queues.info("x")

@@ -117,6 +117,7 @@ class Flow:
         "held_timer",
         "id",
         "idle",
+        "lost_at",
         "on_closed",
         "on_deliver",
         "on_empty",
@@ -154,6 +155,7 @@ class Flow:
         self.wakes = 0  # wake-ups so far: a fetch sent before the last one finds no idleness
         # when its bind was last answered (Dispatcher._registrations); inf while it binds again
         self.registered: float = 0
+        self.lost_at = -REBIND_RETRY  # monotonic: when it was last taken for lost
         self.turns = 0  # fetches of its partitions so far: which partition goes first
         self.window = window
         self.credit = credit
@@ -293,6 +295,7 @@ class Dispatcher:
         # binds answered so far: a read of a queue's flows sent before a flow's bind was
         # answered may not have it (see Flow.registered)
         self._registrations = 0
+        self._rebinding: set[Flow] = set()  # a _rebind task of theirs runs
         self.flows: dict[str, list[Flow]] = {}
         self._want: dict[Flow, None] = {}
         self._fetching: set[Flow] = set()  # a fetch (or selection) of theirs is in flight
@@ -1092,13 +1095,38 @@ class Dispatcher:
         flow.unacked.clear()
         flow.parts.clear()
         flow.id = self._flow_id(flow.id.partition(".")[2].startswith("g"))
-        asyncio.get_running_loop().create_task(self._rebind(flow))
+        # lost again at once (its node's own liveness key is gone until its next beat, so
+        # every rebalance releases it): bind again after a pause, not thousands of times
+        now = time.monotonic()
+        pause = REBIND_RETRY if now - flow.lost_at < REBIND_RETRY else 0.0
+        flow.lost_at = now
+        if flow not in self._rebinding:  # a running one binds the id the flow has by then
+            self._rebinding.add(flow)
+            asyncio.get_running_loop().create_task(self._rebind(flow, pause))
 
-    async def _rebind(self, flow: Flow) -> None:
+    async def _rebind(self, flow: Flow, pause: float = 0.0) -> None:
+        try:
+            await self._bind_again(flow, pause)
+        finally:
+            self._rebinding.discard(flow)
+
+    async def _bind_again(self, flow: Flow, pause: float) -> None:
+        if pause:
+            await asyncio.sleep(pause)
+            if flow.closed:
+                return
         while True:
+            bound_id = flow.id
             try:
                 await self._register(flow)
-                break
+                if flow.id == bound_id:
+                    break
+                # taken for lost again meanwhile: that id's unbind may have run before
+                # this bind; unbind it again and bind the flow's id now
+                self._unbinds.append((flow.queue, bound_id, None))
+                self._kick()
+                flow.registered = float("inf")
+                continue
             except BindError as exc:
                 self.close_queue_flows(
                     flow.queue, QUEUE_DELETED if exc.code == "not_found" else str(exc)
