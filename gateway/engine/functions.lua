@@ -449,8 +449,9 @@ end
 -- Whether node n counts as alive: its liveness key lives, or liveness cannot be judged now.
 -- When no node beat for longer than a TTL, Redis itself was out of touch (restarted: the
 -- keys expired meanwhile; stalled; refusing writes; unreachable), or every node stopped:
--- every live node lost its key alike, so each gets one TTL from the first beat after that
--- to beat again (gw_node_up). A node that really died is presumed dead that much later.
+-- every live node lost its key alike, so each gets two TTLs from the first beat after that
+-- to beat again (gw_node_up; its connections to Redis may take a few beats to come back).
+-- A node that really died is presumed dead that much later.
 local function node_alive(n)
   if redis.call('EXISTS', k_node_alive(n)) == 1 then return true end
   if redis.call('EXISTS', K_LIVENESS_GRACE) == 1 then return true end
@@ -1989,7 +1990,7 @@ end)
 register_always('gw_node_up', function(_, a)
   local now, last = now_ms(), redis.call('HMGET', K_LIVENESS, 't', 'ttl')
   if last[1] and now - tonumber(last[1]) > tonumber(last[2]) then  -- see node_alive
-    redis.call('SET', K_LIVENESS_GRACE, '1', 'PX', a[2])
+    redis.call('SET', K_LIVENESS_GRACE, '1', 'PX', 2 * tonumber(a[2]))
   end
   redis.call('HSET', K_LIVENESS, 't', now, 'ttl', a[2])
   redis.call('SADD', K_NODES, a[1])
