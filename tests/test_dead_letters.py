@@ -513,19 +513,15 @@ async def test_dmq_takes_a_dead_message_it_would_take_from_a_publisher(broker: B
         )
         is Outcome.OK
     )
-    got: list[Delivery] = []
-    flow = await broker.bind("q", got.append)
-    await wait_for(lambda: len(got) == 1, timeout=5)
-    flow.reject(got[0].entry_id)
-    await flow.close()
+    await _reject_the_one(broker)
     info = await broker.queues.info("q")
     assert info.counters.get("rejected") == 1
     assert info.counters.get("dmq_failed", 0) == 0, info.counters
     assert (await broker.queues.info("dmq")).messages == 2
 
 
-async def _reject_one(broker: Broker, msg: Message) -> None:
-    await broker.publish(msg)
+async def _reject_the_one(broker: Broker) -> None:
+    """A consumer of queue q takes its one message and rejects it (to the DMQ)."""
     got: list[Delivery] = []
     flow = await broker.bind("q", got.append)
     await wait_for(lambda: len(got) == 1, timeout=5)
@@ -547,7 +543,8 @@ async def test_dmq_max_message_size_limits_an_amqp_published_payload(broker: Bro
     direct = Message(destination="dmq", to_queue=True, payload=payload)
     keep_bare(direct, msg.amqp_bare)
     assert not (await broker.publish(direct)).accepted
-    await _reject_one(broker, msg)
+    assert await broker.publish(msg) is Outcome.OK
+    await _reject_the_one(broker)
     info = await broker.queues.info("q")
     dmq = await broker.queues.info("dmq")
     assert info.counters.get("rejected") == 1
@@ -591,11 +588,7 @@ async def test_dmq_takes_a_dead_message_a_publisher_may_send_it(broker: Broker, 
         await broker.publish(make("dmq", payload) if make is _amqp else make("dmq"))
     ) is Outcome.OK
     assert (await broker.publish(make("q", payload) if make is _amqp else make("q"))) is Outcome.OK
-    got: list[Delivery] = []
-    flow = await broker.bind("q", got.append)
-    await wait_for(lambda: len(got) == 1, timeout=5)
-    flow.reject(got[0].entry_id)
-    await flow.close()
+    await _reject_the_one(broker)
     info = await broker.queues.info("q")
     assert info.counters.get("rejected") == 1
     assert info.counters.get("dmq_failed", 0) == 0, (
