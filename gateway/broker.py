@@ -575,11 +575,17 @@ class Broker:
         elif kind == "released":
             self._released(arg)
         elif kind == "direct":
-            self.direct.told()
-            self._spawn(self._until_answered("learning of direct subscribers", self.direct.refresh))
+            if self.direct.told(arg):
+                self._learn_direct_nodes()
+        elif kind == "heard":
+            self.direct.heard(arg)
+
+    def _learn_direct_nodes(self) -> None:
+        self._spawn(self._until_answered("learning of direct subscribers", self.direct.refresh))
 
     def _resync(self) -> None:
         self._spawn(self._until_answered("reloading the routes", self.router.reload))
+        self._learn_direct_nodes()  # an announcement may have been missed
         self.dispatcher.wake_all()
         for queue in self.dispatcher.exclusive_standby_queues():
             self.dispatcher.request_lease_check(queue)

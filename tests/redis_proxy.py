@@ -2,7 +2,8 @@
 whose bytes contain a marker, before its reply reaches the client: a command that ran in
 Redis whose answer was lost with the connection; or hold back the replies of the
 connection that sent such a command for a while: a slow answer, while the client's other
-connections go on (real sockets, real Redis)."""
+connections go on; or hold back one chunk to the client holding a marker (e.g. a pub/sub
+message read late) (real sockets, real Redis)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ class CuttingProxy:
         self.cut_on: list[bytes] | None = None  # all of these in one chunk: cut after it
         self.delay_on: bytes | None = None  # in a chunk: that connection's replies wait
         self.delay = 0.0  # seconds
+        self.delay_reply_on: bytes | None = None  # in a chunk to the client: it waits
         self.cuts = 0
         self._tasks: set[asyncio.Task] = set()
         self._writers: list[asyncio.StreamWriter] = []
@@ -78,6 +80,9 @@ class CuttingProxy:
                     held = state["held_until"] - loop.time()
                     if held > 0:
                         await asyncio.sleep(held)
+                    if self.delay_reply_on and self.delay_reply_on in data:
+                        self.delay_reply_on = None
+                        await asyncio.sleep(self.delay)
                     cw.write(data)
                     await cw.drain()
             except (ConnectionError, OSError):

@@ -1,6 +1,7 @@
 """Redis out of touch: commands it ran whose replies were lost with the connection (what
 the node does again, or undoes, takes nothing from other consumers and leaves nothing
-bound), and a restart longer than the nodes' liveness TTL (no live node is presumed dead)."""
+bound), a restart longer than the nodes' liveness TTL (no live node is presumed dead), and
+a pub/sub event read late (what it announces still holds when the caller is told)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from gateway.broker import Broker
-from gateway.engine import keys, library
+from gateway.engine import direct, keys, library
 from gateway.engine.queues import QueueConfig
-from gateway.model import Delivery, Outcome
+from gateway.model import Delivery, Message, Outcome
 from protocols.mqtt.codec import Connack, Connect
 from protocols.mqtt.listener import start
 from tests.redis_proxy import CuttingProxy
@@ -339,3 +340,48 @@ async def test_a_flow_being_bound_again_is_not_judged_by_an_older_answer(
         f"an answer asked before the rebind ran took the rebinding flow for lost again: "
         f"{second_id} -> {flow.id}; bound {info.flows}"
     )
+
+
+async def test_a_node_reading_a_direct_announcement_late_still_relays_right_after_it(
+    broker: Broker, node: Broker, proxy: CuttingProxy
+) -> None:
+    """A node's first direct (MQTT QoS 0) subscriber is told its subscription holds only
+    once the other nodes answered that they relay to it: a node that reads the
+    announcement late still relays a message it takes right after the SUBACK."""
+    got: list[Message] = []
+    proxy.delay = 0.5
+    proxy.delay_reply_on = f"direct {broker.node_id} ".encode()
+    await broker.subscribe_direct("late/#", "mqtt", got.append)
+    assert proxy.delay_reply_on is None, "the announcement reached the node late"
+    await node.publish(Message(destination="late/1", payload=b"right after"))
+    await wait_for(lambda: len(got) == 1)
+    assert got[0].payload == b"right after"
+
+
+async def test_a_direct_announcement_missed_while_the_event_channel_was_down_is_learnt(
+    broker: Broker, node: Broker, proxy: CuttingProxy
+) -> None:
+    """Pub/sub is at most once: a node whose event channel reconnects reads which nodes
+    have direct subscribers again, or it would never relay to one announced meanwhile."""
+    await broker.queues.create(QueueConfig(name="cutq"))
+    proxy.cut_on = [b"SUBSCRIBE", b"cutq"]  # the node's event connection, as it watches
+    await node.bind("cutq", lambda d: None)
+    await wait_for(lambda: proxy.cuts == 1)
+    got: list[Message] = []
+    await broker.subscribe_direct("missed/#", "mqtt", got.append)  # while it is down
+    await wait_for(lambda: node.direct._others)
+    await node.publish(Message(destination="missed/1", payload=b"relayed"))
+    await wait_for(lambda: len(got) == 1)
+
+
+async def test_a_stalled_node_holds_a_direct_announcement_only_a_while(
+    broker: Broker, node: Broker, proxy: CuttingProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node that does not answer an announcement (stalled) delays the first direct
+    subscriber's SUBACK by at most HEARD_TIMEOUT_S."""
+    monkeypatch.setattr(direct, "HEARD_TIMEOUT_S", 0.3)
+    proxy.delay = 3.0
+    proxy.delay_reply_on = f"direct {broker.node_id} ".encode()
+    started = time.monotonic()
+    await broker.subscribe_direct("stalled/#", "mqtt", lambda m: None)
+    assert 0.3 <= time.monotonic() - started < 2.0

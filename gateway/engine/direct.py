@@ -3,8 +3,9 @@
 Subscribers are matched in a trie on their own node. A topic message published on a node
 reaches that node's subscribers at once, and is relayed over Redis pub/sub (batched per
 event-loop turn) only while another node has direct subscribers: nodes announce themselves
-in a Redis set and tell the others through the event channel, before a subscriber is told
-its subscription holds (`subscribe` returns once announced). At most once, like QoS 0.
+in a Redis set and tell the others through the event channel, and a node's first
+subscriber is told its subscription holds (`subscribe` returns) only once every other node
+that got the announcement answered that it relays from then on. At most once, like QoS 0.
 A message with a later delivery time is held on its node until then, as a spooled one is
 (at most MAX_HELD at a time: beyond that it is dropped, as QoS 0 may be).
 """
@@ -31,6 +32,29 @@ log = logging.getLogger(__name__)
 
 DirectCallback = Callable[[Message], None]
 MAX_HELD = 10_000  # direct messages waiting for their delivery time
+HEARD_TIMEOUT_S = 2.0  # an announcement waits this long for the answers of stalled nodes
+
+
+class _Answers:
+    """The other nodes' answers to one announcement, counted before their number is known
+    (an answer can come before the announcing PUBLISH returns how many got it)."""
+
+    def __init__(self) -> None:
+        self.got = 0
+        self.expected: int | None = None
+        self.all_in = asyncio.Event()
+
+    def answered(self) -> None:
+        self.got += 1
+        self._check()
+
+    def expect(self, count: int) -> None:
+        self.expected = count
+        self._check()
+
+    def _check(self) -> None:
+        if self.expected is not None and self.got >= self.expected:
+            self.all_in.set()
 
 
 class DirectRelay:
@@ -46,6 +70,8 @@ class DirectRelay:
         self._announced = False  # other nodes know this one has direct subscribers
         self._announcing: asyncio.Task | None = None  # the latest (with)drawal of that
         self._announce_lock = asyncio.Lock()  # one at a time, in order
+        self._announcements = itertools.count(1)
+        self._answers: dict[str, _Answers] = {}  # by announcement tag "<node> <n>"
         self._outbox: list[bytes] = []
         self._tasks: set[asyncio.Task] = set()
         self._held: set[asyncio.TimerHandle] = set()
@@ -98,12 +124,25 @@ class DirectRelay:
                 asyncio.get_running_loop().call_soon(self._flush)
             self._outbox.append(encode(msg))
 
-    def told(self) -> None:
-        """A 'direct' event: a node announced (or withdrew) itself. Relay from now on,
-        before the set is read again: the announcing node's subscribers are told their
-        subscription holds once this event went out."""
+    def told(self, arg: str) -> bool:
+        """A 'direct' event (arg: "<node>" or, announcing, "<node> <n>"): another node
+        announced or withdrew itself. Relay from now on, before the set is read again, and
+        answer an announcement: its node's subscribers wait for that. False if it was this
+        node's own."""
+        node, _, number = arg.partition(" ")
+        if node == self._node:
+            return False
         self._told += 1
         self._others = True
+        if number:
+            self._spawn(self._answer(arg))
+        return True
+
+    def heard(self, tag: str) -> None:
+        """A 'heard' event: a node answered an announcement (perhaps another node's)."""
+        answers = self._answers.get(tag)
+        if answers is not None:
+            answers.answered()
 
     async def refresh(self) -> None:
         """Learn whether another node has direct subscribers (on start and on 'direct')."""
@@ -144,10 +183,39 @@ class DirectRelay:
             if present:
                 await self._events.watch_channel(keys.direct_channel, self._received)
             await self._redis.fcall("gw_direct_node", 0, self._node, 1 if present else 0)
-            if not present:
+            if present:
+                await self._tell_others()
+            else:
                 await self._events.unwatch_channel(keys.direct_channel)
-            await self._redis.publish(keys.events, "direct")
+                await self._redis.publish(keys.events, f"direct {self._node}")
             self._announced = present
+
+    async def _tell_others(self) -> None:
+        """Announce, then wait for every other node that got it to answer: each relays from
+        its answer on, so a message another node takes after a SUBACK reaches the
+        subscriber (its pub/sub event alone may be read after that message). A stalled
+        node is waited for at most HEARD_TIMEOUT_S: QoS 0 is at most once."""
+        tag = f"{self._node} {next(self._announcements)}"
+        answers = self._answers[tag] = _Answers()
+        try:
+            receivers = await self._redis.publish(keys.events, f"direct {tag}")
+            answers.expect(receivers - 1)  # this node got it too
+            try:
+                await asyncio.wait_for(answers.all_in.wait(), HEARD_TIMEOUT_S)
+            except TimeoutError:
+                log.warning(
+                    "%d of %d nodes answered that they relay direct messages here",
+                    answers.got,
+                    answers.expected,
+                )
+        finally:
+            del self._answers[tag]
+
+    async def _answer(self, tag: str) -> None:
+        try:
+            await self._redis.publish(keys.events, f"heard {tag}")
+        except RedisError as exc:  # the announcing node stops waiting after a while
+            log.warning("cannot answer a direct subscriber announcement: %s", exc)
 
     def _flush(self) -> None:
         batch, self._outbox = self._outbox, []

@@ -473,7 +473,7 @@ local function reap_node(n)
   end
   redis.call('DEL', k_node_queues(n), k_node_alive(n))
   redis.call('SREM', K_NODES, n)
-  if redis.call('SREM', K_DIRECT_NODES, n) == 1 then redis.call('PUBLISH', K_EVENTS, 'direct') end
+  if redis.call('SREM', K_DIRECT_NODES, n) == 1 then redis.call('PUBLISH', K_EVENTS, 'direct ' .. n) end
   return released
 end
 
