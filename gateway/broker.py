@@ -108,6 +108,7 @@ from gateway.engine.queues import (
     QueueStore,
     temporary_queue_name,
 )
+from gateway.engine.roll_call import RollCall
 from gateway.engine.spool import Done, Spooler
 from gateway.model import Message, Outcome, bound_times, encode, new_message_id
 from gateway.router import Router
@@ -169,7 +170,8 @@ class Broker:
             redis, self.node_id, self._on_event, self.dispatcher.wake_queue, self._resync
         )
         self.dispatcher.on_last_flow = self._last_flow_gone
-        self.direct = DirectRelay(redis, self.node_id, self.events)
+        self.roll_call = RollCall(redis, self.node_id)
+        self.direct = DirectRelay(redis, self.node_id, self.events, self.roll_call)
         self._tasks: set[asyncio.Task] = set()
         self._undeleted: set[str] = set()  # temporary queues whose deletion Redis refused
         self.published = 0
@@ -452,7 +454,7 @@ class Broker:
             config.owner = user
         created = await self.queues.create(config, subscriptions, user=user)
         if subscriptions or config.lvq_key or config.sort_key or config.subscription_selector:
-            await self.router.reload()  # routes carry a keyed queue's key, and selectors
+            await self._route_everywhere()  # routes carry a keyed queue's key, and selectors
         return created
 
     async def create_temporary_queue(
@@ -481,7 +483,7 @@ class Broker:
         )
         await self.queues.create(config, list(subscriptions), reserved_ok=True)
         if subscriptions:
-            await self.router.reload()
+            await self._route_everywhere()
         return name
 
     async def subscribe_queue(
@@ -491,8 +493,18 @@ class Broker:
         changed = await self.queues.change_subscriptions(
             queue, "add", [(p, syntax) for p in patterns]
         )
-        await self.router.reload()
+        await self._route_everywhere()
         return changed
+
+    async def _route_everywhere(self) -> None:
+        """Reload the routes here, then wait until the other nodes route by them too: a
+        message another node takes once the caller was answered (a SUBACK, an attach)
+        reaches the new subscription (their 'sub' event alone may be read after it)."""
+        await self.router.reload()
+        try:
+            await self.roll_call.ask("routes", str(self.router.version))
+        except StoreError as exc:  # they reload on the 'sub' event, or on reconnecting
+            log.warning("other nodes may route by older subscriptions a while: %s", exc)
 
     async def unsubscribe_queue(
         self, queue: str, patterns: Iterable[str], syntax: str = "smf", user: str | None = None
@@ -577,8 +589,28 @@ class Broker:
         elif kind == "direct":
             if self.direct.told(arg):
                 self._learn_direct_nodes()
-        elif kind == "heard":
-            self.direct.heard(arg)
+        elif kind == "ask":
+            question = self.roll_call.parse(arg)
+            if question is not None:
+                self._spawn(self._answer(*question))
+        elif kind == "answer":
+            self.roll_call.answered(arg)
+
+    async def _answer(self, node: str, tag: str, what: str, arg: str) -> None:
+        """Act on another node's question, then answer it. Unanswered (Redis failed): the
+        asking node waits no longer than its timeout, and this one learns it later."""
+        if what == "direct":
+            if self.direct.told(node):
+                self._learn_direct_nodes()
+        elif what == "routes":
+            try:
+                await self.router.reload(int(arg))
+            except StoreError:
+                return  # the 'sub' event's reload goes on until Redis answers
+        else:
+            log.warning("unknown question %r from node %s", what, node)
+            return
+        await self.roll_call.answer(tag)
 
     def _learn_direct_nodes(self) -> None:
         self._spawn(self._until_answered("learning of direct subscribers", self.direct.refresh))

@@ -173,16 +173,18 @@ async def test_a_session_resumed_with_expiry_0_ends_with_its_connection(
     last.close()
 
 
+@pytest.mark.parametrize("qos", [0, 1])
 @pytest.mark.parametrize("level", [4, 5])
-async def test_a_qos0_subscriber_gets_what_another_node_takes_after_its_suback(
-    mqtt: Listener, mqtt2: Listener, level: int
+async def test_a_subscriber_gets_what_another_node_takes_after_its_suback(
+    mqtt: Listener, mqtt2: Listener, level: int, qos: int
 ) -> None:
-    """The SUBACK says the subscription holds (MQTT-3.8.4-1): a node's first QoS 0
-    subscriber is announced to the other nodes before it, so a message another node
-    takes right after it reaches the subscriber."""
+    """The SUBACK says the subscription holds (MQTT-3.8.4-1): every other node answered
+    that it routes (QoS 1: to the session's queue) or relays (QoS 0, the node's first
+    subscriber) by it before it goes, so a message another node takes right after it
+    reaches the subscriber."""
     pub, _ = await Raw.connected(mqtt2.port, level, client_id="b-pub")
     sub, _ = await Raw.connected(mqtt.port, level, client_id="a-sub")
-    await sub.send(Subscribe(1, [("xnode/#", SubscriptionOptions(qos=0))]))
+    await sub.send(Subscribe(1, [("xnode/#", SubscriptionOptions(qos=qos))]))
     assert isinstance(await sub.recv(), Suback)
     await pub.send(Publish("xnode/1", b"after suback", qos=1, packet_id=1))
     assert isinstance(await pub.recv(), Puback)

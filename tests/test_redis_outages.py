@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from gateway.broker import Broker
-from gateway.engine import direct, keys, library
+from gateway.engine import keys, library, roll_call
 from gateway.engine.queues import QueueConfig
 from gateway.model import Delivery, Message, Outcome
 from protocols.mqtt.codec import Connack, Connect
@@ -350,7 +350,7 @@ async def test_a_node_reading_a_direct_announcement_late_still_relays_right_afte
     announcement late still relays a message it takes right after the SUBACK."""
     got: list[Message] = []
     proxy.delay = 0.5
-    proxy.delay_reply_on = f"direct {broker.node_id} ".encode()
+    proxy.delay_reply_on = f"ask {broker.node_id} ".encode()
     await broker.subscribe_direct("late/#", "mqtt", got.append)
     assert proxy.delay_reply_on is None, "the announcement reached the node late"
     await node.publish(Message(destination="late/1", payload=b"right after"))
@@ -378,10 +378,25 @@ async def test_a_stalled_node_holds_a_direct_announcement_only_a_while(
     broker: Broker, node: Broker, proxy: CuttingProxy, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A node that does not answer an announcement (stalled) delays the first direct
-    subscriber's SUBACK by at most HEARD_TIMEOUT_S."""
-    monkeypatch.setattr(direct, "HEARD_TIMEOUT_S", 0.3)
+    subscriber's SUBACK by at most ANSWER_TIMEOUT_S."""
+    monkeypatch.setattr(roll_call, "ANSWER_TIMEOUT_S", 0.3)
     proxy.delay = 3.0
-    proxy.delay_reply_on = f"direct {broker.node_id} ".encode()
+    proxy.delay_reply_on = f"ask {broker.node_id} ".encode()
     started = time.monotonic()
     await broker.subscribe_direct("stalled/#", "mqtt", lambda m: None)
     assert 0.3 <= time.monotonic() - started < 2.0
+
+
+async def test_a_node_reading_a_subscription_change_late_still_routes_right_after_it(
+    broker: Broker, node: Broker, proxy: CuttingProxy
+) -> None:
+    """A subscription added to a queue holds on every node once the caller is answered (a
+    SUBACK): a node that reads the change late still routes a message it takes right
+    after to the queue."""
+    await broker.declare_queue(QueueConfig(name="routed"))
+    proxy.delay = 0.5
+    proxy.delay_reply_on = b"\r\nsub "  # the node's 'sub' event, and what follows it
+    await broker.subscribe_queue("routed", ["routed/#"], "mqtt")
+    assert proxy.delay_reply_on is None, "the change reached the node late"
+    assert (await node.publish(Message(destination="routed/1", payload=b"x"))).accepted
+    assert (await broker.queues.info("routed")).messages == 1

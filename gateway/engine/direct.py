@@ -25,6 +25,7 @@ from redis.exceptions import RedisError
 
 from gateway.engine import keys
 from gateway.engine.events import EventListener
+from gateway.engine.roll_call import RollCall
 from gateway.model import Message, decode, encode
 from gateway.topics import SubscriptionTrie
 
@@ -32,36 +33,16 @@ log = logging.getLogger(__name__)
 
 DirectCallback = Callable[[Message], None]
 MAX_HELD = 10_000  # direct messages waiting for their delivery time
-HEARD_TIMEOUT_S = 2.0  # an announcement waits this long for the answers of stalled nodes
-
-
-class _Answers:
-    """The other nodes' answers to one announcement, counted before their number is known
-    (an answer can come before the announcing PUBLISH returns how many got it)."""
-
-    def __init__(self) -> None:
-        self.got = 0
-        self.expected: int | None = None
-        self.all_in = asyncio.Event()
-
-    def answered(self) -> None:
-        self.got += 1
-        self._check()
-
-    def expect(self, count: int) -> None:
-        self.expected = count
-        self._check()
-
-    def _check(self) -> None:
-        if self.expected is not None and self.got >= self.expected:
-            self.all_in.set()
 
 
 class DirectRelay:
-    def __init__(self, redis: aioredis.Redis, node_id: str, events: EventListener) -> None:
+    def __init__(
+        self, redis: aioredis.Redis, node_id: str, events: EventListener, roll_call: RollCall
+    ) -> None:
         self._redis = redis
         self._node = node_id
         self._events = events
+        self._roll_call = roll_call
         self._trie: SubscriptionTrie[int] = SubscriptionTrie()
         self._callbacks: dict[int, DirectCallback] = {}
         self._tokens = itertools.count(1)
@@ -70,8 +51,6 @@ class DirectRelay:
         self._announced = False  # other nodes know this one has direct subscribers
         self._announcing: asyncio.Task | None = None  # the latest (with)drawal of that
         self._announce_lock = asyncio.Lock()  # one at a time, in order
-        self._announcements = itertools.count(1)
-        self._answers: dict[str, _Answers] = {}  # by announcement tag "<node> <n>"
         self._outbox: list[bytes] = []
         self._tasks: set[asyncio.Task] = set()
         self._held: set[asyncio.TimerHandle] = set()
@@ -124,25 +103,15 @@ class DirectRelay:
                 asyncio.get_running_loop().call_soon(self._flush)
             self._outbox.append(encode(msg))
 
-    def told(self, arg: str) -> bool:
-        """A 'direct' event (arg: "<node>" or, announcing, "<node> <n>"): another node
-        announced or withdrew itself. Relay from now on, before the set is read again, and
-        answer an announcement: its node's subscribers wait for that. False if it was this
-        node's own."""
-        node, _, number = arg.partition(" ")
+    def told(self, node: str) -> bool:
+        """`node` announced or withdrew itself (or was reaped). Relay from now on, before
+        the set is read again: the announcing node's subscribers wait for this node to
+        have been told. False if it was this node itself."""
         if node == self._node:
             return False
         self._told += 1
         self._others = True
-        if number:
-            self._spawn(self._answer(arg))
         return True
-
-    def heard(self, tag: str) -> None:
-        """A 'heard' event: a node answered an announcement (perhaps another node's)."""
-        answers = self._answers.get(tag)
-        if answers is not None:
-            answers.answered()
 
     async def refresh(self) -> None:
         """Learn whether another node has direct subscribers (on start and on 'direct')."""
@@ -184,38 +153,11 @@ class DirectRelay:
                 await self._events.watch_channel(keys.direct_channel, self._received)
             await self._redis.fcall("gw_direct_node", 0, self._node, 1 if present else 0)
             if present:
-                await self._tell_others()
+                await self._roll_call.ask("direct")
             else:
                 await self._events.unwatch_channel(keys.direct_channel)
                 await self._redis.publish(keys.events, f"direct {self._node}")
             self._announced = present
-
-    async def _tell_others(self) -> None:
-        """Announce, then wait for every other node that got it to answer: each relays from
-        its answer on, so a message another node takes after a SUBACK reaches the
-        subscriber (its pub/sub event alone may be read after that message). A stalled
-        node is waited for at most HEARD_TIMEOUT_S: QoS 0 is at most once."""
-        tag = f"{self._node} {next(self._announcements)}"
-        answers = self._answers[tag] = _Answers()
-        try:
-            receivers = await self._redis.publish(keys.events, f"direct {tag}")
-            answers.expect(receivers - 1)  # this node got it too
-            try:
-                await asyncio.wait_for(answers.all_in.wait(), HEARD_TIMEOUT_S)
-            except TimeoutError:
-                log.warning(
-                    "%d of %d nodes answered that they relay direct messages here",
-                    answers.got,
-                    answers.expected,
-                )
-        finally:
-            del self._answers[tag]
-
-    async def _answer(self, tag: str) -> None:
-        try:
-            await self._redis.publish(keys.events, f"heard {tag}")
-        except RedisError as exc:  # the announcing node stops waiting after a while
-            log.warning("cannot answer a direct subscriber announcement: %s", exc)
 
     def _flush(self) -> None:
         batch, self._outbox = self._outbox, []
