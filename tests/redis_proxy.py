@@ -3,12 +3,28 @@ whose bytes contain a marker, before its reply reaches the client: a command tha
 Redis whose answer was lost with the connection; or hold back the replies of the
 connection that sent such a command for a while: a slow answer, while the client's other
 connections go on; or hold back one chunk to the client holding a marker (e.g. a pub/sub
-message read late) (real sockets, real Redis)."""
+message read late); or answer the commands of a chunk holding a marker as Redis does while
+it loads its data, without running them (real sockets, real Redis)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+
+LOADING = b"-LOADING Redis is loading the dataset in memory\r\n"
+
+
+def _commands_in(chunk: bytes) -> int:
+    """How many whole RESP commands (arrays of bulk strings) `chunk` holds."""
+    count = pos = 0
+    while pos < len(chunk):
+        end = chunk.index(b"\r\n", pos)
+        args, pos = int(chunk[pos + 1 : end]), end + 2
+        for _ in range(args):
+            end = chunk.index(b"\r\n", pos)
+            pos = end + 2 + int(chunk[pos + 1 : end]) + 2
+        count += 1
+    return count
 
 
 class CuttingProxy:
@@ -20,6 +36,8 @@ class CuttingProxy:
         self.delay_on: bytes | None = None  # in a chunk: that connection's replies wait
         self.delay = 0.0  # seconds
         self.delay_reply_on: bytes | None = None  # in a chunk to the client: it waits
+        self.loading_on: bytes | None = None  # in a chunk: its commands get -LOADING
+        self.refused = 0
         self.cuts = 0
         self._tasks: set[asyncio.Task] = set()
         self._writers: list[asyncio.StreamWriter] = []
@@ -61,6 +79,12 @@ class CuttingProxy:
                         cw.transport.abort()
                         uw.transport.abort()
                         return
+                    if self.loading_on and self.loading_on in data:
+                        self.loading_on = None
+                        self.refused += 1
+                        cw.write(LOADING * _commands_in(data))
+                        await cw.drain()
+                        continue
                     if self.delay_on and self.delay_on in data:
                         self.delay_on = None
                         state["held_until"] = loop.time() + self.delay

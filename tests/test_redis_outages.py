@@ -400,3 +400,28 @@ async def test_a_node_reading_a_subscription_change_late_still_routes_right_afte
     assert proxy.delay_reply_on is None, "the change reached the node late"
     assert (await node.publish(Message(destination="routed/1", payload=b"x"))).accepted
     assert (await broker.queues.info("routed")).messages == 1
+
+
+@pytest.mark.parametrize("selector", [None, "n > 0"])
+async def test_a_fetch_refused_while_redis_loads_its_data_is_not_taken_for_lost(
+    broker: Broker, node: Broker, proxy: CuttingProxy, selector: str | None
+) -> None:
+    """Redis refuses commands while it loads its data after a start (redis-py files that
+    under ConnectionError): such a fetch took nothing, so the flow keeps its id and what
+    it holds, and fetches again (taken for lost, it would be bound again and its
+    unsettled messages redelivered to another consumer)."""
+    await broker.queues.create(QueueConfig(name="loading"))
+    for i in range(4):
+        msg = to_queue("loading", b"%d" % i, user_properties=[("n", i + 1)])
+        assert await broker.publish(msg) is Outcome.OK
+    got: list[Delivery] = []
+    flow = await node.bind("loading", got.append, window=10, credit=2, selector=selector)
+    await wait_for(lambda: len(got) == 2)
+    first_id = flow.id
+    proxy.loading_on = b"gw_take" if selector else b"gw_fetch"
+    flow.set_credit(2)
+    await wait_for(lambda: len(got) == 4)
+    assert proxy.refused == 1
+    assert flow.id == first_id, "the flow was bound again"
+    assert (await broker.queues.info("loading")).flows == [first_id]
+    assert len(flow.unacked) == 4

@@ -360,8 +360,9 @@ class Dispatcher:
             flow.replay_since = int(time.time() * 1000) - replay_ms
         try:
             delay = await self._register(flow)
-        except (RedisConnectionError, RedisTimeoutError):
-            self._unbind_unknown(flow)  # the bind may have run, its reply lost
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            if not refused_for_now(exc):  # (refused while Redis loads its data: it never ran)
+                self._unbind_unknown(flow)  # the bind may have run, its reply lost
             raise
         self.flows.setdefault(queue, []).append(flow)
         if flow.exclusive:
@@ -1037,8 +1038,11 @@ class Dispatcher:
             return
         try:
             reply = await self._redis.fcall("gw_take", 0, flow.queue, flow.id, *wanted)
-        except (RedisConnectionError, RedisTimeoutError):
-            self._fetch_lost(flow)
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            if refused_for_now(exc):  # Redis loading its data: the take did not run
+                self._select_failed(flow, exc)
+            else:
+                self._fetch_lost(flow)
             return
         except RedisError as exc:
             self._select_failed(flow, exc)

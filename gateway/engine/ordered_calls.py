@@ -88,8 +88,10 @@ class OrderedCalls:
         try:
             while self._waiting and conn is self._conn:
                 try:
-                    reply: Any = await conn.read_response()
+                    reply: Any = await conn.read_response(disconnect_on_error=False)
                 except ResponseError as exc:
+                    reply = exc
+                except BusyLoadingError as exc:  # a refusal redis-py files as a broken link
                     reply = exc
                 except Exception as exc:
                     await self._broken(conn, exc)
@@ -117,8 +119,12 @@ class OrderedCalls:
 
 
 def broke(reply: Any) -> bool:
-    """The reply is the error of a broken connection: whether the command ran is unknown."""
-    return isinstance(reply, BaseException) and not isinstance(reply, ResponseError)
+    """The reply is the error of a broken connection: whether the command ran is unknown.
+    Not Redis's refusal while it loads its data (redis-py's BusyLoadingError is a
+    ConnectionError): that command did not run."""
+    return isinstance(reply, BaseException) and not isinstance(
+        reply, (ResponseError, BusyLoadingError)
+    )
 
 
 # Errors Redis gives before it runs a command, for a state that passes: loading its data
