@@ -425,3 +425,47 @@ async def test_a_fetch_refused_while_redis_loads_its_data_is_not_taken_for_lost(
     assert flow.id == first_id, "the flow was bound again"
     assert (await broker.queues.info("loading")).flows == [first_id]
     assert len(flow.unacked) == 4
+
+
+@pytest.mark.parametrize("kind", ["plain", "exclusive", "partitioned", "priority", "grouped"])
+async def test_what_a_fetch_whose_answer_was_lost_took_goes_to_its_flow_first(
+    broker: Broker, node: Broker, proxy: CuttingProxy, kind: str
+) -> None:
+    """A fetch that ran in Redis, its answer lost with the connection: the flow keeps its
+    id (so an exclusive queue's lease and a partitioned one's partitions) and gets what the
+    fetch took before anything newer, once (not what it settled before). Unbound and bound
+    again, its unsettled messages would go to the other consumer while it still held them."""
+    config = {
+        "plain": QueueConfig(name="lost"),
+        "exclusive": QueueConfig(name="lost", access_type="exclusive"),
+        "partitioned": QueueConfig(name="lost", partition_count=1, partition_rebalance_delay_ms=0),
+        "priority": QueueConfig(name="lost", priorities=True),
+        "grouped": QueueConfig(name="lost", message_groups="default"),
+    }[kind]
+    await broker.queues.create(config)
+    for i in range(6):
+        msg = to_queue("lost", b"%d" % i, partition_key="k", user_properties=[("g", "one")])
+        assert await broker.publish(msg) is Outcome.OK
+    got: list[Delivery] = []
+    flow = await node.bind("lost", got.append, window=100, credit=2)
+    await wait_for(lambda: len(got) == 2)
+    first_id = flow.id
+    other: list[Delivery] = []
+    competing = kind in ("plain", "priority")  # another consumer would take the rest
+    if not competing:  # a standby, holds no partition, or waits for the group
+        await broker.bind("lost", other.append, window=100)
+        await asyncio.sleep(0.3)
+    proxy.cut_on = [b"gw_fetch"]
+    flow.ack(got[0].entry_id)  # in the same round: recovered after it, not handed out again
+    flow.set_credit(3)
+    await wait_for(lambda: proxy.cuts == 1)
+    await wait_for(lambda: len(got) == 5)
+    for i in range(6, 8):
+        msg = to_queue("lost", b"%d" % i, partition_key="k", user_properties=[("g", "one")])
+        assert await broker.publish(msg) is Outcome.OK
+    flow.set_credit(3)
+    await wait_for(lambda: len(got) == 8)
+    await asyncio.sleep(0.2)
+    assert [d.message.payload for d in got] == [b"%d" % i for i in range(8)]
+    assert flow.id == first_id, "the flow was bound again"
+    assert other == [], "the other consumer got messages the first one holds"

@@ -13,6 +13,10 @@ replies are in: rounds of a few big fetches let each flow's batch go out soon af
 answer, and the flow fetch again, instead of every flow waiting for the slowest of one round
 holding them all (MQTT QoS 1, 8 pairs: p50 ~19 -> ~14 ms; fan-out to 10 queues: +15 %
 msg/s), while flows with small windows (shared groups) still fetch many to a round.
+A fetch whose answer is lost with the connection may have run: its flow fetches nothing
+more until a later round, after the settlements sent before, asks Redis what the flow
+holds that the node does not know (gw_recover) and hands that out first. The flow keeps
+its id, so its unsettled messages, lease and partitions stay with it.
 
 Exclusive queues: the earliest-bound flow on a live node holds the lease (with a fencing
 token checked by every fetch); the others are standbys, promoted in bind order when the
@@ -258,6 +262,7 @@ class _Round:
         "fetches",
         "lease_checks",
         "rebalances",
+        "recoveries",
         "refreshes",
         "replies",
         "selecting",
@@ -271,6 +276,7 @@ class _Round:
         self.unbinds: list[_Unbind] = []
         self.lease_checks: set[str] = set()
         self.rebalances: list[str] = []
+        self.recoveries: list[tuple[_Fetch, str]] = []  # and the flow id asked for
         self.refreshes: set[str] = set()
         self.fetches: list[_Fetch] = []
         self.selecting: list[Flow] = []
@@ -300,6 +306,9 @@ class Dispatcher:
         self._want: dict[Flow, None] = {}
         self._fetching: set[Flow] = set()  # a fetch (or selection) of theirs is in flight
         self._refused: set[Flow] = set()  # their last fetch was refused: wait FETCH_RETRY
+        # fetches whose answers were lost, to recover; their flows fetch nothing meanwhile
+        self._to_recover: list[_Fetch] = []
+        self._recovering: dict[Flow, int] = {}  # flow -> its recoveries not yet answered
         # their last fetch came back full (more is waiting) -> when they last fetched,
         # settled or gave credit (monotonic)
         self._behind: dict[Flow, float] = {}
@@ -621,6 +630,7 @@ class Dispatcher:
             or self._refreshes
             or self._due_rebalances()
             or any(flow not in self._fetching for flow in self._want)
+            or any(self._may_recover(f.flow) for f in self._to_recover)
         )
 
     async def _pump(self) -> None:
@@ -662,8 +672,8 @@ class Dispatcher:
                 continue  # wanted again once its fetch is answered
             taken.append(flow)
             space = min(flow.space, FETCH_BATCH)
-            if space <= 0 or flow.closed or not flow.active:
-                continue
+            if space <= 0 or flow.closed or not flow.active or flow in self._recovering:
+                continue  # (a recovered flow is woken)
             if flow.selector is not None and not flow.browse:
                 selecting.append(flow)
                 fetching.add(flow)
@@ -707,6 +717,7 @@ class Dispatcher:
         for queue in sent.rebalances:
             del self._rebalances[queue]
         sent.refreshes, self._refreshes = self._refreshes | set(sent.rebalances), set()
+        sent.recoveries = self._recoveries_now()
         sent.fetches, sent.selecting = self._fetches()
         commands: list[tuple[object, ...]] = []
         for mode, items in sent.settles.items():
@@ -718,6 +729,8 @@ class Dispatcher:
             commands.append(("gw_unbind", 0, queue, flow_id))
         for queue in sent.rebalances:
             commands.append(("gw_rebalance", 0, queue))
+        for f, flow_id in sent.recoveries:  # after the settles: they must not come back
+            commands.append(("gw_recover", 0, f.queue, flow_id, f.count, *_known(f)))
         for f in sent.fetches:
             flow = f.flow
             if flow.browse:
@@ -774,17 +787,24 @@ class Dispatcher:
                 lost = True
             elif isinstance(reply, Exception):
                 log.error("rebalancing the partitions of %s failed: %s", queue, reply)
+        for f, flow_id in sent.recoveries:
+            reply = next(replies)
+            if broke(reply):
+                self._to_recover.append(f)
+                lost = True
+            elif refused_for_now(reply):
+                refusal = reply
+                asyncio.get_running_loop().call_later(FETCH_RETRY, self._recover_again, f)
+            else:
+                self._recovered(f, flow_id, reply)
         for f in sent.fetches:
             self._fetching.discard(f.flow)
-        taken_unseen: set[Flow] = set()
         for f in sent.fetches:
             reply = next(replies)
             if broke(reply):
                 lost = True
                 if not f.flow.browse:  # a browser took nothing: it just asks again
-                    if f.flow not in taken_unseen:
-                        taken_unseen.add(f.flow)
-                        self._fetch_lost(f.flow)
+                    self._fetch_lost(f)
                     continue
             if isinstance(reply, Exception):
                 if broke(reply):
@@ -826,6 +846,31 @@ class Dispatcher:
         if flow.closed:
             return  # closed while fetching: its pending unbind returns these entries
         got = (len(reply) - 2) // 4 + int(reply[1])  # delivered + dead-lettered instead
+        self._hand_out(fetch, reply)
+        if flow.closed:
+            return
+        if got >= fetch.count:
+            self._behind[flow] = time.monotonic()
+        elif self._behind.pop(flow, None) is not None:
+            self._caught_up.set()
+        if fetch.partition is not None:
+            # empty, unless woken since it was sent: what woke it may have come too late
+            if got < fetch.count and fetch.wakes == flow.wakes:
+                flow.idle.add(fetch.partition)
+            if any(i not in flow.idle for i in flow.parts):
+                if flow.space > 0:
+                    self._want[flow] = None
+            else:
+                self._empty(flow)
+        elif got >= fetch.count:  # a full batch: there may be more
+            if flow.space > 0:
+                self._want[flow] = None
+        else:
+            self._empty(flow)
+
+    def _hand_out(self, fetch: _Fetch, reply: list) -> None:
+        """Hand a fetch's ("ok", dead-lettered, entries...) reply to its flow."""
+        flow = fetch.flow
         queue = fetch.queue
         prefix = "" if fetch.partition is None else f"{fetch.partition}/"
         unacked, prioritised = flow.unacked, flow.prioritised
@@ -859,24 +904,6 @@ class Dispatcher:
                 log.exception("delivery callback of flow %s failed", flow.id)
             if flow.closed:
                 return
-        if got >= fetch.count:
-            self._behind[flow] = time.monotonic()
-        elif self._behind.pop(flow, None) is not None:
-            self._caught_up.set()
-        if fetch.partition is not None:
-            # empty, unless woken since it was sent: what woke it may have come too late
-            if got < fetch.count and fetch.wakes == flow.wakes:
-                flow.idle.add(fetch.partition)
-            if any(i not in flow.idle for i in flow.parts):
-                if flow.space > 0:
-                    self._want[flow] = None
-            else:
-                self._empty(flow)
-        elif got >= fetch.count:  # a full batch: there may be more
-            if flow.space > 0:
-                self._want[flow] = None
-        else:
-            self._empty(flow)
 
     def _say_refusing(self, refusal: BaseException | None) -> None:
         """Log once when Redis starts refusing fetches, settlements and unbinds for now (see
@@ -1036,18 +1063,18 @@ class Dispatcher:
         if not wanted:
             self._empty(flow)
             return
+        fetch = _Fetch(flow, flow.queue, None, len(wanted))
         try:
             reply = await self._redis.fcall("gw_take", 0, flow.queue, flow.id, *wanted)
         except (RedisConnectionError, RedisTimeoutError) as exc:
             if refused_for_now(exc):  # Redis loading its data: the take did not run
                 self._select_failed(flow, exc)
             else:
-                self._fetch_lost(flow)
+                self._fetch_lost(fetch)
             return
         except RedisError as exc:
             self._select_failed(flow, exc)
             return
-        fetch = _Fetch(flow, flow.queue, None, len(wanted))
         self._deliver(fetch, reply)
 
     def _select_failed(self, flow: Flow, exc: RedisError) -> None:
@@ -1081,12 +1108,62 @@ class Dispatcher:
             self.close_queue_flows(flow.queue, QUEUE_DELETED)
         # 'egress': paused until the queue's config changes (a 'qcfg' event wakes it)
 
-    def _fetch_lost(self, flow: Flow) -> None:
-        """A fetch's answer was lost with the connection, so what it took is held by the
-        flow's id in Redis and unknown here: unbind that id (its messages go back to the
-        queue, to be redelivered) and bind again under a new one."""
+    def _fetch_lost(self, fetch: _Fetch) -> None:
+        """A fetch's answer was lost with the connection, so what it took (if it ran) is
+        held by the flow in Redis and unknown here: the flow fetches nothing more until
+        gw_recover told it, after the settlements sent before (a closed flow's unbind
+        gives it back)."""
+        flow = fetch.flow
         if not flow.closed:
+            self._recovering[flow] = self._recovering.get(flow, 0) + 1
+            self._to_recover.append(fetch)
+            self._kick()
+
+    def _may_recover(self, flow: Flow) -> bool:
+        """Not while settlements of the flow Redis refused wait: it would hand them out
+        again (their entries are no longer in flow.unacked)."""
+        return flow.closed or not any(
+            item[1] == flow.id for items in self._later.values() for item in items
+        )
+
+    def _recoveries_now(self) -> list[tuple[_Fetch, str]]:
+        now, self._to_recover = self._to_recover, []
+        due = []
+        for f in now:
+            if f.flow.closed:
+                self._done_recovering(f.flow)
+            elif self._may_recover(f.flow):
+                due.append((f, f.flow.id))
+            else:
+                self._to_recover.append(f)
+        return due
+
+    def _recover_again(self, fetch: _Fetch) -> None:
+        if fetch.flow in self._recovering:
+            self._to_recover.append(fetch)
+            self._kick()
+
+    def _recovered(self, fetch: _Fetch, flow_id: str, reply: object) -> None:
+        flow = fetch.flow
+        if flow.id != flow_id or flow not in self._recovering:
+            return  # taken for lost meanwhile: bound again under a new id
+        self._done_recovering(flow)
+        if isinstance(reply, Exception):  # not to be asked again: it would fail the same way
+            log.error("recovering a lost fetch of flow %s failed: %s", flow.id, reply)
             self._lost(flow, "lost a fetch's answer")
+        elif reply[0] != b"ok":
+            self._fetch_refused(fetch, reply[0].decode())
+        elif not flow.closed:  # (closed: its unbind gives them back)
+            if len(reply) > 2:
+                log.info("flow %s got %d entries of a lost fetch", flow.id, (len(reply) - 2) // 4)
+            self._hand_out(fetch, reply)
+
+    def _done_recovering(self, flow: Flow) -> None:
+        left = self._recovering.get(flow, 0) - 1
+        if left > 0:
+            self._recovering[flow] = left
+        elif self._recovering.pop(flow, None) is not None:
+            self.wake(flow)
 
     def _lost(self, flow: Flow, why: str = "was released by another node") -> None:
         """Our node was presumed dead and the flow released: its messages went back to the
@@ -1095,6 +1172,8 @@ class Dispatcher:
         (a lost fetch's answer), nobody would own what it holds."""
         log.warning("flow %s %s; rebinding", flow.id, why)
         self._unbind_unknown(flow)
+        if self._recovering.pop(flow, None) is not None:  # the unbind gives that back too
+            self._to_recover = [f for f in self._to_recover if f.flow is not flow]
         flow.registered = float("inf")  # no answer asked before its new bind judges it
         flow.unacked.clear()
         flow.parts.clear()
@@ -1159,6 +1238,14 @@ class Dispatcher:
             self.request_rebalance(flow.queue)
         else:
             self.wake(flow)
+
+
+def _known(fetch: _Fetch) -> list[str]:
+    """The ids, as gw_fetch gives them for `fetch.queue`, of what its flow holds."""
+    if fetch.partition is None:
+        return list(fetch.flow.unacked)
+    prefix = f"{fetch.partition}/"
+    return [e[len(prefix) :] for e in fetch.flow.unacked if e.startswith(prefix)]
 
 
 def _due_held(flow: Flow, limit: int) -> list[str]:

@@ -1622,6 +1622,42 @@ register_always('gw_fetch', function(_, a)
   return out
 end)
 
+-- ARGV: queue (a partition's, or a priority queue's parent), flow, count, then the entry ids
+-- its node knows the flow holds (a priority level's as 'level/id'). What else the flow holds
+-- there, up to `count` more, as gw_fetch answers (oldest first): what a fetch took whose
+-- answer was lost with its connection, so the node hands it out instead of unbinding the
+-- flow (which would redeliver its unsettled messages to other consumers and give up its
+-- lease or partitions). Dead-lettering was the fetch's: only what it handed out is here.
+register_always('gw_recover', function(_, a)
+  local q, flow, count = a[1], a[2], tonumber(a[3])
+  local c = redis.call('HMGET', k_queue_config(q), 'egress', 'priorities')
+  if not c[1] then return { 'noqueue' } end
+  if not redis.call('ZSCORE', k_queue_flows(q), flow) then return { 'noflow' } end
+  local known = {}
+  for i = 4, #a do known[a[i]] = true end
+  local scan = count + #a - 3
+  local out = { 'ok', 0 }
+  local function held(s, prefix)
+    for _, e in ipairs(redis.call('XPENDING', s, GROUP, '-', '+', scan, flow)) do
+      local id = prefix .. e[1]
+      if not known[id] and (#out - 2) / 4 < count then
+        local r = redis.call('XRANGE', s, e[1], e[1])
+        local blob = r[1] and entry_blob(r[1][2])
+        if blob then
+          local o = #out
+          out[o + 1], out[o + 2], out[o + 3], out[o + 4] = id, e[4], blob, entry_meta(r[1][2])
+        end
+      end
+    end
+  end
+  if c[2] == '1' then
+    for p = PRIORITY_LEVELS - 1, 0, -1 do held(k_queue_stream(priority_queue(q, p)), p .. '/') end
+  else
+    held(k_queue_stream(q), '')
+  end
+  return out
+end)
+
 -- A sorted queue's `scan` lowest waiting entries, as held_entries gives them.
 local function sorted_waiting(q, s, scan)
   admit_sorted(q)
