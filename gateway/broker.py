@@ -170,7 +170,10 @@ class Broker:
             redis, self.node_id, self._on_event, self.dispatcher.wake_queue, self._resync
         )
         self.dispatcher.on_last_flow = self._last_flow_gone
-        self.roll_call = RollCall(redis, self.node_id)
+        self._routes_fresh = asyncio.Event()  # routes read since the event channel was back
+        self._routes_fresh.set()
+        self.events.on_lost = self._routes_fresh.clear
+        self.roll_call = RollCall(redis, self.node_id, self.events.listening)
         self.direct = DirectRelay(redis, self.node_id, self.events, self.roll_call)
         self._tasks: set[asyncio.Task] = set()
         self._undeleted: set[str] = set()  # temporary queues whose deletion Redis refused
@@ -191,6 +194,9 @@ class Broker:
         except StoreError as exc:  # other nodes take over once its liveness key expires
             log.warning("cannot tell Redis this node stops (%s): others take over later", exc)
         await self.events.stop()
+        for task in list(self._tasks):  # retries until Redis answers, waiting publishes
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
 
     # -- publishing ------------------------------------------------------------------------
 
@@ -212,10 +218,34 @@ class Broker:
         if msg.expiration is not None or msg.not_before is not None:
             bound_times(msg)
         self.published += 1
+        if not msg.to_queue:
+            self.direct.publish(msg)
+        if not self._routes_fresh.is_set():
+            return self._route_when_fresh(msg, done)
+        return self._route(msg, done)
+
+    def _route_when_fresh(self, msg: Message, done: Done | None) -> asyncio.Future[Outcome] | None:
+        """The event channel was lost: a subscription (or a keyed queue) made meanwhile on
+        another node is unknown here until the routes are read again, so the message
+        waits for that (it is not acked before it is stored anyway)."""
+        fut = None if done is not None else asyncio.get_running_loop().create_future()
+
+        async def route() -> None:
+            await self._routes_fresh.wait()
+            routed = self._route(msg, done)
+            if fut is not None and routed is not None:
+                try:
+                    fut.set_result(await routed)
+                except Exception as exc:
+                    fut.set_exception(exc)
+
+        self._spawn(route())
+        return fut
+
+    def _route(self, msg: Message, done: Done | None) -> asyncio.Future[Outcome] | None:
         if msg.to_queue:
             queues: Collection[str] = (msg.destination,)
         else:
-            self.direct.publish(msg)
             queues = self.router.match(msg.destination)
             if queues and self.router.selectors:  # some queue filters what it attracts
                 queues = self.router.select(queues, msg)
@@ -452,9 +482,10 @@ class Broker:
                     "dead messages go by default",
                 )
             config.owner = user
-        created = await self.queues.create(config, subscriptions, user=user)
+        created, added = await self.queues.declare(config, subscriptions, user=user)
         if subscriptions or config.lvq_key or config.sort_key or config.subscription_selector:
-            await self._route_everywhere()  # routes carry a keyed queue's key, and selectors
+            # routes carry a keyed queue's key, and selectors
+            await self._route_everywhere(ask=created or added > 0)
         return created
 
     async def create_temporary_queue(
@@ -493,14 +524,17 @@ class Broker:
         changed = await self.queues.change_subscriptions(
             queue, "add", [(p, syntax) for p in patterns]
         )
-        await self._route_everywhere()
+        await self._route_everywhere(ask=changed > 0)
         return changed
 
-    async def _route_everywhere(self) -> None:
-        """Reload the routes here, then wait until the other nodes route by them too: a
-        message another node takes once the caller was answered (a SUBACK, an attach)
-        reaches the new subscription (their 'sub' event alone may be read after it)."""
+    async def _route_everywhere(self, ask: bool = True) -> None:
+        """Reload the routes here, then (`ask`: something changed) wait until the other
+        nodes route by them too: a message another node takes once the caller was
+        answered (a SUBACK, an attach) reaches the new subscription (their 'sub' event
+        alone may be read after it)."""
         await self.router.reload()
+        if not ask:
+            return
         try:
             await self.roll_call.ask("routes", str(self.router.version))
         except StoreError as exc:  # they reload on the 'sub' event, or on reconnecting
@@ -599,25 +633,31 @@ class Broker:
     async def _answer(self, node: str, tag: str, what: str, arg: str) -> None:
         """Act on another node's question, then answer it. Unanswered (Redis failed): the
         asking node waits no longer than its timeout, and this one learns it later."""
-        if what == "direct":
-            if self.direct.told(node):
-                self._learn_direct_nodes()
-        elif what == "routes":
-            try:
+        try:
+            if what == "direct":
+                if self.direct.told(node):
+                    self._learn_direct_nodes()
+            elif what == "routes":
                 await self.router.reload(int(arg))
-            except StoreError:
-                return  # the 'sub' event's reload goes on until Redis answers
-        else:
-            log.warning("unknown question %r from node %s", what, node)
-            return
-        await self.roll_call.answer(tag)
+            else:
+                log.warning("unknown question %r from node %s", what, node)
+                return
+            await self.roll_call.answer(tag)
+        except StoreError as exc:  # the 'sub' event's reload goes on until Redis answers
+            log.warning("cannot answer node %s's question %r: %s", node, what, exc)
+
+    async def _routes_back(self) -> None:
+        """The event channel is back: read the routes again, then route what waited."""
+        await self._until_answered("reloading the routes", self.router.reload)
+        if self.events.listening.is_set():  # else lost again: the next resync does this
+            self._routes_fresh.set()
 
     def _learn_direct_nodes(self) -> None:
         self._spawn(self._until_answered("learning of direct subscribers", self.direct.refresh))
 
     def _resync(self) -> None:
-        self._spawn(self._until_answered("reloading the routes", self.router.reload))
-        self._learn_direct_nodes()  # an announcement may have been missed
+        self._spawn(self._routes_back())
+        self._spawn(self._until_answered("telling of direct subscribers", self.direct.resync))
         self.dispatcher.wake_all()
         for queue in self.dispatcher.exclusive_standby_queues():
             self.dispatcher.request_lease_check(queue)

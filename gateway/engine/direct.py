@@ -49,6 +49,7 @@ class DirectRelay:
         self._others = False  # another node has direct subscribers
         self._told = 0  # 'direct' events heard: a read of the set older than one is stale
         self._announced = False  # other nodes know this one has direct subscribers
+        self._listed = False  # an announcement began: a withdrawal has something to undo
         self._announcing: asyncio.Task | None = None  # the latest (with)drawal of that
         self._announce_lock = asyncio.Lock()  # one at a time, in order
         self._outbox: list[bytes] = []
@@ -106,12 +107,32 @@ class DirectRelay:
     def told(self, node: str) -> bool:
         """`node` announced or withdrew itself (or was reaped). Relay from now on, before
         the set is read again: the announcing node's subscribers wait for this node to
-        have been told. False if it was this node itself."""
+        have been told. False if it was this node itself (reaped while it lives: it
+        lists itself again)."""
         if node == self._node:
+            if self._announced:
+                self._spawn(self._relist_logged())
             return False
         self._told += 1
         self._others = True
         return True
+
+    async def resync(self) -> None:
+        """The event channel is back: an announcement may have been missed, and this
+        node's own entry lost (reaped while it was presumed dead, a Redis failover)."""
+        await self._relist()
+        await self.refresh()
+
+    async def _relist(self) -> None:
+        async with self._announce_lock:
+            if self._announced and await self._redis.fcall("gw_direct_node", 0, self._node, 1):
+                await self._redis.publish(keys.events, f"direct {self._node}")
+
+    async def _relist_logged(self) -> None:
+        try:
+            await self._relist()
+        except RedisError as exc:  # the next resync of the event channel lists it again
+            log.warning("cannot list this node's direct subscribers again: %s", exc)
 
     async def refresh(self) -> None:
         """Learn whether another node has direct subscribers (on start and on 'direct')."""
@@ -138,7 +159,7 @@ class DirectRelay:
         for handle in self._held:
             handle.cancel()
         self._held.clear()
-        if self._callbacks:
+        if self._callbacks or self._listed:
             self._callbacks.clear()
             await self._announce(False)
 
@@ -147,17 +168,22 @@ class DirectRelay:
         did or a later change undid the need (a subscriber came back before a withdrawal
         ran: the node must keep listening)."""
         async with self._announce_lock:
-            if present != bool(self._callbacks) or present == self._announced:
+            if present != bool(self._callbacks):
                 return
-            if present:
+            if present and not self._announced:
+                self._listed = True
                 await self._events.watch_channel(keys.direct_channel, self._received)
-            await self._redis.fcall("gw_direct_node", 0, self._node, 1 if present else 0)
-            if present:
+                await self._redis.fcall("gw_direct_node", 0, self._node, 1)
+                # the event for nodes that do not answer questions (an older version)
+                await self._redis.publish(keys.events, f"direct {self._node}")
                 await self._roll_call.ask("direct")
-            else:
+                self._announced = True
+            elif not present and self._listed:
+                self._announced = False  # half done, the next subscriber announces again
+                await self._redis.fcall("gw_direct_node", 0, self._node, 0)
                 await self._events.unwatch_channel(keys.direct_channel)
                 await self._redis.publish(keys.events, f"direct {self._node}")
-            self._announced = present
+                self._listed = False
 
     def _flush(self) -> None:
         batch, self._outbox = self._outbox, []

@@ -44,6 +44,8 @@ class EventListener:
         self._pubsub: aioredis.client.PubSub | None = None
         self._task: asyncio.Task | None = None
         self._ready = asyncio.Event()
+        self.listening = asyncio.Event()  # subscribed now (cleared while reconnecting)
+        self.on_lost: Callable[[], None] | None = None  # events may be missed from now on
 
     async def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -87,6 +89,7 @@ class EventListener:
                 self._pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
                 await self._pubsub.subscribe(keys.events, *self._wake_channels, *self._channels)
                 self._ready.set()
+                self.listening.set()
                 if not first:
                     self._on_reconnect()
                 first = False
@@ -98,8 +101,13 @@ class EventListener:
                 raise
             except Exception as exc:
                 log.warning("event channel lost (%s); reconnecting", exc)
+                self.listening.clear()
+                if self.on_lost is not None:
+                    self.on_lost()
+                # watch_* meanwhile only note the channel: the next subscribe takes them all
+                pubsub, self._pubsub = self._pubsub, None
                 with contextlib.suppress(Exception):
-                    await self._pubsub.aclose()
+                    await pubsub.aclose()
                 await asyncio.sleep(0.5)
 
     def _dispatch(self, channel: bytes, data: bytes) -> None:

@@ -479,7 +479,23 @@ class QueueStore:
         user: str | None = None,
         as_it_is: bool = False,
     ) -> bool:
-        """Create a queue; returns False when an equivalent one exists (idempotent declare).
+        return (
+            await self.declare(
+                config, subscriptions, reserved_ok=reserved_ok, user=user, as_it_is=as_it_is
+            )
+        )[0]
+
+    async def declare(
+        self,
+        config: QueueConfig,
+        subscriptions: list[tuple[str, str]] = (),  # type: ignore[assignment]
+        *,
+        reserved_ok: bool = False,
+        user: str | None = None,
+        as_it_is: bool = False,
+    ) -> tuple[bool, int]:
+        """Create a queue; returns whether it was created (not when an equivalent one
+        exists: an idempotent declare) and how many of `subscriptions` it did not have.
         Subscribing `user` (None: the operator) to a queue that already existed needs
         modify-topic on it, checked on the config the create found, before any is added.
         `as_it_is`: an existing queue is taken with its properties (an adapter's own queue
@@ -508,9 +524,10 @@ class QueueStore:
                 raise QueueError(
                     "unauthorized", f"user {user!r} may not {MODIFY_TOPIC} queue {config.name!r}"
                 )
+        added = 0
         if entries:
-            await self._redis.fcall("gw_subscription", 0, config.name, "add", *entries)
-        return created
+            added = int(await self._redis.fcall("gw_subscription", 0, config.name, "add", *entries))
+        return created, added
 
     async def delete(self, name: str) -> None:
         if not await self._redis.fcall("gw_queue_delete", 0, name):

@@ -3,7 +3,12 @@ on it: what a client is told must then hold on every node (a SUBACK: the nodes r
 relay to the new subscription), while a pub/sub event alone may be read after the client's
 next packet reached another node.
 
-Event formats: "ask <node> <n> <what> [<arg>]" and "answer <node> <n>".
+A question waits for the nodes registered live in Redis (gw:nodes), not for whoever got the
+PUBLISH: a node whose event channel is reconnecting is waited for too. A node that did not
+answer in time (stalled, or too old to answer) is silent: later questions do not wait for
+it until it answers one again, so it costs one wait, not one per subscription.
+
+Event formats: "ask <node> <n> <what> [<arg>]" and "answer <node> <n> <answering node>".
 """
 
 from __future__ import annotations
@@ -13,7 +18,6 @@ import itertools
 import logging
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
 
 from gateway.engine import keys
 
@@ -23,48 +27,75 @@ ANSWER_TIMEOUT_S = 2.0  # a question waits this long for the answers of stalled 
 
 
 class _Answers:
-    """The answers to one question, counted before their number is known (an answer can
-    come before the asking PUBLISH returns how many got it)."""
+    """The answers to one question, gathered before the nodes to wait for are known (an
+    answer can come before the asking round trip returns)."""
 
     def __init__(self) -> None:
-        self.got = 0
-        self.expected: int | None = None
+        self.answered: set[str] = set()
+        self.waiting: set[str] | None = None
         self.all_in = asyncio.Event()
 
-    def answered(self) -> None:
-        self.got += 1
+    def answer(self, node: str) -> None:
+        self.answered.add(node)
         self._check()
 
-    def expect(self, count: int) -> None:
-        self.expected = count
+    def wait_for(self, nodes: set[str]) -> None:
+        self.waiting = nodes
         self._check()
+
+    def missing(self) -> set[str]:
+        return (self.waiting or set()) - self.answered
 
     def _check(self) -> None:
-        if self.expected is not None and self.got >= self.expected:
+        if self.waiting is not None and self.waiting <= self.answered:
             self.all_in.set()
 
 
 class RollCall:
-    def __init__(self, redis: aioredis.Redis, node_id: str) -> None:
+    def __init__(self, redis: aioredis.Redis, node_id: str, listening: asyncio.Event) -> None:
         self._redis = redis
         self._node = node_id
+        self._listening = listening  # this node's event channel is subscribed: it hears
         self._numbers = itertools.count(1)
-        self._waiting: dict[str, _Answers] = {}  # by question tag "<node> <n>"
+        self._pending: dict[str, _Answers] = {}  # by question tag "<node> <n>"
+        self._silent: set[str] = set()  # nodes that did not answer the last time
 
     async def ask(self, what: str, arg: str = "") -> None:
-        """Ask every other node listening and return once each answered, or after
-        ANSWER_TIMEOUT_S (a stalled node is not waited for longer). RedisError if the
+        """Ask the other live nodes and return once each answered, or after
+        ANSWER_TIMEOUT_S (a stalled node is not waited for longer; nor is this node's own
+        event channel, reconnecting, which the answers come on). RedisError if the
         question could not go."""
-        tag = f"{self._node} {next(self._numbers)}"
-        answers = self._waiting[tag] = _Answers()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + ANSWER_TIMEOUT_S
         try:
-            receivers = await self._redis.publish(keys.events, f"ask {tag} {what} {arg}".rstrip())
-            answers.expect(receivers - 1)  # this node got it too
-            await asyncio.wait_for(answers.all_in.wait(), ANSWER_TIMEOUT_S)
+            await asyncio.wait_for(self._listening.wait(), ANSWER_TIMEOUT_S)
         except TimeoutError:
-            log.warning("%d of %d nodes answered %r in time", answers.got, answers.expected, what)
+            log.warning("%r not asked: this node's event channel is down", what)
+            return
+        tag = f"{self._node} {next(self._numbers)}"
+        answers = self._pending[tag] = _Answers()
+        try:
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.smembers(keys.nodes)
+            pipe.publish(keys.events, f"ask {tag} {what} {arg}".rstrip())
+            nodes, _ = await pipe.execute()
+            live = {n.decode() for n in nodes} - {self._node}
+            answers.wait_for(live - self._silent)
+            try:
+                await asyncio.wait_for(answers.all_in.wait(), max(0, deadline - loop.time()))
+            except TimeoutError:
+                missing = answers.missing()
+                if self._listening.is_set():  # else their answers may have been missed
+                    self._silent |= missing
+                log.warning(
+                    "nodes %s did not answer %r in %.0f s: not waited for until they answer",
+                    ", ".join(sorted(missing)),
+                    what,
+                    ANSWER_TIMEOUT_S,
+                )
+            self._silent &= live  # forget nodes gone
         finally:
-            del self._waiting[tag]
+            del self._pending[tag]
 
     def parse(self, arg: str) -> tuple[str, str, str, str] | None:
         """An 'ask' event's (asking node, tag, what, arg); None for this node's own."""
@@ -76,13 +107,16 @@ class RollCall:
         return node, f"{node} {number}", what, value
 
     async def answer(self, tag: str) -> None:
-        try:
-            await self._redis.publish(keys.events, f"answer {tag}")
-        except RedisError as exc:  # the asking node stops waiting after a while
-            log.warning("cannot answer another node's question: %s", exc)
+        """RedisError if the answer could not go (the asking node stops waiting later)."""
+        await self._redis.publish(keys.events, f"answer {tag} {self._node}")
 
-    def answered(self, tag: str) -> None:
+    def answered(self, arg: str) -> None:
         """An 'answer' event (perhaps to another node's question)."""
-        answers = self._waiting.get(tag)
+        asker, _, rest = arg.partition(" ")
+        number, _, node = rest.partition(" ")
+        if asker != self._node:
+            return
+        self._silent.discard(node)
+        answers = self._pending.get(f"{asker} {number}")
         if answers is not None:
-            answers.answered()
+            answers.answer(node)
