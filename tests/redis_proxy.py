@@ -1,30 +1,46 @@
-"""A TCP proxy in front of Redis that can cut a connection right after forwarding a command
-whose bytes contain a marker, before its reply reaches the client: a command that ran in
-Redis whose answer was lost with the connection; or hold back the replies of the
-connection that sent such a command for a while: a slow answer, while the client's other
-connections go on; or hold back one chunk to the client holding a marker (e.g. a pub/sub
-message read late); or answer the commands of a chunk holding a marker as Redis does while
-it loads its data, without running them (real sockets, real Redis)."""
+"""A TCP proxy in front of Redis that works command by command (real sockets, real Redis):
+
+- `cut_on`: at the first command holding all these markers, the commands before it are
+  run and answered, then (`pre` seconds later, so those answers reach the client) it is
+  run and nothing after it: no later command reaches Redis, no reply reaches the client,
+  and `after` seconds later the connection is aborted (a command that ran in Redis whose
+  answer was lost with the connection);
+- `delay_on`: the replies of the connection that sent a command holding it wait `delay`
+  seconds (a slow answer, while the client's other connections go on);
+- `delay_reply_on`: the first chunk to the client holding it waits `delay` seconds (e.g. a
+  pub/sub message read late);
+- `loading_on`: the first command holding it is not run; Redis answers it, in its place,
+  with the -LOADING error it gives while it loads its data.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 
-LOADING = b"-LOADING Redis is loading the dataset in memory\r\n"
+_LOADING = b"return redis.error_reply('LOADING Redis is loading the dataset in memory')"
+LOADING_COMMAND = b"*3\r\n$4\r\nEVAL\r\n$%d\r\n%s\r\n$1\r\n0\r\n" % (len(_LOADING), _LOADING)
 
 
-def _commands_in(chunk: bytes) -> int:
-    """How many whole RESP commands (arrays of bulk strings) `chunk` holds."""
-    count = pos = 0
-    while pos < len(chunk):
-        end = chunk.index(b"\r\n", pos)
-        args, pos = int(chunk[pos + 1 : end]), end + 2
+def split_commands(buf: bytes) -> tuple[list[bytes], bytes]:
+    """The whole RESP commands (arrays of bulk strings) at the start of `buf`, and the rest."""
+    commands: list[bytes] = []
+    pos = 0
+    while pos < len(buf):
+        start = pos
+        end = buf.find(b"\r\n", pos)
+        if end < 0:
+            break
+        args, pos = int(buf[pos + 1 : end]), end + 2
         for _ in range(args):
-            end = chunk.index(b"\r\n", pos)
-            pos = end + 2 + int(chunk[pos + 1 : end]) + 2
-        count += 1
-    return count
+            end = buf.find(b"\r\n", pos)
+            if end < 0:
+                return commands, buf[start:]
+            pos = end + 2 + int(buf[pos + 1 : end]) + 2
+            if pos > len(buf):
+                return commands, buf[start:]
+        commands.append(buf[start:pos])
+    return commands, buf[pos:]
 
 
 class CuttingProxy:
@@ -32,13 +48,16 @@ class CuttingProxy:
         self.upstream_port = upstream_port
         self.server: asyncio.base_events.Server | None = None
         self.port = 0
-        self.cut_on: list[bytes] | None = None  # all of these in one chunk: cut after it
-        self.delay_on: bytes | None = None  # in a chunk: that connection's replies wait
+        self.cut_on: list[bytes] | None = None
+        self.pre = 0.15  # seconds
+        self.after = 0.2  # seconds
+        self.delay_on: bytes | None = None
+        self.delay_reply_on: bytes | None = None
         self.delay = 0.0  # seconds
-        self.delay_reply_on: bytes | None = None  # in a chunk to the client: it waits
-        self.loading_on: bytes | None = None  # in a chunk: its commands get -LOADING
-        self.refused = 0
+        self.loading_on: bytes | None = None
         self.cuts = 0
+        self.ran = 0  # cut commands that reached Redis
+        self.refused = 0
         self._tasks: set[asyncio.Task] = set()
         self._writers: list[asyncio.StreamWriter] = []
 
@@ -65,30 +84,37 @@ class CuttingProxy:
         state = {"blackhole": False, "held_until": 0.0}
         loop = asyncio.get_running_loop()
 
+        async def cut(command: bytes) -> None:
+            await uw.drain()
+            await asyncio.sleep(self.pre)  # the answers before it reach the client
+            state["blackhole"] = True
+            uw.write(command)
+            await uw.drain()
+            self.ran += 1
+            await asyncio.sleep(self.after)  # Redis runs it and answers, to nobody
+            self.cuts += 1
+            cw.transport.abort()
+            uw.transport.abort()
+
         async def up() -> None:
+            rest = b""
             try:
                 while data := await cr.read(65536):
-                    marker = self.cut_on
-                    if marker and all(m in data for m in marker):
-                        self.cut_on = None
-                        state["blackhole"] = True  # its reply never reaches the client
-                        uw.write(data)
-                        await uw.drain()
-                        await asyncio.sleep(0.2)  # Redis runs it and answers
-                        self.cuts += 1
-                        cw.transport.abort()
-                        uw.transport.abort()
-                        return
-                    if self.loading_on and self.loading_on in data:
-                        self.loading_on = None
-                        self.refused += 1
-                        cw.write(LOADING * _commands_in(data))
-                        await cw.drain()
-                        continue
-                    if self.delay_on and self.delay_on in data:
-                        self.delay_on = None
-                        state["held_until"] = loop.time() + self.delay
-                    uw.write(data)
+                    commands, rest = split_commands(rest + data)
+                    for command in commands:
+                        marker = self.cut_on
+                        if marker and all(m in command for m in marker):
+                            self.cut_on = None
+                            await cut(command)
+                            return
+                        if self.loading_on and self.loading_on in command:
+                            self.loading_on = None
+                            self.refused += 1
+                            command = LOADING_COMMAND
+                        if self.delay_on and self.delay_on in command:
+                            self.delay_on = None
+                            state["held_until"] = loop.time() + self.delay
+                        uw.write(command)
                     await uw.drain()
             except (ConnectionError, OSError):
                 pass

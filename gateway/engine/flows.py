@@ -240,10 +240,11 @@ class Flow:
 class _Fetch:
     """One fetch of one round: a flow reading `count` entries of `queue` (a partition)."""
 
-    __slots__ = ("count", "flow", "partition", "queue", "wakes")
+    __slots__ = ("count", "flow", "flow_id", "partition", "queue", "wakes")
 
     def __init__(self, flow: Flow, queue: str, partition: int | None, count: int) -> None:
         self.flow = flow
+        self.flow_id = flow.id  # as the fetch is sent (a flow taken for lost gets a new one)
         self.queue = queue
         self.partition = partition
         self.count = count
@@ -276,7 +277,7 @@ class _Round:
         self.unbinds: list[_Unbind] = []
         self.lease_checks: set[str] = set()
         self.rebalances: list[str] = []
-        self.recoveries: list[tuple[_Fetch, str]] = []  # and the flow id asked for
+        self.recoveries: list[_Fetch] = []
         self.refreshes: set[str] = set()
         self.fetches: list[_Fetch] = []
         self.selecting: list[Flow] = []
@@ -637,19 +638,28 @@ class Dispatcher:
         rounds: collections.deque[_Round] = collections.deque()
         try:
             await asyncio.sleep(0)  # gather this turn's settlements and wake-ups
+            # a round failed (its connection broke): the rounds sent after it are finished
+            # (what they lost put back) before any new one goes, so a recovery follows
+            # every settlement sent before it
+            failed = False
             while True:
-                if len(rounds) < MAX_ROUNDS_IN_FLIGHT and self._has_work():
+                if not failed and len(rounds) < MAX_ROUNDS_IN_FLIGHT and self._has_work():
                     rounds.append(await self._send_round())
                     continue
                 if not rounds:
-                    break
+                    if not failed:
+                        break
+                    failed = False
+                    await asyncio.sleep(0.5)
+                    continue
                 sent = rounds.popleft()
                 await sent.done
                 try:
                     await self._finish_round(sent)
                 except Exception:
-                    log.exception("dispatch round failed; retrying")
-                    await asyncio.sleep(0.5)
+                    if not failed:
+                        log.exception("dispatch round failed; retrying")
+                    failed = True
         finally:
             for sent in rounds:  # cancelled (node stopping): the flows may fetch again
                 self._fetching.difference_update(f.flow for f in sent.fetches)
@@ -729,8 +739,8 @@ class Dispatcher:
             commands.append(("gw_unbind", 0, queue, flow_id))
         for queue in sent.rebalances:
             commands.append(("gw_rebalance", 0, queue))
-        for f, flow_id in sent.recoveries:  # after the settles: they must not come back
-            commands.append(("gw_recover", 0, f.queue, flow_id, f.count, *_known(f)))
+        for f in sent.recoveries:  # after the settles: they must not come back
+            commands.append(("gw_recover", 0, f.queue, f.flow_id, *_known(f)))
         for f in sent.fetches:
             flow = f.flow
             if flow.browse:
@@ -755,6 +765,7 @@ class Dispatcher:
         replies = iter(sent.replies)
         lost = False
         refusal: BaseException | None = None  # Redis refused a call of the round for now
+        unsettled: set[str] = set()  # flow ids whose settlements Redis refused for now
         for mode, items in sent.settles.items():
             reply = next(replies)
             if broke(reply):
@@ -763,6 +774,7 @@ class Dispatcher:
             elif refused_for_now(reply):
                 refusal = reply
                 self._settle_later(mode, items)
+                unsettled.update(item[1] for item in items)
             elif isinstance(reply, Exception):  # not retried: it would fail the same way
                 log.error("settling %d entries (%s) failed: %s", len(items), mode, reply)
         for unbind in sent.unbinds:
@@ -785,18 +797,21 @@ class Dispatcher:
             if broke(reply):
                 self._rebalances[queue] = 0.0
                 lost = True
+            elif refused_for_now(reply):
+                refusal = reply
+                self.request_rebalance(queue, FETCH_RETRY)
             elif isinstance(reply, Exception):
                 log.error("rebalancing the partitions of %s failed: %s", queue, reply)
-        for f, flow_id in sent.recoveries:
+        for f in sent.recoveries:
             reply = next(replies)
-            if broke(reply):
+            if broke(reply) or f.flow_id in unsettled:  # (it reads only: asked again later)
                 self._to_recover.append(f)
-                lost = True
+                lost = lost or broke(reply)
             elif refused_for_now(reply):
                 refusal = reply
                 asyncio.get_running_loop().call_later(FETCH_RETRY, self._recover_again, f)
             else:
-                self._recovered(f, flow_id, reply)
+                self._recovered(f, reply)
         for f in sent.fetches:
             self._fetching.discard(f.flow)
         for f in sent.fetches:
@@ -1114,8 +1129,8 @@ class Dispatcher:
         gw_recover told it, after the settlements sent before (a closed flow's unbind
         gives it back)."""
         flow = fetch.flow
-        if not flow.closed:
-            self._recovering[flow] = self._recovering.get(flow, 0) + 1
+        if not flow.closed and fetch.flow_id == flow.id:  # (else the old id's unbind gave
+            self._recovering[flow] = self._recovering.get(flow, 0) + 1  # it back)
             self._to_recover.append(fetch)
             self._kick()
 
@@ -1126,34 +1141,36 @@ class Dispatcher:
             item[1] == flow.id for items in self._later.values() for item in items
         )
 
-    def _recoveries_now(self) -> list[tuple[_Fetch, str]]:
+    def _recoveries_now(self) -> list[_Fetch]:
         now, self._to_recover = self._to_recover, []
         due = []
         for f in now:
             if f.flow.closed:
                 self._done_recovering(f.flow)
             elif self._may_recover(f.flow):
-                due.append((f, f.flow.id))
+                due.append(f)
             else:
                 self._to_recover.append(f)
         return due
 
     def _recover_again(self, fetch: _Fetch) -> None:
-        if fetch.flow in self._recovering:
+        if fetch.flow in self._recovering and fetch.flow_id == fetch.flow.id:
             self._to_recover.append(fetch)
             self._kick()
 
-    def _recovered(self, fetch: _Fetch, flow_id: str, reply: object) -> None:
+    def _recovered(self, fetch: _Fetch, reply: object) -> None:
         flow = fetch.flow
-        if flow.id != flow_id or flow not in self._recovering:
+        if flow.id != fetch.flow_id or flow not in self._recovering:
             return  # taken for lost meanwhile: bound again under a new id
         self._done_recovering(flow)
+        if flow.closed:
+            return  # its unbind gives back what it holds
         if isinstance(reply, Exception):  # not to be asked again: it would fail the same way
             log.error("recovering a lost fetch of flow %s failed: %s", flow.id, reply)
             self._lost(flow, "lost a fetch's answer")
         elif reply[0] != b"ok":
             self._fetch_refused(fetch, reply[0].decode())
-        elif not flow.closed:  # (closed: its unbind gives them back)
+        else:
             if len(reply) > 2:
                 log.info("flow %s got %d entries of a lost fetch", flow.id, (len(reply) - 2) // 4)
             self._hand_out(fetch, reply)

@@ -1622,38 +1622,52 @@ register_always('gw_fetch', function(_, a)
   return out
 end)
 
--- ARGV: queue (a partition's, or a priority queue's parent), flow, count, then the entry ids
--- its node knows the flow holds (a priority level's as 'level/id'). What else the flow holds
--- there, up to `count` more, as gw_fetch answers (oldest first): what a fetch took whose
--- answer was lost with its connection, so the node hands it out instead of unbinding the
--- flow (which would redeliver its unsettled messages to other consumers and give up its
--- lease or partitions). Dead-lettering was the fetch's: only what it handed out is here.
+-- ARGV: queue (a partition's, or a priority queue's parent), flow, then the entry ids its
+-- node knows the flow holds (a priority level's as 'level/id'; the node sends this after
+-- every settlement it sent before, so what it settled is gone). Everything
+-- else the flow holds there, as gw_fetch answers and in its order (a sorted queue's: by
+-- key): what a fetch took whose answer was lost with its connection, so the node hands it
+-- out instead of unbinding the flow (which would redeliver its unsettled messages to other
+-- consumers and give up its lease or partitions). Dead-lettering was the fetch's: only
+-- what it handed out is here.
 register_always('gw_recover', function(_, a)
-  local q, flow, count = a[1], a[2], tonumber(a[3])
-  local c = redis.call('HMGET', k_queue_config(q), 'egress', 'priorities')
+  local q, flow = a[1], a[2]
+  local c = redis.call('HMGET', k_queue_config(q), 'egress', 'priorities', 'sort_key')
   if not c[1] then return { 'noqueue' } end
   if not redis.call('ZSCORE', k_queue_flows(q), flow) then return { 'noflow' } end
   local known = {}
-  for i = 4, #a do known[a[i]] = true end
-  local scan = count + #a - 3
-  local out = { 'ok', 0 }
+  for i = 3, #a do known[a[i]] = true end
+  local found = {}  -- {id as answered, delivery count, entry fields, order}
   local function held(s, prefix)
-    for _, e in ipairs(redis.call('XPENDING', s, GROUP, '-', '+', scan, flow)) do
-      local id = prefix .. e[1]
-      if not known[id] and (#out - 2) / 4 < count then
-        local r = redis.call('XRANGE', s, e[1], e[1])
-        local blob = r[1] and entry_blob(r[1][2])
-        if blob then
-          local o = #out
-          out[o + 1], out[o + 2], out[o + 3], out[o + 4] = id, e[4], blob, entry_meta(r[1][2])
+    local start = '-'
+    while true do
+      local page = redis.call('XPENDING', s, GROUP, start, '+', 1000, flow)
+      for _, e in ipairs(page) do
+        local id = prefix .. e[1]
+        if not known[id] then
+          local r = redis.call('XRANGE', s, e[1], e[1])
+          if r[1] and entry_blob(r[1][2]) then
+            local order = c[3] and c[3] ~= '' and sort_member(e[1], entry_field(r[1][2], 'sk'))
+            found[#found + 1] = { id, e[4], r[1][2], order or #found }
+          end
         end
       end
+      if #page < 1000 then return end
+      start = '(' .. page[#page][1]
     end
   end
   if c[2] == '1' then
     for p = PRIORITY_LEVELS - 1, 0, -1 do held(k_queue_stream(priority_queue(q, p)), p .. '/') end
   else
     held(k_queue_stream(q), '')
+  end
+  if c[3] and c[3] ~= '' then
+    table.sort(found, function(x, y) return x[4] < y[4] end)
+  end
+  local out = { 'ok', 0 }
+  for _, f in ipairs(found) do
+    local o = #out
+    out[o + 1], out[o + 2], out[o + 3], out[o + 4] = f[1], f[2], entry_blob(f[3]), entry_meta(f[3])
   end
   return out
 end)

@@ -1,0 +1,237 @@
+# ruff: noqa: F811  (the fixtures imported from test_redis_outages)
+"""A fetch that ran in Redis but whose answer was lost with the connection: its flow keeps
+its id (an exclusive queue's lease, a partitioned queue's partitions) and gets what the
+fetch took first, in the queue's order, once; what it settled meanwhile is not handed
+out again."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis
+
+from gateway.broker import Broker
+from gateway.engine import keys
+from gateway.engine.queues import QueueConfig
+from gateway.model import Delivery, Message, Outcome
+from tests.redis_proxy import CuttingProxy
+from tests.test_engine import to_queue, wait_for
+from tests.test_redis_outages import node, proxy  # noqa: F401
+
+
+@pytest.mark.parametrize("kind", ["plain", "exclusive", "partitioned", "priority", "grouped"])
+async def test_what_a_fetch_whose_answer_was_lost_took_goes_to_its_flow_first(
+    broker: Broker, node: Broker, proxy: CuttingProxy, kind: str
+) -> None:
+    """A fetch that ran in Redis, its answer lost with the connection: the flow keeps its
+    id (so an exclusive queue's lease and a partitioned one's partitions) and gets what the
+    fetch took before anything newer, once (not what it settled before). Unbound and bound
+    again, its unsettled messages would go to the other consumer while it still held them."""
+    config = {
+        "plain": QueueConfig(name="lost"),
+        "exclusive": QueueConfig(name="lost", access_type="exclusive"),
+        "partitioned": QueueConfig(name="lost", partition_count=1, partition_rebalance_delay_ms=0),
+        "priority": QueueConfig(name="lost", priorities=True),
+        "grouped": QueueConfig(name="lost", message_groups="default"),
+    }[kind]
+    await broker.queues.create(config)
+    for i in range(6):
+        msg = to_queue("lost", b"%d" % i, partition_key="k", user_properties=[("g", "one")])
+        assert await broker.publish(msg) is Outcome.OK
+    got: list[Delivery] = []
+    flow = await node.bind("lost", got.append, window=100, credit=2)
+    await wait_for(lambda: len(got) == 2)
+    first_id = flow.id
+    other: list[Delivery] = []
+    competing = kind in ("plain", "priority")  # another consumer would take the rest
+    if not competing:  # a standby, holds no partition, or waits for the group
+        await broker.bind("lost", other.append, window=100)
+        await asyncio.sleep(0.3)
+    proxy.cut_on = [b"gw_fetch"]
+    flow.ack(got[0].entry_id)  # in the same round: recovered after it, not handed out again
+    flow.set_credit(3)
+    await wait_for(lambda: proxy.cuts == 1)
+    await wait_for(lambda: len(got) == 5)
+    for i in range(6, 8):
+        msg = to_queue("lost", b"%d" % i, partition_key="k", user_properties=[("g", "one")])
+        assert await broker.publish(msg) is Outcome.OK
+    flow.set_credit(3)
+    await wait_for(lambda: len(got) == 8)
+    await asyncio.sleep(0.2)
+    assert [d.message.payload for d in got] == [b"%d" % i for i in range(8)]
+    assert flow.id == first_id, "the flow was bound again"
+    assert other == [], "the other consumer got messages the first one holds"
+
+
+async def test_a_settlement_sent_after_a_lost_fetch_is_not_handed_out_again(
+    proxy: CuttingProxy, node: Broker, redis_url: str
+) -> None:
+    """Two rounds in flight: X (G's batch of 256, a full round) and A (F's fetch, sent
+    right after). F's consumer acks e0 meanwhile; once X is answered, round B carries
+    that ack. The connection breaks after A ran in Redis and before B reached it. The
+    recovery of A must not run before the ack is sent again: it would hand e0 out again
+    (it is no longer in flow.unacked) and, asked for A's count only, leave e1 pending
+    for F in Redis, unknown to the node, for good."""
+    await node.queues.create(QueueConfig(name="q"))
+    await node.queues.create(QueueConfig(name="big"))
+    for i in range(300):
+        assert await node.publish(to_queue("big", b"b%d" % i)) is Outcome.OK
+    for i in range(2):
+        assert await node.publish(to_queue("q", b"%d" % i)) is Outcome.OK
+    got_f: list[Delivery] = []
+    f = await node.bind("q", got_f.append, window=10, credit=1)
+    await wait_for(lambda: len(got_f) == 1)
+    g = await node.bind("big", lambda d: g.ack(d.entry_id), window=0)
+    await asyncio.sleep(0.1)
+    proxy.delay_on = b"gw_fetch\r\n$1\r\n0\r\n$3\r\nbig\r\n"  # X's answer comes late
+    proxy.delay, proxy.pre, proxy.after = 0.2, 0.3, 0.3
+    proxy.cut_on = [b"gw_fetch", f.id.encode() + b"\r\n"]  # A runs, nothing after it
+    g.set_window(256)  # round X: G's 256 (a full round) ...
+    f.set_credit(1)  # ... round A: F's fetch, sent right after
+    await asyncio.sleep(0.05)
+    f.ack(got_f[0].entry_id)  # F's consumer acks e0 while X and A are in flight
+    await wait_for(lambda: proxy.cuts == 1)
+    await asyncio.sleep(2.5)
+    f.set_credit(5)
+    await asyncio.sleep(1.0)
+    r = redis.Redis.from_url(redis_url)
+    pending = r.xpending_range(keys.queue_stream("q"), "g", "-", "+", 10)
+    assert [(d.message.payload, d.delivery_count) for d in got_f] == [(b"0", 1), (b"1", 1)], (
+        f"F got {[(d.message.payload, d.delivery_count) for d in got_f]}; "
+        f"flow.unacked={list(f.unacked)}; pending in Redis {pending}"
+    )
+
+
+@pytest.mark.parametrize("selector", [None, "n > 0"])
+async def test_a_lost_fetch_of_a_sorted_queue_is_handed_out_in_key_order(
+    redis_url: str, proxy: CuttingProxy, node: Broker, selector: str | None
+) -> None:
+    """A sorted queue's lost fetch took its entries lowest key first: so they go out."""
+    await node.declare_queue(QueueConfig(name="sq", sort_key="k"), [("sorted/>", "smf")])
+    for n, (payload, key) in enumerate([("c", "c"), ("a", "a"), ("b", "b")]):
+        msg = Message(
+            destination="sq",
+            to_queue=True,
+            payload=payload.encode(),
+            user_properties=[("k", key), ("n", n + 1)],
+        )
+        assert await node.publish(msg) is Outcome.OK
+    got: list[Delivery] = []
+    flow = await node.bind("sq", got.append, window=10, credit=0, selector=selector)
+    await asyncio.sleep(0.2)
+    proxy.cut_on = [b"gw_take" if selector else b"gw_fetch"]
+    flow.set_credit(3)
+    await wait_for(lambda: proxy.cuts == 1)
+    await wait_for(lambda: len(got) == 3)
+    await asyncio.sleep(1.0)
+    assert [d.message.payload for d in got] == [b"a", b"b", b"c"], [
+        (d.message.payload, d.entry_id, d.delivery_count) for d in got
+    ]
+
+
+async def test_a_release_sent_after_a_lost_fetch_does_not_reach_another_consumer_too(
+    proxy: CuttingProxy, node: Broker, redis_url: str
+) -> None:
+    """As above, but F releases e0: the recovery hands e0 to F again, then the release
+    sent again gives it to H while F still holds it."""
+    await node.queues.create(QueueConfig(name="q"))
+    await node.queues.create(QueueConfig(name="big"))
+    for i in range(300):
+        assert await node.publish(to_queue("big", b"b%d" % i)) is Outcome.OK
+    for i in range(2):
+        assert await node.publish(to_queue("q", b"%d" % i)) is Outcome.OK
+    got_f: list[Delivery] = []
+    f = await node.bind("q", got_f.append, window=10, credit=1)
+    await wait_for(lambda: len(got_f) == 1)
+    g = await node.bind("big", lambda d: g.ack(d.entry_id), window=0)
+    await asyncio.sleep(0.1)
+    proxy.delay_on = b"gw_fetch\r\n$1\r\n0\r\n$3\r\nbig\r\n"
+    proxy.delay, proxy.pre, proxy.after = 0.2, 0.3, 0.3
+    proxy.cut_on = [b"gw_fetch", f.id.encode() + b"\r\n"]
+    g.set_window(256)
+    f.set_credit(1)
+    await asyncio.sleep(0.05)
+    f.release(got_f[0].entry_id)  # while X and A are in flight
+    await wait_for(lambda: proxy.cuts == 1)
+    await asyncio.sleep(2.5)
+    got_h: list[Delivery] = []
+    await node.bind("q", got_h.append, window=10)
+    await asyncio.sleep(1.0)
+    held_by_f = {d.message.payload for d in got_f if d.entry_id in f.unacked}
+    held_by_h = {d.message.payload for d in got_h}
+    assert not (held_by_f & held_by_h), (
+        f"both consumers hold {held_by_f & held_by_h} unsettled: F got "
+        f"{[d.message.payload for d in got_f]}, H got {[d.message.payload for d in got_h]}"
+    )
+
+
+async def test_lost_fetches_of_two_partitions_are_both_recovered_in_order(
+    redis_url: str, proxy: CuttingProxy, node: Broker
+) -> None:
+    """Each partition's lost fetch is recovered, each partition in its order."""
+    await node.queues.create(
+        QueueConfig(name="pq", partition_count=2, partition_rebalance_delay_ms=0)
+    )
+    for i in range(8):
+        msg = to_queue("pq", b"%d" % i, partition_key=f"k{i % 4}")
+        assert await node.publish(msg) is Outcome.OK
+    got: list[Delivery] = []
+    flow = await node.bind("pq", got.append, window=100, credit=0)
+    await wait_for(lambda: len(flow.parts) == 2)
+    proxy.cut_on = [b"gw_fetch"]
+    flow.set_credit(8)
+    await wait_for(lambda: proxy.cuts == 1)
+    await wait_for(lambda: len(got) == 8, timeout=5)
+    await asyncio.sleep(0.5)
+    by_key: dict[str, list[bytes]] = {}
+    for d in got:
+        by_key.setdefault(d.message.partition_key, []).append(d.message.payload)
+    assert sorted(d.message.payload for d in got) == [b"%d" % i for i in range(8)]
+    for k, ps in by_key.items():
+        assert ps == sorted(ps, key=int), (k, ps)
+
+
+async def test_a_recovery_refused_while_redis_loads_is_asked_again(
+    redis_url: str, proxy: CuttingProxy, node: Broker
+) -> None:
+    """A recovery Redis refuses while it loads its data is asked again, not given up."""
+    await node.queues.create(QueueConfig(name="lq"))
+    for i in range(3):
+        assert await node.publish(to_queue("lq", b"%d" % i)) is Outcome.OK
+    got: list[Delivery] = []
+    flow = await node.bind("lq", got.append, window=10, credit=0)
+    first = flow.id
+    await asyncio.sleep(0.1)
+    proxy.cut_on = [b"gw_fetch"]
+    proxy.loading_on = b"gw_recover"
+    flow.set_credit(3)
+    await wait_for(lambda: proxy.cuts == 1)
+    await wait_for(lambda: len(got) == 3, timeout=6)
+    assert proxy.refused == 1
+    assert [d.message.payload for d in got] == [b"0", b"1", b"2"] and flow.id == first
+
+
+async def test_a_settlement_refused_in_the_recoverys_round_is_not_handed_out_again(
+    proxy: CuttingProxy, node: Broker, redis_url: str
+) -> None:
+    """F's fetch is lost; F acks e0 before the recovery goes: the round carries the ack,
+    then gw_recover. Redis refuses the ack for now (-LOADING, it did not run) and then
+    runs the recovery (its loading ended in between): e0 must not be handed out again."""
+    await node.queues.create(QueueConfig(name="q"))
+    for i in range(2):
+        assert await node.publish(to_queue("q", b"%d" % i)) is Outcome.OK
+    got_f: list[Delivery] = []
+    f = await node.bind("q", got_f.append, window=10, credit=1)
+    await wait_for(lambda: len(got_f) == 1)
+    proxy.pre, proxy.after = 0.0, 0.2
+    proxy.cut_on = [b"gw_fetch", f.id.encode() + b"\r\n"]
+    proxy.loading_on = b"gw_settle"
+    f.set_credit(1)
+    await wait_for(lambda: proxy.ran == 1)
+    f.ack(got_f[0].entry_id)  # before the recovery is sent: in its round, before it
+    await wait_for(lambda: proxy.refused == 1)
+    await asyncio.sleep(2.0)
+    assert [d.message.payload for d in got_f] == [b"0", b"1"], [
+        (d.message.payload, d.delivery_count) for d in got_f
+    ]
