@@ -170,9 +170,11 @@ class Broker:
             redis, self.node_id, self._on_event, self.dispatcher.wake_queue, self._resync
         )
         self.dispatcher.on_last_flow = self._last_flow_gone
-        self._routes_fresh = asyncio.Event()  # routes read since the event channel was back
-        self._routes_fresh.set()
-        self.events.on_lost = self._routes_fresh.clear
+        # the event channel was lost: topic messages wait, in order, for the routes read
+        # after it is back (_held: message, done, future)
+        self._hold_routing = False
+        self._held: list[tuple[Message, Done | None, asyncio.Future[Outcome] | None]] = []
+        self.events.on_lost = self._events_lost
         self.roll_call = RollCall(redis, self.node_id, self.events.listening)
         self.direct = DirectRelay(redis, self.node_id, self.events, self.roll_call)
         self._tasks: set[asyncio.Task] = set()
@@ -194,9 +196,16 @@ class Broker:
         except StoreError as exc:  # other nodes take over once its liveness key expires
             log.warning("cannot tell Redis this node stops (%s): others take over later", exc)
         await self.events.stop()
-        for task in list(self._tasks):  # retries until Redis answers, waiting publishes
+        for task in list(self._tasks):  # retries until Redis answers
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        held, self._held = self._held, []
+        for _, done, fut in held:  # never stored: their publishers are not acked
+            stopped = StoreError("the node stopped before it could route the message")
+            if done is not None:
+                done(stopped)
+            elif fut is not None:
+                fut.set_exception(stopped)
 
     # -- publishing ------------------------------------------------------------------------
 
@@ -220,27 +229,29 @@ class Broker:
         self.published += 1
         if not msg.to_queue:
             self.direct.publish(msg)
-        if not self._routes_fresh.is_set():
+        if self._hold_routing:
             return self._route_when_fresh(msg, done)
         return self._route(msg, done)
 
     def _route_when_fresh(self, msg: Message, done: Done | None) -> asyncio.Future[Outcome] | None:
         """The event channel was lost: a subscription (or a keyed queue) made meanwhile on
         another node is unknown here until the routes are read again, so the message
-        waits for that (it is not acked before it is stored anyway)."""
+        waits for that, behind those that came before it (it is acked only once stored)."""
         fut = None if done is not None else asyncio.get_running_loop().create_future()
+        self._held.append((msg, done, fut))
+        return fut
 
-        async def route() -> None:
-            await self._routes_fresh.wait()
+    def _events_lost(self) -> None:
+        self._hold_routing = True
+
+    def _route_held(self) -> None:
+        """The routes were read again: route what waited, in the order it came."""
+        self._hold_routing = False
+        held, self._held = self._held, []
+        for msg, done, fut in held:
             routed = self._route(msg, done)
             if fut is not None and routed is not None:
-                try:
-                    fut.set_result(await routed)
-                except Exception as exc:
-                    fut.set_exception(exc)
-
-        self._spawn(route())
-        return fut
+                _chain(routed, fut)
 
     def _route(self, msg: Message, done: Done | None) -> asyncio.Future[Outcome] | None:
         if msg.to_queue:
@@ -650,7 +661,7 @@ class Broker:
         """The event channel is back: read the routes again, then route what waited."""
         await self._until_answered("reloading the routes", self.router.reload)
         if self.events.listening.is_set():  # else lost again: the next resync does this
-            self._routes_fresh.set()
+            self._route_held()
 
     def _learn_direct_nodes(self) -> None:
         self._spawn(self._until_answered("learning of direct subscribers", self.direct.refresh))
@@ -700,3 +711,17 @@ class Broker:
             "reaped_flows": self.liveness.reaped,
             **{f"refused_{k}": v for k, v in self.spooler.refused.items()},
         }
+
+
+def _chain(source: asyncio.Future[Outcome], target: asyncio.Future[Outcome]) -> None:
+    def copy(done: asyncio.Future[Outcome]) -> None:
+        if target.done():
+            return
+        if done.cancelled():
+            target.cancel()
+        elif done.exception() is not None:
+            target.set_exception(done.exception())  # type: ignore[arg-type]
+        else:
+            target.set_result(done.result())
+
+    source.add_done_callback(copy)

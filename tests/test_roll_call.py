@@ -15,7 +15,7 @@ import redis
 from gateway.broker import Broker
 from gateway.engine import keys, library, roll_call
 from gateway.engine.queues import QueueConfig
-from gateway.model import Message
+from gateway.model import Delivery, Message, Outcome
 from tests.redis_proxy import CuttingProxy
 from tests.test_engine import wait_for
 from tests.test_redis_outages import node, proxy  # noqa: F401
@@ -175,3 +175,21 @@ async def test_an_unchanged_subscription_asks_nobody(
     await broker.declare_queue(QueueConfig(name="same"), [("same/#", "mqtt")])
     await broker.subscribe_queue("same", ["same/#"], "mqtt")
     assert time.monotonic() - started < 0.4
+
+
+async def test_topic_messages_held_while_the_event_channel_reconnects_keep_their_order(
+    broker: Broker, node: Broker, proxy: CuttingProxy
+) -> None:
+    """Messages a node takes while its event channel reconnects wait for the routes read
+    after it, and are then stored in the order they came."""
+    await broker.declare_queue(QueueConfig(name="order"), [("order/#", "mqtt")])
+    await _cut_event_channel(proxy, node)
+    await wait_for(lambda: node._hold_routing)
+    futures = [
+        node.publish_nowait(Message(destination="order/x", payload=b"%d" % i)) for i in range(20)
+    ]
+    assert set(await asyncio.gather(*futures)) == {Outcome.OK}
+    got: list[Delivery] = []
+    await broker.bind("order", got.append, window=100)
+    await wait_for(lambda: len(got) == 20)
+    assert [d.message.payload for d in got] == [b"%d" % i for i in range(20)]
