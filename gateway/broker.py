@@ -112,6 +112,7 @@ from gateway.engine.roll_call import RollCall
 from gateway.engine.spool import Done, Spooler
 from gateway.model import Message, Outcome, bound_times, encode, new_message_id
 from gateway.router import Router
+from gateway.routing_hold import RoutingHold
 
 __all__ = [
     "ANONYMOUS",
@@ -170,12 +171,9 @@ class Broker:
             redis, self.node_id, self._on_event, self.dispatcher.wake_queue, self._resync
         )
         self.dispatcher.on_last_flow = self._last_flow_gone
-        # the event channel was lost: topic messages wait, in order, for the routes read
-        # after it is back (_held: message, done, future)
-        self._hold_routing = False
-        self._held: list[tuple[Message, Done | None, asyncio.Future[Outcome] | None]] = []
-        self.events.on_lost = self._events_lost
-        self.roll_call = RollCall(redis, self.node_id, self.events.listening)
+        self.hold = RoutingHold(self.router.reload, self._route)
+        self.events.on_lost = self.hold.lost
+        self.roll_call = RollCall(redis, self.node_id, self.events)
         self.direct = DirectRelay(redis, self.node_id, self.events, self.roll_call)
         self._tasks: set[asyncio.Task] = set()
         self._undeleted: set[str] = set()  # temporary queues whose deletion Redis refused
@@ -199,13 +197,8 @@ class Broker:
         for task in list(self._tasks):  # retries until Redis answers
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        held, self._held = self._held, []
-        for _, done, fut in held:  # never stored: their publishers are not acked
-            stopped = StoreError("the node stopped before it could route the message")
-            if done is not None:
-                done(stopped)
-            elif fut is not None:
-                fut.set_exception(stopped)
+        # never stored: their publishers are not acked
+        self.hold.fail_all(StoreError("the node stopped before it could route the message"))
 
     # -- publishing ------------------------------------------------------------------------
 
@@ -229,29 +222,9 @@ class Broker:
         self.published += 1
         if not msg.to_queue:
             self.direct.publish(msg)
-        if self._hold_routing:
-            return self._route_when_fresh(msg, done)
+        if self.hold.active:
+            return self.hold.hold(msg, done)
         return self._route(msg, done)
-
-    def _route_when_fresh(self, msg: Message, done: Done | None) -> asyncio.Future[Outcome] | None:
-        """The event channel was lost: a subscription (or a keyed queue) made meanwhile on
-        another node is unknown here until the routes are read again, so the message
-        waits for that, behind those that came before it (it is acked only once stored)."""
-        fut = None if done is not None else asyncio.get_running_loop().create_future()
-        self._held.append((msg, done, fut))
-        return fut
-
-    def _events_lost(self) -> None:
-        self._hold_routing = True
-
-    def _route_held(self) -> None:
-        """The routes were read again: route what waited, in the order it came."""
-        self._hold_routing = False
-        held, self._held = self._held, []
-        for msg, done, fut in held:
-            routed = self._route(msg, done)
-            if fut is not None and routed is not None:
-                _chain(routed, fut)
 
     def _route(self, msg: Message, done: Done | None) -> asyncio.Future[Outcome] | None:
         if msg.to_queue:
@@ -640,6 +613,8 @@ class Broker:
                 self._spawn(self._answer(*question))
         elif kind == "answer":
             self.roll_call.answered(arg)
+        elif kind == "back":
+            self.roll_call.back(arg)
 
     async def _answer(self, node: str, tag: str, what: str, arg: str) -> None:
         """Act on another node's question, then answer it. Unanswered (Redis failed): the
@@ -658,17 +633,24 @@ class Broker:
             log.warning("cannot answer node %s's question %r: %s", node, what, exc)
 
     async def _routes_back(self) -> None:
-        """The event channel is back: read the routes again, then route what waited."""
+        """The event channel is back: read the routes and the direct subscribers' nodes
+        again (what it told may have been missed), route what waited, and tell the nodes
+        whose questions this node may have missed."""
         await self._until_answered("reloading the routes", self.router.reload)
-        if self.events.listening.is_set():  # else lost again: the next resync does this
-            self._route_held()
+        await self._until_answered("telling of direct subscribers", self.direct.resync)
+        if not self.events.listening.is_set():  # lost again: the next resync does this
+            return
+        self.hold.back()
+        try:
+            await self.roll_call.tell_back(self.router.version)
+        except StoreError as exc:
+            log.warning("cannot tell the other nodes this one is back: %s", exc)
 
     def _learn_direct_nodes(self) -> None:
         self._spawn(self._until_answered("learning of direct subscribers", self.direct.refresh))
 
     def _resync(self) -> None:
         self._spawn(self._routes_back())
-        self._spawn(self._until_answered("telling of direct subscribers", self.direct.resync))
         self.dispatcher.wake_all()
         for queue in self.dispatcher.exclusive_standby_queues():
             self.dispatcher.request_lease_check(queue)
@@ -711,17 +693,3 @@ class Broker:
             "reaped_flows": self.liveness.reaped,
             **{f"refused_{k}": v for k, v in self.spooler.refused.items()},
         }
-
-
-def _chain(source: asyncio.Future[Outcome], target: asyncio.Future[Outcome]) -> None:
-    def copy(done: asyncio.Future[Outcome]) -> None:
-        if target.done():
-            return
-        if done.cancelled():
-            target.cancel()
-        elif done.exception() is not None:
-            target.set_exception(done.exception())  # type: ignore[arg-type]
-        else:
-            target.set_result(done.result())
-
-    source.add_done_callback(copy)

@@ -92,7 +92,12 @@ class Router:
         found: dict[str, str] = {}
         for name, value in msg.user_properties:
             if name in self.keyed_properties and name not in found and value is not None:
-                found[name] = value.decode() if isinstance(value, bytes) else str(value)
+                # a binary value (AMQP) that is not UTF-8 keys as its escaped text
+                found[name] = (
+                    value.decode("utf-8", "backslashreplace")
+                    if isinstance(value, bytes)
+                    else str(value)
+                )
         return "".join(f"{k}\0{v}\0" for k, v in found.items())
 
     def subscriptions(self) -> list[tuple[str, str, str]]:

@@ -13,11 +13,18 @@ import pytest
 import redis
 
 from gateway.broker import Broker
+from gateway.config import Settings
 from gateway.engine import keys, library, roll_call
 from gateway.engine.queues import QueueConfig
 from gateway.model import Delivery, Message, Outcome
+from protocols.mqtt import listener as mqtt_listener
+from protocols.mqtt import session as mqtt_session
+from protocols.mqtt.codec import Connect, Properties, Pubcomp, Publish, Pubrec, Pubrel
+from protocols.mqtt.listener import Listener
+from protocols.mqtt.listener import start as start_mqtt
 from tests.redis_proxy import CuttingProxy
 from tests.test_engine import wait_for
+from tests.test_mqtt_protocol import Raw
 from tests.test_redis_outages import node, proxy  # noqa: F401
 
 
@@ -184,7 +191,7 @@ async def test_topic_messages_held_while_the_event_channel_reconnects_keep_their
     after it, and are then stored in the order they came."""
     await broker.declare_queue(QueueConfig(name="order"), [("order/#", "mqtt")])
     await _cut_event_channel(proxy, node)
-    await wait_for(lambda: node._hold_routing)
+    await wait_for(lambda: node.hold.active)
     futures = [
         node.publish_nowait(Message(destination="order/x", payload=b"%d" % i)) for i in range(20)
     ]
@@ -193,3 +200,176 @@ async def test_topic_messages_held_while_the_event_channel_reconnects_keep_their
     await broker.bind("order", got.append, window=100)
     await wait_for(lambda: len(got) == 20)
     assert [d.message.payload for d in got] == [b"%d" % i for i in range(20)]
+
+
+async def test_one_bad_held_message_does_not_strand_the_others(
+    broker: Broker, node: Broker, proxy: CuttingProxy
+) -> None:
+    """Messages held together are routed together, whatever one of them holds (here a
+    binary, non-UTF-8 value of a keyed property, as an AMQP client may send: it keys as
+    its escaped text)."""
+    await broker.declare_queue(QueueConfig(name="lv", lvq_key="k"), [("lv/#", "mqtt")])
+    await node.router.reload()
+    await _cut_event_channel(proxy, node)
+    await wait_for(lambda: node.hold.active)
+    first = node.publish_nowait(Message(destination="lv/x", payload=b"1",
+                                        user_properties=[("k", "a")]))  # fmt: skip
+    bad = node.publish_nowait(Message(destination="lv/x", payload=b"bad",
+                                      user_properties=[("k", b"\xff")]))  # fmt: skip
+    last = node.publish_nowait(Message(destination="lv/x", payload=b"3",
+                                       user_properties=[("k", "b")]))  # fmt: skip
+    await wait_for(lambda: not node.hold.active, 5)
+    done, _ = await asyncio.wait([first, bad, last], timeout=3)
+    assert {first, last} <= done, (
+        f"held with a bad message: first {first}, bad {bad}, last {last}; "
+        f"still held {len(node.hold._held)}"
+    )
+    assert first.result() is Outcome.OK and last.result() is Outcome.OK
+    assert bad.result() is Outcome.OK
+
+
+async def test_a_node_stopped_while_cut_off_fails_its_held_messages(
+    proxy: CuttingProxy, redis_url: str
+) -> None:
+    """A node stopped while Redis is out of reach stops whole (its direct subscribers'
+    withdrawal fails) and fails what it held: its publishers are not acked."""
+    client = await library.connect(proxy.url)
+    n = Broker(client, heartbeat=0.2, node_ttl=1.0)
+    await n.start()
+    try:
+        token = await n.subscribe_direct("d/#", "mqtt", lambda m: None)  # a QoS 0 subscriber
+        assert proxy.server is not None
+        proxy.server.close()
+        for w in proxy._writers:
+            w.transport.abort()
+        await wait_for(lambda: n.hold.active)
+        held = n.publish_nowait(Message(destination="t/1", payload=b"x"))
+        n.unsubscribe_direct(token)  # its session ends
+        error = None
+        try:
+            await asyncio.wait_for(n.stop(), 10)
+        except Exception as exc:
+            error = exc
+        assert error is None and held.done(), f"stop raised {error!r}; the held publish: {held}"
+    finally:
+        await client.aclose()
+
+
+async def test_a_node_whose_event_channel_reconnected_is_waited_for_again(
+    broker: Broker, node: Broker, proxy: CuttingProxy
+) -> None:
+    """B (node) missed A's question while its event channel reconnected: A waited for it
+    once. B is back and healthy; A's next subscription must still hold on B once A is
+    answered, even if B reads that 'sub' event late."""
+    await broker.declare_queue(QueueConfig(name="routed"))
+    await _cut_event_channel(proxy, node)
+    await broker.subscribe_queue("routed", ["first/#"], "mqtt")  # B misses the question
+    await wait_for(lambda: node.events.listening.is_set() and not node.hold.active)
+    await asyncio.sleep(0.2)
+    silent = set(broker.roll_call._silent)
+    proxy.delay = 1.0
+    proxy.delay_reply_on = b"\r\nsub "  # B reads the next change (and its question) late
+    started = asyncio.get_running_loop().time()
+    await broker.subscribe_queue("routed", ["routed/#"], "mqtt")
+    took = asyncio.get_running_loop().time() - started
+    await node.publish(Message(destination="routed/1", payload=b"right after"))
+    assert (await broker.queues.info("routed")).messages == 1, (
+        f"published on B right after the subscribe returned ({took * 1000:.0f} ms): not "
+        f"routed; A held B silent: {silent == {node.node_id}}"
+    )
+
+
+async def test_an_answer_lost_with_the_askers_own_event_channel_marks_nobody_silent(
+    broker: Broker, node: Broker, proxy: CuttingProxy
+) -> None:
+    """A (node) asks; its event channel breaks and is back before the timeout; B's answer
+    came in the gap. B answered: A must not stop waiting for B."""
+    await node.declare_queue(QueueConfig(name="routed"))
+    await node.queues.create(QueueConfig(name="cutq"))
+    proxy.delay = 0.6
+    proxy.delay_reply_on = f"answer {node.node_id} ".encode()  # B's answer, in the gap
+    asking = asyncio.ensure_future(node.subscribe_queue("routed", ["one/#"], "mqtt"))
+    await asyncio.sleep(0.05)
+    proxy.cut_on = [b"SUBSCRIBE", b"cutq"]
+    await node.bind("cutq", lambda d: None)
+    await asyncio.wait_for(asking, 5)
+    assert node.events.listening.is_set()
+    assert broker.node_id not in node.roll_call._silent, (
+        "B answered, its answer was lost with A's own event channel: B marked silent"
+    )
+
+
+async def test_a_withdrawal_that_failed_is_done_again(
+    broker: Broker, node: Broker, proxy: CuttingProxy, redis_url: str
+) -> None:
+    """B's last QoS 0 subscriber goes; its withdrawal's SREM runs, the reply is lost with
+    the connection (a Redis blip): B does it again, so A does not relay every topic
+    message to it for ever."""
+    token = await node.subscribe_direct("wd/#", "mqtt", lambda m: None)
+    await wait_for(lambda: broker.direct._others)
+    proxy.cut_on = [b"gw_direct_node", node.node_id.encode() + b"\r\n$1\r\n0\r\n"]
+    node.unsubscribe_direct(token)
+    await wait_for(lambda: proxy.cuts == 1)
+    await asyncio.sleep(2.0)  # the event channel is fine; B has every chance to redo it
+    members = redis.Redis.from_url(redis_url).smembers(keys.direct_nodes)
+    for i in range(100):
+        await broker.publish(Message(destination=f"any/{i}", payload=b"x"))
+    await asyncio.sleep(0.2)
+    assert broker.direct.relayed == 0, (
+        f"no direct subscriber left anywhere (direct_nodes={members}); B still listens: "
+        f"{bool(node.events._channels)}, listed={node.direct._listed}; A relayed "
+        f"{broker.direct.relayed}"
+    )
+
+
+@pytest.fixture
+async def mqttb(node: Broker) -> AsyncIterator[Listener]:
+    listener = await start_mqtt(node, Settings(mqtt_port=0, amqp_port=0, host="127.0.0.1"))
+    assert listener is not None
+    yield listener
+    await listener.close()
+
+
+KEEP = Properties(session_expiry_interval=300)
+
+
+async def test_a_qos2_message_held_on_a_cut_off_node_is_not_stored_twice(
+    broker: Broker,
+    mqtt: Listener,
+    node: Broker,
+    mqttb: Listener,
+    proxy: CuttingProxy,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A message held on a node cut off from Redis is not stored once Redis is back after
+    its publisher gave up and sent it on another node: the hold fails it as soon as a
+    routes read fails, as a spool would."""
+    monkeypatch.setattr(mqtt_session, "CONNECT_TIMEOUT", 1.0)
+    monkeypatch.setattr(mqtt_listener, "HANDOVER_TIMEOUT", 1.0)
+    await broker.declare_queue(QueueConfig(name="q2"), [("t/#", "mqtt")])
+    await node.router.reload()
+    c, _ = await Raw.connected(mqttb.port, 5, client_id="c2", properties=KEEP)
+    # node B is cut off from Redis (its event channel too)
+    assert proxy.server is not None
+    proxy.server.close()
+    for w in proxy._writers:
+        w.transport.abort()
+    await wait_for(lambda: node.hold.active)
+    await c.send(Publish("t/1", b"once", qos=2, packet_id=7))
+    await asyncio.sleep(0.3)
+    c.writer.close()  # no PUBREC: the client goes to another node
+    await asyncio.sleep(1.5)  # B's teardown gave up waiting for the held publish
+    c2 = await Raw.open(mqtt.port, 5)
+    await c2.send(Connect(protocol_level=5, client_id="c2", clean_start=False, properties=KEEP))
+    await c2.recv(timeout=10)
+    await c2.send(Publish("t/1", b"once", qos=2, packet_id=7, dup=True))
+    assert await c2.recv() == Pubrec(7)
+    await c2.send(Pubrel(7))
+    assert await c2.recv() == Pubcomp(7)
+    assert (await broker.queues.info("q2")).messages == 1
+    # B reaches Redis again
+    proxy.server = await asyncio.start_server(proxy._client, "127.0.0.1", proxy.port)
+    await wait_for(lambda: not node.hold.active, 10)
+    await asyncio.sleep(0.5)
+    n = (await broker.queues.info("q2")).messages
+    assert n == 1, f"the QoS 2 message the client had resent elsewhere was stored {n} times"

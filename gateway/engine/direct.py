@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 DirectCallback = Callable[[Message], None]
 MAX_HELD = 10_000  # direct messages waiting for their delivery time
+WITHDRAW_RETRY_S = 1.0  # a withdrawal Redis did not take is tried again after this long
 
 
 class DirectRelay:
@@ -90,7 +91,7 @@ class DirectRelay:
             if value == token:
                 self._trie.remove(pattern, value, syntax)
         if not self._callbacks:
-            self._announcing = self._spawn(self._announce(False))
+            self._announcing = self._spawn(self._withdraw())
 
     def publish(self, msg: Message) -> None:
         """A topic message published on this node: local subscribers, then other nodes'."""
@@ -121,7 +122,19 @@ class DirectRelay:
         """The event channel is back: an announcement may have been missed, and this
         node's own entry lost (reaped while it was presumed dead, a Redis failover)."""
         await self._relist()
+        await self._announce(False)  # one that failed half way (a no-op otherwise)
         await self.refresh()
+
+    async def _withdraw(self) -> None:
+        """Until Redis takes it (or a subscriber comes back): left, the other nodes would
+        relay every topic message here."""
+        while True:
+            try:
+                await self._announce(False)
+                return
+            except RedisError as exc:
+                log.warning("withdrawing direct subscribers failed; tried again: %s", exc)
+                await asyncio.sleep(WITHDRAW_RETRY_S)
 
     async def _relist(self) -> None:
         async with self._announce_lock:
@@ -159,9 +172,15 @@ class DirectRelay:
         for handle in self._held:
             handle.cancel()
         self._held.clear()
+        for task in list(self._tasks):  # relays, withdrawals tried again: this one is last
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._callbacks or self._listed:
             self._callbacks.clear()
-            await self._announce(False)
+            try:
+                await self._announce(False)
+            except RedisError as exc:  # reaping the node removes it
+                log.warning("cannot withdraw this node's direct subscribers: %s", exc)
 
     async def _announce(self, present: bool) -> None:
         """Tell other nodes whether this one has direct subscribers, unless it already

@@ -45,6 +45,7 @@ class EventListener:
         self._task: asyncio.Task | None = None
         self._ready = asyncio.Event()
         self.listening = asyncio.Event()  # subscribed now (cleared while reconnecting)
+        self.losses = 0  # times the channel was lost
         self.on_lost: Callable[[], None] | None = None  # events may be missed from now on
 
     async def start(self) -> None:
@@ -102,6 +103,7 @@ class EventListener:
             except Exception as exc:
                 log.warning("event channel lost (%s); reconnecting", exc)
                 self.listening.clear()
+                self.losses += 1
                 if self.on_lost is not None:
                     self.on_lost()
                 # watch_* meanwhile only note the channel: the next subscribe takes them all

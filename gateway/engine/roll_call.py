@@ -6,9 +6,12 @@ next packet reached another node.
 A question waits for the nodes registered live in Redis (gw:nodes), not for whoever got the
 PUBLISH: a node whose event channel is reconnecting is waited for too. A node that did not
 answer in time (stalled, or too old to answer) is silent: later questions do not wait for
-it until it answers one again, so it costs one wait, not one per subscription.
+it until it answers one again, so it costs one wait, not one per subscription. A node whose
+event channel was down (so it missed questions) says "back" once it read the routes again:
+that answers the routes questions its read covers, and makes it not silent.
 
-Event formats: "ask <node> <n> <what> [<arg>]" and "answer <node> <n> <answering node>".
+Event formats: "ask <node> <n> <what> [<arg>]", "answer <node> <n> <answering node>" and
+"back <node> <routes version>".
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import logging
 import redis.asyncio as aioredis
 
 from gateway.engine import keys
+from gateway.engine.events import EventListener
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +34,9 @@ class _Answers:
     """The answers to one question, gathered before the nodes to wait for are known (an
     answer can come before the asking round trip returns)."""
 
-    def __init__(self) -> None:
+    def __init__(self, what: str, arg: str) -> None:
+        self.what = what
+        self.arg = arg
         self.answered: set[str] = set()
         self.waiting: set[str] | None = None
         self.all_in = asyncio.Event()
@@ -52,10 +58,10 @@ class _Answers:
 
 
 class RollCall:
-    def __init__(self, redis: aioredis.Redis, node_id: str, listening: asyncio.Event) -> None:
+    def __init__(self, redis: aioredis.Redis, node_id: str, events: EventListener) -> None:
         self._redis = redis
         self._node = node_id
-        self._listening = listening  # this node's event channel is subscribed: it hears
+        self._events = events  # the answers come on its channel
         self._numbers = itertools.count(1)
         self._pending: dict[str, _Answers] = {}  # by question tag "<node> <n>"
         self._silent: set[str] = set()  # nodes that did not answer the last time
@@ -68,12 +74,13 @@ class RollCall:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + ANSWER_TIMEOUT_S
         try:
-            await asyncio.wait_for(self._listening.wait(), ANSWER_TIMEOUT_S)
+            await asyncio.wait_for(self._events.listening.wait(), ANSWER_TIMEOUT_S)
         except TimeoutError:
             log.warning("%r not asked: this node's event channel is down", what)
             return
+        losses = self._events.losses
         tag = f"{self._node} {next(self._numbers)}"
-        answers = self._pending[tag] = _Answers()
+        answers = self._pending[tag] = _Answers(what, arg)
         try:
             pipe = self._redis.pipeline(transaction=False)
             pipe.smembers(keys.nodes)
@@ -85,7 +92,7 @@ class RollCall:
                 await asyncio.wait_for(answers.all_in.wait(), max(0, deadline - loop.time()))
             except TimeoutError:
                 missing = answers.missing()
-                if self._listening.is_set():  # else their answers may have been missed
+                if self._events.losses == losses:  # else their answers may have been missed
                     self._silent |= missing
                 log.warning(
                     "nodes %s did not answer %r in %.0f s: not waited for until they answer",
@@ -105,6 +112,21 @@ class RollCall:
         number, _, rest = rest.partition(" ")
         what, _, value = rest.partition(" ")
         return node, f"{node} {number}", what, value
+
+    async def tell_back(self, routes_version: int) -> None:
+        """This node's event channel is back and its routes read again (RedisError if the
+        word could not go: its next answer makes it not silent)."""
+        await self._redis.publish(keys.events, f"back {self._node} {routes_version}")
+
+    def back(self, arg: str) -> None:
+        """A 'back' event: another node read the routes again after missing questions."""
+        node, _, version = arg.partition(" ")
+        if node == self._node:
+            return
+        self._silent.discard(node)
+        for answers in self._pending.values():
+            if answers.what == "routes" and int(answers.arg) <= int(version):
+                answers.answer(node)
 
     async def answer(self, tag: str) -> None:
         """RedisError if the answer could not go (the asking node stops waiting later)."""
