@@ -4,7 +4,8 @@
   run and answered, then (`pre` seconds later, so those answers reach the client) it is
   run and nothing after it: no later command reaches Redis, no reply reaches the client,
   and `after` seconds later the connection is aborted (a command that ran in Redis whose
-  answer was lost with the connection);
+  answer was lost with the connection); `cuts_on`: several such marker lists at once,
+  each used once, on whichever connection first sends a command holding all its markers;
 - `delay_on`: the replies of the connection that sent a command holding it wait `delay`
   seconds (a slow answer, while the client's other connections go on);
 - `delay_reply_on`: the first chunk to the client holding it waits `delay` seconds (e.g. a
@@ -49,6 +50,7 @@ class CuttingProxy:
         self.server: asyncio.base_events.Server | None = None
         self.port = 0
         self.cut_on: list[bytes] | None = None
+        self.cuts_on: list[list[bytes]] = []
         self.pre = 0.15  # seconds
         self.after = 0.2  # seconds
         self.delay_on: bytes | None = None
@@ -105,6 +107,11 @@ class CuttingProxy:
                         marker = self.cut_on
                         if marker and all(m in command for m in marker):
                             self.cut_on = None
+                            await cut(command)
+                            return
+                        armed = [m for m in self.cuts_on if all(x in command for x in m)]
+                        if armed:
+                            self.cuts_on.remove(armed[0])
                             await cut(command)
                             return
                         if self.loading_on and self.loading_on in command:

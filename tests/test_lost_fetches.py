@@ -235,3 +235,154 @@ async def test_a_settlement_refused_in_the_recoverys_round_is_not_handed_out_aga
     assert [d.message.payload for d in got_f] == [b"0", b"1"], [
         (d.message.payload, d.delivery_count) for d in got_f
     ]
+
+
+def sel_msg(q: str, i: int) -> Message:
+    return Message(destination=q, to_queue=True, payload=b"%d" % i, user_properties=[("n", i)])
+
+
+@pytest.mark.parametrize("settle", ["ack", "release"])
+async def test_selector_lost_take_recovered_before_a_refused_ack_of_an_earlier_round(
+    proxy: CuttingProxy, node: Broker, redis_url: str, settle: str
+) -> None:
+    """F (selector) settles e0 while round N (G's big fetch) is held; the settlement goes in
+    round S, sent once N is finished, and is refused for now (-LOADING: it did not run).
+    Round N+1 (sent right after N: F's selection) is finished after S was sent: its take
+    runs on a pool connection whose answer is lost. The recovery waits until S is finished
+    (and its settlement, sent again, ran): else it would find e0 still pending for F and
+    hand it out again, and the settlement would then ack it (or, released, give it to
+    another consumer while F holds it)."""
+    await node.queues.create(QueueConfig(name="q"))
+    await node.queues.create(QueueConfig(name="big"))
+    for i in range(300):
+        assert await node.publish(to_queue("big", b"b%d" % i)) is Outcome.OK
+    for i in range(2):
+        assert await node.publish(sel_msg("q", i)) is Outcome.OK
+    got_f: list[Delivery] = []
+    f = await node.bind("q", got_f.append, window=10, credit=1, selector="n >= 0")
+    await wait_for(lambda: len(got_f) == 1)
+    g = await node.bind("big", lambda d: g.ack(d.entry_id), window=0)
+    await asyncio.sleep(0.1)
+    proxy.delay_on = b"gw_fetch\r\n$1\r\n0\r\n$3\r\nbig\r\n"  # round N's answers come late
+    proxy.delay = 0.3
+    proxy.cut_on = [b"gw_take"]  # the selection's take runs, its answer is lost
+    proxy.loading_on = b"gw_settle"  # F's settlement: refused, not run
+    g.set_window(256)  # round N: G's 256 (a full round) ...
+    f.set_credit(1)  # ... round N+1: F's selection
+    await asyncio.sleep(0.05)
+    getattr(f, settle)(got_f[0].entry_id)  # while round N is held
+    await wait_for(lambda: proxy.cuts == 1)
+    await asyncio.sleep(2.5)
+    assert proxy.refused == 1
+    if settle == "release":
+        got_h: list[Delivery] = []
+        await node.bind("q", got_h.append, window=10)
+        await asyncio.sleep(1.0)
+        held_by_f = {d.message.payload for d in got_f if d.entry_id in f.unacked}
+        held_by_h = {d.message.payload for d in got_h}
+        assert not (held_by_f & held_by_h), (
+            f"both consumers hold {held_by_f & held_by_h} unsettled: F got "
+            f"{[d.message.payload for d in got_f]}, H got {[d.message.payload for d in got_h]}"
+        )
+        return
+    r = redis.Redis.from_url(redis_url)
+    pending = r.xpending_range(keys.queue_stream("q"), "g", "-", "+", 10)
+    assert [(d.message.payload, d.delivery_count) for d in got_f] == [(b"0", 1), (b"1", 1)], (
+        f"F got {[(d.message.payload, d.delivery_count) for d in got_f]}; "
+        f"unacked={list(f.unacked)}; pending {pending}"
+    )
+
+
+async def test_a_recovery_asked_again_after_loading_overtakes_a_refused_ack_in_flight(
+    proxy: CuttingProxy, node: Broker, redis_url: str
+) -> None:
+    """F is a plain consumer (no selector). F's fetch is lost; its recovery is refused for
+    now (-LOADING) and asked again FETCH_RETRY later (_recover_again). Meanwhile round S
+    (F's ack of e0, refused for now: it did not run) was sent and the pump is still
+    finishing an earlier round (another consumer's selection, slow to answer). When the
+    timer fires, the recovery still waits for S: run after the refused ack, it would find
+    e0 pending for F and hand it out again."""
+    await node.queues.create(QueueConfig(name="q"))
+    await node.queues.create(QueueConfig(name="big"))
+    await node.queues.create(QueueConfig(name="sq"))
+    for i in range(300):
+        assert await node.publish(to_queue("big", b"b%d" % i)) is Outcome.OK
+    for i in range(3):
+        assert await node.publish(to_queue("q", b"%d" % i)) is Outcome.OK
+    assert await node.publish(sel_msg("sq", 1)) is Outcome.OK
+    got_f: list[Delivery] = []
+    f = await node.bind("q", got_f.append, window=10, credit=1)
+    await wait_for(lambda: len(got_f) == 1)
+    g = await node.bind("big", lambda d: g.ack(d.entry_id), window=0)
+    got_h: list[Delivery] = []
+    h = await node.bind("sq", got_h.append, window=10, credit=0, selector="n > 0")
+    await asyncio.sleep(0.1)
+    proxy.cut_on = [b"gw_fetch", f.id.encode() + b"\r\n"]
+    proxy.loading_on = b"gw_recover"
+    f.set_credit(1)  # fetch of e1: runs, its answer lost
+    await wait_for(lambda: proxy.refused == 1, timeout=5)  # the recovery: asked again in 1 s
+    await asyncio.sleep(0.4)
+    proxy.loading_on = b"gw_settle"
+    proxy.delay_on = b"gw_fetch\r\n$1\r\n0\r\n$3\r\nbig\r\n"  # round A, late
+    proxy.delay = 0.3
+    g.set_window(256)  # round A: G's fetch of 256 (a full round) ...
+    h.set_credit(1)  # ... round B: H's selection
+    await wait_for(lambda: proxy.delay_on is None)
+    proxy.delay_on, proxy.delay = b"gw_peek", 0.8  # B's selection answers late
+    f.ack(got_f[0].entry_id)  # round S, sent once A is finished: refused for now
+    await wait_for(lambda: proxy.refused == 2)
+    await asyncio.sleep(3.0)
+    assert len(got_h) == 1
+    r = redis.Redis.from_url(redis_url)
+    pending = r.xpending_range(keys.queue_stream("q"), "g", "-", "+", 10)
+    assert [(d.message.payload, d.delivery_count) for d in got_f] == [(b"0", 1), (b"1", 1)], (
+        f"F got {[(d.message.payload, d.delivery_count) for d in got_f]}; "
+        f"unacked={list(f.unacked)}; pending {pending}"
+    )
+
+
+async def test_selector_lost_take_recovered_before_a_release_lost_with_the_connection(
+    proxy: CuttingProxy, node: Broker, redis_url: str
+) -> None:
+    """As the -LOADING case, with both connections lost (a Redis restart, a network cut):
+    round S (G's acks, then F's release of e0) breaks after its first command ran, so the
+    release did not run; the selection's take, on a pool connection, runs and its answer is
+    lost. The recovery waits for S and the release sent again: else e0, still pending for
+    F, would be handed to F again, and the release would give it to H too."""
+    await node.queues.create(QueueConfig(name="q"))
+    await node.queues.create(QueueConfig(name="big"))
+    for i in range(300):
+        assert await node.publish(to_queue("big", b"b%d" % i)) is Outcome.OK
+    for i in range(2):
+        assert await node.publish(sel_msg("q", i)) is Outcome.OK
+    got_f: list[Delivery] = []
+    f = await node.bind("q", got_f.append, window=10, credit=1, selector="n >= 0")
+    await wait_for(lambda: len(got_f) == 1)
+    released = []
+
+    def on_g(d: Delivery) -> None:
+        g.ack(d.entry_id)
+        if not released:  # F's consumer releases e0 just after G's first ack
+            released.append(1)
+            f.release(got_f[0].entry_id)
+
+    g = await node.bind("big", on_g, window=0)
+    await asyncio.sleep(0.1)
+    proxy.pre, proxy.after = 0.05, 0.3
+    proxy.cuts_on = [
+        [b"gw_settle\r\n$1\r\n0\r\n$3\r\nack"],  # S: the acks run, F's release does not
+        [b"gw_take"],  # the selection's take runs, its answer is lost
+    ]
+    g.set_window(256)  # round N: G's 256 (a full round) ...
+    f.set_credit(1)  # ... round N+1: F's selection
+    await wait_for(lambda: proxy.cuts == 2)
+    await asyncio.sleep(2.0)
+    got_h: list[Delivery] = []
+    await node.bind("q", got_h.append, window=10)
+    await asyncio.sleep(1.0)
+    held_by_f = [d.message.payload for d in got_f if d.entry_id in f.unacked]
+    held_by_h = [d.message.payload for d in got_h]
+    assert not (set(held_by_f) & set(held_by_h)) and len(got_f) == 2, (
+        f"F got {[(d.message.payload, d.delivery_count) for d in got_f]} (holds {held_by_f}), "
+        f"H got {held_by_h}"
+    )

@@ -310,6 +310,8 @@ class Dispatcher:
         # fetches whose answers were lost, to recover; their flows fetch nothing meanwhile
         self._to_recover: list[_Fetch] = []
         self._recovering: dict[Flow, int] = {}  # flow -> its recoveries not yet answered
+        self._in_flight = 0  # rounds sent, not yet finished: a recovery waits for none
+        self._closed = False
         # their last fetch came back full (more is waiting) -> when they last fetched,
         # settled or gave credit (monotonic)
         self._behind: dict[Flow, float] = {}
@@ -330,6 +332,7 @@ class Dispatcher:
 
     async def close(self) -> None:
         """Stop the pump and drop its connection (the node is stopping)."""
+        self._closed = True
         if self._later_timer is not None:
             self._later_timer.cancel()
         if self._task is not None:
@@ -619,7 +622,7 @@ class Dispatcher:
     # -- the pump --------------------------------------------------------------------------
 
     def _kick(self) -> None:
-        if self._task is None:
+        if self._task is None and not self._closed:
             self._task = asyncio.get_running_loop().create_task(self._pump())
 
     def _has_work(self) -> bool:
@@ -631,7 +634,7 @@ class Dispatcher:
             or self._refreshes
             or self._due_rebalances()
             or any(flow not in self._fetching for flow in self._want)
-            or any(self._may_recover(f.flow) for f in self._to_recover)
+            or (not self._in_flight and self._recovery_due())
         )
 
     async def _pump(self) -> None:
@@ -643,8 +646,14 @@ class Dispatcher:
             # every settlement sent before it
             failed = False
             while True:
-                if not failed and len(rounds) < MAX_ROUNDS_IN_FLIGHT and self._has_work():
+                if (
+                    not failed
+                    and len(rounds) < MAX_ROUNDS_IN_FLIGHT
+                    and not (rounds and self._recovery_due())  # it waits for those: so do we
+                    and self._has_work()
+                ):
                     rounds.append(await self._send_round())
+                    self._in_flight = len(rounds)
                     continue
                 if not rounds:
                     if not failed:
@@ -654,6 +663,7 @@ class Dispatcher:
                     continue
                 sent = rounds.popleft()
                 await sent.done
+                self._in_flight = len(rounds)
                 try:
                     await self._finish_round(sent)
                 except Exception:
@@ -664,6 +674,7 @@ class Dispatcher:
             for sent in rounds:  # cancelled (node stopping): the flows may fetch again
                 self._fetching.difference_update(f.flow for f in sent.fetches)
                 self._fetching.difference_update(sent.selecting)
+            self._in_flight = 0
             self._task = None
 
     def _fetches(self) -> tuple[list[_Fetch], list[Flow]]:
@@ -727,7 +738,10 @@ class Dispatcher:
         for queue in sent.rebalances:
             del self._rebalances[queue]
         sent.refreshes, self._refreshes = self._refreshes | set(sent.rebalances), set()
-        sent.recoveries = self._recoveries_now()
+        # a recovery goes once every round sent before it is finished: then each settlement
+        # sent before it ran, or was put back to go ahead of it in this round, or waits
+        # (refused for now) and so does the recovery (_may_recover)
+        sent.recoveries = [] if self._in_flight else self._recoveries_now()
         sent.fetches, sent.selecting = self._fetches()
         commands: list[tuple[object, ...]] = []
         for mode, items in sent.settles.items():
@@ -802,6 +816,8 @@ class Dispatcher:
                 self.request_rebalance(queue, FETCH_RETRY)
             elif isinstance(reply, Exception):
                 log.error("rebalancing the partitions of %s failed: %s", queue, reply)
+        for f in sent.fetches:
+            self._fetching.discard(f.flow)
         for f in sent.recoveries:
             reply = next(replies)
             if broke(reply) or f.flow_id in unsettled:  # (it reads only: asked again later)
@@ -812,8 +828,6 @@ class Dispatcher:
                 asyncio.get_running_loop().call_later(FETCH_RETRY, self._recover_again, f)
             else:
                 self._recovered(f, reply)
-        for f in sent.fetches:
-            self._fetching.discard(f.flow)
         for f in sent.fetches:
             reply = next(replies)
             if broke(reply):
@@ -1134,6 +1148,9 @@ class Dispatcher:
             self._to_recover.append(fetch)
             self._kick()
 
+    def _recovery_due(self) -> bool:
+        return any(self._may_recover(f.flow) for f in self._to_recover)
+
     def _may_recover(self, flow: Flow) -> bool:
         """Not while settlements of the flow Redis refused wait: it would hand them out
         again (their entries are no longer in flow.unacked)."""
@@ -1162,18 +1179,17 @@ class Dispatcher:
         flow = fetch.flow
         if flow.id != fetch.flow_id or flow not in self._recovering:
             return  # taken for lost meanwhile: bound again under a new id
-        self._done_recovering(flow)
         if flow.closed:
-            return  # its unbind gives back what it holds
-        if isinstance(reply, Exception):  # not to be asked again: it would fail the same way
+            pass  # its unbind gives back what it holds
+        elif isinstance(reply, Exception):  # not to be asked again: it would fail the same way
             log.error("recovering a lost fetch of flow %s failed: %s", flow.id, reply)
             self._lost(flow, "lost a fetch's answer")
         elif reply[0] != b"ok":
             self._fetch_refused(fetch, reply[0].decode())
-        else:
-            if len(reply) > 2:
-                log.info("flow %s got %d entries of a lost fetch", flow.id, (len(reply) - 2) // 4)
+        elif len(reply) > 2:
+            log.info("flow %s got %d entries of a lost fetch", flow.id, (len(reply) - 2) // 4)
             self._hand_out(fetch, reply)
+        self._done_recovering(flow)  # (not woken if taken for lost: it binds again first)
 
     def _done_recovering(self, flow: Flow) -> None:
         left = self._recovering.get(flow, 0) - 1
