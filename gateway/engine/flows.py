@@ -311,7 +311,6 @@ class Dispatcher:
         self._to_recover: list[_Fetch] = []
         self._recovering: dict[Flow, int] = {}  # flow -> its recoveries not yet answered
         self._in_flight = 0  # rounds sent, not yet finished: a recovery waits for none
-        self._closed = False
         # their last fetch came back full (more is waiting) -> when they last fetched,
         # settled or gave credit (monotonic)
         self._behind: dict[Flow, float] = {}
@@ -332,7 +331,6 @@ class Dispatcher:
 
     async def close(self) -> None:
         """Stop the pump and drop its connection (the node is stopping)."""
-        self._closed = True
         if self._later_timer is not None:
             self._later_timer.cancel()
         if self._task is not None:
@@ -622,7 +620,7 @@ class Dispatcher:
     # -- the pump --------------------------------------------------------------------------
 
     def _kick(self) -> None:
-        if self._task is None and not self._closed:
+        if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._pump())
 
     def _has_work(self) -> bool:
