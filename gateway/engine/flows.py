@@ -1147,7 +1147,7 @@ class Dispatcher:
             self._kick()
 
     def _recovery_due(self) -> bool:
-        return any(self._may_recover(f.flow) for f in self._to_recover)
+        return bool(self._to_recover) and any(self._may_recover(f.flow) for f in self._to_recover)
 
     def _may_recover(self, flow: Flow) -> bool:
         """Not while settlements of the flow Redis refused wait: it would hand them out
