@@ -80,6 +80,17 @@ class CuttingProxy:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
+    def _cuts(self, command: bytes) -> bool:
+        """Whether an armed cut takes `command` (it is then used up)."""
+        if self.cut_on and all(m in command for m in self.cut_on):
+            self.cut_on = None
+            return True
+        for markers in self.cuts_on:
+            if all(m in command for m in markers):
+                self.cuts_on.remove(markers)
+                return True
+        return False
+
     async def _client(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
         ur, uw = await asyncio.open_connection("127.0.0.1", self.upstream_port)
         self._writers += [cw, uw]
@@ -104,14 +115,7 @@ class CuttingProxy:
                 while data := await cr.read(65536):
                     commands, rest = split_commands(rest + data)
                     for command in commands:
-                        marker = self.cut_on
-                        if marker and all(m in command for m in marker):
-                            self.cut_on = None
-                            await cut(command)
-                            return
-                        armed = [m for m in self.cuts_on if all(x in command for x in m)]
-                        if armed:
-                            self.cuts_on.remove(armed[0])
+                        if self._cuts(command):
                             await cut(command)
                             return
                         if self.loading_on and self.loading_on in command:

@@ -13,6 +13,7 @@ import redis
 
 from gateway.broker import Broker
 from gateway.engine import keys
+from gateway.engine.flows import Flow
 from gateway.engine.queues import QueueConfig
 from gateway.model import Delivery, Message, Outcome
 from tests.redis_proxy import CuttingProxy
@@ -64,43 +65,73 @@ async def test_what_a_fetch_whose_answer_was_lost_took_goes_to_its_flow_first(
     assert other == [], "the other consumer got messages the first one holds"
 
 
-async def test_a_settlement_sent_after_a_lost_fetch_is_not_handed_out_again(
-    proxy: CuttingProxy, node: Broker, redis_url: str
-) -> None:
-    """Two rounds in flight: X (G's batch of 256, a full round) and A (F's fetch, sent
-    right after). F's consumer acks e0 meanwhile; once X is answered, round B carries
-    that ack. The connection breaks after A ran in Redis and before B reached it. The
-    recovery of A must not run before the ack is sent again: it would hand e0 out again
-    (it is no longer in flow.unacked) and, asked for A's count only, leave e1 pending
-    for F in Redis, unknown to the node, for good."""
+async def _busy_pair(node: Broker, selector: str | None = None) -> tuple[Flow, list, Flow]:
+    """F holding e0 of 2 messages on "q" (e1 waiting), and G with 300 waiting on "big"
+    and no window yet: opened, G's batch makes a full round ahead of F's next fetch."""
     await node.queues.create(QueueConfig(name="q"))
     await node.queues.create(QueueConfig(name="big"))
     for i in range(300):
         assert await node.publish(to_queue("big", b"b%d" % i)) is Outcome.OK
     for i in range(2):
-        assert await node.publish(to_queue("q", b"%d" % i)) is Outcome.OK
+        msg = to_queue("q", b"%d" % i, user_properties=[("n", i)])
+        assert await node.publish(msg) is Outcome.OK
     got_f: list[Delivery] = []
-    f = await node.bind("q", got_f.append, window=10, credit=1)
+    f = await node.bind("q", got_f.append, window=10, credit=1, selector=selector)
     await wait_for(lambda: len(got_f) == 1)
     g = await node.bind("big", lambda d: g.ack(d.entry_id), window=0)
     await asyncio.sleep(0.1)
+    return f, got_f, g
+
+
+async def _held_by_one_consumer(node: Broker, f: Flow, got_f: list[Delivery]) -> None:
+    """Another consumer H of "q" holds nothing F holds unsettled."""
+    got_h: list[Delivery] = []
+    await node.bind("q", got_h.append, window=10)
+    await asyncio.sleep(1.0)
+    held_by_f = {d.message.payload for d in got_f if d.entry_id in f.unacked}
+    held_by_h = {d.message.payload for d in got_h}
+    assert not (held_by_f & held_by_h), (
+        f"both consumers hold {held_by_f & held_by_h} unsettled: F got "
+        f"{[d.message.payload for d in got_f]}, H got {[d.message.payload for d in got_h]}"
+    )
+
+
+async def _handed_out_once(f: Flow, got_f: list[Delivery], redis_url: str) -> None:
+    pending = redis.Redis.from_url(redis_url).xpending_range(
+        keys.queue_stream("q"), "g", "-", "+", 10
+    )
+    assert [(d.message.payload, d.delivery_count) for d in got_f] == [(b"0", 1), (b"1", 1)], (
+        f"F got {[(d.message.payload, d.delivery_count) for d in got_f]}; "
+        f"flow.unacked={list(f.unacked)}; pending in Redis {pending}"
+    )
+
+
+@pytest.mark.parametrize("settle", ["ack", "release"])
+async def test_a_settlement_sent_after_a_lost_fetch_is_not_handed_out_again(
+    proxy: CuttingProxy, node: Broker, redis_url: str, settle: str
+) -> None:
+    """Two rounds in flight: X (G's batch of 256, a full round) and A (F's fetch, sent
+    right after). F's consumer settles e0 meanwhile; once X is answered, round B carries
+    that. The connection breaks after A ran in Redis and before B reached it. The
+    recovery of A must not run before the settlement is sent again: it would hand e0 out
+    again (it is no longer in flow.unacked), and a release would then give it to another
+    consumer while F holds it."""
+    f, got_f, g = await _busy_pair(node)
     proxy.delay_on = b"gw_fetch\r\n$1\r\n0\r\n$3\r\nbig\r\n"  # X's answer comes late
     proxy.delay, proxy.pre, proxy.after = 0.2, 0.3, 0.3
     proxy.cut_on = [b"gw_fetch", f.id.encode() + b"\r\n"]  # A runs, nothing after it
     g.set_window(256)  # round X: G's 256 (a full round) ...
     f.set_credit(1)  # ... round A: F's fetch, sent right after
     await asyncio.sleep(0.05)
-    f.ack(got_f[0].entry_id)  # F's consumer acks e0 while X and A are in flight
+    getattr(f, settle)(got_f[0].entry_id)  # while X and A are in flight
     await wait_for(lambda: proxy.cuts == 1)
     await asyncio.sleep(2.5)
+    if settle == "release":
+        await _held_by_one_consumer(node, f, got_f)
+        return
     f.set_credit(5)
     await asyncio.sleep(1.0)
-    r = redis.Redis.from_url(redis_url)
-    pending = r.xpending_range(keys.queue_stream("q"), "g", "-", "+", 10)
-    assert [(d.message.payload, d.delivery_count) for d in got_f] == [(b"0", 1), (b"1", 1)], (
-        f"F got {[(d.message.payload, d.delivery_count) for d in got_f]}; "
-        f"flow.unacked={list(f.unacked)}; pending in Redis {pending}"
-    )
+    await _handed_out_once(f, got_f, redis_url)
 
 
 @pytest.mark.parametrize("selector", [None, "n > 0"])
@@ -128,42 +159,6 @@ async def test_a_lost_fetch_of_a_sorted_queue_is_handed_out_in_key_order(
     assert [d.message.payload for d in got] == [b"a", b"b", b"c"], [
         (d.message.payload, d.entry_id, d.delivery_count) for d in got
     ]
-
-
-async def test_a_release_sent_after_a_lost_fetch_does_not_reach_another_consumer_too(
-    proxy: CuttingProxy, node: Broker, redis_url: str
-) -> None:
-    """As above, but F releases e0: the recovery hands e0 to F again, then the release
-    sent again gives it to H while F still holds it."""
-    await node.queues.create(QueueConfig(name="q"))
-    await node.queues.create(QueueConfig(name="big"))
-    for i in range(300):
-        assert await node.publish(to_queue("big", b"b%d" % i)) is Outcome.OK
-    for i in range(2):
-        assert await node.publish(to_queue("q", b"%d" % i)) is Outcome.OK
-    got_f: list[Delivery] = []
-    f = await node.bind("q", got_f.append, window=10, credit=1)
-    await wait_for(lambda: len(got_f) == 1)
-    g = await node.bind("big", lambda d: g.ack(d.entry_id), window=0)
-    await asyncio.sleep(0.1)
-    proxy.delay_on = b"gw_fetch\r\n$1\r\n0\r\n$3\r\nbig\r\n"
-    proxy.delay, proxy.pre, proxy.after = 0.2, 0.3, 0.3
-    proxy.cut_on = [b"gw_fetch", f.id.encode() + b"\r\n"]
-    g.set_window(256)
-    f.set_credit(1)
-    await asyncio.sleep(0.05)
-    f.release(got_f[0].entry_id)  # while X and A are in flight
-    await wait_for(lambda: proxy.cuts == 1)
-    await asyncio.sleep(2.5)
-    got_h: list[Delivery] = []
-    await node.bind("q", got_h.append, window=10)
-    await asyncio.sleep(1.0)
-    held_by_f = {d.message.payload for d in got_f if d.entry_id in f.unacked}
-    held_by_h = {d.message.payload for d in got_h}
-    assert not (held_by_f & held_by_h), (
-        f"both consumers hold {held_by_f & held_by_h} unsettled: F got "
-        f"{[d.message.payload for d in got_f]}, H got {[d.message.payload for d in got_h]}"
-    )
 
 
 async def test_lost_fetches_of_two_partitions_are_both_recovered_in_order(
@@ -238,7 +233,7 @@ async def test_a_settlement_refused_in_the_recoverys_round_is_not_handed_out_aga
 
 
 def sel_msg(q: str, i: int) -> Message:
-    return Message(destination=q, to_queue=True, payload=b"%d" % i, user_properties=[("n", i)])
+    return to_queue(q, b"%d" % i, user_properties=[("n", i)])
 
 
 @pytest.mark.parametrize("settle", ["ack", "release"])
@@ -252,17 +247,7 @@ async def test_selector_lost_take_recovered_before_a_refused_ack_of_an_earlier_r
     (and its settlement, sent again, ran): else it would find e0 still pending for F and
     hand it out again, and the settlement would then ack it (or, released, give it to
     another consumer while F holds it)."""
-    await node.queues.create(QueueConfig(name="q"))
-    await node.queues.create(QueueConfig(name="big"))
-    for i in range(300):
-        assert await node.publish(to_queue("big", b"b%d" % i)) is Outcome.OK
-    for i in range(2):
-        assert await node.publish(sel_msg("q", i)) is Outcome.OK
-    got_f: list[Delivery] = []
-    f = await node.bind("q", got_f.append, window=10, credit=1, selector="n >= 0")
-    await wait_for(lambda: len(got_f) == 1)
-    g = await node.bind("big", lambda d: g.ack(d.entry_id), window=0)
-    await asyncio.sleep(0.1)
+    f, got_f, g = await _busy_pair(node, selector="n >= 0")
     proxy.delay_on = b"gw_fetch\r\n$1\r\n0\r\n$3\r\nbig\r\n"  # round N's answers come late
     proxy.delay = 0.3
     proxy.cut_on = [b"gw_take"]  # the selection's take runs, its answer is lost
@@ -275,22 +260,9 @@ async def test_selector_lost_take_recovered_before_a_refused_ack_of_an_earlier_r
     await asyncio.sleep(2.5)
     assert proxy.refused == 1
     if settle == "release":
-        got_h: list[Delivery] = []
-        await node.bind("q", got_h.append, window=10)
-        await asyncio.sleep(1.0)
-        held_by_f = {d.message.payload for d in got_f if d.entry_id in f.unacked}
-        held_by_h = {d.message.payload for d in got_h}
-        assert not (held_by_f & held_by_h), (
-            f"both consumers hold {held_by_f & held_by_h} unsettled: F got "
-            f"{[d.message.payload for d in got_f]}, H got {[d.message.payload for d in got_h]}"
-        )
+        await _held_by_one_consumer(node, f, got_f)
         return
-    r = redis.Redis.from_url(redis_url)
-    pending = r.xpending_range(keys.queue_stream("q"), "g", "-", "+", 10)
-    assert [(d.message.payload, d.delivery_count) for d in got_f] == [(b"0", 1), (b"1", 1)], (
-        f"F got {[(d.message.payload, d.delivery_count) for d in got_f]}; "
-        f"unacked={list(f.unacked)}; pending {pending}"
-    )
+    await _handed_out_once(f, got_f, redis_url)
 
 
 async def test_a_recovery_asked_again_after_loading_overtakes_a_refused_ack_in_flight(
@@ -333,12 +305,7 @@ async def test_a_recovery_asked_again_after_loading_overtakes_a_refused_ack_in_f
     await wait_for(lambda: proxy.refused == 2)
     await asyncio.sleep(3.0)
     assert len(got_h) == 1
-    r = redis.Redis.from_url(redis_url)
-    pending = r.xpending_range(keys.queue_stream("q"), "g", "-", "+", 10)
-    assert [(d.message.payload, d.delivery_count) for d in got_f] == [(b"0", 1), (b"1", 1)], (
-        f"F got {[(d.message.payload, d.delivery_count) for d in got_f]}; "
-        f"unacked={list(f.unacked)}; pending {pending}"
-    )
+    await _handed_out_once(f, got_f, redis_url)
 
 
 async def test_selector_lost_take_recovered_before_a_release_lost_with_the_connection(
@@ -349,15 +316,7 @@ async def test_selector_lost_take_recovered_before_a_release_lost_with_the_conne
     release did not run; the selection's take, on a pool connection, runs and its answer is
     lost. The recovery waits for S and the release sent again: else e0, still pending for
     F, would be handed to F again, and the release would give it to H too."""
-    await node.queues.create(QueueConfig(name="q"))
-    await node.queues.create(QueueConfig(name="big"))
-    for i in range(300):
-        assert await node.publish(to_queue("big", b"b%d" % i)) is Outcome.OK
-    for i in range(2):
-        assert await node.publish(sel_msg("q", i)) is Outcome.OK
-    got_f: list[Delivery] = []
-    f = await node.bind("q", got_f.append, window=10, credit=1, selector="n >= 0")
-    await wait_for(lambda: len(got_f) == 1)
+    f, got_f, _ = await _busy_pair(node, selector="n >= 0")
     released = []
 
     def on_g(d: Delivery) -> None:
@@ -366,7 +325,7 @@ async def test_selector_lost_take_recovered_before_a_release_lost_with_the_conne
             released.append(1)
             f.release(got_f[0].entry_id)
 
-    g = await node.bind("big", on_g, window=0)
+    g = await node.bind("big", on_g, window=0)  # G again, settling as it goes
     await asyncio.sleep(0.1)
     proxy.pre, proxy.after = 0.05, 0.3
     proxy.cuts_on = [
@@ -377,12 +336,5 @@ async def test_selector_lost_take_recovered_before_a_release_lost_with_the_conne
     f.set_credit(1)  # ... round N+1: F's selection
     await wait_for(lambda: proxy.cuts == 2)
     await asyncio.sleep(2.0)
-    got_h: list[Delivery] = []
-    await node.bind("q", got_h.append, window=10)
-    await asyncio.sleep(1.0)
-    held_by_f = [d.message.payload for d in got_f if d.entry_id in f.unacked]
-    held_by_h = [d.message.payload for d in got_h]
-    assert not (set(held_by_f) & set(held_by_h)) and len(got_f) == 2, (
-        f"F got {[(d.message.payload, d.delivery_count) for d in got_f]} (holds {held_by_f}), "
-        f"H got {held_by_h}"
-    )
+    await _held_by_one_consumer(node, f, got_f)
+    assert len(got_f) == 2, [(d.message.payload, d.delivery_count) for d in got_f]

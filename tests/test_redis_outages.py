@@ -6,6 +6,7 @@ a pub/sub event read late (what it announces still holds when the caller is told
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 
@@ -34,14 +35,23 @@ async def proxy(redis_server) -> AsyncIterator[CuttingProxy]:
     await proxy.close()
 
 
-@pytest.fixture
-async def node(proxy: CuttingProxy) -> AsyncIterator[Broker]:
+@contextlib.asynccontextmanager
+async def proxied_node(proxy: CuttingProxy) -> AsyncIterator[Broker]:
+    """A node that talks to Redis through `proxy`."""
     client = await library.connect(proxy.url)
     node = Broker(client, heartbeat=0.2, node_ttl=1.0)
     await node.start()
-    yield node
-    await node.stop()
-    await client.aclose()
+    try:
+        yield node
+    finally:
+        await node.stop()
+        await client.aclose()
+
+
+@pytest.fixture
+async def node(proxy: CuttingProxy) -> AsyncIterator[Broker]:
+    async with proxied_node(proxy) as node:
+        yield node
 
 
 async def test_a_requeue_sent_again_after_a_lost_reply_takes_nothing_from_another_consumer(

@@ -25,17 +25,13 @@ from protocols.mqtt.listener import start as start_mqtt
 from tests.redis_proxy import CuttingProxy
 from tests.test_engine import wait_for
 from tests.test_mqtt_protocol import Raw
-from tests.test_redis_outages import node, proxy  # noqa: F401
+from tests.test_redis_outages import node, proxied_node, proxy  # noqa: F401
 
 
 @pytest.fixture
 async def node2(proxy: CuttingProxy) -> AsyncIterator[Broker]:
-    client = await library.connect(proxy.url)
-    n = Broker(client, heartbeat=0.2, node_ttl=1.0)
-    await n.start()
-    yield n
-    await n.stop()
-    await client.aclose()
+    async with proxied_node(proxy) as node:
+        yield node
 
 
 async def _cut_event_channel(proxy: CuttingProxy, n: Broker) -> None:

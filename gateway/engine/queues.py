@@ -474,16 +474,10 @@ class QueueStore:
         self,
         config: QueueConfig,
         subscriptions: list[tuple[str, str]] = (),  # type: ignore[assignment]
-        *,
-        reserved_ok: bool = False,
-        user: str | None = None,
-        as_it_is: bool = False,
+        **options: Any,
     ) -> bool:
-        return (
-            await self.declare(
-                config, subscriptions, reserved_ok=reserved_ok, user=user, as_it_is=as_it_is
-            )
-        )[0]
+        """`declare`, saying only whether the queue was created."""
+        return (await self.declare(config, subscriptions, **options))[0]
 
     async def declare(
         self,
