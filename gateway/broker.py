@@ -186,6 +186,11 @@ class Broker:
         await self.liveness.start()
 
     async def stop(self) -> None:
+        for task in list(self._tasks):  # retries until Redis answers, answers, resyncs
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        # never stored: their publishers are not acked
+        await self.hold.close(StoreError("the node stopped before it could route the message"))
         await self.direct.close()
         await self.spooler.close()
         await self.dispatcher.close()
@@ -194,11 +199,6 @@ class Broker:
         except StoreError as exc:  # other nodes take over once its liveness key expires
             log.warning("cannot tell Redis this node stops (%s): others take over later", exc)
         await self.events.stop()
-        for task in list(self._tasks):  # retries until Redis answers
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        # never stored: their publishers are not acked
-        self.hold.fail_all(StoreError("the node stopped before it could route the message"))
 
     # -- publishing ------------------------------------------------------------------------
 
@@ -636,9 +636,10 @@ class Broker:
         """The event channel is back: read the routes and the direct subscribers' nodes
         again (what it told may have been missed), route what waited, and tell the nodes
         whose questions this node may have missed."""
+        losses = self.events.losses
         await self._until_answered("reloading the routes", self.router.reload)
         await self._until_answered("telling of direct subscribers", self.direct.resync)
-        if not self.events.listening.is_set():  # lost again: the next resync does this
+        if self.events.losses != losses:  # lost again meanwhile: the next resync does this
             return
         self.hold.back()
         try:

@@ -49,7 +49,11 @@ class RoutingHold:
         self._backs += 1
         self._release(len(self._held))
 
-    def fail_all(self, exc: BaseException) -> None:
+    async def close(self, exc: BaseException) -> None:
+        """The node stops: what is held fails with `exc`, and nothing more is routed."""
+        if self._reading is not None:
+            self._reading.cancel()
+            await asyncio.gather(self._reading, return_exceptions=True)
         held, self._held = self._held, []
         for _, done, fut in held:
             _tell(done, fut, exc)
@@ -61,6 +65,8 @@ class RoutingHold:
                 try:
                     await self._reload()
                 except RedisError as exc:
+                    if backs != self._backs:  # (all went, and these came since)
+                        continue
                     held, self._held = self._held[:count], self._held[count:]
                     for _, done, fut in held:
                         _tell(done, fut, exc)

@@ -369,3 +369,109 @@ async def test_a_qos2_message_held_on_a_cut_off_node_is_not_stored_twice(
     await asyncio.sleep(0.5)
     n = (await broker.queues.info("q2")).messages
     assert n == 1, f"the QoS 2 message the client had resent elsewhere was stored {n} times"
+
+
+async def test_a_message_held_after_back_is_not_failed_by_an_older_read(
+    broker: Broker, node: Broker, proxy: CuttingProxy
+) -> None:
+    """B's channel is back; while B re-reads its direct subscribers (before back()), M1 is
+    held and the hold's routes read R starts. back() routes M1; the channel is lost again
+    and M2 is held. R, started before M2 came, then fails: M2 must wait for a read started
+    after it (which would succeed), not be failed by R."""
+    await broker.declare_queue(QueueConfig(name="h"), [("h/#", "mqtt")])
+    await node.router.reload()
+    proxy.delay_on = keys.direct_nodes.encode()  # _routes_back's direct.resync is slow
+    proxy.delay = 1.0
+    await _cut_event_channel(proxy, node)
+    await wait_for(lambda: node.hold.active)
+    await wait_for(lambda: node.events.listening.is_set(), 3)  # back; back() not yet
+    await asyncio.sleep(0.1)  # _routes_back's reload is done, direct.resync waits
+    assert node.hold.active and proxy.delay_on is None
+    proxy.after = 2.0  # R's reply is lost, its connection aborted 2 s later
+    proxy.cut_on = [b"gw_routes"]
+    m1 = node.publish_nowait(Message(destination="h/1", payload=b"1"))
+    await asyncio.sleep(0.3)  # R is sent and cut
+    assert proxy.cut_on is None
+    proxy.after = 0.2
+    await wait_for(lambda: not node.hold.active, 3)  # back()
+    assert await asyncio.wait_for(m1, 2) is Outcome.OK
+    assert node.hold._reading is not None, "R still in flight"
+    await node.queues.create(QueueConfig(name="cutq2"))
+    proxy.cut_on = [b"SUBSCRIBE", b"cutq2"]
+    await node.bind("cutq2", lambda d: None)
+    await wait_for(lambda: node.hold.active, 3)  # lost again
+    assert node.hold._reading is not None, "R still in flight"
+    m2 = node.publish_nowait(Message(destination="h/2", payload=b"2"))
+    try:
+        outcome = await asyncio.wait_for(m2, 5)
+    except Exception as exc:
+        outcome = exc
+    assert outcome is Outcome.OK, f"M2 (held after R began, after back()) got {outcome!r}"
+
+
+async def test_a_message_held_after_a_second_loss_waits_for_routes_read_after_it(
+    broker: Broker, node: Broker, proxy: CuttingProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """B's channel comes back (reconnect 1) and B's _routes_back (1) reads the routes, then
+    its direct subscribers (slow). Meanwhile the channel is lost again (loss 2): A subscribes
+    (B misses it), A's SUBACK goes, and M is published on B: held. Reconnect 2 happens;
+    _routes_back (1) ends: it must not release M by the routes it read before loss 2 (M
+    would miss the subscription A's client was told holds)."""
+    monkeypatch.setattr(roll_call, "ANSWER_TIMEOUT_S", 0.2)
+    await broker.declare_queue(QueueConfig(name="fresh"))
+    await node.queues.create(QueueConfig(name="cutq2"))
+    await node.router.reload()
+    proxy.delay_on = keys.direct_nodes.encode()  # _routes_back (1)'s direct.resync is slow
+    proxy.delay = 2.0
+    await _cut_event_channel(proxy, node)
+    await wait_for(lambda: node.events.listening.is_set(), 3)  # reconnect 1
+    await asyncio.sleep(0.05)
+    assert node.hold.active and proxy.delay_on is None, "_routes_back (1) not in resync"
+    proxy.after = 0.05
+    proxy.cut_on = [b"SUBSCRIBE", b"cutq2"]
+    await node.bind("cutq2", lambda d: None)
+    await wait_for(lambda: not node.events.listening.is_set(), 3)  # loss 2
+    proxy.delay_reply_on = b"zfresh"  # B's first routes read with the new subscription: slow
+    await broker.subscribe_queue("fresh", ["zfresh/#"], "mqtt")  # the client's SUBACK
+    assert not node.events.listening.is_set(), "test timing: B's channel already back"
+    m = node.publish_nowait(Message(destination="zfresh/1", payload=b"after suback"))
+    assert not m.done()
+    outcome = await asyncio.wait_for(m, 5)
+    routed = (await broker.queues.info("fresh")).messages
+    assert outcome is Outcome.OK and routed == 1, (
+        f"M, published on B after A's SUBACK, held from loss 2: {outcome}, stored {routed}"
+    )
+
+
+async def test_a_node_back_before_a_direct_question_times_out_is_not_marked_silent(
+    broker: Broker, node: Broker, proxy: CuttingProxy
+) -> None:
+    """B (node) misses A's 'direct' question while its channel reconnects; B comes back
+    and says 'back' well before A's timeout. A must not then mark B silent: B is healthy,
+    and A's next question must wait for it."""
+    await broker.declare_queue(QueueConfig(name="routed"))
+    await _cut_event_channel(proxy, node)
+    backs: list[float] = []
+    orig = broker.roll_call.back
+
+    def spy(arg: str) -> None:
+        backs.append(asyncio.get_running_loop().time())
+        orig(arg)
+
+    broker.roll_call.back = spy  # type: ignore[method-assign]
+    started = asyncio.get_running_loop().time()
+    await broker.subscribe_direct("d/#", "mqtt", lambda m: None)  # asks 'direct'; B misses it
+    took = asyncio.get_running_loop().time() - started
+    assert backs, "B never said back"
+    silent = set(broker.roll_call._silent)
+    # consequence: A's next subscription does not wait for B, which reads it late
+    proxy.delay = 1.0
+    proxy.delay_reply_on = b"\r\nsub "
+    await broker.subscribe_queue("routed", ["routed/#"], "mqtt")
+    await node.publish(Message(destination="routed/1", payload=b"right after"))
+    n = (await broker.queues.info("routed")).messages
+    assert node.node_id not in silent and n == 1, (
+        f"B said back {backs[0] - started:.2f} s into A's 'direct' question (which took "
+        f"{took:.2f} s); A then marked B silent: {silent}; routed right after the next "
+        f"SUBACK: {n}"
+    )

@@ -51,6 +51,7 @@ class DirectRelay:
         self._told = 0  # 'direct' events heard: a read of the set older than one is stale
         self._announced = False  # other nodes know this one has direct subscribers
         self._listed = False  # an announcement began: a withdrawal has something to undo
+        self._closed = False
         self._announcing: asyncio.Task | None = None  # the latest (with)drawal of that
         self._announce_lock = asyncio.Lock()  # one at a time, in order
         self._outbox: list[bytes] = []
@@ -90,7 +91,7 @@ class DirectRelay:
         for pattern, syntax, value in list(self._trie.entries()):
             if value == token:
                 self._trie.remove(pattern, value, syntax)
-        if not self._callbacks:
+        if not self._callbacks and not self._closed:
             self._announcing = self._spawn(self._withdraw())
 
     def publish(self, msg: Message) -> None:
@@ -134,7 +135,10 @@ class DirectRelay:
                 return
             except RedisError as exc:
                 log.warning("withdrawing direct subscribers failed; tried again: %s", exc)
-                await asyncio.sleep(WITHDRAW_RETRY_S)
+                for _ in range(10):  # a subscriber back meanwhile need not wait for it
+                    await asyncio.sleep(WITHDRAW_RETRY_S / 10)
+                    if self._callbacks:
+                        return
 
     async def _relist(self) -> None:
         async with self._announce_lock:
@@ -169,6 +173,7 @@ class DirectRelay:
         self.publish(dataclasses.replace(msg, not_before=None))  # due: to other nodes too
 
     async def close(self) -> None:
+        self._closed = True
         for handle in self._held:
             handle.cancel()
         self._held.clear()

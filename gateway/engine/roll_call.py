@@ -38,6 +38,7 @@ class _Answers:
         self.what = what
         self.arg = arg
         self.answered: set[str] = set()
+        self.back: set[str] = set()  # nodes that said back meanwhile: not silent
         self.waiting: set[str] | None = None
         self.all_in = asyncio.Event()
 
@@ -93,7 +94,7 @@ class RollCall:
             except TimeoutError:
                 missing = answers.missing()
                 if self._events.losses == losses:  # else their answers may have been missed
-                    self._silent |= missing
+                    self._silent |= missing - answers.back
                 log.warning(
                     "nodes %s did not answer %r in %.0f s: not waited for until they answer",
                     ", ".join(sorted(missing)),
@@ -125,6 +126,9 @@ class RollCall:
             return
         self._silent.discard(node)
         for answers in self._pending.values():
+            answers.back.add(node)
+            # (a 'back' sent before another question may come after it: only a routes
+            # read covering the question's version answers it)
             if answers.what == "routes" and int(answers.arg) <= int(version):
                 answers.answer(node)
 
