@@ -6,9 +6,11 @@ delayed will is not sent once the session is resumed elsewhere (§3.1.3.2.2)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 
 import pytest
+import redis
 
 from gateway.broker import Broker, QueueConfig
 from gateway.config import Settings
@@ -190,5 +192,36 @@ async def test_a_subscriber_gets_what_another_node_takes_after_its_suback(
     assert isinstance(await pub.recv(), Puback)
     got = await sub.recv()
     assert isinstance(got, Publish) and got.payload == b"after suback"
+    pub.close()
+    sub.close()
+
+
+@pytest.mark.parametrize("gap", [0, 0.01])
+async def test_a_qos0_subscription_made_as_the_event_connections_drop_still_holds(
+    redis_url: str,
+    broker: Broker,
+    second_node: Broker,
+    mqtt: Listener,
+    mqtt2: Listener,
+    gap: float,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A QoS 0 SUBSCRIBE on one node just as every node's event connection is cut: it is
+    answered (no error), and once the connections are back, what the other node takes
+    reaches the subscriber (the announcement that failed with the connection is made
+    again)."""
+    pub, _ = await Raw.connected(mqtt2.port, 5, client_id="kpub")
+    sub, _ = await Raw.connected(mqtt.port, 5, client_id="ksub")
+    redis.Redis.from_url(redis_url).client_kill_filter(_type="pubsub")
+    await asyncio.sleep(gap)
+    await sub.send(Subscribe(1, [("k/#", SubscriptionOptions(qos=0))]))
+    assert isinstance(await sub.recv(timeout=10), Suback)
+    await test_engine.wait_for(lambda: second_node.direct._others and broker.direct._announced)
+    for i in range(3):
+        await pub.send(Publish("k/x", b"later %d" % i, qos=1, packet_id=i + 1))
+        assert isinstance(await pub.recv(), Puback)
+    got = [await sub.recv(timeout=5) for _ in range(3)]
+    assert [p.payload for p in got] == [b"later %d" % i for i in range(3)]
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     pub.close()
     sub.close()

@@ -124,6 +124,7 @@ class DirectRelay:
         node's own entry lost (reaped while it was presumed dead, a Redis failover)."""
         await self._relist()
         await self._announce(False)  # one that failed half way (a no-op otherwise)
+        await self._announce(True)  # one that failed (a no-op otherwise)
         await self.refresh()
 
     async def _withdraw(self) -> None:
@@ -213,7 +214,13 @@ class DirectRelay:
         batch, self._outbox = self._outbox, []
         self.relayed += len(batch)
         data = self._node.encode() + b"\n" + msgpack.packb(batch, use_bin_type=True)
-        self._spawn(self._redis.publish(keys.direct_channel, data))
+        self._spawn(self._relay(data, len(batch)))
+
+    async def _relay(self, data: bytes, count: int) -> None:
+        try:
+            await self._redis.publish(keys.direct_channel, data)
+        except RedisError as exc:  # at most once, as QoS 0 is
+            log.warning("%d direct messages not relayed to other nodes: %s", count, exc)
 
     def _received(self, data: bytes) -> None:
         origin, _, body = data.partition(b"\n")

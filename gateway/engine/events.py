@@ -14,6 +14,7 @@ import logging
 from collections.abc import Callable
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from gateway.engine import keys
 
@@ -63,25 +64,32 @@ class EventListener:
     async def watch_channel(self, channel: str, handler: Callable[[bytes], None]) -> None:
         """Any other channel (e.g. direct topic messages from other nodes)."""
         self._channels[channel.encode()] = handler
-        if self._pubsub is not None:
-            await self._pubsub.subscribe(channel)
+        await self._on_connection(True, channel)
 
     async def unwatch_channel(self, channel: str) -> None:
         self._channels.pop(channel.encode(), None)
-        if self._pubsub is not None:
-            await self._pubsub.unsubscribe(channel)
+        await self._on_connection(False, channel)
 
     async def watch_queue(self, queue: str) -> None:
         channel = keys.queue_wake(queue)
         self._wake_channels[channel.encode()] = queue
-        if self._pubsub is not None:
-            await self._pubsub.subscribe(channel)
+        await self._on_connection(True, channel)
 
     async def unwatch_queue(self, queue: str) -> None:
         channel = keys.queue_wake(queue)
         self._wake_channels.pop(channel.encode(), None)
-        if self._pubsub is not None:
-            await self._pubsub.unsubscribe(channel)
+        await self._on_connection(False, channel)
+
+    async def _on_connection(self, subscribe: bool, channel: str) -> None:
+        """(Un)subscribe on the connection now. One that fails is broken: the reconnect
+        subscribes to every channel watched by then, so the failure is not the caller's."""
+        pubsub = self._pubsub
+        if pubsub is None:
+            return
+        try:
+            await (pubsub.subscribe(channel) if subscribe else pubsub.unsubscribe(channel))
+        except (RedisError, OSError, RuntimeError) as exc:
+            log.debug("event connection broken while (un)subscribing %s: %s", channel, exc)
 
     async def _run(self) -> None:
         first = True

@@ -643,6 +643,7 @@ class Dispatcher:
             # (what they lost put back) before any new one goes, so a recovery follows
             # every settlement sent before it
             failed = False
+            logged = False  # the failure, once until a round goes through again
             while True:
                 if (
                     not failed
@@ -664,10 +665,15 @@ class Dispatcher:
                 self._in_flight = len(rounds)
                 try:
                     await self._finish_round(sent)
+                    logged = False
+                except ConnectionError as exc:  # raised by _finish_round: work put back
+                    if not logged:
+                        log.warning("%s; retrying", exc)
+                    failed = logged = True
                 except Exception:
-                    if not failed:
+                    if not logged:
                         log.exception("dispatch round failed; retrying")
-                    failed = True
+                    failed = logged = True
         finally:
             for sent in rounds:  # cancelled (node stopping): the flows may fetch again
                 self._fetching.difference_update(f.flow for f in sent.fetches)
