@@ -15,8 +15,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
-from redis.exceptions import RedisError
-
 from gateway.engine.spool import Done
 from gateway.model import Message, Outcome
 
@@ -32,9 +30,13 @@ class RoutingHold:
         self._held: list[_Held] = []
         self._reading: asyncio.Task | None = None
         self._backs = 0  # times the channel came back: a read from before may not release
+        self._closed: BaseException | None = None  # the node stopped: what comes fails so
 
     def hold(self, msg: Message, done: Done | None) -> asyncio.Future[Outcome] | None:
         fut = None if done is not None else asyncio.get_running_loop().create_future()
+        if self._closed is not None:
+            _tell(done, fut, self._closed)
+            return fut
         self._held.append((msg, done, fut))
         if self._reading is None:
             self._reading = asyncio.get_running_loop().create_task(self._read_for_held())
@@ -51,6 +53,7 @@ class RoutingHold:
 
     async def close(self, exc: BaseException) -> None:
         """The node stops: what is held fails with `exc`, and nothing more is routed."""
+        self._closed = exc
         if self._reading is not None:
             self._reading.cancel()
             await asyncio.gather(self._reading, return_exceptions=True)
@@ -64,7 +67,7 @@ class RoutingHold:
                 count, backs = len(self._held), self._backs  # before the read starts
                 try:
                     await self._reload()
-                except RedisError as exc:
+                except Exception as exc:  # Redis, or routes it cannot read: they fail
                     if backs != self._backs:  # (all went, and these came since)
                         continue
                     held, self._held = self._held[:count], self._held[count:]

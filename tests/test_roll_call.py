@@ -475,3 +475,16 @@ async def test_a_node_back_before_a_direct_question_times_out_is_not_marked_sile
         f"{took:.2f} s); A then marked B silent: {silent}; routed right after the next "
         f"SUBACK: {n}"
     )
+
+
+async def test_a_message_taken_after_the_node_stopped_while_holding_fails_at_once(
+    broker: Broker, proxy: CuttingProxy
+) -> None:
+    """A publish that reaches a node after it stopped while holding (a late will) fails at
+    once: nothing is left waiting for a routes read nobody makes."""
+    async with proxied_node(proxy) as node:
+        await _cut_event_channel(proxy, node)
+        await wait_for(lambda: node.hold.active)
+    late = node.publish_nowait(Message(destination="late/x", payload=b"x"))
+    with pytest.raises(redis.RedisError):
+        await asyncio.wait_for(late, 1)
