@@ -310,7 +310,8 @@ class Dispatcher:
         # fetches whose answers were lost, to recover; their flows fetch nothing meanwhile
         self._to_recover: list[_Fetch] = []
         self._recovering: dict[Flow, int] = {}  # flow -> its recoveries not yet answered
-        self._in_flight = 0  # rounds sent, not yet finished: a recovery waits for none
+        # rounds sent, not yet finished (the pump's): a recovery waits for none
+        self._rounds: collections.deque[_Round] = collections.deque()
         # their last fetch came back full (more is waiting) -> when they last fetched,
         # settled or gave credit (monotonic)
         self._behind: dict[Flow, float] = {}
@@ -632,11 +633,11 @@ class Dispatcher:
             or self._refreshes
             or self._due_rebalances()
             or any(flow not in self._fetching for flow in self._want)
-            or (not self._in_flight and self._recovery_due())
+            or (not self._rounds and self._recovery_due())
         )
 
     async def _pump(self) -> None:
-        rounds: collections.deque[_Round] = collections.deque()
+        rounds = self._rounds
         try:
             await asyncio.sleep(0)  # gather this turn's settlements and wake-ups
             # a round failed (its connection broke): the rounds sent after it are finished
@@ -652,7 +653,6 @@ class Dispatcher:
                     and self._has_work()
                 ):
                     rounds.append(await self._send_round())
-                    self._in_flight = len(rounds)
                     continue
                 if not rounds:
                     if not failed:
@@ -662,7 +662,6 @@ class Dispatcher:
                     continue
                 sent = rounds.popleft()
                 await sent.done
-                self._in_flight = len(rounds)
                 try:
                     await self._finish_round(sent)
                     logged = False
@@ -678,7 +677,7 @@ class Dispatcher:
             for sent in rounds:  # cancelled (node stopping): the flows may fetch again
                 self._fetching.difference_update(f.flow for f in sent.fetches)
                 self._fetching.difference_update(sent.selecting)
-            self._in_flight = 0
+            rounds.clear()
             self._task = None
 
     def _fetches(self) -> tuple[list[_Fetch], list[Flow]]:
@@ -745,7 +744,7 @@ class Dispatcher:
         # a recovery goes once every round sent before it is finished: then each settlement
         # sent before it ran, or was put back to go ahead of it in this round, or waits
         # (refused for now) and so does the recovery (_may_recover)
-        sent.recoveries = [] if self._in_flight else self._recoveries_now()
+        sent.recoveries = [] if self._rounds else self._recoveries_now()
         sent.fetches, sent.selecting = self._fetches()
         commands: list[tuple[object, ...]] = []
         for mode, items in sent.settles.items():
