@@ -155,6 +155,8 @@ class Broker:
         self.queues = QueueStore(redis)
         self.clients = ClientStore(redis)
         self.retained = RetainedStore(redis)
+        # topic -> the store of its latest retained message still under way (_retain_after)
+        self._retaining: dict[str, asyncio.Future[Outcome]] = {}
         self._connected: dict[str, tuple[int, Callable[[], None]]] = {}
         # client id -> the end ("node claim") of a connection on another node that a
         # connection here waits for (handed_over)
@@ -264,20 +266,32 @@ class Broker:
     def _retain_after(
         self, msg: Message, spooled: asyncio.Future[Outcome], done: Done | None
     ) -> asyncio.Future[Outcome] | None:
-        """Store a retained message once its spool succeeded (before the publisher's ack)."""
+        """Store a retained message once its spool succeeded (before the publisher's ack),
+        and after the topic's retained message published before it: a later one whose spool
+        answered first (it went to fewer queues) must not be overwritten by the earlier."""
+        topic = msg.destination
+        before = self._retaining.get(topic)
 
         async def both() -> Outcome:
             outcome = await spooled
+            if before is not None and not before.done():
+                await asyncio.wait((before,))  # its outcome is its own publisher's
             if outcome.accepted and not await self.retained.put(msg, outcome is Outcome.OK):
                 self.spooler.refused_for_memory()
                 return Outcome.OUT_OF_MEMORY
             return outcome
 
         fut = asyncio.ensure_future(both())
+        self._retaining[topic] = fut
+        fut.add_done_callback(lambda f: self._retained_stored(topic, f))
         if done is None:
             return fut
         fut.add_done_callback(lambda f: done(_result_of(f)))
         return None
+
+    def _retained_stored(self, topic: str, fut: asyncio.Future[Outcome]) -> None:
+        if self._retaining.get(topic) is fut:
+            del self._retaining[topic]
 
     async def publish(self, msg: Message) -> Outcome:
         return await self.publish_nowait(msg)

@@ -435,3 +435,21 @@ async def test_a_fetch_refused_while_redis_loads_its_data_is_not_taken_for_lost(
     assert flow.id == first_id, "the flow was bound again"
     assert (await broker.queues.info("loading")).flows == [first_id]
     assert len(flow.unacked) == 4
+
+
+async def test_a_retained_message_whose_spool_answers_late_is_not_stored_over_a_later_one(
+    proxy: CuttingProxy, node: Broker
+) -> None:
+    # the topic's one queue takes the first message only: the second, routed nowhere, is
+    # answered at once, and must still be retained after the first
+    await node.declare_queue(
+        QueueConfig(name="sub", subscription_selector="n = 1"), [("t", "mqtt")]
+    )
+    proxy.delay_on = b"gw_spool"
+    proxy.delay = 0.3
+    first = Message(destination="t", payload=b"old", retain=True, user_properties=[("n", 1)])
+    second = Message(destination="t", payload=b"new", retain=True, user_properties=[("n", 2)])
+    outcomes = await asyncio.gather(node.publish_nowait(first), node.publish_nowait(second))
+    assert outcomes == [Outcome.OK, Outcome.NO_SUBSCRIBERS]
+    assert [m.payload for m in await node.retained.matching("t")] == [b"new"]
+    assert not node._retaining  # nothing left behind once stored
