@@ -453,3 +453,26 @@ async def test_a_retained_message_whose_spool_answers_late_is_not_stored_over_a_
     assert outcomes == [Outcome.OK, Outcome.NO_SUBSCRIBERS]
     assert [m.payload for m in await node.retained.matching("t")] == [b"new"]
     assert not node._retaining  # nothing left behind once stored
+
+
+async def test_a_bind_cancelled_while_redis_runs_it_leaves_no_flow_bound(
+    proxy: CuttingProxy, node: Broker, redis_url: str
+) -> None:
+    await node.queues.create(QueueConfig(name="q", access_type="exclusive"))
+    proxy.delay_on = b"gw_bind"  # it runs in Redis; its answer comes late
+    proxy.delay = 0.5
+    binding = asyncio.create_task(node.bind("q", lambda d: None))
+    await asyncio.sleep(0.2)
+    binding.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await binding
+    admin = aioredis.from_url(redis_url)
+    try:
+        # a flow nobody holds would keep the exclusive queue's lease until the node stops
+        deadline = time.monotonic() + 5
+        while await admin.zcard(keys.queue_flows("q")) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        consumer = await node.bind("q", lambda d: None)
+        assert consumer.active
+    finally:
+        await admin.aclose()

@@ -376,6 +376,9 @@ class Dispatcher:
             if not refused_for_now(exc):  # (refused while Redis loads its data: it never ran)
                 self._unbind_unknown(flow)  # the bind may have run, its reply lost
             raise
+        except asyncio.CancelledError:  # its caller went: the bind may have run all the same
+            self._unbind_unknown(flow)
+            raise
         self.flows.setdefault(queue, []).append(flow)
         if flow.exclusive:
             try:
