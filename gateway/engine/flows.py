@@ -501,10 +501,13 @@ class Dispatcher:
             if (score is None or flow.browse) and not flow.closed:
                 self._end_flow(flow, QUEUE_DELETED)
 
-    def close_queue_flows(self, queue: str, reason: str) -> None:
-        """The queue went away (deleted): end its local flows and tell their owners."""
-        for flow in list(self.flows.get(queue, ())):
-            self._end_flow(flow, reason)
+    def _queue_gone(self, flow: Flow) -> None:
+        """Redis ran a call of the flow when its queue was not there (deleted): the flow
+        ends. The answer may come late, when the queue was made again under its name and
+        other flows bound to it: queue_deleted ends only those Redis does not have."""
+        if not flow.closed:
+            self._end_flow(flow, QUEUE_DELETED)
+        asyncio.get_running_loop().create_task(self.queue_deleted(flow.queue))
 
     def _end_flow(self, flow: Flow, reason: str) -> None:
         flow.closed = True
@@ -1140,7 +1143,7 @@ class Dispatcher:
         elif status == "noflow":
             self._lost(flow)
         elif status == "noqueue":
-            self.close_queue_flows(flow.queue, QUEUE_DELETED)
+            self._queue_gone(flow)
         # 'egress': paused until the queue's config changes (a 'qcfg' event wakes it)
 
     def _fetch_lost(self, fetch: _Fetch) -> None:
@@ -1250,9 +1253,10 @@ class Dispatcher:
                 flow.registered = float("inf")
                 continue
             except BindError as exc:
-                self.close_queue_flows(
-                    flow.queue, QUEUE_DELETED if exc.code == "not_found" else str(exc)
-                )
+                if exc.code == "not_found":
+                    self._queue_gone(flow)
+                elif not flow.closed:  # refused to it alone
+                    self._end_flow(flow, str(exc))
                 return
             except RedisError as exc:
                 if not isinstance(exc, (RedisConnectionError, RedisTimeoutError)) and not (
