@@ -297,3 +297,46 @@ async def test_anonymous_clients_are_a_user(broker: Broker, amqp: Listener) -> N
 
     config = await asyncio.to_thread(scenario)
     assert (config.owner, config.owner_connection != "") == (ANONYMOUS, True)
+
+
+@pytest.mark.parametrize("who", ["bob", None], ids=["another-user", "anonymous"])
+async def test_the_default_dead_message_queue_shows_no_user_another_users_messages(
+    broker: Broker, amqp: Listener, who: str | None
+) -> None:
+    """#DEAD_MSG_QUEUE gathers every queue's dead messages: declared by name only, it
+    grants other users nothing (Solace: no-access for non-owners), though the operator
+    may grant more."""
+    await broker.declare_queue(QueueConfig(name="#DEAD_MSG_QUEUE"))
+    await broker.declare_queue(
+        QueueConfig(name="alices-private", permission="none", dmq_eligible_default=True),
+        user="alice",
+    )
+
+    def alice_rejects_her_secret() -> None:
+        conn = connect(amqp, "alice")
+        try:
+            conn.create_sender("alices-private").send(Message(body=b"alice's secret"))
+            receiver = conn.create_receiver("alices-private", credit=1)
+            receiver.receive(TIMEOUT)
+            receiver.reject()
+        finally:
+            conn.close()
+
+    await asyncio.to_thread(alice_rejects_her_secret)
+    deadline = time.monotonic() + TIMEOUT
+    while (await broker.queues.info("#DEAD_MSG_QUEUE")).messages < 1:
+        assert time.monotonic() < deadline, "the rejected message was not dead-lettered"
+        await asyncio.sleep(0.05)
+
+    def attach(options: Any) -> str:
+        conn = connect(amqp, who)
+        try:
+            return refusal(lambda: conn.create_receiver("#DEAD_MSG_QUEUE", options=options))
+        finally:
+            conn.close()
+
+    assert UNAUTHORIZED in await asyncio.to_thread(attach, None)
+    assert UNAUTHORIZED in await asyncio.to_thread(attach, Copy())  # nor browse
+    assert (await broker.queues.config("#DEAD_MSG_QUEUE")).permission == "none"
+    granted = QueueConfig(name="#DEAD_MSG_QUEUE", permission="read-only")
+    assert granted.permission == "read-only"  # the operator may still grant more

@@ -1433,7 +1433,7 @@ async def test_shared_and_unshared_durable_subscriptions_do_not_mix(
 
 
 async def test_dead_lettered_message_annotations(broker: Broker, amqp: Listener) -> None:
-    await broker.declare_queue(QueueConfig(name="#DEAD_MSG_QUEUE"))
+    await broker.declare_queue(QueueConfig(name="#DEAD_MSG_QUEUE", permission="consume"))
     await broker.queues.create(QueueConfig(name="q", dmq_eligible_default=True))
     await broker.queues.create(QueueConfig(name="q2"))
 

@@ -81,7 +81,7 @@ async def until(predicate, timeout: float = TIMEOUT) -> None:
 
 
 async def test_max_redelivery_dead_letters_over_amqp(broker: Broker, ports: Ports) -> None:
-    await broker.declare_queue(QueueConfig(name=DEAD_MESSAGE_QUEUE))
+    await broker.declare_queue(QueueConfig(name=DEAD_MESSAGE_QUEUE, permission="consume"))
     await broker.declare_queue(QueueConfig(name="work", max_redelivery=2))
 
     def client() -> tuple[list[tuple[bytes, int]], dict, bytes, list[bytes]]:

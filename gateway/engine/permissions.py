@@ -11,6 +11,7 @@ from __future__ import annotations
 
 LEVELS = ("none", "read-only", "consume", "modify-topic", "delete")
 
+NO_ACCESS = "none"
 BROWSE = "read-only"
 CONSUME = "consume"
 MODIFY_TOPIC = "modify-topic"

@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 
 from gateway.engine import keys
 from gateway.engine.partitions import PartitionMap
-from gateway.engine.permissions import LEVELS, MODIFY_TOPIC, allowed
+from gateway.engine.permissions import CONSUME, LEVELS, MODIFY_TOPIC, NO_ACCESS, allowed
 from gateway.engine.spool_usage import DEFAULT_VPN, vpn_name_error
 from gateway.selectors import MAX_SELECTOR_BYTES, SelectorError, compile_selector
 from gateway.topics import TopicError, parse_pattern
@@ -118,6 +118,8 @@ def _applied(current: QueueConfig, changes: dict[str, Any], repartition: bool) -
     bad = sorted(set(changes) - allowed)
     if bad:
         raise QueueError("invalid", f"cannot change {', '.join(bad)} on an existing queue")
+    if changes.get("permission") == "":  # a declaration's "not given", not a level
+        raise QueueError("invalid", f"permission must be one of {', '.join(LEVELS)}")
     updated = dataclasses.replace(current, **changes)
     updated.validate(reserved_ok=True)
     return updated
@@ -186,13 +188,19 @@ class QueueConfig:
     # a topic endpoint's selector (Solace): a message its topic subscriptions attract is
     # stored only if it matches; messages sent to the queue by name are not filtered
     subscription_selector: str = ""
-    permission: str = "consume"  # what users other than the owner may do (permissions.LEVELS)
+    # what users other than the owner may do (permissions.LEVELS); "": consume, except on
+    # the default dead message queue, where other users' dead messages gather: none
+    permission: str = ""
     auto_delete: bool = False  # deleted when its last consumer goes (RabbitMQ)
     owner_connection: str = ""  # RabbitMQ exclusive: only this connection may use it
     overflow: str = "reject"  # when full: reject (NACK), ring (drop oldest), flow_control
     resume_percent: int = 80  # flow control: publishers resume below this share of the limit
     vpn: str = DEFAULT_VPN  # the Message VPN whose spool quota its messages count against
     created_ms: int = field(default=0, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.permission == "":  # not given
+            self.permission = NO_ACCESS if self.name == DEAD_MESSAGE_QUEUE else CONSUME
 
     def validate(self, *, reserved_ok: bool = False) -> None:
         """Raise QueueError for a config this version cannot honour."""
