@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import redis
 
 pyspark = pytest.importorskip("pyspark")
 
@@ -200,24 +201,34 @@ async def test_streaming_aggregate_restarted_from_checkpoint_reads_only_new_entr
 
 
 async def stream_available_now(
-    spark: SparkSession, redis_url: str, queue: str, checkpoint: Path, **options: str
+    spark: SparkSession,
+    redis_url: str,
+    queue: str,
+    checkpoint: Path,
+    on_batch: Callable[[int], None] | None = None,
+    **options: str,
 ) -> list[list[bytes]]:
-    """Payloads of each micro-batch of one Trigger.AvailableNow run of a streaming read."""
+    """Payloads of each micro-batch of one Trigger.AvailableNow run of a streaming read;
+    `on_batch(batch id)` runs before a batch is collected. Raises the query's failure."""
     batches: list[list[bytes]] = []
+
+    def each(frame, batch_id: int) -> None:
+        if on_batch is not None:
+            on_batch(batch_id)
+        batches.append([r.payload for r in frame.collect()])
 
     def run() -> None:
         activate(spark)
         query = (
             jobs.stream_queue(spark, redis_url, queue, **options)
-            .writeStream.foreachBatch(
-                lambda frame, _: batches.append([r.payload for r in frame.collect()])
-            )
+            .writeStream.foreachBatch(each)
             .option("checkpointLocation", str(checkpoint))
             .trigger(availableNow=True)
             .start()
         )
         query.awaitTermination(60)
-        assert query.exception() is None
+        if query.exception() is not None:
+            raise query.exception()
 
     await asyncio.to_thread(run)
     return batches
@@ -311,6 +322,75 @@ async def test_fail_on_data_loss_detects_trimmed_and_deleted_ranges(
     again = read(spark, redis_url, "t", startingOffsets=json.dumps({"t": ids[6]}))
     with pytest.raises(Exception, match=r"entries after .* were deleted"):
         await asyncio.to_thread(again.collect)
+
+
+async def holes_before_start(broker: Broker, queue: str) -> list[bytes]:
+    """Ten messages x0..x9 in `queue`, x7 deleted (acked out of order) before any read."""
+    await broker.declare_queue(QueueConfig(name=queue))
+    await publish_to(broker, queue, [f"x{i}".encode() for i in range(10)])
+    ids = [e[0] for e in await broker.redis.xrange(keys.queue_stream(queue))]
+    await broker.redis.xdel(keys.queue_stream(queue), ids[7])
+    return ids
+
+
+def xdel_at(redis_url: str, queue: str, entry_id: bytes, batch: int) -> Callable[[int], None]:
+    """An on_batch hook deleting `entry_id` while micro-batch `batch` runs."""
+
+    def hook(batch_id: int) -> None:
+        if batch_id == batch:
+            client = redis.Redis.from_url(redis_url)
+            client.xdel(keys.queue_stream(queue), entry_id)
+            client.close()
+
+    return hook
+
+
+async def test_registered_reader_from_earliest_is_not_failed_by_holes_made_before_it(
+    spark: SparkSession, broker: Broker, redis_url: str, tmp_path: Path
+) -> None:
+    ids = await holes_before_start(broker, "h")
+    options = {"maxEntriesPerBatch": "3", "readerName": "r"}
+
+    def fail_second(batch_id: int) -> None:
+        if batch_id == 1:
+            raise RuntimeError("injected failure")
+
+    with pytest.raises(Exception, match="injected failure"):  # x8 is not the reader's loss
+        await stream_available_now(spark, redis_url, "h", tmp_path, fail_second, **options)
+    # the restart replays batch 1 from the checkpoint, below the hole: no data loss either
+    batches = await stream_available_now(spark, redis_url, "h", tmp_path, **options)
+    assert batches == [[b"x3", b"x4", b"x5"], [b"x6", b"x8", b"x9"]]
+    # the reader's committed place, as a new query (no checkpoint) resumes there
+    await broker.redis.hset(keys.queue_readers("h"), "r", ids[2])
+    again = await stream_available_now(spark, redis_url, "h", tmp_path / "new", **options)
+    assert [p for b in again for p in b] == [b"x3", b"x4", b"x5", b"x6", b"x8", b"x9"]
+
+    # deleted after registration, past the reader's place: lost
+    await publish_to(broker, "h", [b"x10", b"x11", b"x12"])
+    later = [e[0] for e in await broker.redis.xrange(keys.queue_stream("h"))][-3:]
+    await broker.redis.xdel(keys.queue_stream("h"), later[1])
+    with pytest.raises(Exception, match=r"data loss in queue 'h'.*were deleted"):
+        await stream_available_now(spark, redis_url, "h", tmp_path, **options)
+    # forgetting the reader forgets where it began
+    assert await broker.redis.hexists(keys.queue_reader_baselines("h"), "r")
+    assert await broker.redis.fcall("gw_forget_reader", 0, "h", "r") == 1
+    assert not await broker.redis.exists(keys.queue_reader_baselines("h"))
+
+
+async def test_unnamed_reader_from_earliest_is_only_failed_by_holes_made_after_it_started(
+    spark: SparkSession, broker: Broker, redis_url: str, tmp_path: Path
+) -> None:
+    ids = await holes_before_start(broker, "u")
+    batches = await stream_available_now(
+        spark, redis_url, "u", tmp_path / "a", maxEntriesPerBatch="3"
+    )
+    assert batches == [[b"x0", b"x1", b"x2"], [b"x3", b"x4", b"x5"], [b"x6", b"x8", b"x9"]]
+
+    hook = xdel_at(redis_url, "u", ids[8], 0)  # x8 goes while the query runs: lost
+    with pytest.raises(Exception, match=r"data loss in queue 'u'.*were deleted"):
+        await stream_available_now(
+            spark, redis_url, "u", tmp_path / "b", hook, maxEntriesPerBatch="3"
+        )
 
 
 async def test_archive_and_dmq_report(

@@ -436,7 +436,8 @@ delete_queue = function(q)
   redis.call('DEL', k_queue_parts(q), k_queue_groups(q), k_queue_group_held(q),
     k_queue_last_values(q), k_queue_timed(q), k_queue_config(q), k_queue_stream(q), k_queue_stats(q), k_queue_subs(q),
     k_queue_flows(q), k_queue_lease(q), k_queue_readers(q), k_queue_sorted(q),
-    k_queue_members(q), k_queue_flow_held(q), k_queue_avoid(q), k_queue_kept(q))
+    k_queue_members(q), k_queue_flow_held(q), k_queue_avoid(q), k_queue_kept(q),
+    k_queue_reader_baselines(q))
   redis.call('SREM', K_QUEUES, q)
   redis.call('SREM', K_READ_QUEUES, q)
   redis.call('SREM', K_EXPIRING_QUEUES, q)
@@ -2054,14 +2055,23 @@ register_always('gw_direct_node', function(_, a)
   return redis.call('SREM', K_DIRECT_NODES, a[1])
 end)
 
--- ARGV: queue, reader, entry id, 1 to keep a place the reader already has. A (Spark)
--- reader's place in a queue it reads without taking: entries stay until every reader is
--- past them and they are settled.
+-- ARGV: queue, reader, entry id, 1 to keep a place the reader already has[, the stream's
+-- max-deleted-entry-id when the reader's query began at this place]. A (Spark) reader's
+-- place in a queue it reads without taking: entries stay until every reader is past them
+-- and they are settled. The max-deleted id is noted (k_queue_reader_baselines) when this
+-- call gives the reader its place: holes made before then were never its to read, and a
+-- restart from a checkpoint must not report them as data loss.
 register_always('gw_reader_at', function(_, a)
+  local added
   if a[4] == '1' then
-    redis.call('HSETNX', k_queue_readers(a[1]), a[2], a[3])
+    added = redis.call('HSETNX', k_queue_readers(a[1]), a[2], a[3])
   else
-    redis.call('HSET', k_queue_readers(a[1]), a[2], a[3])
+    added = redis.call('HSET', k_queue_readers(a[1]), a[2], a[3])
+  end
+  if added == 1 and a[5] then
+    redis.call('HSET', k_queue_reader_baselines(a[1]), a[2], a[5])
+  elseif added == 1 then  -- a place taken later, or anew: every deletion past it counts
+    redis.call('HDEL', k_queue_reader_baselines(a[1]), a[2])
   end
   return redis.call('SADD', K_READ_QUEUES, a[1])
 end)
@@ -2072,6 +2082,7 @@ end)
 register_always('gw_forget_reader', function(_, a)
   local readers = k_queue_readers(a[1])
   local removed = redis.call('HDEL', readers, a[2])
+  redis.call('HDEL', k_queue_reader_baselines(a[1]), a[2])
   if redis.call('HLEN', readers) == 0 then
     redis.call('SREM', K_READ_QUEUES, a[1])
     local s = k_queue_stream(a[1])

@@ -33,6 +33,7 @@ TEMPLATES: dict[str, str] = {
     "queue_lease": f"{PREFIX}:q:{{{{q}}}}:lease",
     "queue_wake": f"{PREFIX}:wake:{{{{q}}}}",
     "queue_readers": f"{PREFIX}:q:{{{{q}}}}:readers",
+    "queue_reader_baselines": f"{PREFIX}:q:{{{{q}}}}:rbase",
     "queue_kept": f"{PREFIX}:q:{{{{q}}}}:kept",
     "queue_parts": f"{PREFIX}:q:{{{{q}}}}:parts",
     "queue_groups": f"{PREFIX}:q:{{{{q}}}}:groups",
@@ -132,6 +133,12 @@ def queue_wake(q: str) -> str:
 
 def queue_readers(q: str) -> str:
     return _queue_key("queue_readers", q)
+
+
+def queue_reader_baselines(q: str) -> str:
+    """Stream reader -> the stream's max-deleted-entry-id when the reader registered from
+    where its query began: entries deleted up to it were never the reader's to read."""
+    return _queue_key("queue_reader_baselines", q)
 
 
 def queue_kept(q: str) -> str:

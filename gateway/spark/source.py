@@ -139,18 +139,22 @@ class StreamInfo:
         )
 
 
-def lost_range(client: redis.Redis, queue: str, start: StreamId) -> str | None:
+def lost_range(
+    client: redis.Redis, queue: str, start: StreamId, baseline: StreamId = (0, 0)
+) -> str | None:
     """Why entries after `start` are gone, or None when nothing a reader needed was removed.
 
     XDEL moves `max-deleted-entry-id`; XTRIM only moves the first entry. A trim is loss when
     `start` itself was trimmed (the engine keeps a reader's committed entry) or when the
-    stream is empty although entries after `start` were added.
+    stream is empty although entries after `start` were added. `baseline` is the
+    `max-deleted-entry-id` when the reader began: holes made before then (say, entries acked
+    out of order) were never its to read, so a max-deleted id up to it is no loss.
     """
     if start == (0, 0):
         return None
     info = StreamInfo.fetch(client, queue)
     at = format_id(start)
-    if info.max_deleted > start:
+    if info.max_deleted > start and info.max_deleted > baseline:
         deleted = format_id(info.max_deleted)
         return f"entries after {at} were deleted (max-deleted-entry-id {deleted})"
     if info.length == 0:
@@ -166,9 +170,11 @@ def lost_range(client: redis.Redis, queue: str, start: StreamId) -> str | None:
     return None
 
 
-def check_loss(client: redis.Redis, opts: Options, queue: str, start: StreamId) -> None:
+def check_loss(
+    client: redis.Redis, opts: Options, queue: str, start: StreamId, baseline: StreamId = (0, 0)
+) -> None:
     """Raise (failOnDataLoss) or warn when the range after `start` lost entries."""
-    reason = lost_range(client, queue, start)
+    reason = lost_range(client, queue, start, baseline)
     if reason is None:
         return
     message = f"data loss in queue {opts.queue!r} stream {queue!r}: {reason}"
@@ -321,6 +327,20 @@ def starting_offsets(client: redis.Redis, opts: Options) -> tuple[dict[str, str]
     return dict.fromkeys(streams, ZERO), False
 
 
+def reader_baselines(
+    client: redis.Redis, opts: Options, streams: Sequence[str]
+) -> dict[str, StreamId]:
+    """Each stream's max-deleted id when `readerName` registered where its query began
+    (kept in Redis, so restarts know it too). Explicit JSON offsets get none: they stay
+    strict."""
+    if opts.reader_name is None or opts.starting.startswith("{"):
+        return {}
+    pipe = client.pipeline(transaction=False)
+    for q in streams:
+        pipe.hget(keys.queue_reader_baselines(q), opts.reader_name)
+    return {q: parse_id(b) for q, b in zip(streams, pipe.execute(), strict=True) if b}
+
+
 class GatewayDataSource(DataSource):
     """``spark.read.format("gateway")`` / ``writeStream.format("gateway")``."""
 
@@ -357,14 +377,16 @@ class BatchReader(DataSourceReader):
         client = redis.Redis.from_url(self.opts.redis_url)
         try:
             starts, explicit = starting_offsets(client, self.opts)
+            streams = queue_streams(client, self.opts.queue)
+            baselines = reader_baselines(client, self.opts, [q for _, q in streams])
             out = []
-            for partition, queue in queue_streams(client, self.opts.queue):
+            for partition, queue in streams:
                 start = parse_id(starts[queue])
                 end = StreamInfo.fetch(client, queue).last_generated
                 if end <= start:
                     continue
                 if explicit:
-                    check_loss(client, self.opts, queue, start)
+                    check_loss(client, self.opts, queue, start, baselines.get(queue, (0, 0)))
                 out.append(StreamRange(partition, queue, format_id(start), format_id(end)))
             return out
         finally:
@@ -382,6 +404,10 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._client: redis.Redis | None = None
         self._registered = False
         self._target: dict[str, StreamId] | None = None  # Trigger.AvailableNow end
+        # where this query began when it chose its start itself (earliest or latest), with
+        # each stream's max-deleted id then: holes made before it began are not its loss
+        self._initial: dict[str, str] = {}
+        self._baselines: dict[str, StreamId] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         """Executors get the options only; the driver's client stays behind."""
@@ -397,7 +423,15 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return self._client
 
     def initialOffset(self) -> dict:
-        return starting_offsets(self.client, self.opts)[0]
+        """Where the query begins (not called on a restart from a checkpoint). Chosen here
+        (earliest or latest), the max-deleted ids taken first say which holes predate it."""
+        streams = [q for _, q in queue_streams(self.client, self.opts.queue)]
+        deleted = {q: StreamInfo.fetch(self.client, q).max_deleted for q in streams}
+        offsets, explicit = starting_offsets(self.client, self.opts)
+        if not explicit:
+            self._initial = offsets
+            self._baselines = deleted
+        return offsets
 
     def getDefaultReadLimit(self) -> ReadLimit:
         if self.opts.max_entries is None:
@@ -443,11 +477,13 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def partitions(self, start: dict, end: dict) -> Sequence[InputPartition]:
         out = []
         streams = dict((q, p) for p, q in queue_streams(self.client, self.opts.queue))
+        persisted = reader_baselines(self.client, self.opts, list(streams))
         for queue, last in end.items():
             low = parse_id(start.get(queue, ZERO))
             if parse_id(last) <= low or queue not in streams:
                 continue
-            check_loss(self.client, self.opts, queue, low)
+            baseline = max(self._baselines.get(queue, (0, 0)), persisted.get(queue, (0, 0)))
+            check_loss(self.client, self.opts, queue, low, baseline)
             out.append(StreamRange(streams[queue], queue, format_id(low), last))
         return out
 
@@ -455,12 +491,20 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return read_range(self.opts, partition)
 
     def _register(self, start: dict) -> None:
-        """Announce the reader once, at its start position, so the engine retains from here."""
+        """Announce the reader once, at its start position, so the engine retains from here.
+
+        Registered where this query began (not from a checkpoint or explicit offsets), the
+        engine notes the max-deleted id then too, so that restarts excuse the same old holes.
+        """
         if self._registered or self.opts.reader_name is None:
             return
         pipe = self.client.pipeline(transaction=False)
         for queue, sid in start.items():  # a function: it runs while Redis is full
-            pipe.fcall("gw_reader_at", 0, queue, self.opts.reader_name, sid, 1)
+            args = [queue, self.opts.reader_name, sid, 1]
+            baseline = self._baselines.get(queue, (0, 0))
+            if baseline != (0, 0) and self._initial.get(queue) == sid:
+                args.append(format_id(baseline))
+            pipe.fcall("gw_reader_at", 0, *args)
         pipe.execute()
         self._registered = True
 
