@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import shutil
 
 import pytest
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
-from protocols.mqtt.codec import Publish, Suback, Subscribe, SubscriptionOptions, Will, encode
+from protocols.mqtt.codec import (
+    Properties,
+    Puback,
+    Publish,
+    Suback,
+    Subscribe,
+    SubscriptionOptions,
+    Will,
+    encode,
+)
 from protocols.mqtt.listener import Listener
 from tests.test_mqtt_paho import V5, V311, WAIT, Client
 from tests.test_mqtt_protocol import Raw
@@ -148,3 +158,38 @@ async def test_a_new_subscription_gets_no_retained_value_older_than_live_ones(
         await task
         pub.close()
     assert not backwards, backwards[:2]
+
+
+async def _publishes(raw: Raw, timeout: float) -> list[Publish]:
+    """What `raw` receives until `timeout` seconds pass without a packet (QoS 1 acked)."""
+    got = []
+    with contextlib.suppress(TimeoutError):
+        while True:
+            packet = await raw.recv(timeout=timeout)
+            if isinstance(packet, Publish):
+                got.append(packet)
+                if packet.qos:
+                    await raw.send(Puback(packet.packet_id))
+    return got
+
+
+async def test_a_retained_message_held_by_a_delivery_delay_goes_to_new_subscribers_once_due(
+    mqtt: Listener,
+) -> None:
+    early, _ = await Raw.connected(mqtt.port, 5, client_id="dl-early")
+    await early.send(Subscribe(1, [("dl/t", SubscriptionOptions(qos=1))]))
+    await early.recv()  # SUBACK
+    pub, _ = await Raw.connected(mqtt.port, 5, client_id="dl-pub")
+    delay = Properties(user_properties=[("x-opt-delivery-delay", "1500")])
+    await pub.send(Publish("dl/t", b"later", qos=1, retain=True, packet_id=1, properties=delay))
+    assert isinstance(await pub.recv(), Puback)
+    before, _ = await Raw.connected(mqtt.port, 5, client_id="dl-before")
+    await before.send(Subscribe(1, [("dl/t", SubscriptionOptions(qos=1))]))
+    assert [p.payload for p in await _publishes(before, 0.5)] == []  # not before it is due
+    assert [p.payload for p in await _publishes(early, 0.1)] == []
+    await asyncio.sleep(1.2)
+    after, _ = await Raw.connected(mqtt.port, 5, client_id="dl-after")
+    await after.send(Subscribe(1, [("dl/t", SubscriptionOptions(qos=1))]))
+    assert [(p.payload, p.retain) for p in await _publishes(after, 0.5)] == [(b"later", True)]
+    assert [p.payload for p in await _publishes(early, 0.3)] == [b"later"]  # live, once
+    assert [p.payload for p in await _publishes(before, 0.1)] == []  # never twice

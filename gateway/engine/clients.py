@@ -10,6 +10,7 @@ channel, so a reconnect elsewhere takes the session over.
 from __future__ import annotations
 
 import re
+import time
 
 import redis.asyncio as aioredis
 from redis.exceptions import OutOfMemoryError
@@ -122,16 +123,19 @@ class RetainedStore:
         wildcards names one topic: one HGET, not a scan of every retained message (devices
         that each subscribe to their own topics, with a retained message per device). A
         filter with a literal start ("site/7/+/temp") has Redis send only the topics with
-        that start, not every retained message."""
+        that start, not every retained message. One held by a delivery delay is left out
+        until it is due, as its live copies are held."""
         prefix, exact = literal_prefix(pattern, syntax)
         if exact:
             blob = await self._redis.hget(keys.retained, pattern)
-            return [] if blob is None else [decode(blob)]
-        matches = pattern_matcher(pattern, syntax)
-        out = []
-        glob = _GLOB_SPECIAL.sub(r"\\\g<0>", prefix) + "*"
-        async for topic, blob in self._redis.hscan_iter(keys.retained, glob, count=1000):
-            if matches(topic.decode()):
-                out.append(decode(blob))
-        out.sort(key=lambda m: m.destination)
-        return out
+            found = [] if blob is None else [decode(blob)]
+        else:
+            matches = pattern_matcher(pattern, syntax)
+            found = []
+            glob = _GLOB_SPECIAL.sub(r"\\\g<0>", prefix) + "*"
+            async for topic, blob in self._redis.hscan_iter(keys.retained, glob, count=1000):
+                if matches(topic.decode()):
+                    found.append(decode(blob))
+            found.sort(key=lambda m: m.destination)
+        now_ms = time.time() * 1000
+        return [m for m in found if m.not_before is None or m.not_before <= now_ms]
