@@ -10,6 +10,8 @@ import shutil
 import pytest
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
+from gateway.broker import Broker
+from gateway.model import Message
 from protocols.mqtt.codec import (
     Properties,
     Puback,
@@ -193,3 +195,35 @@ async def test_a_retained_message_held_by_a_delivery_delay_goes_to_new_subscribe
     assert [(p.payload, p.retain) for p in await _publishes(after, 0.5)] == [(b"later", True)]
     assert [p.payload for p in await _publishes(early, 0.3)] == [b"later"]  # live, once
     assert [p.payload for p in await _publishes(before, 0.1)] == []  # never twice
+
+
+async def test_a_retained_value_waiting_for_room_goes_before_a_newer_live_qos0_one(
+    mqtt: Listener, broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Receive Maximum 1 and two retained QoS 1 messages: rm/b's retained value waits for
+    room while a newer QoS 0 value of rm/b, taken during the SUBSCRIBE, leaves the gate.
+    The newer one must still come last: it is the client's last word on rm/b."""
+    pub, _ = await Raw.connected(mqtt.port, 5, client_id="g-pub")
+    for pid, (topic, value) in enumerate((("rm/a", b"A1"), ("rm/b", b"B1")), 1):
+        await pub.send(Publish(topic, value, qos=1, retain=True, packet_id=pid))
+        assert isinstance(await pub.recv(), Puback)
+    matching = broker.retained.matching
+
+    async def live_meanwhile(pattern: str, syntax: str = "mqtt") -> list[Message]:
+        found = await matching(pattern, syntax)  # B1 is rm/b's value now
+        newer = Message(destination="rm/b", payload=b"B2", persistent=False)
+        assert (await broker.publish(newer)).accepted  # ... and B2 comes before it is sent
+        await asyncio.sleep(0.3)
+        return found
+
+    monkeypatch.setattr(broker.retained, "matching", live_meanwhile)
+    sub, _ = await Raw.connected(
+        mqtt.port, 5, client_id="g-sub", properties=Properties(receive_maximum=1)
+    )
+    await sub.send(Subscribe(1, [("rm/#", SubscriptionOptions(qos=1))]))
+    seen = [(p.topic, p.payload, p.retain) for p in await _publishes(sub, 0.8)]
+    assert [(payload, retain) for topic, payload, retain in seen if topic == "rm/b"] == [
+        (b"B1", True),
+        (b"B2", False),
+    ], seen
+    assert ("rm/a", b"A1", True) in seen

@@ -781,12 +781,20 @@ class Session:
     def _send_or_hold(self, *routed: Any) -> None:
         """`routed`: _transmit's arguments. A queued QoS 1/2 message waits while the
         client's receive maximum is full (MQTT-3.3.4-9, across all the session's flows),
-        or while others wait before it."""
+        or while others wait before it. A QoS 0 one waits too while an older retained
+        message of its topic waits for room: the client's last word on the topic must be
+        the newer one."""
         queue, qos = routed[1], routed[3]
         if qos and queue is not None and (self._held_out or not self._room()):
             self._held_out.append(routed)
             return
+        if not qos and self._retained_waiting and self._retained_waits(routed[0].destination):
+            self._held_out.append(routed)
+            return
         self._transmit(*routed)
+
+    def _retained_waits(self, topic: str) -> bool:
+        return any(msg.destination == topic for msg, _, _ in self._retained_waiting)
 
     def _route(
         self, state: SessionState, filters: list[str], msg: Message
