@@ -26,7 +26,7 @@ from gateway.config import Settings  # noqa: E402
 from gateway.engine import keys  # noqa: E402
 from gateway.engine.partitions import partition_of  # noqa: E402
 from gateway.engine.queues import QueueConfig, stream_queues  # noqa: E402
-from gateway.model import Delivery, Message, Outcome, decode  # noqa: E402
+from gateway.model import Delivery, Message, Outcome, decode, encode  # noqa: E402
 from gateway.spark import jobs  # noqa: E402
 from gateway.spark.session import activate, build_session  # noqa: E402
 from protocols.amqp.listener import start as start_amqp  # noqa: E402
@@ -601,3 +601,78 @@ async def test_a_failed_batch_write_replayed_otherwise_gives_no_two_rows_one_mes
     # a consumer deduplicating by message-id would drop one of two different rows
     assert not shared, f"different rows sharing a message-id: {shared}"
     assert set(ids) == {f"r{i}".encode() for i in range(10)}
+
+
+async def stored(broker: Broker, queue: str) -> list[Message]:
+    return [decode(f[b"m"]) for _, f in await broker.redis.xrange(keys.queue_stream(queue))]
+
+
+async def test_a_payload_column_neither_binary_nor_string_is_refused(
+    spark: SparkSession, broker: Broker, redis_url: str
+) -> None:
+    await broker.declare_queue(QueueConfig(name="nums"))
+    df = spark.createDataFrame([(5,), (3,)], "payload int")  # bytes(5): five zero bytes
+    write = df.write.format("gateway").mode("append").option("redis_url", redis_url)
+    with pytest.raises(Exception, match="'payload' column must be binary or string, not int"):
+        await asyncio.to_thread(in_thread(spark, lambda: write.option("queue", "nums").save()))
+    assert await stored(broker, "nums") == []
+
+
+async def test_a_micro_batch_replayed_after_a_refusal_spools_only_what_it_had_not(
+    spark: SparkSession, broker: Broker, redis_url: str, tmp_path: Path
+) -> None:
+    await broker.declare_queue(QueueConfig(name="src"))
+    await broker.declare_queue(QueueConfig(name="dst", max_messages=3))
+    await publish_to(broker, "src", [f"r{i}".encode() for i in range(5)])
+    checkpoint = str(tmp_path / "ck")
+
+    def run() -> BaseException | None:
+        query = (
+            jobs.stream_queue(spark, redis_url, "src")
+            .select("payload")
+            .writeStream.format("gateway")
+            .option("redis_url", redis_url)
+            .option("queue", "dst")
+            .option("checkpointLocation", checkpoint)
+            .trigger(availableNow=True)
+            .start()
+        )
+        try:
+            query.awaitTermination(60)
+        except Exception as exc:  # the query's failure
+            return exc
+        return query.exception()
+
+    failure = await asyncio.to_thread(in_thread(spark, run))
+    assert failure is not None and "QUEUE_FULL" in str(failure)
+    assert len(await stored(broker, "dst")) == 3
+    await broker.queues.update("dst", {"max_messages": 0})  # room: the query restarts
+    assert await asyncio.to_thread(in_thread(spark, run)) is None
+    assert sorted(m.payload for m in await stored(broker, "dst")) == [
+        f"r{i}".encode() for i in range(5)
+    ]
+
+
+async def test_aggregate_windows_an_hour_apart_in_a_daylight_saving_change_get_two_ids(
+    spark: SparkSession, broker: Broker, redis_url: str, tmp_path: Path
+) -> None:
+    await broker.declare_queue(QueueConfig(name="m"))
+    await broker.declare_queue(QueueConfig(name="aggs"), [("stats/>", "smf")])
+    # 2025-11-02 01:30:10 EDT, 01:30:10 EST (the same local text), then one that moves
+    # the watermark past both
+    for stamp in (1762061410000, 1762065010000, 1762074000000):
+        blob = encode(Message(destination="m", payload=b"1", to_queue=True, partition_key="k"))
+        await broker.redis.xadd(keys.queue_stream("m"), {"m": blob}, id=f"{stamp}-0")
+    zone = spark.conf.get("spark.sql.session.timeZone")
+    spark.conf.set("spark.sql.session.timeZone", "America/New_York")
+    try:
+        query = jobs.aggregate(
+            spark, redis_url, "m", "stats/m", str(tmp_path / "ck"), watermark="0 seconds", once=True
+        )
+        await asyncio.to_thread(query.awaitTermination, 60)
+        assert query.exception() is None
+    finally:
+        spark.conf.set("spark.sql.session.timeZone", zone)
+    results = await stored(broker, "aggs")
+    ids = {json.loads(m.payload)["window_start"]: m.message_id for m in results}
+    assert len(ids) == 2 and len(set(ids.values())) == 2, ids

@@ -63,6 +63,7 @@ TEMPLATES: dict[str, str] = {
     "liveness_grace": f"{PREFIX}:nodes:grace",  # while it lives, no node is presumed dead
     "node_queues": f"{PREFIX}:node:{{n}}:queues",
     "sink_batches": f"{PREFIX}:sink:{{s}}:batches",
+    "sink_progress": f"{PREFIX}:sink:{{s}}:progress",
     "client_state": f"{PREFIX}:client:{{c}}",
     "client_received": f"{PREFIX}:client:{{c}}:received",
     "client_claims": f"{PREFIX}:client:{{c}}:claims",
@@ -222,6 +223,11 @@ def _client_key(name: str, c: str) -> str:
 def sink_batches(s: str) -> str:
     """Batches a Spark sink already wrote (idempotent replays)."""
     return TEMPLATES["sink_batches"].replace("{s}", s.encode().hex())
+
+
+def sink_progress(s: str) -> str:
+    """Partition marker -> which of its messages a Spark sink spooled before it failed."""
+    return TEMPLATES["sink_progress"].replace("{s}", s.encode().hex())
 
 
 def client_state(c: str) -> str:

@@ -105,8 +105,14 @@ def aggregates(df: DataFrame, window: str, watermark: str, value: str) -> DataFr
         body.cast("binary").alias("payload"),
         F.col("partition_key"),
         F.lit("application/json").alias("content_type"),
-        # the same window always publishes the same message id, also when replayed
-        F.concat_ws("|", F.coalesce("partition_key", F.lit("")), F.col("window.start")).alias("id"),
+        # the same window always publishes the same message id, also when replayed: its
+        # start as an instant (text would depend on the session's time zone, and repeat in
+        # a daylight saving change), and a null key told apart from an empty one
+        F.concat_ws(
+            "|",
+            F.coalesce(F.concat(F.lit("k:"), "partition_key"), F.lit("-")),
+            F.unix_micros("window.start").cast("string"),
+        ).alias("id"),
     )
 
 

@@ -5,15 +5,18 @@ subscriptions apply exactly as for a protocol client. Replays are idempotent: ma
 `keys.sink_batches(sink)` record each (batch, Spark partition) once its messages are
 spooled, and, for batch writes, the whole batch once the driver commits it; a task that
 finds either marker publishes nothing. A streaming micro-batch replays as it ran, so its
-partition markers hold across runs; a batch write replayed after it failed part-way may
+partition markers hold across runs, and a partition that failed part-way (a refusal: say,
+a full queue) noted which of its messages it spooled (`keys.sink_progress`), so that its
+replay spools only the rest. A batch write replayed after it failed part-way may
 partition differently, so its partition markers (and the message ids of rows without an
 `id` column) belong to one attempt: the replay publishes every row again (duplicates,
 never a loss). Message ids go out as the AMQP message-id: a task retried within a write,
 and every copy of a row with an `id` column, carry the same one.
 
-Row columns: ``payload`` (binary or string, required); optional ``partition_key``,
-``properties`` (map of user properties), ``content_type``, ``correlation_id`` and ``id``
-(a stable row id; otherwise the id comes from batch, partition and row index).
+Row columns: ``payload`` (binary or string, required; other types are refused); optional
+``partition_key``, ``properties`` (map of user properties), ``content_type``,
+``correlation_id`` and ``id`` (a stable row id; otherwise the id comes from batch,
+partition and row index).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import hashlib
 import logging
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain, islice
 from typing import Any
 
@@ -31,11 +34,11 @@ import redis
 from pyspark import TaskContext
 from pyspark.sql import Row
 from pyspark.sql.datasource import DataSourceStreamWriter, DataSourceWriter, WriterCommitMessage
-from pyspark.sql.types import StructType
+from pyspark.sql.types import BinaryType, StringType, StructType
 
 from gateway.broker import Broker
 from gateway.engine import keys, library
-from gateway.model import Message
+from gateway.model import Message, Outcome
 from gateway.spark import DEFAULT_REDIS_URL
 
 log = logging.getLogger(__name__)
@@ -96,6 +99,12 @@ class RowMapper:
             raise ValueError("the gateway sink needs a 'payload' column (binary or string)")
         self.opts = opts
         self.payload = names.index("payload")
+        kind = schema.fields[self.payload].dataType
+        if not isinstance(kind, BinaryType | StringType):  # bytes(5): five zero bytes
+            raise ValueError(
+                f"the gateway sink's 'payload' column must be binary or string, not "
+                f"{kind.simpleString()} (cast it)"
+            )
         self.optional = {c: names.index(c) for c in OPTIONAL_COLUMNS if c in names}
 
     def _get(self, row: Row, name: str) -> Any:
@@ -121,37 +130,81 @@ class RowMapper:
         )
 
 
+@dataclass(slots=True)
+class Progress:
+    """Which of a partition's messages are spooled: every one below `prefix`, and `extra`
+    ones after it (a refusal can fall amid a chunk published at once)."""
+
+    prefix: int = 0
+    extra: set[int] = field(default_factory=set)
+
+    @classmethod
+    def parse(cls, raw: bytes | None) -> Progress:
+        if not raw:
+            return cls()
+        head, _, tail = raw.decode().partition(":")
+        return cls(int(head), {int(i) for i in tail.split(",") if i})
+
+    def __contains__(self, index: int) -> bool:
+        return index < self.prefix or index in self.extra
+
+    def add(self, indexes: Iterable[int]) -> None:
+        self.extra.update(indexes)
+        while self.prefix in self.extra:
+            self.extra.discard(self.prefix)
+            self.prefix += 1
+
+    def __str__(self) -> str:
+        return f"{self.prefix}:{','.join(map(str, sorted(self.extra)))}"
+
+
 async def publish(
     opts: SinkOptions, batch: str, marker: str, messages: Iterable[Message]
 ) -> SinkCommit:
-    """Spool `messages` through a Broker unless the batch or this partition is done."""
+    """Spool `messages` through a Broker unless the batch or this partition is done. What
+    a failed attempt spooled is noted, chunk by chunk, so that a replay (a streaming
+    micro-batch replays its partitions as they ran) spools only the rest."""
     client = await library.connect(opts.redis_url, replace=False)
-    marks = keys.sink_batches(opts.sink_name)
+    marks, progress = keys.sink_batches(opts.sink_name), keys.sink_progress(opts.sink_name)
     try:
         if any(await client.smismember(marks, [batch, marker])):
             return SinkCommit(marker, 0, True)
+        done = Progress.parse(await client.hget(progress, marker))
         broker = Broker(client)
         await broker.start()
         published = 0
         try:
-            it = iter(messages)
+            it = ((i, m) for i, m in enumerate(messages) if i not in done)
             while chunk := list(islice(it, CHUNK)):
-                outcomes = await asyncio.gather(*(broker.publish_nowait(m) for m in chunk))
-                for msg, outcome in zip(chunk, outcomes, strict=True):
+                outcomes = await asyncio.gather(
+                    *(broker.publish_nowait(m) for _, m in chunk), return_exceptions=True
+                )
+                spooled = [i for (i, _), o in zip(chunk, outcomes, strict=True) if _spooled(o)]
+                published += len(spooled)
+                done.add(spooled)
+                await client.hset(progress, marker, str(done))
+                await client.expire(progress, MARK_TTL_S)
+                for (_, msg), outcome in zip(chunk, outcomes, strict=True):
+                    if isinstance(outcome, BaseException):
+                        raise outcome
                     if not outcome.accepted:
-                        spooled = published + sum(o.accepted for o in outcomes)
                         raise SinkRefused(
                             f"gateway refused message {msg.id} to {opts.destination!r}: "
-                            f"{outcome.name} ({spooled} of this task's messages were spooled)"
+                            f"{outcome.name} ({published} of this task's messages were "
+                            "spooled; a replay of a streaming micro-batch spools the rest)"
                         )
-                published += len(chunk)
             await client.sadd(marks, marker)
             await client.expire(marks, MARK_TTL_S)
+            await client.hdel(progress, marker)
         finally:
             await broker.stop()
         return SinkCommit(marker, published, False)
     finally:
         await client.aclose()
+
+
+def _spooled(outcome: Outcome | BaseException) -> bool:
+    return isinstance(outcome, Outcome) and outcome.accepted
 
 
 def write_partition(
