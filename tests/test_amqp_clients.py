@@ -1656,3 +1656,40 @@ async def test_client_vanishing_mid_transfer(
     assert await asyncio.to_thread(other_client) == b"whole"  # the half message never landed
     assert await queued(broker, "halfway", 0) == 0
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def test_a_message_expiring_past_the_header_ttls_range_still_reaches_a_consumer(
+    broker: Broker, amqp: Listener
+) -> None:
+    """header.ttl is a uint of milliseconds (49.7 days): a message with longer to live
+    goes with it capped, its absolute-expiry-time exact. (A content type that is no ASCII
+    symbol takes proton's encoder, where the overflow had rejected the message.)"""
+    await broker.declare_queue(QueueConfig(name="long"))
+    in_60_days = int(time.time() * 1000) + 60 * 86400 * 1000
+    for content_type in ("text/plain", "text/plain; é"):
+        msg = GatewayMessage(
+            destination="long",
+            to_queue=True,
+            payload=content_type.encode(),
+            content_type=content_type,
+            expiration=in_60_days,
+        )
+        assert (await broker.publish(msg)).accepted
+
+    def receive() -> list[tuple[bytes, float, float]]:
+        conn = BlockingConnection(f"amqp://127.0.0.1:{amqp.port}", timeout=5)
+        try:
+            receiver = conn.create_receiver("long", credit=10)
+            got = []
+            for _ in range(2):
+                m = receiver.receive(5)
+                got.append((bytes(m.body), m.ttl, m.expiry_time))
+                receiver.accept()
+            return got
+        finally:
+            conn.close()
+
+    got = await asyncio.to_thread(receive)
+    assert [body for body, _, _ in got] == [b"text/plain", "text/plain; é".encode()]
+    for _, ttl, expiry_time in got:
+        assert 4294967 <= ttl <= 4294967.295 and expiry_time == in_60_days / 1000

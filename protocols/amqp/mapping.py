@@ -55,6 +55,7 @@ from gateway.model import Delivery, Message, PropertyValue, Publisher
 from protocols.amqp import framing, sections
 
 MAX_PRIORITY = 9
+MAX_TTL_S = 0xFFFFFFFF / 1000  # header.ttl is a uint of milliseconds
 JMS_DEST = symbol("x-opt-jms-dest")
 AMQP_VALUE = "x-amqp-value"  # annotation keeping an amqp-value body that is not str or bytes
 JMS_QUEUE, JMS_TOPIC = byte(0), byte(1)
@@ -170,7 +171,8 @@ def from_delivery(delivery: Delivery) -> AmqpMessage:
     amqp.first_acquirer = delivery.first_acquirer
     if msg.expiration is not None:
         amqp.expiry_time = msg.expiration / 1000
-        amqp.ttl = max(0.001, (msg.expiration - time.time() * 1000) / 1000)
+        left = (msg.expiration - time.time() * 1000) / 1000
+        amqp.ttl = min(max(0.001, left), MAX_TTL_S)  # a uint of ms; expiry_time has the rest
     if msg.timestamp is not None:
         amqp.creation_time = msg.timestamp / 1000
     amqp.address = msg.destination if msg.to_queue else f"topic://{msg.destination}"
