@@ -195,13 +195,21 @@ async def test_a_tls_header_on_the_plain_port_gets_the_sasl_header_then_eof(
     await still_serving(port)
 
 
-@pytest.mark.parametrize("sent", [b"", b"AM", SASL_HEADER], ids=["nothing", "partial", "sasl"])
+SASL_DONE = SASL_HEADER + sasl_init("ANONYMOUS")
+
+
+@pytest.mark.parametrize(
+    "sent",
+    [b"", b"AM", SASL_HEADER, SASL_DONE, SASL_DONE + b"AMQ", SASL_DONE + AMQP_HEADER],
+    ids=["nothing", "partial", "sasl", "after-sasl", "after-sasl-partial", "no-open"],
+)
 async def test_a_client_that_never_finishes_the_handshake_is_dropped(
     broker: Broker, amqp: Listener, monkeypatch: pytest.MonkeyPatch, sent: bytes
 ) -> None:
-    """Proton's idle timeout starts with its first input: before this, a client that sent
-    nothing (or stopped inside SASL) held its socket for ever."""
+    """Proton's idle timeout starts with its AMQP layer: before this, a client that sent
+    nothing, stopped inside SASL, or went silent after it held its socket for ever."""
     monkeypatch.setattr(connection, "HANDSHAKE_TIMEOUT", 0.3)
+    monkeypatch.setattr(connection, "IDLE_TIMEOUT", 30)  # not what drops them
     peer = await Peer.connect(amqp.port)
     peer.send(sent)
     start = time.monotonic()

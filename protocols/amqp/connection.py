@@ -70,7 +70,7 @@ log = logging.getLogger(__name__)
 
 IDLE_TIMEOUT = 60.0  # seconds of silence from the client before proton closes the connection
 CLOSE_GRACE = 1.0
-HANDSHAKE_TIMEOUT = 10.0  # seconds a new socket has for the protocol header and SASL
+HANDSHAKE_TIMEOUT = 10.0  # seconds a new socket has for the protocol headers, SASL and open
 _connection_ids = itertools.count(1)
 _HANDLED = frozenset(
     {
@@ -281,8 +281,12 @@ class AmqpConnection(asyncio.Protocol):
 
     def _handshake_expired(self) -> None:
         self._handshake = None
-        if not self.closed and self.sasl.state is State.NEGOTIATING:
-            log.info("AMQP client did not finish the protocol header and SASL in time")
+        if self.closed:
+            return
+        # proton's idle timeout starts with the AMQP layer: a client silent after SASL (no
+        # AMQP header, or no open) would otherwise hold its socket for ever
+        if self.sasl.state is State.NEGOTIATING or self.conn.state & Endpoint.REMOTE_UNINIT:
+            log.info("AMQP client did not finish the protocol header, SASL and open in time")
             self._close_socket()
 
     def _schedule_tick(self) -> None:
