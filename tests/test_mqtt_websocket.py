@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import os
 import queue
@@ -378,3 +379,35 @@ async def test_closing_session_does_not_fetch_and_release_in_a_loop(
     client.writer.transport.abort()
     # one message: fetched once (and given back once), not over and over
     assert fetched <= 2 and len(given_back) <= 2, (fetched, len(given_back))
+
+
+async def test_a_socket_upgraded_after_the_listener_began_closing_is_not_served(
+    broker: Broker,
+) -> None:
+    """Its MQTT connection would be made after close() ended every connection: it is
+    dropped, not given a session by a registry that has shut down."""
+    listener = await start(broker, Settings(host="127.0.0.1", mqtt_port=0, mqtt_ws_port=0))
+    assert listener is not None
+    port = listener.extra_ports["mqtt_ws_port"]
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)  # accepted before
+    closing = asyncio.create_task(listener.close())
+    await asyncio.sleep(0.2)
+    lines = [
+        "GET /mqtt HTTP/1.1",
+        f"Host: 127.0.0.1:{port}",
+        "Upgrade: websocket",
+        "Connection: Upgrade",
+        f"Sec-WebSocket-Key: {KEY}",
+        "Sec-WebSocket-Version: 13",
+        "Sec-WebSocket-Protocol: mqtt",
+    ]
+    writer.write(("\r\n".join(lines) + "\r\n\r\n").encode())
+    client = RawClient(reader, writer)
+    with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+        await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), TIMEOUT)
+        client.send(BINARY, CONNECT)
+        await client.receive()
+        raise AssertionError("served after the listener began closing")
+    await asyncio.wait_for(closing, TIMEOUT)
+    assert not listener.registry.connections
+    writer.close()

@@ -12,6 +12,7 @@ import shutil
 import socket
 import ssl
 import subprocess
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -294,3 +295,48 @@ async def test_takeover_of_a_dead_tls_connection_is_prompt(
         assert took < 3.0, f"the takeover CONNACK took {took:.1f} s"
     finally:
         await peer
+
+
+def handshake_late(port: int, ca: Path, go: threading.Event, hello: bytes) -> bytes:
+    """Connect now; once `go` is set, finish TLS, send `hello` and return the answer (b""
+    when the connection was dropped)."""
+    raw = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
+    try:
+        go.wait(TIMEOUT)
+        context = ssl.create_default_context(cafile=str(ca))
+        with context.wrap_socket(raw, server_hostname="localhost") as tls:
+            tls.sendall(hello)
+            return tls.recv(8)
+    except OSError:
+        return b""
+    finally:
+        raw.close()
+
+
+@pytest.mark.parametrize(
+    "protocol, hello",
+    [("mqtt", bytes.fromhex("100c00044d5154540402003c0000")), ("amqp", b"AMQP\x03\x01\x00\x00")],
+    ids=["mqtt", "amqp"],
+)
+async def test_a_tls_handshake_finished_after_the_listener_began_closing_is_not_served(
+    broker: Broker,
+    tls_settings: Settings,
+    cert_pair: tuple[Path, Path],
+    protocol: str,
+    hello: bytes,
+) -> None:
+    """The connection would be made after close() ended every connection: it is dropped,
+    not served by a registry that has shut down."""
+    module = mqtt_listener if protocol == "mqtt" else amqp_listener
+    listener = await module.start(broker, tls_settings)
+    assert listener is not None
+    port = listener.extra_ports[f"{protocol}_tls_port"]
+    go = threading.Event()
+    client = asyncio.create_task(asyncio.to_thread(handshake_late, port, cert_pair[0], go, hello))
+    await asyncio.sleep(0.2)  # accepted, its handshake not begun
+    closing = asyncio.create_task(listener.close())
+    await asyncio.sleep(0.1)
+    go.set()
+    assert await client == b""
+    await asyncio.wait_for(closing, TIMEOUT)
+    assert not listener.registry.connections

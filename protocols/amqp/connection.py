@@ -122,6 +122,9 @@ class AmqpConnection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.socket = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        if self.registry.closing:  # accepted, or its TLS handshake done, after close()
+            transport.abort()
+            return
         self.registry.connections.add(self)
         # proton's idle timeout runs only once it has input: until SASL is done, this does
         self._handshake = self._loop.call_later(HANDSHAKE_TIMEOUT, self._handshake_expired)

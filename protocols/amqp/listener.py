@@ -24,11 +24,13 @@ class Registry:
         self.broker = broker
         self.settings = settings
         self.connections: set[AmqpConnection] = set()
+        self.closing = False  # connections made from now on are dropped
         self._tasks = BackgroundTasks("AMQP")
         self.spawn = self._tasks.spawn
 
     async def close(self) -> None:
         """Close every connection, then wait (bounded) for their links to be released."""
+        self.closing = True
         shutdown = Condition("amqp:connection:forced", "gateway shutting down")
         for conn in list(self.connections):
             conn.close(shutdown)

@@ -82,6 +82,10 @@ class MqttConnection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass of it
+        if self.registry.closing:  # accepted, TLS or WebSocket handshake done, after close()
+            self._dead = True
+            transport.abort()
+            return
         transport.set_write_buffer_limits(high=WRITE_BUFFER_HIGH)
         self.session = Session(self.registry, self)
         self.registry.connections.add(self)

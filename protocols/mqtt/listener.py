@@ -111,6 +111,7 @@ class Registry:
         # user names (a session queue owned by one of them is theirs, never a legacy owner)
         self._user_names = {user.name for user in settings.users} | {ANONYMOUS}
         self.connections: set[MqttConnection] = set()
+        self.closing = False  # connections made from now on are dropped
         self.counters: dict[str, int] = {}
         self._locks: dict[str, list[Any]] = {}  # client id -> [lock, users]
         # client id -> its delayed will: the timer, and what makes the message when it goes
@@ -468,6 +469,7 @@ class Registry:
 
     async def close(self) -> None:
         """Disconnect every client, release their flows, publish pending wills now."""
+        self.closing = True
         self._renewer.cancel()
         self._sweeper.cancel()
         self.broker.claim_watchers.remove(self._claimed_elsewhere)
