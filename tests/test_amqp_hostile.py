@@ -606,3 +606,19 @@ async def test_a_close_is_answered_and_data_after_it_ignored(port: int) -> None:
     assert close.error() is None
     assert await peer.eof()
     await still_serving(port)
+
+
+@pytest.mark.parametrize(
+    "sent",
+    [b"AMQP\x03\x01\x00\x01", b"AMQP\x00\x01\x00\x01", bytes.fromhex("1603010005") + b"hello"],
+    ids=["sasl-1.0.1", "amqp-1.0.1", "tls-client-hello"],
+)
+async def test_a_header_it_does_not_take_is_answered_with_the_sasl_header_then_closed(
+    port: int, sent: bytes
+) -> None:
+    """AMQP 1.0 §2.2: the header of a version it supports, then close; an amqps client
+    pointed at the plain port (a TLS ClientHello) too."""
+    peer = await Peer.connect(port)
+    peer.send(sent)
+    assert await peer.read_header() == SASL_HEADER
+    assert await peer.eof()

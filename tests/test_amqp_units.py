@@ -95,9 +95,11 @@ def test_anonymous_and_headers() -> None:
     refused = server(anonymous=False)
     refused.feed(AMQP_HEADER)
     assert (refused.state, bytes(refused.output)) == (State.FAILED, SASL_HEADER)
-    garbage = server(anonymous=False)
-    garbage.feed(b"GET / HTTP/1.1\r\n")
-    assert garbage.state is State.DONE  # proton answers it with the protocol error
+    for anonymous in (True, False):  # a header it supports, then close (§2.2)
+        for unsupported in (b"GET / HTTP/1.1\r\n", b"AMQP\x00\x01\x00\x01", b"\x16\x03\x01"):
+            other = server(anonymous=anonymous)
+            other.feed(unsupported)
+            assert (other.state, bytes(other.output)) == (State.FAILED, SASL_HEADER)
     oversized = server()
     oversized.feed(SASL_HEADER + struct.pack(">IBBH", 1 << 20, 2, 1, 0))
     assert oversized.state is State.FAILED

@@ -6,9 +6,8 @@ layer itself (protocol header, sasl-mechanisms, sasl-init, sasl-outcome) and the
 bytes that follow to a proton transport that has no SASL layer at all.
 
 A client that skips SASL and sends the plain AMQP header goes straight to proton when
-anonymous access is allowed; one that asks for a TLS tunnel gets the SASL header and a
-close; anything else also goes to proton, which answers with its own header and the right
-protocol error.
+anonymous access is allowed; any other header (a TLS tunnel, another version, no AMQP at
+all) gets the SASL header and a close (AMQP 1.0 §2.2).
 """
 
 from __future__ import annotations
@@ -80,15 +79,17 @@ class SaslServer:
             self.output += SASL_HEADER + _frame(
                 Described(ulong(MECHANISMS), [_symbols(self.mechanisms)])
             )
-        elif (head == AMQP_HEADER and not self.allow_anonymous) or head.startswith(TLS_PREFIX):
-            # "speak SASL to me", then close (AMQP 1.0 §2.2); proton would start TLS itself
-            # on a TLS header, and close without a word as it has no certificate
-            self.output += SASL_HEADER
-            self.state = State.FAILED
         elif AMQP_HEADER.startswith(head) and len(head) < 8:
             return
-        else:  # the plain AMQP header (anonymous) or garbage: proton answers it
-            self._finish()
+        elif head == AMQP_HEADER and self.allow_anonymous:
+            self._finish()  # no SASL: proton takes it from the header on
+        else:
+            # a header it does not take (another protocol or version, TLS, SASL skipped
+            # while required) or no AMQP at all (say, a TLS ClientHello): "speak SASL to
+            # me", then close (AMQP 1.0 §2.2). Proton would answer with the plain AMQP
+            # header, which may be refused too, or, at TLS, close without a word.
+            self.output += SASL_HEADER
+            self.state = State.FAILED
 
     def _frame(self) -> Described | None:
         if len(self._buf) < 8:
