@@ -411,3 +411,59 @@ async def test_a_socket_upgraded_after_the_listener_began_closing_is_not_served(
     await asyncio.wait_for(closing, TIMEOUT)
     assert not listener.registry.connections
     writer.close()
+
+
+async def upgrade_answer(listener: Listener, first: str, **headers: str | None) -> bytes:
+    """The head of the answer to an upgrade request: `first` line, the usual headers with
+    `headers` changed (None: left out)."""
+    port = listener.extra_ports["mqtt_ws_port"]
+    fields: dict[str, str | None] = {
+        "Host": f"127.0.0.1:{port}",
+        "Upgrade": "websocket",
+        "Connection": "Upgrade",
+        "Sec-WebSocket-Key": KEY,
+        "Sec-WebSocket-Version": "13",
+        "Sec-WebSocket-Protocol": "mqtt",
+    }
+    fields.update({name.replace("_", "-"): value for name, value in headers.items()})
+    lines = [first] + [f"{k}: {v}" for k, v in fields.items() if v is not None]
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(("\r\n".join(lines) + "\r\n\r\n").encode())
+        return await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), TIMEOUT)
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize(
+    "first, headers",
+    [
+        ("GET /mqtt HTTP/1.1", {"Connection": None}),
+        ("GET /mqtt HTTP/1.1", {"Connection": "keep-alive"}),
+        ("GET /mqtt HTTP/1.1", {"Sec-WebSocket-Key": base64.b64encode(b"short").decode()}),
+        ("GET /mqtt HTTP/1.1", {"Host": None}),
+        ("GET /mqtt HTTP/1.0", {}),
+    ],
+    ids=["no-connection", "no-upgrade-token", "key-not-16-bytes", "no-host", "http-1.0"],
+)
+async def test_an_opening_handshake_rfc_6455_does_not_allow_is_refused(
+    mqtt: Listener, first: str, headers: dict[str, str | None]
+) -> None:
+    """RFC 6455 §4.2.1: Host, a Connection header with the Upgrade token, a key of 16
+    bytes, HTTP/1.1 or later; otherwise an HTTP error, no upgrade."""
+    assert (await upgrade_answer(mqtt, first, **headers)).startswith(b"HTTP/1.1 400 ")
+
+
+async def test_the_handshake_takes_what_rfc_6455_allows(mqtt: Listener) -> None:
+    # another version: 426 naming the one it speaks (§4.2.2, §4.4)
+    head = await upgrade_answer(mqtt, "GET /mqtt HTTP/1.1", Sec_WebSocket_Version="8")
+    assert head.startswith(b"HTTP/1.1 426 ") and b"\r\nSec-WebSocket-Version: 13\r\n" in head
+    # the subprotocols in two header lines are one list (§11.3.4)
+    port = mqtt.extra_ports["mqtt_ws_port"]
+    two_lines = "mqtt\r\nSec-WebSocket-Protocol: chat"
+    head = await upgrade_answer(mqtt, "GET /mqtt HTTP/1.1", Sec_WebSocket_Protocol=two_lines)
+    assert head.startswith(b"HTTP/1.1 101 ") and b"Sec-WebSocket-Protocol: mqtt\r\n" in head
+    # an absolute request URI (§4.2.1, RFC 7230 §5.3.2), Connection with other tokens
+    absolute = f"GET http://127.0.0.1:{port}/mqtt HTTP/1.1"
+    head = await upgrade_answer(mqtt, absolute, Connection="keep-alive, Upgrade")
+    assert head.startswith(b"HTTP/1.1 101 ")

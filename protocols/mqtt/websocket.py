@@ -67,6 +67,33 @@ def close_frame_error(payload: bytes) -> int | None:
     return None
 
 
+def _tokens(value: str) -> list[str]:
+    return [token.strip() for token in value.split(",")]
+
+
+def _http_11_or_later(version: str) -> bool:
+    """RFC 6455 §4.2.1: an HTTP/1.1 or later GET."""
+    major, _, minor = version.removeprefix("HTTP/").partition(".")
+    if not version.startswith("HTTP/") or not (major.isdigit() and minor.isdigit()):
+        return False
+    return (int(major), int(minor)) >= (1, 1)
+
+
+def _resource(target: str) -> str:
+    """The path of a request target, origin-form or absolute-form (RFC 7230 §5.3)."""
+    if "://" in target:
+        target = "/" + target.split("://", 1)[1].partition("/")[2]
+    return target.split("?", 1)[0]
+
+
+def _nonce(key: str) -> bool:
+    """A Sec-WebSocket-Key is 16 bytes, base64-encoded (§4.1)."""
+    try:
+        return len(base64.b64decode(key, validate=True)) == 16
+    except ValueError:
+        return False
+
+
 def accept_key(key: str) -> str:
     return base64.b64encode(hashlib.sha1(key.encode() + GUID).digest()).decode()
 
@@ -208,21 +235,28 @@ class WebSocketConnection(asyncio.Protocol):
         headers: dict[str, str] = {}
         for line in head[1:]:
             name, _, value = line.partition(":")
-            headers[name.strip().lower()] = value.strip()
-        if len(parts) != 3 or parts[0] != "GET":
+            name, value = name.strip().lower(), value.strip()
+            # a header may come in several lines: one comma-separated list (RFC 7230 §3.2.2)
+            headers[name] = f"{headers[name]}, {value}" if name in headers else value
+        if len(parts) != 3 or parts[0] != "GET" or not _http_11_or_later(parts[2]):
             self._refuse(400, "Bad Request")
             return
-        if parts[1].split("?", 1)[0] != PATH:
+        if _resource(parts[1]) != PATH:
             self._refuse(404, "Not Found")
             return
-        offered = [p.strip() for p in headers.get("sec-websocket-protocol", "").split(",")]
+        if headers.get("sec-websocket-version") != "13":  # §4.4: say which one we speak
+            self._refuse(426, "Upgrade Required", "Sec-WebSocket-Version: 13\r\n")
+            return
+        offered = _tokens(headers.get("sec-websocket-protocol", ""))
         chosen = next((p for p in SUBPROTOCOLS if p in offered), None)
         key = headers.get("sec-websocket-key")
         if (
             chosen is None
             or key is None
-            or headers.get("upgrade", "").lower() != "websocket"
-            or headers.get("sec-websocket-version") != "13"
+            or not _nonce(key)
+            or "host" not in headers
+            or "websocket" not in _tokens(headers.get("upgrade", "").lower())
+            or "upgrade" not in _tokens(headers.get("connection", "").lower())
         ):
             self._refuse(400, "Bad Request")
             return
@@ -237,11 +271,11 @@ class WebSocketConnection(asyncio.Protocol):
         self.framed = FramedTransport(self.socket)
         self.inner.connection_made(cast(asyncio.Transport, self.framed))
 
-    def _refuse(self, status: int, reason: str) -> None:
+    def _refuse(self, status: int, reason: str, extra: str = "") -> None:
         assert self.socket is not None
         body = f"{status} {reason}\n".encode()
         self.socket.write(
-            f"HTTP/1.1 {status} {reason}\r\nContent-Type: text/plain\r\n"
+            f"HTTP/1.1 {status} {reason}\r\nContent-Type: text/plain\r\n{extra}"
             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
             + body
         )
