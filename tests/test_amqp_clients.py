@@ -55,6 +55,7 @@ from gateway.config import Settings, User
 from gateway.model import Message as GatewayMessage
 from protocols.amqp import connection
 from protocols.amqp.listener import Listener, start
+from protocols.amqp.outbound import Outbound
 from protocols.amqp.sasl import AMQP_HEADER, SASL_HEADER
 
 TIMEOUT = 5.0
@@ -1693,3 +1694,35 @@ async def test_a_message_expiring_past_the_header_ttls_range_still_reaches_a_con
     assert [body for body, _, _ in got] == [b"text/plain", "text/plain; é".encode()]
     for _, ttl, expiry_time in got:
         assert 4294967 <= ttl <= 4294967.295 and expiry_time == in_60_days / 1000
+
+
+async def test_a_durable_subscription_attached_again_waits_for_its_last_link_to_close(
+    broker: Broker, amqp: Listener, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A link detached and attached again at once (Qpid JMS: close a consumer, then
+    unsubscribe): the new attach comes after the old link released its flow, not into
+    'in use' while that release is under way."""
+    close = Outbound.close
+
+    async def slow_close(self: Outbound, ended: bool = False) -> None:
+        await asyncio.sleep(0.3)
+        await close(self, ended)
+
+    monkeypatch.setattr(Outbound, "close", slow_close)
+
+    def client() -> str | None:
+        conn = BlockingConnection(url(amqp), timeout=TIMEOUT, container_id="jms-client-3")
+        try:
+            options = [DurableSubscription(), Capability("topic")]
+            sub = conn.create_receiver("x/z", name="sub3", credit=10, options=options)
+            sub.link.detach()
+            with pytest.raises(LinkDetached):  # a round trip: the detach was answered,
+                conn.create_receiver(None, name="none")  # its flow's release is slow here
+            lookup = conn.create_receiver(None, name="sub3", credit=0)
+            address = lookup.link.remote_source.address
+            lookup.close()
+            return address
+        finally:
+            conn.close()
+
+    assert await asyncio.to_thread(client) == "topic://x/z"

@@ -117,6 +117,7 @@ class AmqpConnection(asyncio.Protocol):
         self._deadline = 0.0
         self._shutdown: asyncio.TimerHandle | None = None  # the abort after CLOSE_GRACE
         self._handshake: asyncio.TimerHandle | None = None
+        self._detaching: dict[str, asyncio.Future[None]] = {}  # link name -> its close
 
     # -- asyncio.Protocol ------------------------------------------------------------------
 
@@ -379,6 +380,9 @@ class AmqpConnection(asyncio.Protocol):
         try:
             if endpoint.link.name is None:
                 raise InvalidField("an attach must name its link")
+            detaching = self._detaching.get(endpoint.link.name)
+            if detaching is not None:  # the link of this name before it is still closing
+                await asyncio.shield(detaching)
             await endpoint.attach()
         except (QueueError, InvalidField) as exc:  # e.g. an invalid topic pattern, a bad filter
             endpoint.refuse("amqp:invalid-field", str(exc))
@@ -402,10 +406,25 @@ class AmqpConnection(asyncio.Protocol):
         if endpoint is None:
             return  # released already: its session or connection ended first
         endpoint.closed = True  # from now on nothing may be sent on it
+        name = link.name
         if not link.state & Endpoint.LOCAL_CLOSED:
             if ended:
                 link.close()
             else:
                 link.detach()
         link.free()
-        self.spawn(endpoint.close(ended))
+        closed = self._loop.create_future()
+        self._detaching[name] = closed
+        self.spawn(self._close_endpoint(endpoint, ended, name, closed))
+
+    async def _close_endpoint(
+        self, endpoint: LinkEndpoint, ended: bool, name: str, closed: asyncio.Future[None]
+    ) -> None:
+        """Release what a detached link held; an attach of its name waits for this (a
+        durable subscription's next link must not find the old one's flow still bound)."""
+        try:
+            await endpoint.close(ended)
+        finally:
+            closed.set_result(None)
+            if self._detaching.get(name) is closed:
+                del self._detaching[name]
