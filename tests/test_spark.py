@@ -607,13 +607,22 @@ async def stored(broker: Broker, queue: str) -> list[Message]:
     return [decode(f[b"m"]) for _, f in await broker.redis.xrange(keys.queue_stream(queue))]
 
 
-async def test_a_payload_column_neither_binary_nor_string_is_refused(
-    spark: SparkSession, broker: Broker, redis_url: str
+@pytest.mark.parametrize(
+    "schema, row, refused",
+    [
+        ("payload int", (5,), "'payload' column must be binary or string, not int"),
+        ("payload string, partition_key int", ("x", 7), "'partition_key' column must be a"),
+        ("payload string, properties map<string,date>", ("x", {}), "'properties' column must"),
+    ],
+    ids=["int-payload", "int-key", "date-property"],
+)
+async def test_a_column_of_a_type_a_message_cannot_carry_is_refused_before_writing(
+    spark: SparkSession, broker: Broker, redis_url: str, schema: str, row: tuple, refused: str
 ) -> None:
     await broker.declare_queue(QueueConfig(name="nums"))
-    df = spark.createDataFrame([(5,), (3,)], "payload int")  # bytes(5): five zero bytes
+    df = spark.createDataFrame([row], schema)  # an int payload: bytes(5), five zero bytes
     write = df.write.format("gateway").mode("append").option("redis_url", redis_url)
-    with pytest.raises(Exception, match="'payload' column must be binary or string, not int"):
+    with pytest.raises(Exception, match=refused):
         await asyncio.to_thread(in_thread(spark, lambda: write.option("queue", "nums").save()))
     assert await stored(broker, "nums") == []
 

@@ -13,10 +13,10 @@ partition differently, so its partition markers (and the message ids of rows wit
 never a loss). Message ids go out as the AMQP message-id: a task retried within a write,
 and every copy of a row with an `id` column, carry the same one.
 
-Row columns: ``payload`` (binary or string, required; other types are refused); optional
-``partition_key``, ``properties`` (map of user properties), ``content_type``,
-``correlation_id`` and ``id`` (a stable row id; otherwise the id comes from batch,
-partition and row index).
+Row columns: ``payload`` (binary or string, required); optional ``partition_key``,
+``properties`` (map of user properties), ``content_type``, ``correlation_id`` and ``id``
+(a stable row id; otherwise the id comes from batch, partition and row index). A column
+of a type a message cannot carry (COLUMN_TYPES) is refused when the write is planned.
 """
 
 from __future__ import annotations
@@ -34,7 +34,20 @@ import redis
 from pyspark import TaskContext
 from pyspark.sql import Row
 from pyspark.sql.datasource import DataSourceStreamWriter, DataSourceWriter, WriterCommitMessage
-from pyspark.sql.types import BinaryType, StringType, StructType
+from pyspark.sql.types import (
+    BinaryType,
+    BooleanType,
+    ByteType,
+    DataType,
+    DoubleType,
+    FloatType,
+    IntegerType,
+    LongType,
+    MapType,
+    ShortType,
+    StringType,
+    StructType,
+)
 
 from gateway.broker import Broker
 from gateway.engine import keys, library
@@ -52,6 +65,36 @@ QUERY_ID_PROPERTY = "sql.streaming.queryId"
 
 class SinkRefused(RuntimeError):
     """The gateway refused a message (quota, missing queue, ingress off): fail the task."""
+
+
+_TEXT = (StringType,)
+_VALUES = (
+    StringType,
+    BinaryType,
+    BooleanType,
+    ByteType,
+    ShortType,
+    IntegerType,
+    LongType,
+    FloatType,
+    DoubleType,
+)
+# column -> (what to say, the Spark types it may have); bytes(5) would be five zero bytes
+COLUMN_TYPES: dict[str, tuple[str, tuple[type, ...]]] = {
+    "payload": ("binary or string", (BinaryType, StringType)),
+    "partition_key": ("a string", _TEXT),
+    "content_type": ("a string", _TEXT),
+    "correlation_id": ("a string or binary", (StringType, BinaryType)),
+    "properties": ("a map of strings to strings, numbers, booleans or binary", (MapType,)),
+}
+
+
+def _is(kind: DataType, wanted: tuple[str, tuple[type, ...]]) -> bool:
+    if not isinstance(kind, wanted[1]):
+        return False
+    if isinstance(kind, MapType):  # user properties: names, and values a message can carry
+        return isinstance(kind.keyType, StringType) and isinstance(kind.valueType, _VALUES)
+    return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,14 +140,15 @@ class RowMapper:
         names = schema.fieldNames()
         if "payload" not in names:
             raise ValueError("the gateway sink needs a 'payload' column (binary or string)")
+        for f in schema.fields:  # at planning, not as an executor's error halfway through
+            wanted = COLUMN_TYPES.get(f.name)
+            if wanted is not None and not _is(f.dataType, wanted):
+                raise ValueError(
+                    f"the gateway sink's {f.name!r} column must be {wanted[0]}, not "
+                    f"{f.dataType.simpleString()} (cast it)"
+                )
         self.opts = opts
         self.payload = names.index("payload")
-        kind = schema.fields[self.payload].dataType
-        if not isinstance(kind, BinaryType | StringType):  # bytes(5): five zero bytes
-            raise ValueError(
-                f"the gateway sink's 'payload' column must be binary or string, not "
-                f"{kind.simpleString()} (cast it)"
-            )
         self.optional = {c: names.index(c) for c in OPTIONAL_COLUMNS if c in names}
 
     def _get(self, row: Row, name: str) -> Any:
