@@ -162,7 +162,7 @@ async def test_a_new_subscription_gets_no_retained_value_older_than_live_ones(
     assert not backwards, backwards[:2]
 
 
-async def _publishes(raw: Raw, timeout: float) -> list[Publish]:
+async def _publishes(raw: Raw, timeout: float, ack: bool = True) -> list[Publish]:
     """What `raw` receives until `timeout` seconds pass without a packet (QoS 1 acked)."""
     got = []
     with contextlib.suppress(TimeoutError):
@@ -170,7 +170,7 @@ async def _publishes(raw: Raw, timeout: float) -> list[Publish]:
             packet = await raw.recv(timeout=timeout)
             if isinstance(packet, Publish):
                 got.append(packet)
-                if packet.qos:
+                if packet.qos and ack:
                     await raw.send(Puback(packet.packet_id))
     return got
 
@@ -227,3 +227,35 @@ async def test_a_retained_value_waiting_for_room_goes_before_a_newer_live_qos0_o
         (b"B2", False),
     ], seen
     assert ("rm/a", b"A1", True) in seen
+
+
+async def test_a_qos0_value_held_behind_a_retained_one_is_not_overtaken_by_a_newer_one(
+    mqtt: Listener,
+) -> None:
+    """Receive Maximum 1: rq/b's retained value B1 waits for room, B2 (QoS 0) waits behind
+    it; once B1 went and filled the room, B2 goes without waiting for room, and B3, newer,
+    comes after it."""
+    pub, _ = await Raw.connected(mqtt.port, 5, client_id="q0-pub")
+    for pid, (topic, value) in enumerate((("rq/a", b"A1"), ("rq/b", b"B1")), 1):
+        await pub.send(Publish(topic, value, qos=1, retain=True, packet_id=pid))
+        assert isinstance(await pub.recv(), Puback)
+    sub, _ = await Raw.connected(
+        mqtt.port, 5, client_id="q0-sub", properties=Properties(receive_maximum=1)
+    )
+    await sub.send(Subscribe(1, [("rq/#", SubscriptionOptions(qos=1))]))
+    (first,) = await _publishes(sub, 0.3, ack=False)  # A1 fills the receive maximum
+    assert first.payload == b"A1"
+    # rq/# at QoS 0 now (no retained again): live values come direct
+    await sub.send(Subscribe(2, [("rq/#", SubscriptionOptions(qos=0, retain_handling=2))]))
+    await asyncio.sleep(0.3)
+    await pub.send(Publish("rq/b", b"B2", qos=0))  # waits behind B1
+    await asyncio.sleep(0.3)
+    await sub.send(Puback(first.packet_id))  # B1 goes and fills the room again
+    await asyncio.sleep(0.3)
+    await pub.send(Publish("rq/b", b"B3", qos=0))
+    got = await _publishes(sub, 0.6, ack=False)
+    assert [(p.topic, p.payload, p.retain) for p in got] == [
+        ("rq/b", b"B1", True),
+        ("rq/b", b"B2", False),
+        ("rq/b", b"B3", False),
+    ]

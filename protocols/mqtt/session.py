@@ -788,10 +788,17 @@ class Session:
         if qos and queue is not None and (self._held_out or not self._room()):
             self._held_out.append(routed)
             return
-        if not qos and self._retained_waiting and self._retained_waits(routed[0].destination):
+        if not qos and (self._held_out or self._retained_waiting) and self._behind(routed[0]):
             self._held_out.append(routed)
             return
         self._transmit(*routed)
+
+    def _behind(self, msg: Message) -> bool:
+        """An older message of `msg`'s topic waits: a retained one, or one held out."""
+        topic = msg.destination
+        return self._retained_waits(topic) or any(
+            held[0].destination == topic for held in self._held_out
+        )
 
     def _retained_waits(self, topic: str) -> bool:
         return any(msg.destination == topic for msg, _, _ in self._retained_waiting)
@@ -853,8 +860,15 @@ class Session:
         await flow.close()
 
     def _send_held_out(self) -> None:
-        while self._held_out and self._room() and not self.closing:
-            self._transmit(*self._held_out.popleft())
+        """In order: a QoS 1/2 delivery once there is room, a QoS 0 one once no retained
+        message of its topic waits before it."""
+        held = self._held_out
+        while held and not self.closing:
+            msg, qos = held[0][0], held[0][3]
+            blocked = not self._room() if qos else self._retained_waits(msg.destination)
+            if blocked:
+                return
+            self._transmit(*held.popleft())
 
     def _transmit(
         self,
@@ -1244,6 +1258,8 @@ class Session:
             self._transmit(msg, None, None, qos, False, True, sub_ids)
             self._retained_out += len(self._inflight) - sent
         self._resize_windows()
+        if self._held_out:  # QoS 0 messages that waited behind those may go
+            self._send_held_out()
 
     def _check_filter(self, pattern: str) -> int | None:
         """None if `pattern` may be subscribed, else the SUBACK failure code."""
