@@ -501,3 +501,29 @@ async def test_a_late_noqueue_answer_ends_its_own_flow_not_one_of_the_queue_made
     assert new_ended == [] and not new.closed
     assert await second_node.publish(to_queue("q", b"x")) is Outcome.OK
     await wait_for(lambda: len(got) == 1)
+
+
+async def test_a_late_noqueue_answer_leaves_a_browser_of_the_queue_made_again(
+    proxy: CuttingProxy,
+    node: Broker,
+    second_node: Broker,  # noqa: F811
+) -> None:
+    await node.queues.create(QueueConfig(name="q"))
+    old_ended: list[str] = []
+    old = await node.bind("q", lambda d: None, credit=0, on_closed=old_ended.append)
+    proxy.delay_reply_on = b"qdel q"  # the deletion's event reaches the node 0.3 s late
+    proxy.delay = 0.3
+    await second_node.delete_queue("q")
+    proxy.delay = 1.5
+    proxy.delay_on = b"gw_fetch"  # the old flow's fetch finds no queue; answer at 1.5 s
+    old.set_credit(10)
+    await asyncio.sleep(0.6)  # the event is in: the old flow ended
+    assert old_ended == ["queue deleted"]
+    await second_node.queues.create(QueueConfig(name="q"))  # made again under its name
+    got: list[Delivery] = []
+    ended: list[str] = []
+    browser = await node.bind("q", got.append, browse=True, on_closed=ended.append)
+    await asyncio.sleep(1.5)  # the late answer is in
+    assert ended == [] and not browser.closed
+    assert await second_node.publish(to_queue("q", b"x")) is Outcome.OK
+    await wait_for(lambda: len(got) == 1)

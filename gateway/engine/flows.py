@@ -41,7 +41,8 @@ import itertools
 import logging
 import struct
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Coroutine, Iterable
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -303,6 +304,7 @@ class Dispatcher:
         # answered may not have it (see Flow.registered)
         self._registrations = 0
         self._rebinding: set[Flow] = set()  # a _rebind task of theirs runs
+        self._background: set[asyncio.Task] = set()  # see _spawn
         self.flows: dict[str, list[Flow]] = {}
         self._want: dict[Flow, None] = {}
         self._fetching: set[Flow] = set()  # a fetch (or selection) of theirs is in flight
@@ -483,13 +485,18 @@ class Dispatcher:
                 if self.on_last_flow is not None:
                     self.on_last_flow(flow.queue)
 
-    async def queue_deleted(self, queue: str) -> None:
+    async def queue_deleted(self, queue: str, browsers: bool = True) -> None:
         """The queue's deletion was announced: end its local flows. The news comes on a
         connection of its own, so the queue may have been made again under its name and
         flows bound to it by then (an MQTT clean start): Redis has those registered, and
         they stay. A browser is registered nowhere: it ends (one of the deleted queue must
-        not go on reading the new one, whose access it was never checked for)."""
-        local = [flow for flow in self.flows.get(queue, ()) if not flow.closed]
+        not go on reading the new one, whose access it was never checked for), unless
+        `browsers` is False: the deletion's own event ends those."""
+        local = [
+            flow
+            for flow in self.flows.get(queue, ())
+            if not flow.closed and (browsers or not flow.browse)
+        ]
         if not local:
             return
         try:
@@ -504,10 +511,17 @@ class Dispatcher:
     def _queue_gone(self, flow: Flow) -> None:
         """Redis ran a call of the flow when its queue was not there (deleted): the flow
         ends. The answer may come late, when the queue was made again under its name and
-        other flows bound to it: queue_deleted ends only those Redis does not have."""
+        other flows bound to it: of the consumers, queue_deleted ends only those Redis does
+        not have; browsers are left to the deletion's event (they are registered nowhere)."""
         if not flow.closed:
             self._end_flow(flow, QUEUE_DELETED)
-        asyncio.get_running_loop().create_task(self.queue_deleted(flow.queue))
+        self._spawn(self.queue_deleted(flow.queue, browsers=False))
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run `coro` on its own, kept referenced until it ends."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _end_flow(self, flow: Flow, reason: str) -> None:
         flow.closed = True
@@ -1227,7 +1241,7 @@ class Dispatcher:
         flow.lost_at = now
         if flow not in self._rebinding:  # a running one binds the id the flow has by then
             self._rebinding.add(flow)
-            asyncio.get_running_loop().create_task(self._rebind(flow, pause))
+            self._spawn(self._rebind(flow, pause))
 
     async def _rebind(self, flow: Flow, pause: float = 0.0) -> None:
         try:
