@@ -430,6 +430,10 @@ class Broker:
             if queue not in self.dispatcher.flows:
                 await self.events.unwatch_queue(queue)
             raise
+        except BaseException:  # cancelled, or Redis out of reach: no flow, no watch either
+            if queue not in self.dispatcher.flows:
+                self._last_flow_gone(queue)
+            raise
 
     def _last_flow_gone(self, queue: str) -> None:
         self._spawn(self.events.unwatch_queue(queue))

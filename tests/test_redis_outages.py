@@ -472,6 +472,7 @@ async def test_a_bind_cancelled_while_redis_runs_it_leaves_no_flow_bound(
         deadline = time.monotonic() + 5
         while await admin.zcard(keys.queue_flows("q")) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        assert keys.queue_wake("q").encode() not in node.events._wake_channels  # no watch
         consumer = await node.bind("q", lambda d: None)
         assert consumer.active
     finally:
