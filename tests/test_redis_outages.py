@@ -479,35 +479,12 @@ async def test_a_bind_cancelled_while_redis_runs_it_leaves_no_flow_bound(
         await admin.aclose()
 
 
+@pytest.mark.parametrize("browse", [False, True], ids=["consumer", "browser"])
 async def test_a_late_noqueue_answer_ends_its_own_flow_not_one_of_the_queue_made_again(
     proxy: CuttingProxy,
     node: Broker,
     second_node: Broker,  # noqa: F811
-) -> None:
-    await node.queues.create(QueueConfig(name="q"))
-    old_ended: list[str] = []
-    old = await node.bind("q", lambda d: None, credit=0, on_closed=old_ended.append)
-    proxy.delay_reply_on = b"qdel q"  # the node hears of the deletion late
-    proxy.delay = 1.0
-    await second_node.delete_queue("q")
-    proxy.delay_on = b"gw_fetch"  # the old flow's fetch finds no queue; the answer is late
-    old.set_credit(10)
-    await asyncio.sleep(0.2)
-    await second_node.queues.create(QueueConfig(name="q"))  # made again under its name
-    got: list[Delivery] = []
-    new_ended: list[str] = []
-    new = await node.bind("q", got.append, on_closed=new_ended.append)
-    await asyncio.sleep(1.5)  # both late answers are in
-    assert old_ended == ["queue deleted"]
-    assert new_ended == [] and not new.closed
-    assert await second_node.publish(to_queue("q", b"x")) is Outcome.OK
-    await wait_for(lambda: len(got) == 1)
-
-
-async def test_a_late_noqueue_answer_leaves_a_browser_of_the_queue_made_again(
-    proxy: CuttingProxy,
-    node: Broker,
-    second_node: Broker,  # noqa: F811
+    browse: bool,
 ) -> None:
     await node.queues.create(QueueConfig(name="q"))
     old_ended: list[str] = []
@@ -523,8 +500,8 @@ async def test_a_late_noqueue_answer_leaves_a_browser_of_the_queue_made_again(
     await second_node.queues.create(QueueConfig(name="q"))  # made again under its name
     got: list[Delivery] = []
     ended: list[str] = []
-    browser = await node.bind("q", got.append, browse=True, on_closed=ended.append)
+    new = await node.bind("q", got.append, browse=browse, on_closed=ended.append)
     await asyncio.sleep(1.5)  # the late answer is in
-    assert ended == [] and not browser.closed
+    assert ended == [] and not new.closed
     assert await second_node.publish(to_queue("q", b"x")) is Outcome.OK
     await wait_for(lambda: len(got) == 1)
