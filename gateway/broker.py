@@ -77,6 +77,7 @@ Errors
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import Awaitable, Callable, Collection, Iterable
 from typing import Any, overload
@@ -155,8 +156,9 @@ class Broker:
         self.queues = QueueStore(redis)
         self.clients = ClientStore(redis)
         self.retained = RetainedStore(redis)
-        # topic -> the store of its latest retained message still under way (_retain_after)
-        self._retaining: dict[str, asyncio.Future[Outcome]] = {}
+        # topic -> [its retained stores under way, the number of the latest stored]
+        self._retaining: dict[str, list[int]] = {}
+        self._retain_seq = itertools.count(1)  # retained publishes, in publish order
         self._connected: dict[str, tuple[int, Callable[[], None]]] = {}
         # client id -> the end ("node claim") of a connection on another node that a
         # connection here waits for (handed_over)
@@ -267,31 +269,33 @@ class Broker:
         self, msg: Message, spooled: asyncio.Future[Outcome], done: Done | None
     ) -> asyncio.Future[Outcome] | None:
         """Store a retained message once its spool succeeded (before the publisher's ack),
-        and after the topic's retained message published before it: a later one whose spool
-        answered first (it went to fewer queues) must not be overwritten by the earlier."""
+        unless a retained message of its topic published after it was stored first (its
+        spool answered sooner: it went to fewer queues): the older one must not overwrite
+        it. Stores are not made to wait for each other: a busy topic keeps its rate."""
         topic = msg.destination
-        before = self._retaining.get(topic)
+        seq = next(self._retain_seq)
+        entry = self._retaining.setdefault(topic, [0, 0])  # [stores under way, latest stored]
+        entry[0] += 1
 
         async def both() -> Outcome:
-            outcome = await spooled
-            if before is not None and not before.done():
-                await asyncio.wait((before,))  # its outcome is its own publisher's
-            if outcome.accepted and not await self.retained.put(msg, outcome is Outcome.OK):
-                self.spooler.refused_for_memory()
-                return Outcome.OUT_OF_MEMORY
-            return outcome
+            try:
+                outcome = await spooled
+                if outcome.accepted and entry[1] < seq:
+                    entry[1] = seq
+                    if not await self.retained.put(msg, outcome is Outcome.OK):
+                        self.spooler.refused_for_memory()
+                        return Outcome.OUT_OF_MEMORY
+                return outcome
+            finally:
+                entry[0] -= 1
+                if not entry[0] and self._retaining.get(topic) is entry:
+                    del self._retaining[topic]
 
         fut = asyncio.ensure_future(both())
-        self._retaining[topic] = fut
-        fut.add_done_callback(lambda f: self._retained_stored(topic, f))
         if done is None:
             return fut
         fut.add_done_callback(lambda f: done(_result_of(f)))
         return None
-
-    def _retained_stored(self, topic: str, fut: asyncio.Future[Outcome]) -> None:
-        if self._retaining.get(topic) is fut:
-            del self._retaining[topic]
 
     async def publish(self, msg: Message) -> Outcome:
         return await self.publish_nowait(msg)
