@@ -111,7 +111,7 @@ from gateway.engine.queues import (
 )
 from gateway.engine.roll_call import RollCall
 from gateway.engine.spool import Done, Spooler
-from gateway.model import Message, Outcome, bound_times, encode, new_message_id
+from gateway.model import MAX_PRIORITY, Message, Outcome, bound_times, encode, new_message_id
 from gateway.router import Router
 from gateway.routing_hold import RoutingHold
 
@@ -259,7 +259,7 @@ class Broker:
             msg.partition_key,
             msg.expiration,
             self.router.spool_properties(msg),
-            min(max(msg.priority, 0), 9),
+            min(max(msg.priority, 0), MAX_PRIORITY),
             msg.not_before,
             encode(msg),
             done,

@@ -25,6 +25,7 @@ import msgpack
 
 ENCODING_VERSION = 1
 DEFAULT_PRIORITY = 4
+MAX_PRIORITY = 9  # JMS's 0-9: higher AMQP priorities are clamped to it
 
 FLAG_PERSISTENT = 1
 FLAG_DMQ_ELIGIBLE = 2

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from proton import Message as AmqpMessage  # noqa: E402
 from proton import Timeout  # noqa: E402
 from proton.utils import BlockingConnection  # noqa: E402
 from pyspark.sql import SparkSession  # noqa: E402
+from pyspark.sql import functions as F  # noqa: E402
 
 from gateway.broker import Broker  # noqa: E402
 from gateway.config import Settings  # noqa: E402
@@ -27,8 +29,9 @@ from gateway.engine import keys  # noqa: E402
 from gateway.engine.partitions import partition_of  # noqa: E402
 from gateway.engine.queues import QueueConfig, stream_queues  # noqa: E402
 from gateway.model import Delivery, Message, Outcome, decode, encode  # noqa: E402
-from gateway.spark import jobs  # noqa: E402
+from gateway.spark import jobs, sink  # noqa: E402
 from gateway.spark.session import activate, build_session  # noqa: E402
+from gateway.spark.sink import SinkCommit, SinkOptions  # noqa: E402
 from protocols.amqp.listener import start as start_amqp  # noqa: E402
 from tests.test_engine import wait_for  # noqa: E402
 
@@ -613,8 +616,10 @@ async def stored(broker: Broker, queue: str) -> list[Message]:
         ("payload int", (5,), "'payload' column must be binary or string, not int"),
         ("payload string, partition_key int", ("x", 7), "'partition_key' column must be a"),
         ("payload string, properties map<string,date>", ("x", {}), "'properties' column must"),
+        ("payload string, priority string", ("x", "9"), "'priority' column must be an integer"),
+        ("payload string, expiration long", ("x", 1), "'expiration' column must be a time"),
     ],
-    ids=["int-payload", "int-key", "date-property"],
+    ids=["int-payload", "int-key", "date-property", "text-priority", "long-expiration"],
 )
 async def test_a_column_of_a_type_a_message_cannot_carry_is_refused_before_writing(
     spark: SparkSession, broker: Broker, redis_url: str, schema: str, row: tuple, refused: str
@@ -625,6 +630,68 @@ async def test_a_column_of_a_type_a_message_cannot_carry_is_refused_before_writi
     with pytest.raises(Exception, match=refused):
         await asyncio.to_thread(in_thread(spark, lambda: write.option("queue", "nums").save()))
     assert await stored(broker, "nums") == []
+
+
+async def test_sink_columns_set_priority_expiry_persistence_subject_and_reply_to(
+    spark: SparkSession, broker: Broker, redis_url: str
+) -> None:
+    await broker.declare_queue(QueueConfig(name="typed"))
+    expires = datetime(2100, 1, 2, 3, 4, 5, 678000, tzinfo=UTC)
+    rows = [
+        ("a", 7, expires, False, "orders", "replies/a"),
+        ("b", 12, None, None, None, None),  # clamped as an AMQP priority is
+        ("c", None, None, True, None, None),
+    ]
+    schema = (
+        "payload string, priority int, expiration timestamp, persistent boolean, "
+        "subject string, reply_to string"
+    )
+    write = spark.createDataFrame(rows, schema).coalesce(1).write.format("gateway")
+    write = write.mode("append").option("redis_url", redis_url).option("queue", "typed")
+    await asyncio.to_thread(in_thread(spark, write.save))
+    got = {m.payload: m for m in await stored(broker, "typed")}
+    fields = {
+        p: (m.priority, m.expiration, m.persistent, m.subject, m.reply_to) for p, m in got.items()
+    }
+    assert fields == {
+        b"a": (7, int(expires.timestamp() * 1000), False, "orders", "replies/a"),
+        b"b": (9, None, True, None, None),
+        b"c": (4, None, True, None, None),
+    }
+
+
+async def test_a_sources_dataframe_is_written_as_it_is_and_expired_rows_are_not_delivered(
+    spark: SparkSession, broker: Broker, redis_url: str
+) -> None:
+    """The source's own columns (queue, entry_id, ingest_ts, ...) are not the sink's: they
+    are left alone, so a queue can be copied without a select."""
+    await broker.declare_queue(QueueConfig(name="from"))
+    await broker.declare_queue(QueueConfig(name="copy"))
+    await publish_to(broker, "from", [b"x", b"y"], partition_key="k")
+    frame = read(spark, redis_url, "from").withColumn(
+        "expiration",
+        F.when(F.col("payload") == F.lit(b"y"), F.lit(datetime(2001, 1, 1, tzinfo=UTC))),
+    )
+    write = frame.write.format("gateway").mode("append").option("redis_url", redis_url)
+    await asyncio.to_thread(in_thread(spark, write.option("queue", "copy").save))
+    got: list[Delivery] = []
+    flow = await broker.bind("copy", got.append)
+    await wait_for(lambda: got)
+    await asyncio.sleep(0.3)  # room for the expired one, were it delivered
+    await flow.close()
+    assert [(d.message.payload, d.message.partition_key) for d in got] == [(b"x", "k")]
+
+
+async def test_a_topic_write_that_matched_no_subscription_is_counted_as_not_stored(
+    broker: Broker, redis_url: str
+) -> None:
+    await broker.declare_queue(QueueConfig(name="heard"), [("said/yes", "smf")])
+    opts = SinkOptions.parse({"redis_url": redis_url, "topic": "said/yes"})
+    said = [Message(destination="said/yes", payload=b"1")]
+    assert await sink.publish(opts, "b1", "b1:0", said) == SinkCommit("b1:0", 1, False, 0)
+    opts = SinkOptions.parse({"redis_url": redis_url, "topic": "said/no"})
+    unheard = [Message(destination="said/no", payload=str(i).encode()) for i in range(3)]
+    assert await sink.publish(opts, "b1", "b1:0", unheard) == SinkCommit("b1:0", 3, False, 3)
 
 
 async def test_a_micro_batch_replayed_after_a_refusal_spools_only_what_it_had_not(

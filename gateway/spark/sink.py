@@ -14,9 +14,12 @@ never a loss). Message ids go out as the AMQP message-id: a task retried within 
 and every copy of a row with an `id` column, carry the same one.
 
 Row columns: ``payload`` (binary or string, required); optional ``partition_key``,
-``properties`` (map of user properties), ``content_type``, ``correlation_id`` and ``id``
-(a stable row id; otherwise the id comes from batch, partition and row index). A column
-of a type a message cannot carry (COLUMN_TYPES) is refused when the write is planned.
+``properties`` (map of user properties), ``content_type``, ``correlation_id``, ``id``
+(a stable row id; otherwise the id comes from batch, partition and row index),
+``priority`` (0-9, clamped as an AMQP priority is), ``expiration`` (a timestamp: the
+message expires then), ``persistent``, ``subject`` and ``reply_to``. A column of a type a
+message cannot carry (COLUMN_TYPES) is refused when the write is planned; other columns
+are not read, so a source's DataFrame (queue, entry_id, ...) can be written as it is.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import logging
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from itertools import chain, islice
 from typing import Any
 
@@ -47,18 +51,31 @@ from pyspark.sql.types import (
     ShortType,
     StringType,
     StructType,
+    TimestampNTZType,
+    TimestampType,
 )
 
 from gateway.broker import Broker
 from gateway.engine import keys, library
-from gateway.model import Message, Outcome
+from gateway.model import DEFAULT_PRIORITY, MAX_PRIORITY, Message, Outcome
 from gateway.spark import DEFAULT_REDIS_URL
 
 log = logging.getLogger(__name__)
 
 CHUNK = 1000  # publishes in flight per gather: bounds memory, still group-committed
 MARK_TTL_S = 7 * 24 * 3600  # replays of batches older than a week are not recognised
-OPTIONAL_COLUMNS = ("partition_key", "properties", "content_type", "correlation_id", "id")
+OPTIONAL_COLUMNS = (
+    "partition_key",
+    "properties",
+    "content_type",
+    "correlation_id",
+    "id",
+    "priority",
+    "expiration",
+    "persistent",
+    "subject",
+    "reply_to",
+)
 BATCH_ID_PROPERTY = "streaming.sql.batchId"  # local properties Spark sets per micro-batch
 QUERY_ID_PROPERTY = "sql.streaming.queryId"
 
@@ -68,6 +85,7 @@ class SinkRefused(RuntimeError):
 
 
 _TEXT = (StringType,)
+_INTEGERS = (ByteType, ShortType, IntegerType, LongType)
 _VALUES = (
     StringType,
     BinaryType,
@@ -86,6 +104,11 @@ COLUMN_TYPES: dict[str, tuple[str, tuple[type, ...]]] = {
     "content_type": ("a string", _TEXT),
     "correlation_id": ("a string or binary", (StringType, BinaryType)),
     "properties": ("a map of strings to strings, numbers, booleans or binary", (MapType,)),
+    "priority": ("an integer", _INTEGERS),
+    "expiration": ("a timestamp", (TimestampType, TimestampNTZType)),
+    "persistent": ("a boolean", (BooleanType,)),
+    "subject": ("a string", _TEXT),
+    "reply_to": ("a string", _TEXT),
 }
 
 
@@ -126,6 +149,7 @@ class SinkCommit(WriterCommitMessage):
     marker: str
     published: int
     skipped: bool
+    unrouted: int = 0  # published to a topic no queue subscribes to: accepted, not stored
 
 
 def message_id(sink: str, key: str) -> str:
@@ -169,9 +193,28 @@ class RowMapper:
             content_type=self._get(row, "content_type"),
             correlation_id=self._get(row, "correlation_id"),
             user_properties=sorted((self._get(row, "properties") or {}).items()),
+            priority=_priority(self._get(row, "priority")),
+            expiration=_epoch_ms(self._get(row, "expiration")),
+            persistent=self._get(row, "persistent") is not False,
+            subject=self._get(row, "subject"),
+            reply_to=self._get(row, "reply_to"),
             id=(stable := message_id(self.opts.sink_name, key)),
             message_id=stable,
         )
+
+
+def _priority(value: int | None) -> int:
+    return DEFAULT_PRIORITY if value is None else max(0, min(value, MAX_PRIORITY))
+
+
+def _epoch_ms(value: datetime | None) -> int | None:
+    """A TimestampType value arrives aware or in the session's zone, naive; a
+    TimestampNTZType one naive and meant as UTC (Spark's "without time zone")."""
+    if value is None:
+        return None
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=UTC)
+    return max(1, round(value.timestamp() * 1000))
 
 
 @dataclass(slots=True)
@@ -216,7 +259,7 @@ async def publish(
         done = Progress.parse(await client.hget(progress, marker))
         broker = Broker(client)
         await broker.start()
-        published = 0
+        published = unrouted = 0
         try:
             it = ((i, m) for i, m in enumerate(messages) if i not in done)
             while chunk := list(islice(it, CHUNK)):
@@ -225,6 +268,7 @@ async def publish(
                 )
                 spooled = [i for (i, _), o in zip(chunk, outcomes, strict=True) if _spooled(o)]
                 published += len(spooled)
+                unrouted += sum(o is Outcome.NO_SUBSCRIBERS for o in outcomes)
                 done.add(spooled)
                 await client.hset(progress, marker, str(done))
                 await client.expire(progress, MARK_TTL_S)
@@ -242,7 +286,7 @@ async def publish(
             await client.hdel(progress, marker)
         finally:
             await broker.stop()
-        return SinkCommit(marker, published, False)
+        return SinkCommit(marker, published, False, unrouted)
     finally:
         await client.aclose()
 
@@ -270,10 +314,12 @@ def write_partition(
 def _report(opts: SinkOptions, messages: list[WriterCommitMessage | None], batch: str) -> None:
     done = [m for m in messages if isinstance(m, SinkCommit)]
     log.info(
-        "sink %s batch %s: %d messages published, %d partitions skipped as replays",
+        "sink %s batch %s: %d messages published (%d matched no subscription, so none was "
+        "stored), %d partitions skipped as replays",
         opts.sink_name,
         batch,
         sum(m.published for m in done),
+        sum(m.unrouted for m in done),
         sum(m.skipped for m in done),
     )
 

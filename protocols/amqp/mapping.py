@@ -51,10 +51,9 @@ from dataclasses import dataclass
 from proton import Data, byte, symbol, ulong
 from proton import Message as AmqpMessage
 
-from gateway.model import Delivery, Message, PropertyValue, Publisher
+from gateway.model import MAX_PRIORITY, Delivery, Message, PropertyValue, Publisher
 from protocols.amqp import framing, sections
 
-MAX_PRIORITY = 9
 MAX_TTL_S = 0xFFFFFFFF / 1000  # header.ttl is a uint of milliseconds
 JMS_DEST = symbol("x-opt-jms-dest")
 AMQP_VALUE = "x-amqp-value"  # annotation keeping an amqp-value body that is not str or bytes

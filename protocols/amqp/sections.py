@@ -17,11 +17,17 @@ import struct
 import time
 from uuid import UUID
 
-from gateway.model import DEFAULT_PRIORITY, Delivery, Message, PropertyValue, Publisher
+from gateway.model import (
+    DEFAULT_PRIORITY,
+    MAX_PRIORITY,
+    Delivery,
+    Message,
+    PropertyValue,
+    Publisher,
+)
 from protocols.amqp import framing
 from protocols.amqp.framing import MAX_DEPTH  # deeper values: framing refuses them
 
-MAX_PRIORITY = 9
 AMQP_VALUE = "x-amqp-value"  # mapping.AMQP_VALUE: such messages take the proton path
 
 # section descriptors (smallulong codes)
