@@ -6,11 +6,13 @@ import asyncio
 import contextlib
 import itertools
 import shutil
+import time
 
 import pytest
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from gateway.broker import Broker
+from gateway.engine import keys
 from gateway.model import Message
 from protocols.mqtt.codec import (
     Properties,
@@ -175,87 +177,67 @@ async def _publishes(raw: Raw, timeout: float, ack: bool = True) -> list[Publish
     return got
 
 
-async def test_a_retained_message_held_by_a_delivery_delay_goes_to_new_subscribers_once_due(
+async def test_a_retained_message_held_by_a_delivery_delay_takes_the_topic_when_due(
     mqtt: Listener,
 ) -> None:
+    """Until it is due, new subscribers get the value before it, as live ones last heard."""
     early, _ = await Raw.connected(mqtt.port, 5, client_id="dl-early")
     await early.send(Subscribe(1, [("dl/t", SubscriptionOptions(qos=1))]))
     await early.recv()  # SUBACK
     pub, _ = await Raw.connected(mqtt.port, 5, client_id="dl-pub")
+    await pub.send(Publish("dl/t", b"now", qos=1, retain=True, packet_id=1))
+    assert isinstance(await pub.recv(), Puback)
     delay = Properties(user_properties=[("x-opt-delivery-delay", "1500")])
-    await pub.send(Publish("dl/t", b"later", qos=1, retain=True, packet_id=1, properties=delay))
+    await pub.send(Publish("dl/t", b"later", qos=1, retain=True, packet_id=2, properties=delay))
     assert isinstance(await pub.recv(), Puback)
     before, _ = await Raw.connected(mqtt.port, 5, client_id="dl-before")
     await before.send(Subscribe(1, [("dl/t", SubscriptionOptions(qos=1))]))
-    assert [p.payload for p in await _publishes(before, 0.5)] == []  # not before it is due
-    assert [p.payload for p in await _publishes(early, 0.1)] == []
+    assert [p.payload for p in await _publishes(before, 0.5)] == [b"now"]  # not "later" yet
+    assert [p.payload for p in await _publishes(early, 0.1)] == [b"now"]
     await asyncio.sleep(1.2)
     after, _ = await Raw.connected(mqtt.port, 5, client_id="dl-after")
     await after.send(Subscribe(1, [("dl/t", SubscriptionOptions(qos=1))]))
     assert [(p.payload, p.retain) for p in await _publishes(after, 0.5)] == [(b"later", True)]
     assert [p.payload for p in await _publishes(early, 0.3)] == [b"later"]  # live, once
-    assert [p.payload for p in await _publishes(before, 0.1)] == []  # never twice
+    assert [p.payload for p in await _publishes(before, 0.1)] == []  # subscribed after it
 
 
-async def test_a_retained_value_waiting_for_room_goes_before_a_newer_live_qos0_one(
-    mqtt: Listener, broker: Broker, monkeypatch: pytest.MonkeyPatch
+def _held(topic: str, payload: bytes, due_in_ms: int | None) -> Message:
+    due = None if due_in_ms is None else int(time.time() * 1000) + due_in_ms
+    return Message(destination=topic, payload=payload, retain=True, not_before=due)
+
+
+async def _value(broker: Broker, topic: str) -> bytes | None:
+    found = await broker.retained.matching(topic)
+    return found[0].payload if found else None
+
+
+@pytest.mark.parametrize("wildcard", [False, True], ids=["exact", "wildcard"])
+async def test_held_retained_messages_take_the_topic_in_the_order_they_fall_due(
+    broker: Broker, wildcard: bool
 ) -> None:
-    """Receive Maximum 1 and two retained QoS 1 messages: rm/b's retained value waits for
-    room while a newer QoS 0 value of rm/b, taken during the SUBSCRIBE, leaves the gate.
-    The newer one must still come last: it is the client's last word on rm/b."""
-    pub, _ = await Raw.connected(mqtt.port, 5, client_id="g-pub")
-    for pid, (topic, value) in enumerate((("rm/a", b"A1"), ("rm/b", b"B1")), 1):
-        await pub.send(Publish(topic, value, qos=1, retain=True, packet_id=pid))
-        assert isinstance(await pub.recv(), Puback)
-    matching = broker.retained.matching
-
-    async def live_meanwhile(pattern: str, syntax: str = "mqtt") -> list[Message]:
-        found = await matching(pattern, syntax)  # B1 is rm/b's value now
-        newer = Message(destination="rm/b", payload=b"B2", persistent=False)
-        assert (await broker.publish(newer)).accepted  # ... and B2 comes before it is sent
-        await asyncio.sleep(0.3)
-        return found
-
-    monkeypatch.setattr(broker.retained, "matching", live_meanwhile)
-    sub, _ = await Raw.connected(
-        mqtt.port, 5, client_id="g-sub", properties=Properties(receive_maximum=1)
+    """What live subscribers hear last is the value: a held message published before an
+    unheld one still wins once due, a later one due sooner goes before it, a held clear
+    clears when due, and another topic's held message is not this topic's."""
+    read = "dd/#" if wildcard else "dd/t"
+    await broker.retained.put(_held("dd/t", b"v0", None))
+    await broker.retained.put(_held("dd/t", b"slow", 900))
+    await broker.retained.put(_held("dd/t", b"fast", 300))
+    await broker.retained.put(_held("dd/t", b"v1", None))  # published last, heard before both
+    await broker.retained.put(_held("dd/t", b"", 1300))  # a clear, held
+    await broker.retained.put(_held("dd/tt", b"other", 0))
+    assert await _value(broker, read) == b"v1"
+    await asyncio.sleep(0.5)
+    assert await _value(broker, read) == b"fast"
+    await asyncio.sleep(0.6)
+    assert await _value(broker, read) == b"slow"
+    await broker.retained.put(_held("de/u", b"x", None))  # another topic: promotes nothing here
+    assert await _value(broker, read) == b"slow"
+    await asyncio.sleep(0.5)
+    found = await broker.retained.matching(read)
+    assert [(m.destination, m.payload) for m in found] == (
+        [("dd/tt", b"other")] if wildcard else []
     )
-    await sub.send(Subscribe(1, [("rm/#", SubscriptionOptions(qos=1))]))
-    seen = [(p.topic, p.payload, p.retain) for p in await _publishes(sub, 0.8)]
-    assert [(payload, retain) for topic, payload, retain in seen if topic == "rm/b"] == [
-        (b"B1", True),
-        (b"B2", False),
-    ], seen
-    assert ("rm/a", b"A1", True) in seen
-
-
-async def test_a_qos0_value_held_behind_a_retained_one_is_not_overtaken_by_a_newer_one(
-    mqtt: Listener,
-) -> None:
-    """Receive Maximum 1: rq/b's retained value B1 waits for room, B2 (QoS 0) waits behind
-    it; once B1 went and filled the room, B2 goes without waiting for room, and B3, newer,
-    comes after it."""
-    pub, _ = await Raw.connected(mqtt.port, 5, client_id="q0-pub")
-    for pid, (topic, value) in enumerate((("rq/a", b"A1"), ("rq/b", b"B1")), 1):
-        await pub.send(Publish(topic, value, qos=1, retain=True, packet_id=pid))
-        assert isinstance(await pub.recv(), Puback)
-    sub, _ = await Raw.connected(
-        mqtt.port, 5, client_id="q0-sub", properties=Properties(receive_maximum=1)
-    )
-    await sub.send(Subscribe(1, [("rq/#", SubscriptionOptions(qos=1))]))
-    (first,) = await _publishes(sub, 0.3, ack=False)  # A1 fills the receive maximum
-    assert first.payload == b"A1"
-    # rq/# at QoS 0 now (no retained again): live values come direct
-    await sub.send(Subscribe(2, [("rq/#", SubscriptionOptions(qos=0, retain_handling=2))]))
-    await asyncio.sleep(0.3)
-    await pub.send(Publish("rq/b", b"B2", qos=0))  # waits behind B1
-    await asyncio.sleep(0.3)
-    await sub.send(Puback(first.packet_id))  # B1 goes and fills the room again
-    await asyncio.sleep(0.3)
-    await pub.send(Publish("rq/b", b"B3", qos=0))
-    got = await _publishes(sub, 0.6, ack=False)
-    assert [(p.topic, p.payload, p.retain) for p in got] == [
-        ("rq/b", b"B1", True),
-        ("rq/b", b"B2", False),
-        ("rq/b", b"B3", False),
-    ]
+    await broker.retained.put(_held("dd/t", b"v2", None))  # stored over what fell due
+    assert await _value(broker, "dd/t") == b"v2"
+    assert await broker.redis.hget(keys.retained_pending, "dd/t") is None  # nothing left held

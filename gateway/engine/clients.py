@@ -10,7 +10,9 @@ channel, so a reconnect elsewhere takes the session over.
 from __future__ import annotations
 
 import re
+import struct
 import time
+from collections.abc import Callable, Iterator
 
 import redis.asyncio as aioredis
 from redis.exceptions import OutOfMemoryError
@@ -20,6 +22,7 @@ from gateway.model import Message, decode, encode
 from gateway.topics import literal_prefix, pattern_matcher
 
 _GLOB_SPECIAL = re.compile(r"[\\*?\[\]]")  # what a Redis MATCH pattern would read as a wildcard
+_HELD_HEAD = struct.Struct("<dI")  # gw_retain's held record: due epoch ms, message length
 
 
 class ClientStore:
@@ -98,44 +101,64 @@ class ClientStore:
 
 
 class RetainedStore:
-    """The last retained message per topic; an empty payload clears it."""
+    """The last retained message per topic; an empty payload clears it. One held by a
+    delivery delay becomes the topic's value when due (gw_retain), as its live copies
+    reach subscribers then: until that, new subscribers get the value before it."""
 
     def __init__(self, redis: aioredis.Redis) -> None:
         self._redis = redis
+        self._keys = (keys.retained, keys.retained_pending)
 
     async def put(self, msg: Message, queued: bool = False) -> bool:
         """Retain `msg`, or clear its topic for an empty payload. A message its queues hold
-        (`queued`) is retained even when Redis is over its maxmemory: its publish was taken.
-        One that no queue took is new data and is refused then: False."""
-        if not msg.payload:
-            await self._redis.hdel(keys.retained, msg.destination)  # runs when Redis is full
-        elif queued:
-            await self._redis.fcall("gw_retain", 1, keys.retained, msg.destination, encode(msg))
-        else:
-            try:
-                await self._redis.hset(keys.retained, msg.destination, encode(msg))
-            except OutOfMemoryError:
-                return False
+        (`queued`), or a clear, is retained even when Redis is over its maxmemory: its
+        publish was taken. One that no queue took is new data and is refused then: False."""
+        function = "gw_retain" if queued or not msg.payload else "gw_retain_new"
+        due = "" if msg.not_before is None else msg.not_before
+        args = (msg.destination, int(time.time() * 1000), encode(msg) if msg.payload else b"", due)
+        try:
+            await self._redis.fcall(function, 2, *self._keys, *args)
+        except OutOfMemoryError:
+            return False
         return True
 
     async def matching(self, pattern: str, syntax: str = "mqtt") -> list[Message]:
         """Retained messages whose topic matches `pattern`, in topic order. A filter without
-        wildcards names one topic: one HGET, not a scan of every retained message (devices
+        wildcards names one topic: one call, not a scan of every retained message (devices
         that each subscribe to their own topics, with a retained message per device). A
         filter with a literal start ("site/7/+/temp") has Redis send only the topics with
-        that start, not every retained message. One held by a delivery delay is left out
-        until it is due, as its live copies are held."""
+        that start, not every retained message."""
         prefix, exact = literal_prefix(pattern, syntax)
         if exact:
-            blob = await self._redis.hget(keys.retained, pattern)
-            found = [] if blob is None else [decode(blob)]
+            value, held = await self._redis.fcall_ro("gw_retained", 2, *self._keys, pattern)
+            values = {} if value is None else {pattern: value}
+            pending = {} if held is None else {pattern: held}
         else:
             matches = pattern_matcher(pattern, syntax)
-            found = []
             glob = _GLOB_SPECIAL.sub(r"\\\g<0>", prefix) + "*"
-            async for topic, blob in self._redis.hscan_iter(keys.retained, glob, count=1000):
-                if matches(topic.decode()):
-                    found.append(decode(blob))
-            found.sort(key=lambda m: m.destination)
+            # held ones first: one promoted between the two scans is then seen in both
+            pending = await self._scan(keys.retained_pending, glob, matches)
+            values = await self._scan(keys.retained, glob, matches)
         now_ms = time.time() * 1000
-        return [m for m in found if m.not_before is None or m.not_before <= now_ms]
+        for topic, packed in pending.items():
+            due = [blob for at, blob in _held(packed) if at <= now_ms]
+            if due:  # fell due since the topic's last store: newer than its value
+                values[topic] = due[-1]
+        return [decode(values[t]) for t in sorted(values) if values[t]]
+
+    async def _scan(self, key: str, glob: str, matches: Callable[[str], bool]) -> dict[str, bytes]:
+        found = {}
+        async for topic, blob in self._redis.hscan_iter(key, glob, count=1000):
+            if matches(name := topic.decode()):
+                found[name] = blob
+        return found
+
+
+def _held(packed: bytes) -> Iterator[tuple[float, bytes]]:
+    """(due epoch ms, message or b"" for a clear) of gw_retain's held records, in due order."""
+    at = 0
+    while at < len(packed):
+        due, size = _HELD_HEAD.unpack_from(packed, at)
+        at += _HELD_HEAD.size
+        yield due, packed[at : at + size]
+        at += size

@@ -2190,11 +2190,68 @@ register_always('gw_client_expire', function(k, a)
   return 1
 end)
 
--- KEYS: the retained-messages hash. ARGV: topic, message. The retained copy of a message its
--- queues already hold: the publish was taken, so it completes while Redis is full.
-register_always('gw_retain', function(k, a)
-  return redis.call('HSET', k[1], a[1], a[2])
-end)
+-- A topic's retained messages held by a delivery delay: records of a little-endian double
+-- (the epoch ms they are due) and a uint32 length, then the message ('' for a clear), in
+-- the order they fall due (publish order among equals).
+local function retained_pending(packed)
+  local out, at = {}, 1
+  while packed and at <= #packed do
+    local due, size = struct.unpack('<dI4', packed, at)
+    local blob = string.sub(packed, at + 12, at + 11 + size)
+    out[#out + 1] = { due, struct.pack('<dI4', due, size) .. blob, blob }
+    at = at + 12 + size
+  end
+  return out
+end
+
+-- KEYS: the retained-messages hash, the hash of those held by a delivery delay. ARGV: topic,
+-- now (epoch ms), the message ('' clears the topic), the epoch ms it is due ('' if now).
+-- The topic's value is what its live subscribers heard last: a held message takes it when
+-- due, not when published; one published later and due sooner goes before it. Held ones
+-- now due are promoted first (the last of them wins), so a reader (RetainedStore.matching)
+-- may take any still held and now due as newer than the value.
+local function retain(k, a)
+  local topic, now, blob, due = a[1], tonumber(a[2]), a[3], tonumber(a[4])
+  local held, value = {}, nil
+  for _, r in ipairs(retained_pending(redis.call('HGET', k[2], topic))) do
+    if r[1] <= now then value = r[3] else held[#held + 1] = r end
+  end
+  if due and due > now then
+    local at = #held + 1
+    while at > 1 and held[at - 1][1] > due do at = at - 1 end
+    table.insert(held, at, { due, struct.pack('<dI4', due, #blob) .. blob })
+  else
+    value = blob
+  end
+  if value == '' then
+    redis.call('HDEL', k[1], topic)
+  elseif value then
+    redis.call('HSET', k[1], topic, value)
+  end
+  if #held == 0 then
+    redis.call('HDEL', k[2], topic)
+  else
+    local parts = {}
+    for i, r in ipairs(held) do parts[i] = r[2] end
+    redis.call('HSET', k[2], topic, table.concat(parts))
+  end
+  return 1
+end
+
+-- The retained copy of a message its queues already hold (the publish was taken), or a
+-- clear: completes while Redis is full. gw_retain_new (a message no queue took, new data)
+-- is refused then, as a publish is.
+register_always('gw_retain', retain)
+redis.register_function('gw_retain_new', retain)
+
+-- KEYS: as gw_retain's. ARGV: topic. Its value and its held messages, read at one instant.
+redis.register_function {
+  function_name = 'gw_retained',
+  callback = function(k, a)
+    return { redis.call('HGET', k[1], a[1]), redis.call('HGET', k[2], a[1]) }
+  end,
+  flags = { 'no-writes', 'allow-oom' },
+}
 
 -- KEYS: a client's received-ids key. ARGV: a message id. 1 if it was new, 0 if recorded.
 register_always('gw_client_mark', function(k, a)

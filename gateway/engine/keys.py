@@ -55,6 +55,7 @@ TEMPLATES: dict[str, str] = {
     "spool_events": f"{PREFIX}:spool:ev",
     "spool_notify": f"{PREFIX}:spool:notify",
     "retained": f"{PREFIX}:retained",
+    "retained_pending": f"{PREFIX}:retained:held",  # topic -> those held by a delivery delay
     "direct_nodes": f"{PREFIX}:directnodes",
     "direct_channel": f"{PREFIX}:direct",
     "node_alive": f"{PREFIX}:node:{{n}}",
@@ -86,6 +87,7 @@ liveness_grace = TEMPLATES["liveness_grace"]
 events = TEMPLATES["events"]
 sub_version = TEMPLATES["sub_version"]
 retained = TEMPLATES["retained"]
+retained_pending = TEMPLATES["retained_pending"]
 direct_nodes = TEMPLATES["direct_nodes"]  # nodes with direct (not spooled) subscribers
 direct_channel = TEMPLATES["direct_channel"]  # topic messages for other nodes' direct subscribers
 read_queues = TEMPLATES["read_queues"]
