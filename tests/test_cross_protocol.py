@@ -51,7 +51,12 @@ async def test_mqtt5_publish_reaches_amqp_receiver_mapped(
     def publish() -> None:
         client = mqtt5_client(mqtt_port, "pub-1")
         props = Properties(PacketTypes.PUBLISH)
-        props.UserProperty = [("site", "north"), ("JMSXGroupId", "dev-7"), ("site", "n2")]
+        props.UserProperty = [
+            ("site", "north"),
+            ("JMSXGroupId", "dev-7"),
+            ("JMSPriority", "07"),
+            ("site", "n2"),
+        ]
         props.CorrelationData = b"corr-42"
         props.ResponseTopic = "replies/pub-1"
         props.ContentType = "application/json"
@@ -82,6 +87,7 @@ async def test_mqtt5_publish_reaches_amqp_receiver_mapped(
     props = dict(msg.properties or {})
     assert props.get("site") in ("north", "n2")  # AMQP maps have unique keys
     assert "JMSXGroupId" not in props, "the group travels as group-id, not a property"
+    assert (msg.priority, "JMSPriority" in props) == (7, False)
 
 
 async def amqp_to_mqtt5(ports: tuple[int, int], message: AmqpMessage) -> paho.MQTTMessage:

@@ -64,6 +64,7 @@ async def test_invalid_values_are_forwarded_unchanged(mqtt: Listener) -> None:
         ("x-opt-dmq-eligible", "maybe"),
         ("x-opt-delivery-delay", "soon"),
         ("x-opt-delivery-time", "-5"),
+        ("JMSPriority", "\u00b2"),  # a digit to str.isdigit, not to int: refused nothing
         ("colour", "red"),
     ]
 
@@ -80,6 +81,34 @@ async def test_invalid_values_are_forwarded_unchanged(mqtt: Listener) -> None:
             pub.close()
 
     assert await asyncio.to_thread(scenario) == (b"now", given)
+
+
+async def test_group_and_priority_properties_are_forwarded_unaltered_in_place(
+    mqtt: Listener,
+) -> None:
+    """MQTT-3.3.2-17, -18: all user properties, unaltered, in their order, although the
+    gateway reads the group and the priority from them."""
+    given = [
+        ("a", "1"),
+        ("JMSXGroupId", "g"),
+        ("JMSPriority", "07"),
+        ("b", "2"),
+        ("JMSPriority", "4"),
+    ]
+
+    def scenario() -> list[tuple[str, str]]:
+        sub = Client(mqtt.port, V5, "gp-sub")
+        pub = Client(mqtt.port, V5, "gp-pub")
+        try:
+            sub.subscribe("gp/t", 1)
+            assert pub.publish("gp/t", b"x", 1, publish_props(*given)).is_published()
+            [msg] = sub.receive(1)
+            return user_properties(msg)
+        finally:
+            sub.close()
+            pub.close()
+
+    assert await asyncio.to_thread(scenario) == given
 
 
 async def test_dmq_eligible_message_is_dead_lettered_when_it_expires(

@@ -192,8 +192,9 @@ def from_delivery(delivery: Delivery) -> AmqpMessage:
         amqp.id = msg.message_id
     if msg.subject is not None:
         amqp.subject = msg.subject
-    if msg.user_properties:  # ints past a long's range came in as ulong
-        amqp.properties = {k: ulong(v) if _past_long(v) else v for k, v in msg.user_properties}
+    if msg.user_properties and (props := sections.application_properties(msg)):
+        # ints past a long's range came in as ulong
+        amqp.properties = {k: ulong(v) if _past_long(v) else v for k, v in props}
     return amqp
 
 

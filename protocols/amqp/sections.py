@@ -535,9 +535,9 @@ def encode(delivery: Delivery, now_ms: int | None = None) -> bytes:
     else:
         properties = _properties(msg, expiry)
     parts = [header, annotations, properties]
-    if msg.user_properties:
+    if msg.user_properties and (props := application_properties(msg)):
         app: list[bytes] = []
-        for key, value in dict(msg.user_properties).items():
+        for key, value in dict(props).items():
             app += (_str(key), _value(value))
         parts.append(_section(APP_PROPS, _compound(0xC1, 0xD1, app)))
     payload = msg.payload
@@ -547,6 +547,29 @@ def encode(delivery: Delivery, now_ms: int | None = None) -> bytes:
     else:
         parts += (_DATA, b"\xb0", _pack_I(size), payload)
     return b"".join(parts)
+
+
+# An MQTT 5 publisher's user properties for the group and the priority: AMQP carries what
+# they set in group-id and header.priority, so they are not application properties too.
+GROUP_PROPERTY, PRIORITY_PROPERTY = "JMSXGroupId", "JMSPriority"
+
+
+def application_properties(msg: Message) -> list[tuple[str, PropertyValue]]:
+    """`msg`'s user properties but those its group-id or header.priority carries."""
+    props = msg.user_properties
+    if not any(k in (GROUP_PROPERTY, PRIORITY_PROPERTY) for k, _ in props):
+        return props
+    return [
+        (k, v)
+        for k, v in props
+        if not (k == GROUP_PROPERTY and v == msg.partition_key)
+        and not (k == PRIORITY_PROPERTY and _digits(v) == msg.priority)
+    ]
+
+
+def _digits(value: PropertyValue) -> int | None:
+    ok = isinstance(value, str) and value.isascii() and value.isdigit()
+    return int(value) if ok else None
 
 
 def keep_bare(msg: Message, bare: bytes) -> None:

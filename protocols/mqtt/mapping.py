@@ -26,9 +26,11 @@ goes out with U+FFFD in place of each U+0000 and of bytes that are not UTF-8.
 
 The DMQ and delivery-time user properties (ingress only) mirror the AMQP message annotations
 of the same names, `x-qpid-not-valid-before` included as an alias of `x-opt-delivery-time`;
-Solace's MQTT service defines none for these. A user property the gateway applies
-is consumed (not forwarded); one with an invalid value (or a second delivery time) is
-forwarded unchanged as an ordinary user property and never refuses the publish.
+Solace's MQTT service defines none for these. Those two, once applied, are consumed (not
+forwarded); `JMSXGroupId` and `JMSPriority` stay where they were among the user
+properties, unaltered (MQTT-3.3.2-17, -18), and go to AMQP receivers as group-id and
+header.priority only. A user property with an invalid value (or a second delivery time)
+is forwarded unchanged as an ordinary user property and never refuses the publish.
 """
 
 from __future__ import annotations
@@ -90,16 +92,25 @@ def _apply_properties(msg: Message, props: Properties) -> None:
     if props.payload_format_indicator is not None:
         msg.annotations[PAYLOAD_FORMAT] = props.payload_format_indicator
     for key, value in props.user_properties:
-        if key == GROUP_ID and msg.partition_key is None:
-            msg.partition_key = value
-        elif key == PRIORITY and value.isdigit() and int(value) <= 9:
-            msg.priority = int(value)
+        if key == GROUP_ID:
+            if msg.partition_key is None:
+                msg.partition_key = value
+        elif key == PRIORITY:
+            if (priority := _priority(value)) is not None:
+                msg.priority = priority
         elif key == DMQ_ELIGIBLE and value.lower() in ("true", "false"):
             msg.dmq_eligible = value.lower() == "true"
+            continue
         elif msg.not_before is None and (not_before := _not_before(key, value)) is not None:
             msg.not_before = not_before
-        else:
-            msg.user_properties.append((key, value))
+            continue
+        msg.user_properties.append((key, value))  # the group and priority too: in place
+
+
+def _priority(value: str) -> int | None:
+    """The priority a JMSPriority user property sets: 0-9 in ASCII digits ("²" is a digit
+    to str.isdigit, not to int), else None."""
+    return int(value) if value.isascii() and value.isdigit() and int(value) <= 9 else None
 
 
 def _not_before(key: str, value: str) -> int | None:
@@ -158,11 +169,12 @@ def egress_properties(
 ) -> Properties | None:
     """MQTT 5 PUBLISH properties for `msg` (None when it needs none)."""
     user: list[tuple[str, str]] = []
-    if msg.partition_key is not None:
-        user.append((GROUP_ID, _mqtt_string(msg.partition_key)))
-    if msg.priority != DEFAULT_PRIORITY:
-        user.append((PRIORITY, str(msg.priority)))
-    user.extend((_mqtt_string(k), _text(v)) for k, v in msg.user_properties)
+    key, priority, props = msg.partition_key, msg.priority, msg.user_properties
+    if key is not None and (GROUP_ID, key) not in props:  # else an MQTT publisher's, in place
+        user.append((GROUP_ID, _mqtt_string(key)))
+    if priority != DEFAULT_PRIORITY and not _says_priority(props, priority):
+        user.append((PRIORITY, str(priority)))
+    user.extend((_mqtt_string(k), _text(v)) for k, v in props)
     corr = msg.correlation_id
     if corr is not None and not isinstance(corr, bytes):
         corr = str(corr).encode()
@@ -178,6 +190,10 @@ def egress_properties(
         user_properties=user,
     )
     return None if props.is_empty() else props
+
+
+def _says_priority(props: list[tuple[str, PropertyValue]], priority: int) -> bool:
+    return any(k == PRIORITY and isinstance(v, str) and _priority(v) == priority for k, v in props)
 
 
 def encode_delivery(
