@@ -416,6 +416,31 @@ async def test_v5_subscription_options(mqtt: Listener) -> None:
     raw.close()
 
 
+async def test_an_own_message_a_no_local_qos1_filter_skips_comes_once_by_another(
+    mqtt: Listener,
+) -> None:
+    """`nl/#` (QoS 1, no local) and `nl/+` (QoS 0): only `nl/+` takes the client's own
+    message (MQTT-3.8.3-3), once, at QoS 0, with that filter's subscription id only."""
+    raw, _ = await Raw.connected(mqtt.port, 5, client_id="nl-once")
+    await raw.send(
+        Subscribe(1, [("nl/#", SubscriptionOptions(qos=1, no_local=True))], Properties())
+    )
+    await raw.send(
+        Subscribe(
+            2, [("nl/+", SubscriptionOptions(qos=0))], Properties(subscription_identifiers=[7])
+        )
+    )
+    assert [await raw.recv() for _ in range(2)] == [Suback(1, [1]), Suback(2, [0])]
+    await raw.send(Publish("nl/x", b"own", qos=1, packet_id=3))
+    await asyncio.sleep(0.5)  # a second copy would be here by now
+    await raw.ping()
+    got = [p for p in raw.pending if isinstance(p, Publish)]
+    assert [(p.payload, p.qos) for p in got] == [(b"own", 0)]
+    assert got[0].properties is not None
+    assert got[0].properties.subscription_identifiers == [7]
+    raw.close()
+
+
 async def test_delivery_follows_subscription_changes(mqtt: Listener) -> None:
     """What a delivery carries (QoS, subscription ids) is worked out once per topic and
     kept: a changed or added subscription must show in the very next delivery."""

@@ -826,12 +826,13 @@ class Session:
         or direct); `own`: the client published it (no-local filters skip it). A queued
         message goes out once for every filter that matches it, QoS 0 ones too: their
         subscription ids go with it, and one resubscribed at QoS 0 since it was queued
-        still gets it."""
+        still gets it. The queue holds a copy when any QoS 1/2 filter matches, a no-local
+        one too: that copy, not a direct one, goes to the client's other filters."""
         matched = list(state.trie.match(topic))
-        if own:
-            matched = [f for f in matched if not state.subscriptions[f].no_local]
         if direct and any(state.subscriptions[f].qos > 0 for f in matched):
             return []  # the queue delivers it
+        if own:
+            matched = [f for f in matched if not state.subscriptions[f].no_local]
         return matched
 
     def _room(self) -> bool:
