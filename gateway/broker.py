@@ -370,6 +370,16 @@ class Broker:
         finally:
             self._handovers.pop(client_id, None)
 
+    async def client_held(self, client_id: str) -> bool:
+        """Whether a connection, on this node or another live one, holds `client_id`."""
+        holder = await self.redis.hget(keys.client_claims(client_id), "holder")
+        if holder is None:
+            return False
+        node = holder.decode().split(" ", 1)[0]
+        if node == self.node_id:
+            return client_id in self._connected
+        return bool(await self.redis.exists(keys.node_alive(node)))
+
     async def release_client(self, client_id: str, claim: int) -> None:
         """The connection of `claim` ended: no longer the holder, and one waiting on
         another node to load the session (`handed_over`) may go on."""

@@ -225,3 +225,28 @@ async def test_a_qos0_subscription_made_as_the_event_connections_drop_still_hold
     assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     pub.close()
     sub.close()
+
+
+async def test_a_session_resumed_elsewhere_with_expiry_0_keeps_its_queue_while_connected(
+    mqtt: Listener, mqtt2: Listener
+) -> None:
+    """The session ends when that connection closes (§3.1.2.11.2), not when the first
+    node's expiry timer for the earlier connection fires: nothing stored is renewed by an
+    expiry-0 connection, and the timer found nothing and deleted the queue under it."""
+    first, _ = await Raw.connected(
+        mqtt.port, 5, client_id="xn", properties=Properties(session_expiry_interval=1)
+    )
+    await first.send(Subscribe(1, [("xn/#", SubscriptionOptions(qos=1))]))
+    assert await first.recv() == Suback(1, [1])
+    await first.send(Disconnect())
+    await first.closed()
+    second, ack = await Raw.connected(mqtt2.port, 5, client_id="xn", clean_start=False)
+    assert ack.session_present
+    await asyncio.sleep(2.5)  # past the first node's timer (expiry + 1 s)
+    pub, _ = await Raw.connected(mqtt2.port, 5, client_id="xn-pub")
+    await pub.send(Publish("xn/a", b"still here", qos=1, packet_id=1))
+    assert await pub.recv() == Puback(1)
+    got = await second.recv()
+    assert isinstance(got, Publish) and got.payload == b"still here", got
+    second.close()
+    pub.close()

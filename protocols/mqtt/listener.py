@@ -299,7 +299,13 @@ class Registry:
             self.spawn(self._drop_if_expired(client_id, groups))
 
     async def _drop_if_expired(self, client_id: str, groups: list[str]) -> None:
-        if await self.broker.clients.load(client_id) is None and client_id not in self.sessions:
+        """A connection elsewhere may hold the session with nothing stored (its expiry 0):
+        its queue is in use then, not expired."""
+        if (
+            await self.broker.clients.load(client_id) is None
+            and client_id not in self.sessions
+            and not await self.broker.client_held(client_id)
+        ):
             name = queue_name(client_id)
             if await self.broker.queues.exists(name):
                 await self._delete_queue(name)
@@ -449,8 +455,12 @@ class Registry:
 
     def _claimed_elsewhere(self, client_id: str, ends_session: bool) -> None:
         """A connection on another node took the client's session: its delayed will is not
-        sent, unless that connection starts afresh, ending the session (§3.1.3.2.2)."""
+        sent, unless that connection starts afresh, ending the session (§3.1.3.2.2); nor
+        does it expire here."""
         self._new_connection(client_id, ends_session)
+        timer = self._expiry.pop(client_id, None)
+        if timer is not None:
+            timer.cancel()
         live = self.sessions.get(client_id)
         if live is not None:  # about to be taken over: its will waits on this
             live.successor_ends = ends_session
