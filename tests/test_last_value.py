@@ -126,3 +126,54 @@ async def test_a_value_held_for_its_delivery_time_is_replaced_by_a_newer_one(
     await flow.close()
     assert [d.message.payload for d in got] == [b"new"]
     assert (await broker.queues.info("lv")).counters["replaced"] == 1
+
+
+@pytest.mark.parametrize("given_back", ["release", "requeue", "consumer-gone"])
+async def test_a_value_given_back_after_a_newer_one_came_is_dropped(
+    broker: Broker, given_back: str
+) -> None:
+    """Qpid discards a released entry that is no longer its key's latest: the queue never
+    hands out a value older than one it already has. A key without a newer value, and an
+    entry without a key, come back as usual."""
+    await broker.declare_queue(QueueConfig(name="ticks", lvq_key="symbol"), [("prices/>", "smf")])
+    for payload, props in (("a1", {"symbol": "A"}), ("b1", {"symbol": "B"}), ("n", {})):
+        assert (await broker.publish(msg(payload, **props))).accepted
+    got: list[Delivery] = []
+    flow = await broker.bind("ticks", got.append, window=3)
+    await wait_for(lambda: len(got) == 3)
+    assert (await broker.publish(msg("a2", symbol="A"))).accepted  # a1 is with the consumer
+    if given_back == "consumer-gone":
+        await flow.close()
+    else:
+        for d in got:
+            getattr(flow, given_back)(d.entry_id)
+        await asyncio.sleep(0.3)
+        await flow.close()
+    assert sorted(await browse_all(broker, "ticks")) == [b"a2", b"b1", b"n"]
+    info = await broker.queues.info("ticks")
+    assert (info.messages, info.counters["replaced"]) == (3, 1)
+    await broker.declare_queue(QueueConfig(name="same", lvq_key="symbol"), [("prices/>", "smf")])
+    for payload, props in (("a2", {"symbol": "A"}), ("b1", {"symbol": "B"}), ("n", {})):
+        assert (await broker.publish(msg(payload, **props))).accepted
+    assert info.spooled_bytes == (await broker.queues.info("same")).spooled_bytes
+
+
+async def test_key_values_holding_a_nul_are_keys_of_their_own(broker: Broker) -> None:
+    """AMQP strings and the admin API's JSON may hold U+0000: "A\\0B" and "A\\0C" are two
+    keys, and another queue's key value is never read as this queue's key."""
+    await broker.declare_queue(QueueConfig(name="ranked", sort_key="rank"), [("prices/>", "smf")])
+    await broker.declare_queue(QueueConfig(name="ticks", lvq_key="symbol"), [("prices/>", "smf")])
+    for payload, props in (
+        ("b", {"symbol": "A\0B"}),
+        ("c", {"symbol": "A\0C"}),
+        ("keep", {"symbol": "AAA"}),
+        ("other", {"rank": "1\0symbol\0AAA"}),  # no symbol of its own: no slot
+    ):
+        assert (await broker.publish(msg(payload, **props))).accepted
+    assert sorted(await browse_all(broker, "ticks")) == [b"b", b"c", b"keep", b"other"]
+    got: list[Delivery] = []
+    flow = await broker.bind("ranked", got.append)
+    await wait_for(lambda: len(got) == 4)
+    await flow.close()
+    ranks = [dict(d.message.user_properties).get("rank") for d in got]
+    assert ranks == [None, None, None, "1\0symbol\0AAA"]  # keyless first, in arrival order

@@ -296,6 +296,35 @@ local function unindex(q, id, fields)
   end
 end
 
+-- A last value queue's entries name their slot ('lv'). One given back after a newer value
+-- of its slot came is deleted, not parked: the queue never hands out a value older than
+-- its slot's latest (Qpid's LVQ discards such a released entry). Returns the ids to park.
+local function drop_superseded(q, s, ids)
+  local latest = k_queue_last_values(q)
+  if redis.call('EXISTS', latest) == 0 then return ids end
+  local keep, gone, bytes = {}, 0, 0
+  local avoiding = redis.call('EXISTS', k_queue_avoid(q)) == 1
+  for _, id in ipairs(ids) do
+    local e = redis.call('XRANGE', s, id, id)
+    local slot = #e > 0 and entry_field(e[1][2], 'lv')
+    local newest = slot and redis.call('HGET', latest, slot)
+    if newest and newest ~= id then
+      redis.call('XACK', s, GROUP, id)
+      redis.call('XDEL', s, id)
+      if avoiding then redis.call('HDEL', k_queue_avoid(q), id) end
+      gone = gone + 1
+      bytes = bytes + #(entry_blob(e[1][2]) or '')
+    else
+      keep[#keep + 1] = id
+    end
+  end
+  if gone > 0 then
+    account(q, -gone, -bytes)
+    redis.call('HINCRBY', k_queue_stats(q), 'replaced', gone)
+  end
+  return keep
+end
+
 -- A delivery count of ACQUIRED or more marks an entry a flow acquired before without the
 -- delivery counting (an AMQP release, §3.4.4): its next delivery says so (first-acquirer
 -- false, §3.2.1) with the count it had. The mark is added to the count in the entry's
@@ -311,6 +340,7 @@ end
 -- `uncount`: the delivery did not count (an AMQP release): its delivery count goes back,
 -- marked ACQUIRED.
 local function park(q, s, ids, uncount)
+  ids = drop_superseded(q, s, ids)
   local consumer = park_consumer(q)
   if uncount then
     for _, id in ipairs(ids) do
@@ -674,16 +704,19 @@ local function dmq_eligible(blob, default)
   return default
 end
 
--- A property's value from the "name\0value\0..." string the spooler passes along (only
--- the properties that some queue's lvq_key names).
+-- A property's value from the "name\0size\0value..." string the spooler passes along (only
+-- the properties some queue's lvq_key or sort_key names; size: the value's bytes, as it
+-- may hold a NUL).
 local function property_value(props, name)
   local pos = 1
   while pos <= #props do
     local z1 = string.find(props, '\0', pos, true)
     if not z1 then return nil end
-    local z2 = string.find(props, '\0', z1 + 1, true) or (#props + 1)
-    if string.sub(props, pos, z1 - 1) == name then return string.sub(props, z1 + 1, z2 - 1) end
-    pos = z2 + 1
+    local z2 = string.find(props, '\0', z1 + 1, true)
+    local size = z2 and tonumber(string.sub(props, z1 + 1, z2 - 1))
+    if not size then return nil end
+    if string.sub(props, pos, z1 - 1) == name then return string.sub(props, z2 + 1, z2 + size) end
+    pos = z2 + size + 1
   end
   return nil
 end
@@ -1102,11 +1135,15 @@ end
 -- XADD arguments of a message with extra fields: its key (message groups; 'kh' places it
 -- in a partitioned dead message queue), expiry 'x' (the smaller of the publisher's and the
 -- queue's TTL), delivery time 'h' (held invisible until then) and sort key value 'sk'.
-local function entry_args(q, blob, key, hi, lo, expires, not_before, sk)
+local function entry_args(q, blob, key, hi, lo, expires, not_before, sk, slot)
   local args = { 'XADD', q.stream, '*', 'm', blob }
   if sk then
     args[#args + 1] = 'sk'
     args[#args + 1] = sk
+  end
+  if slot then
+    args[#args + 1] = 'lv'
+    args[#args + 1] = slot
   end
   if key ~= '' then
     if q.grouped then
@@ -1168,7 +1205,7 @@ end
 -- the partition of a partitioned queue: xxh3_64(key) % partition_count), the key itself
 -- ('' for none; kept as field 'k' on message-group queues), the publisher's expiry (epoch
 -- ms, 0: none; kept as field 'x', shortened to the queue's max_ttl_ms), the properties LVQ
--- keys name ("name\0value\0..."), priority (0-9: the level of a priority queue), the
+-- keys name ("name\0size\0value..."), priority (0-9: the level of a priority queue), the
 -- delivery time (epoch ms, 0: now; kept as field 'h'), blob.
 -- A message without key, expiry, properties or delivery time may come in the short form:
 -- two arguments, a binary head and the blob. The head (big-endian): a 0 byte (a full-form
@@ -1316,16 +1353,14 @@ redis.register_function('gw_spool', function(_, a)
             commit_drop(q)
             local id
             local sk = q.sort_key and property_value(props, q.sort_key)
-            if plain and q.max_ttl == 0 and not sk then
+            local slot = q.lvq and (not q.lvq_key and '' or property_value(props, q.lvq_key))
+            if plain and q.max_ttl == 0 and not sk and not slot then
               id = redis.call('XADD', q.stream, '*', 'm', blob)  -- the common, plain message
             else
-              id = redis.call(unpack(entry_args(q, blob, key, hi, lo, expires, not_before, sk)))
+              id = redis.call(unpack(
+                entry_args(q, blob, key, hi, lo, expires, not_before, sk, slot)))
             end
-            if q.lvq then
-              local slot = ''
-              if q.lvq_key then slot = property_value(props, q.lvq_key) end
-              if slot then replace_last_value(q, slot, id) end
-            end
+            if slot then replace_last_value(q, slot, id) end
             add_usage(q, 1, bytes)
             q.added = q.added + 1
             q.added_bytes = q.added_bytes + bytes
