@@ -177,3 +177,29 @@ async def test_key_values_holding_a_nul_are_keys_of_their_own(broker: Broker) ->
     await flow.close()
     ranks = [dict(d.message.user_properties).get("rank") for d in got]
     assert ranks == [None, None, None, "1\0symbol\0AAA"]  # keyless first, in arrival order
+
+
+async def test_a_full_ring_lvq_drops_only_what_a_bigger_new_value_still_needs(
+    broker: Broker,
+) -> None:
+    """B, C and A fill the queue; A's new value is bigger. With A's old value replaced,
+    dropping the oldest (B) makes room: C, another key's latest value, stays."""
+    await broker.declare_queue(QueueConfig(name="probe"), [("prices/>", "smf")])
+    assert (await broker.publish(msg("x" * 999, symbol="B"))).accepted
+    size = (await broker.queues.info("probe")).spooled_bytes  # one value's stored size
+    await broker.delete_queue("probe")
+    await broker.declare_queue(
+        QueueConfig(name="ticks", lvq_key="symbol", overflow="ring", max_spool_bytes=3 * size),
+        [("prices/>", "smf")],
+    )
+    for key in ("B", "C", "A"):
+        assert (await broker.publish(msg("x" * 999, symbol=key))).accepted
+    assert (await broker.publish(msg("y" * 1499, symbol="A"))).accepted
+    seen: list[Delivery] = []
+    browser = await broker.bind("ticks", seen.append, browse=True)
+    await wait_for(lambda: len(seen) == 2)
+    await asyncio.sleep(0.1)
+    await browser.close()
+    assert [dict(d.message.user_properties)["symbol"] for d in seen] == ["C", "A"]
+    info = await broker.queues.info("ticks")
+    assert (info.messages, info.counters["replaced"], info.counters["dropped"]) == (2, 1, 1)

@@ -855,11 +855,23 @@ end
 
 -- A last value queue at its limits still takes a new value of a slot whose waiting value
 -- it replaces: the queue does not grow (Qpid's LVQ).
-local function fits_replacing(q, props, size)
+-- The waiting value (id, size) a new message with `props` replaces in last value queue q.
+local function replaced_value(q, props)
   local slot = ''
   if q.lvq_key then slot = property_value(props, q.lvq_key) end
-  if not slot then return false end
+  if not slot then return nil end
   local old, old_size = replaceable(q, slot)
+  return old, old_size
+end
+
+-- What a ring queue's new message replaces: nothing unless it is a last value queue.
+local function ring_replaced(q, props)
+  if not q.lvq then return nil end
+  return replaced_value(q, props)
+end
+
+local function fits_replacing(q, props, size)
+  local old, old_size = replaced_value(q, props)
   if not old then return false end
   local u = q.usage
   return not over_quota({ maxbytes = q.maxbytes, maxmsgs = q.maxmsgs,
@@ -970,7 +982,7 @@ end
 -- limits of a partitioned or priority queue bound its family, so with `sibling` (gw_spool's
 -- spool target of another child) it drops from the family: a priority queue from its
 -- lowest level first, a partitioned one its oldest entries whatever their partition.
-local function plan_drop(q, size, sibling)
+local function plan_drop(q, size, sibling, replaced, replaced_size)
   local members, by_level = { q }, false
   if sibling and q.parent and q.usage ~= q then
     members = {}
@@ -983,6 +995,9 @@ local function plan_drop(q, size, sibling)
   q.plan = plan
   local u = q.usage
   local probe = { maxbytes = q.maxbytes, maxmsgs = q.maxmsgs, bytes = u.bytes, count = u.count }
+  if replaced then  -- a last value queue's new value: its slot's waiting one goes anyway
+    probe.bytes, probe.count = probe.bytes - replaced_size, probe.count - 1
+  end
   while over_quota(probe, size) do
     local best, best_id, best_source
     for _, m in ipairs(members) do
@@ -993,8 +1008,10 @@ local function plan_drop(q, size, sibling)
     if not best then return false end
     local n = add_to_drop(best, best_id, best_source)
     plan.bytes = plan.bytes + n
-    probe.count = probe.count - 1
-    probe.bytes = probe.bytes - n
+    if best_id ~= replaced then  -- that one was counted out above
+      probe.count = probe.count - 1
+      probe.bytes = probe.bytes - n
+    end
   end
   return true
 end
@@ -1323,7 +1340,7 @@ redis.register_function('gw_spool', function(_, a)
         elseif q.maxsize > 0 and size > q.maxsize then code = TOO_LARGE
         elseif q.blocked or q.flow_held then code = hold_for_node(q)
         elseif over_quota(q, bytes) and not (q.lvq and fits_replacing(q, props, bytes)) then
-          if q.overflow == 'ring' and plan_drop(q, bytes, target) then
+          if q.overflow == 'ring' and plan_drop(q, bytes, target, ring_replaced(q, props)) then
             nt = nt + 1
             targets[nt] = q
           elseif q.overflow == 'flow_control' then
