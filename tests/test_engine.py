@@ -104,6 +104,10 @@ async def test_refusals_are_outcomes_and_lose_nothing(broker: Broker) -> None:
     assert (await broker.queues.info("other")).messages == 2
     await broker.queues.update("small", {"ingress_enabled": False})
     assert await broker.publish(to_queue("small", b"x")) is Outcome.INGRESS_DISABLED
+    # a topic's other queues take it; the shut one discards it and says so in a counter
+    assert await broker.publish(Message(destination="t/4", payload=b"4")) is Outcome.OK
+    assert (await broker.queues.info("other")).messages == 3
+    assert (await broker.queues.info("small")).counters["discarded_shut"] == 1
     got: list[Delivery] = []
     flow = await broker.bind("small", got.append)
     await wait_for(lambda: len(got) == 2)

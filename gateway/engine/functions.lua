@@ -1321,7 +1321,7 @@ redis.register_function('gw_spool', function(_, a)
         pos = m + 11
       end
       local bytes = #blob
-      local code = OK
+      local code, shut = OK, false
       nt = 0
       for j = 1, k do
         local q = target(names[j])
@@ -1336,7 +1336,14 @@ redis.register_function('gw_spool', function(_, a)
         q.plan = nil
         if q.missing then
           if direct then code = NOT_FOUND end
-        elseif not q.ingress then code = INGRESS_DISABLED
+        elseif not q.ingress then  -- a topic's other queues still take it (Solace's
+          -- when-queue-enabled: a shut queue discards without a NACK); one named is refused
+          if direct then
+            code = INGRESS_DISABLED
+          else
+            shut = true
+            redis.call('HINCRBY', k_queue_stats(q.name), 'discarded_shut', 1)
+          end
         elseif q.maxsize > 0 and size > q.maxsize then code = TOO_LARGE
         elseif q.blocked or q.flow_held then code = hold_for_node(q)
         elseif over_quota(q, bytes) and not (q.lvq and fits_replacing(q, props, bytes)) then
@@ -1361,7 +1368,7 @@ redis.register_function('gw_spool', function(_, a)
       end
       if code == OK then
         if nt == 0 then
-          code = direct and NOT_FOUND or NO_SUBSCRIBERS
+          code = direct and NOT_FOUND or (shut and OK or NO_SUBSCRIBERS)
         else
           local plain = key == '' and expires == 0 and not_before == 0
           for i = 1, nt do
