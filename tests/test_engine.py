@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -11,7 +12,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from gateway.broker import Broker
-from gateway.engine import direct, keys, library
+from gateway.engine import direct, keys, library, queues
 from gateway.engine.flows import BindError, Flow
 from gateway.engine.queues import QueueConfig, QueueError
 from gateway.model import Delivery, Message, Outcome
@@ -288,6 +289,24 @@ async def test_egress_disabled_and_queue_deletion(broker: Broker) -> None:
     with pytest.raises(QueueError) as qerr:
         await broker.delete_queue("q")
     assert qerr.value.code == "not_found"
+
+
+def test_every_queue_property_is_compared_on_redeclare_or_changed_at_run_time() -> None:
+    """A property neither compared nor a run-time setting would let a re-declaration with
+    another value pass and keep the old one without a word."""
+    identity = {"name", "created_ms", "owner_connection", "owner_node"}  # set by the broker
+    fields = {f.name for f in dataclasses.fields(QueueConfig)} - identity
+    assert fields == queues.RUNTIME_SETTINGS | set(queues.EQUIVALENCE_FIELDS)
+
+
+@pytest.mark.parametrize("timing", ["partition_rebalance_delay_ms", "partition_handoff_timeout_ms"])
+async def test_redeclaring_a_partitioned_queue_with_other_timings_is_refused(
+    broker: Broker, timing: str
+) -> None:
+    assert await broker.queues.create(QueueConfig(name="pt", partition_count=2))
+    with pytest.raises(QueueError) as err:
+        await broker.queues.create(QueueConfig(name="pt", partition_count=2, **{timing: 9000}))
+    assert err.value.code == "precondition_failed" and timing in str(err.value)
 
 
 async def test_queue_names_and_equivalence(broker: Broker) -> None:

@@ -98,7 +98,7 @@ def _stored_int(h: dict[str, str], name: str, default: int) -> int:
 partition_queue_name = keys.partition_queue
 
 # What QueueStore.update may change on an existing queue.
-_RUNTIME_SETTINGS = {
+RUNTIME_SETTINGS = {
     "permission",
     "overflow",
     "resume_percent",
@@ -114,7 +114,7 @@ _RUNTIME_SETTINGS = {
 def _applied(current: QueueConfig, changes: dict[str, Any], repartition: bool) -> QueueConfig:
     """`current` with `changes` (run-time settings; `repartition`: partition_count too)
     applied, validated as a whole."""
-    allowed = _RUNTIME_SETTINGS | ({"partition_count"} if repartition else set())
+    allowed = RUNTIME_SETTINGS | ({"partition_count"} if repartition else set())
     bad = sorted(set(changes) - allowed)
     if bad:
         raise QueueError("invalid", f"cannot change {', '.join(bad)} on an existing queue")
@@ -397,13 +397,15 @@ class QueueConfig:
 
 # Fields whose change would alter how existing messages or flows behave: a re-declaration
 # with other values is refused (RabbitMQ's property equivalence). The run-time settings
-# (_RUNTIME_SETTINGS: limits, overflow...) are not compared: an operator may have changed
+# (RUNTIME_SETTINGS: limits, overflow...) are not compared: an operator may have changed
 # them since, as a RabbitMQ policy does.
 EQUIVALENCE_FIELDS = (
     "access_type",
     "durable",
     "auto_delete",
     "partition_count",
+    "partition_rebalance_delay_ms",
+    "partition_handoff_timeout_ms",
     "message_groups",
     "default_group",
     "priorities",
