@@ -546,8 +546,8 @@ class Broker:
     async def _route_everywhere(self, ask: bool = True) -> None:
         """Reload the routes here, then (`ask`: something changed) wait until the other
         nodes route by them too: a message another node takes once the caller was
-        answered (a SUBACK, an attach) reaches the new subscription (their 'sub' event
-        alone may be read after it)."""
+        answered (a SUBACK, an attach, an UNSUBACK) reaches the new subscription, and not
+        a removed one (MQTT-3.10.4-2; their 'sub' event alone may be read after it)."""
         await self.router.reload()
         if not ask:
             return
@@ -563,7 +563,7 @@ class Broker:
         changed = await self.queues.change_subscriptions(
             queue, "remove", [(p, syntax) for p in patterns]
         )
-        await self.router.reload()
+        await self._route_everywhere(ask=changed > 0)  # nothing routed by it once answered
         return changed
 
     async def update_queue(

@@ -337,6 +337,18 @@ async def test_deleting_a_queue_removes_its_routes(broker: Broker, second_node: 
     assert await second_node.publish(Message(destination="a/b")) is Outcome.NO_SUBSCRIBERS
 
 
+async def test_a_removed_subscription_routes_nothing_on_any_node_once_answered(
+    broker: Broker, second_node: Broker
+) -> None:
+    """MQTT-3.10.4-2: no new messages once the UNSUBACK is sent, whichever node they
+    come to: the removal waits, as an addition does, for every node to route by it."""
+    await broker.declare_queue(QueueConfig(name="q"), [("a/>", "smf")])
+    assert await second_node.publish(Message(destination="a/0", payload=b"0")) is Outcome.OK
+    assert await broker.unsubscribe_queue("q", ["a/>"]) == 1
+    assert await second_node.publish(Message(destination="a/1")) is Outcome.NO_SUBSCRIBERS
+    assert (await broker.queues.info("q")).messages == 1
+
+
 async def test_direct_subscribers_get_topic_messages(broker: Broker) -> None:
     got: list[Message] = []
     token = await broker.subscribe_direct("sensors/#", "mqtt", got.append)
