@@ -4,6 +4,7 @@ sent over a plain asyncio stream, so a test can send what no client library woul
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import struct
 from dataclasses import dataclass
 
@@ -86,13 +87,14 @@ class Peer:
         return cls(reader, writer)
 
     @classmethod
-    async def opened(cls, port: int, max_frame: int = 65536) -> Peer:
-        """Connected, AMQP header exchanged, open sent and answered, session 0 begun."""
+    async def opened(cls, port: int, max_frame: int = 65536, window: int = 1000) -> Peer:
+        """Connected, AMQP header exchanged, open sent and answered, session 0 begun
+        (taking at most `window` transfers at once)."""
         peer = await cls.connect(port)
         peer.send(AMQP_HEADER + frame(performative(OPEN, "raw", None, uint(max_frame))))
         assert await peer.read_header() == AMQP_HEADER
         assert (await peer.expect(OPEN)).code == OPEN
-        peer.send(frame(performative(BEGIN, None, uint(0), uint(1000), uint(1000))))
+        peer.send(frame(performative(BEGIN, None, uint(0), uint(window), uint(1000))))
         assert (await peer.expect(BEGIN)).code == BEGIN
         return peer
 
@@ -140,15 +142,30 @@ class Peer:
         self.writer.close()
         return True
 
-    def attach(self, name: str, handle: int, role: bool, address: str | None) -> None:
+    def attach(
+        self,
+        name: str,
+        handle: int,
+        role: bool,
+        address: str | None,
+        snd_mode: int = 0,
+        rcv_mode: int = 0,
+    ) -> None:
+        """`snd_mode`: 0 unsettled, 1 settled, 2 mixed; `rcv_mode`: 0 first, 1 second."""
         terminus = Described(ulong(SOURCE if role else TARGET), [address])
         other = Described(ulong(TARGET if role else SOURCE), [None])
         source, target = (terminus, other) if role else (other, terminus)
-        self.send(
-            frame(
-                performative(ATTACH, name, uint(handle), role, ubyte(0), ubyte(0), source, target)
-            )
-        )
+        modes = ubyte(snd_mode), ubyte(rcv_mode)
+        self.send(frame(performative(ATTACH, name, uint(handle), role, *modes, source, target)))
+
+    async def frames_for(self, seconds: float) -> list[Frame]:
+        """Every frame that arrives within `seconds`."""
+        got = []
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                while (f := await self.read()) is not None:
+                    got.append(f)
+        return got
 
     def transfer(
         self,
@@ -200,10 +217,17 @@ class Peer:
         self.writer.close()
 
 
-def flow(handle: int | None, credit: int, delivery_count: int = 0) -> bytes:
-    fields: list = [uint(0), uint(1000), uint(0), uint(1000)]
+def flow(
+    handle: int | None,
+    credit: int,
+    delivery_count: int = 0,
+    drain: bool = False,
+    window: int = 1000,
+) -> bytes:
+    """A flow frame; `window`: the session's incoming window."""
+    fields: list = [uint(0), uint(window), uint(0), uint(1000)]
     if handle is not None:
-        fields += [uint(handle), uint(delivery_count), uint(credit)]
+        fields += [uint(handle), uint(delivery_count), uint(credit), None, drain]
     return frame(performative(FLOW, *fields))
 
 

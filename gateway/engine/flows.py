@@ -197,6 +197,12 @@ class Flow:
         """Give the message back undelivered (AMQP released): the delivery does not count."""
         self._settle("release", entry_id)
 
+    def unsend(self, entry_id: str) -> None:
+        """Give back a message that never reached the consumer (the link closed while it
+        waited to be written): as it was before this flow took it, a first delivery
+        still if it was one."""
+        self._settle("unsent", entry_id)
+
     def avoid(self, entry_id: str, failed: bool) -> None:
         """Give the message back, never to this flow again (AMQP modified with
         undeliverable-here): other consumers get it. `failed`: the delivery counts toward
@@ -1154,11 +1160,13 @@ class Dispatcher:
         elif status == "notowner":
             flow.active = False
             self.request_lease_check(flow.queue)
+            self._empty(flow)  # a standby has nothing for now
         elif status == "noflow":
             self._lost(flow)
         elif status == "noqueue":
             self._queue_gone(flow)
-        # 'egress': paused until the queue's config changes (a 'qcfg' event wakes it)
+        elif status == "egress":  # paused until the queue's config changes (a 'qcfg' event
+            self._empty(flow)  # wakes it): nothing for now, which a drain is told
 
     def _fetch_lost(self, fetch: _Fetch) -> None:
         """A fetch's answer was lost with the connection, so what it took (if it ran) is

@@ -337,8 +337,8 @@ local function deliveries(count)
 end
 
 -- Unsettled entries go back to wait for a flow; on a sorted queue, into their sorted place.
--- `uncount`: the delivery did not count (an AMQP release): its delivery count goes back,
--- marked ACQUIRED.
+-- `uncount`: the delivery did not count, and its delivery count goes back: 'release' (an
+-- AMQP release) marks it ACQUIRED; 'unsent' (it never left the node) keeps it as it was.
 local function park(q, s, ids, uncount)
   ids = drop_superseded(q, s, ids)
   local consumer = park_consumer(q)
@@ -346,8 +346,10 @@ local function park(q, s, ids, uncount)
     for _, id in ipairs(ids) do
       local p = redis.call('XPENDING', s, GROUP, id, id, 1)
       if #p == 1 then
+        local count = p[1][4]
+        local mark = (uncount == 'release' or count >= ACQUIRED) and ACQUIRED or 0
         redis.call('XCLAIM', s, GROUP, consumer, 0, id,
-          'RETRYCOUNT', math.max(deliveries(p[1][4]) - 1, 0) + ACQUIRED, 'JUSTID')
+          'RETRYCOUNT', math.max(deliveries(count) - 1, 0) + mark, 'JUSTID')
       end
     end
   else
@@ -1922,8 +1924,10 @@ local function ack_batch(q, s, a, first, n, bytes, sizes)
 end
 
 -- Settle entries a flow holds. ARGV: mode ('ack' | 'reject' | 'requeue' | 'release': a
--- requeue whose delivery does not count toward max_redelivery | 'avoid', 'avoid_failed':
--- a release, a requeue, and the flow does not get the entries again), then groups of
+-- requeue whose delivery does not count toward max_redelivery | 'unsent': a release of
+-- entries that never reached the client, not even marked acquired | 'avoid',
+-- 'avoid_failed': a release, a requeue, and the flow does not get the entries again),
+-- then groups of
 -- queue, flow, n, their total size, their sizes (n little-endian uint32s in one argument),
 -- then n entry ids. A flow that is no longer bound (released after its node was presumed
 -- dead: its entries went back to the queue) settles nothing; entries it no longer holds
@@ -1980,7 +1984,8 @@ register_always('gw_settle', function(_, a)
       if #mine > 0 then
         if mode ~= 'ack' then  -- back to the queue: requeue, release, avoid, avoid_failed
           if mode == 'avoid' or mode == 'avoid_failed' then avoid(q, mine, flow) end
-          park(q, s, mine, mode == 'release' or mode == 'avoid')
+          local uncount = (mode == 'release' or mode == 'avoid') and 'release'
+          park(q, s, mine, uncount or (mode == 'unsent' and 'unsent'))
           for _, g in ipairs(avoided_groups) do free_avoided_group(q, s, flow, g) end
           redis.call('HINCRBY', k_queue_stats(q), 'requeued', #mine)
           wake(q)

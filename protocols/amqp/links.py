@@ -191,6 +191,7 @@ class Inbound(Endpoint):
         if self.temporary is not None:
             link.target.address = self.temporary
         link.max_message_size = MAX_MESSAGE_SIZE
+        link.snd_settle_mode = link.remote_snd_settle_mode  # the client's, echoed (§2.7.3)
         link.open()
         self.attached = True
         self._top_up()

@@ -45,6 +45,7 @@ from cproton import (
     pn_link_advance,
     pn_link_credit,
     pn_link_get_drain,
+    pn_link_queued,
     pn_link_remote_max_message_size,
 )
 from cproton_ffi import ffi, lib
@@ -149,7 +150,8 @@ class Outbound(Endpoint):
         self.presettled = link.remote_snd_settle_mode == Link.SND_SETTLED
         # the client's attach set it, once: read per delivery it cost a cffi call each
         self.max_message_size = pn_link_remote_max_message_size(link._impl)
-        link.snd_settle_mode = link.remote_snd_settle_mode
+        link.snd_settle_mode = link.remote_snd_settle_mode  # both as asked (§2.7.3): it
+        link.rcv_settle_mode = link.remote_rcv_settle_mode  # settles after the outcome
         link.open()
         self.on_flow()
         self.host.wake()
@@ -288,9 +290,9 @@ class Outbound(Endpoint):
         flow = self.flow
         if flow is None:
             return  # unsettled in the flow: redelivered once the flow closes
-        if not self.live:  # the link is going: given back uncounted, never sent, and no
+        if not self.live:  # the link is going: given back as it was, never sent, and no
             flow.set_credit(0)  # more fetched until the flow closes
-            flow.release(delivery.entry_id)
+            flow.unsend(delivery.entry_id)
             return
         try:
             body = self._encode(delivery)
@@ -317,6 +319,16 @@ class Outbound(Endpoint):
         else:
             self.unsettled[dlv] = (delivery.entry_id, tag)
         self.host.wake()
+
+    def _give_back_unsent(self, flow: Flow) -> None:
+        """Deliveries proton still holds (no credit, or the client's session window shut)
+        were never attempts (§3.2.1): they go back as they were, first deliveries still if
+        they were. Proton writes a link's deliveries in order: the last ones handed to it."""
+        unsent = min(pn_link_queued(self.link._impl), len(self.unsettled))
+        if unsent:
+            for dlv in list(self.unsettled)[-unsent:]:
+                entry_id, _ = self.unsettled.pop(dlv)
+                flow.unsend(entry_id)
 
     def _new_tag(self) -> _Tag:
         raw = ffi.new("char[]", b"%s%x" % (_TAG_PREFIX, next(_TAGS)))
@@ -386,6 +398,7 @@ class Outbound(Endpoint):
         self.closed = True
         if self.flow is not None:
             flow, self.flow = self.flow, None
+            self._give_back_unsent(flow)
             await flow.close()
         if ended and self.durable is not None:
             name, self.durable = self.durable, None

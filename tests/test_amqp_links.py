@@ -1,0 +1,151 @@
+"""AMQP 1.0 link negotiation and credit, frame by frame (a raw peer, tests/amqp_raw.py):
+settlement modes echoed on attach, a drain answered while a queue's egress is off, and
+deliveries a link took but never put on the wire given back as they were."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from proton import Described, uint, ulong
+from proton import Message as AmqpMessage
+
+from gateway.broker import Broker, QueueConfig
+from gateway.config import Settings
+from gateway.model import Message
+from protocols.amqp.listener import Listener
+from protocols.amqp.listener import start as start_amqp
+from tests.amqp_raw import (
+    ACCEPTED,
+    ATTACH,
+    DETACH,
+    DISPOSITION,
+    FLOW,
+    RECEIVER,
+    SENDER,
+    TRANSFER,
+    Peer,
+    flow,
+    frame,
+    performative,
+)
+from tests.redis_proxy import CuttingProxy
+from tests.test_redis_outages import node, proxy  # noqa: F401
+
+UNSETTLED, SETTLED = 0, 1  # snd-settle-mode
+SECOND = 1  # rcv-settle-mode
+
+
+async def fill(broker: Broker, queue: str, count: int) -> None:
+    await broker.queues.create(QueueConfig(name=queue))
+    for i in range(count):
+        await broker.publish(Message(queue, b"%d" % i, to_queue=True))
+
+
+async def first_deliveries(port: int, queue: str, count: int) -> list[tuple[bytes, int, bool]]:
+    """(body, header delivery-count, first-acquirer) of `count` messages a new link gets."""
+    peer = await Peer.opened(port)
+    peer.attach("check", 0, RECEIVER, queue)
+    await peer.expect(ATTACH)
+    peer.send(flow(0, count))
+    got = []
+    for _ in range(count):
+        message = AmqpMessage()
+        message.decode((await peer.expect(TRANSFER)).payload)
+        got.append((bytes(message.body), message.delivery_count, message.first_acquirer))
+    peer.close()
+    return sorted(got)
+
+
+async def detach(peer: Peer) -> None:
+    peer.send(frame(performative(DETACH, uint(0), True)))
+    await peer.expect(DETACH)
+    await asyncio.sleep(0.3)  # the link's flow is closed after the detach is answered
+
+
+@pytest.mark.parametrize("mode", [UNSETTLED, SETTLED], ids=["unsettled", "settled"])
+async def test_a_sending_clients_settle_mode_is_echoed(
+    broker: Broker, amqp: Listener, mode: int
+) -> None:
+    """§2.7.3: the sender's snd-settle-mode is the mode in use; clients that check the
+    answer (go-amqp) refuse a link answered with another one."""
+    await broker.queues.create(QueueConfig(name="in"))
+    peer = await Peer.opened(amqp.port)
+    peer.attach("s", 0, SENDER, "in", snd_mode=mode)
+    answer = await peer.expect(ATTACH)
+    assert answer.fields[6] is not None and int(answer.fields[3]) == mode
+    peer.close()
+
+
+async def test_a_receiving_clients_rcv_settle_mode_second_is_echoed_and_kept(
+    broker: Broker, amqp: Listener
+) -> None:
+    await fill(broker, "out", 1)
+    peer = await Peer.opened(amqp.port)
+    peer.attach("r", 0, RECEIVER, "out", snd_mode=UNSETTLED, rcv_mode=SECOND)
+    assert int((await peer.expect(ATTACH)).fields[4]) == SECOND
+    peer.send(flow(0, 1))
+    transfer = await peer.expect(TRANSFER)
+    accepted = Described(ulong(ACCEPTED), [])  # the client's outcome, unsettled (mode second)
+    peer.send(frame(performative(DISPOSITION, RECEIVER, transfer.fields[1], None, False, accepted)))
+    settled = await peer.expect(DISPOSITION)
+    assert settled.fields[3] is True  # the gateway settles after the outcome
+    await asyncio.sleep(0.2)
+    assert (await broker.queues.info("out")).messages == 0
+    peer.close()
+
+
+async def test_a_drain_is_answered_while_the_queues_egress_is_off(
+    broker: Broker, amqp: Listener
+) -> None:
+    """§2.6.7: a sender that cannot use a drain's credit uses it up and says so."""
+    await broker.queues.create(QueueConfig(name="paused"))
+    peer = await Peer.opened(amqp.port)
+    peer.attach("r", 0, RECEIVER, "paused")
+    await peer.expect(ATTACH)
+    await broker.update_queue("paused", {"egress_enabled": False})
+    await asyncio.sleep(0.3)
+    peer.send(flow(0, 5, drain=True))
+    answer = await peer.expect(FLOW)
+    assert (answer.fields[5], answer.fields[6]) == (5, 0)  # delivery-count, credit
+    peer.close()
+
+
+async def test_deliveries_the_clients_session_window_held_back_come_back_as_they_were(
+    broker: Broker, amqp: Listener
+) -> None:
+    """Never put on the wire, they were no attempts (§3.2.1): a first delivery next time,
+    not a failed one counting toward max_redelivery."""
+    await fill(broker, "windowed", 5)
+    peer = await Peer.opened(amqp.port, window=1)
+    peer.attach("r", 0, RECEIVER, "windowed")
+    await peer.expect(ATTACH)
+    peer.send(flow(0, 5, window=1))
+    await peer.expect(TRANSFER)  # "0": on the wire, left unsettled
+    assert [f.code for f in await peer.frames_for(0.5)] == []  # the rest wait for the window
+    await detach(peer)
+    got = await first_deliveries(amqp.port, "windowed", 5)
+    assert got == [(b"0", 1, False)] + [(b"%d" % i, 0, True) for i in range(1, 5)]
+
+
+async def test_deliveries_fetched_as_the_credit_went_to_zero_come_back_as_they_were(
+    node: Broker,  # noqa: F811
+    proxy: CuttingProxy,  # noqa: F811
+) -> None:
+    listener = await start_amqp(node, Settings(amqp_port=0, host="127.0.0.1"))
+    try:
+        await fill(node, "stopped", 5)
+        peer = await Peer.opened(listener.port)
+        peer.attach("r", 0, RECEIVER, "stopped")
+        await peer.expect(ATTACH)
+        proxy.delay_on, proxy.delay = b"gw_fetch", 0.5
+        peer.send(flow(0, 5))
+        await asyncio.sleep(0.2)  # the fetch is under way
+        peer.send(flow(0, 0))  # the client stops the link: nothing may be sent now
+        assert [f.code for f in await peer.frames_for(1.0)] == []
+        await detach(peer)
+        proxy.delay_on = None
+        got = await first_deliveries(listener.port, "stopped", 5)
+        assert got == [(b"%d" % i, 0, True) for i in range(5)]
+    finally:
+        await listener.close()
