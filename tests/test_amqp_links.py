@@ -149,3 +149,22 @@ async def test_deliveries_fetched_as_the_credit_went_to_zero_come_back_as_they_w
         assert got == [(b"%d" % i, 0, True) for i in range(5)]
     finally:
         await listener.close()
+
+
+async def test_presettled_deliveries_are_acked_once_written_and_kept_if_never_written(
+    broker: Broker, amqp: Listener
+) -> None:
+    """At most once (snd-settle-mode settled): what went on the wire is gone from the
+    queue; what the client's session window held back when the link closed is not lost."""
+    await fill(broker, "atmostonce", 5)
+    peer = await Peer.opened(amqp.port, window=2)
+    peer.attach("r", 0, RECEIVER, "atmostonce", snd_mode=SETTLED)
+    await peer.expect(ATTACH)
+    peer.send(flow(0, 5, window=2))
+    sent = [await peer.expect(TRANSFER) for _ in range(2)]
+    assert all(t.fields[4] is True for t in sent)  # settled
+    assert [f.code for f in await peer.frames_for(0.5)] == []  # the rest wait for the window
+    assert (await broker.queues.info("atmostonce")).messages == 3  # the two written: acked
+    await detach(peer)
+    got = await first_deliveries(amqp.port, "atmostonce", 3)
+    assert got == [(b"%d" % i, 0, True) for i in range(2, 5)]

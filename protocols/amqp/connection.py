@@ -118,6 +118,7 @@ class AmqpConnection(asyncio.Protocol):
         self._shutdown: asyncio.TimerHandle | None = None  # the abort after CLOSE_GRACE
         self._handshake: asyncio.TimerHandle | None = None
         self._detaching: dict[str, asyncio.Future[None]] = {}  # link name -> its close
+        self._write_watchers: set[Outbound] = set()  # see watch_writes
 
     # -- asyncio.Protocol ------------------------------------------------------------------
 
@@ -180,6 +181,9 @@ class AmqpConnection(asyncio.Protocol):
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         self.registry.spawn(coro)
+
+    def watch_writes(self, endpoint: Outbound) -> None:
+        self._write_watchers.add(endpoint)
 
     def wake(self) -> None:
         """Process engine events and write output at the end of this loop turn."""
@@ -255,6 +259,8 @@ class AmqpConnection(asyncio.Protocol):
                 self._close_socket()
                 return False
             if pending == 0:
+                if self._write_watchers:
+                    self._write_watchers = {e for e in self._write_watchers if e.written()}
                 return True
             buffer = ffi.new("char[]", pending)
             lib.pn_transport_peek(impl, buffer, pending)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import unquote
 
 from cproton import (
@@ -37,6 +37,9 @@ from gateway.model import Publisher
 from protocols.amqp import mapping, sections
 from protocols.amqp.nodes import DynamicNodes, Lifetime, lifetime
 from protocols.amqp.terminus import capabilities
+
+if TYPE_CHECKING:  # outbound.py imports this module
+    from protocols.amqp.outbound import Outbound
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +100,10 @@ class Host(Protocol):
     nodes: DynamicNodes
 
     def wake(self) -> None: ...
+
+    def watch_writes(self, endpoint: Outbound) -> None:
+        """Call `endpoint.written()` after each write of proton's output, while it says
+        it waits for more."""
 
 
 class Endpoint:

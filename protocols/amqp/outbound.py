@@ -25,6 +25,7 @@ then is the unused credit handed back.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import logging
@@ -91,6 +92,9 @@ class Outbound(Endpoint):
         super().__init__(host, link)
         self.flow: Flow | None = None
         self.presettled = False
+        # entry ids of pre-settled deliveries proton may not have written yet, in order:
+        # acked once written (at most once), given back if the link closes before
+        self._presettled: collections.deque[str] = collections.deque()
         self.max_message_size = 0  # the client's, from its attach (0: no limit)
         self.durable: str | None = None  # durable subscription queue, deleted on link close
         self.shared = False  # a shared subscription's: deleted once no other link consumes
@@ -315,16 +319,35 @@ class Outbound(Endpoint):
         if self.presettled:
             pn_delivery_settle(dlv)
             self._free_tags.append(tag)
-            flow.ack(delivery.entry_id)
+            if not self._presettled:
+                self.host.watch_writes(self)
+            self._presettled.append(delivery.entry_id)
         else:
             self.unsettled[dlv] = (delivery.entry_id, tag)
         self.host.wake()
 
+    def written(self) -> bool:
+        """The connection wrote proton's output: ack the pre-settled deliveries it took
+        (proton writes a link's deliveries in order, the last `queued` wait). Whether
+        some still wait."""
+        flow, waiting = self.flow, self._presettled
+        held = pn_link_queued(self.link._impl)
+        while len(waiting) > held:
+            entry_id = waiting.popleft()
+            if flow is not None:
+                flow.ack(entry_id)
+        return bool(waiting)
+
     def _give_back_unsent(self, flow: Flow) -> None:
         """Deliveries proton still holds (no credit, or the client's session window shut)
         were never attempts (§3.2.1): they go back as they were, first deliveries still if
-        they were. Proton writes a link's deliveries in order: the last ones handed to it."""
-        unsent = min(pn_link_queued(self.link._impl), len(self.unsettled))
+        they were; pre-settled ones are not lost. Proton writes a link's deliveries in
+        order, so they are the last ones handed to it."""
+        queued = pn_link_queued(self.link._impl)
+        waiting, self._presettled = self._presettled, collections.deque()
+        for i, entry_id in enumerate(waiting):
+            (flow.unsend if i >= len(waiting) - queued else flow.ack)(entry_id)
+        unsent = min(queued, len(self.unsettled))
         if unsent:
             for dlv in list(self.unsettled)[-unsent:]:
                 entry_id, _ = self.unsettled.pop(dlv)
