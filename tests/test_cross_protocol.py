@@ -81,7 +81,7 @@ async def test_mqtt5_publish_reaches_amqp_receiver_mapped(
     assert bytes(msg.body) == b'{"t": 21.5}'
     assert msg.group_id == "dev-7"
     assert bytes(msg.correlation_id) == b"corr-42"
-    assert msg.reply_to == "replies/pub-1"
+    assert msg.reply_to == "topic://replies/pub-1"  # an address: a bare name is a queue
     assert msg.content_type == "application/json"
     assert msg.durable is True
     props = dict(msg.properties or {})

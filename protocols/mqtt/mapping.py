@@ -13,7 +13,7 @@ The MQTT rows of the mapping table (ARCHITECTURE.md), both directions:
 | not_before | user property `x-opt-delivery-time` (epoch ms) / `x-opt-delivery-delay` (ms) | none |
 | persistent | QoS > 0 | QoS > 0 |
 | correlation_id | Correlation Data (bytes; str/int egress as UTF-8) | none |
-| reply_to | Response Topic | none |
+| reply_to | Response Topic (`topic://` address; a queue's is left out) | none |
 | content_type | Content Type | none |
 | annotations `x-mqtt-payload-format` | Payload Format Indicator | none |
 | annotations `x-mqtt-qos` | 2 for a QoS 2 publish (QoS 0/1: from persistent) | same |
@@ -38,7 +38,15 @@ from __future__ import annotations
 import math
 import time
 
-from gateway.model import DEFAULT_PRIORITY, LATEST_MS, Message, PropertyValue, Publisher
+from gateway.model import (
+    DEFAULT_PRIORITY,
+    LATEST_MS,
+    QUEUE_ADDRESS,
+    TOPIC_ADDRESS,
+    Message,
+    PropertyValue,
+    Publisher,
+)
 from protocols.mqtt.codec import Properties, Publish, Will, encode_publish
 
 GROUP_ID = "JMSXGroupId"
@@ -87,7 +95,8 @@ def _apply_properties(msg: Message, props: Properties) -> None:
     if props.message_expiry_interval is not None:
         msg.expiration = now_ms() + props.message_expiry_interval * 1000
     msg.content_type = props.content_type
-    msg.reply_to = props.response_topic
+    if props.response_topic is not None:  # an address: a bare name would be a queue
+        msg.reply_to = TOPIC_ADDRESS + props.response_topic
     msg.correlation_id = props.correlation_data
     if props.payload_format_indicator is not None:
         msg.annotations[PAYLOAD_FORMAT] = props.payload_format_indicator
@@ -147,6 +156,8 @@ def message_qos(msg: Message) -> int:
 def _text(value: PropertyValue) -> str:
     if isinstance(value, str):
         return _mqtt_string(value)
+    if isinstance(value, bool):  # as JMS, JSON and the Spark source spell them
+        return "true" if value else "false"
     if isinstance(value, bytes):
         return _mqtt_string(value.decode("utf-8", "replace"))
     return "" if value is None else str(value)
@@ -179,7 +190,7 @@ def egress_properties(
     if corr is not None and not isinstance(corr, bytes):
         corr = str(corr).encode()
     fmt = msg.annotations.get(PAYLOAD_FORMAT)
-    reply = msg.reply_to or ""  # one MQTT cannot reply to (wildcards: MQTT-3.3.2-14) stays out
+    reply = _response_topic(msg.reply_to)
     props = Properties(
         payload_format_indicator=fmt if fmt in (0, 1) else None,
         message_expiry_interval=expiry,
@@ -190,6 +201,14 @@ def egress_properties(
         user_properties=user,
     )
     return None if props.is_empty() else props
+
+
+def _response_topic(reply_to: str | None) -> str:
+    """The topic of a reply-to address; "" for none, or one MQTT cannot reply to: a queue
+    (a bare name passes, as stored before addresses were), a filter (MQTT-3.3.2-14)."""
+    if not reply_to or reply_to.startswith(QUEUE_ADDRESS):
+        return ""
+    return reply_to[len(TOPIC_ADDRESS) :] if reply_to.startswith(TOPIC_ADDRESS) else reply_to
 
 
 def _says_priority(props: list[tuple[str, PropertyValue]], priority: int) -> bool:
