@@ -18,7 +18,10 @@ from protocols.mqtt.codec import (
     Connack,
     Disconnect,
     Properties,
+    Pubcomp,
     Publish,
+    Pubrec,
+    Pubrel,
     Suback,
     Subscribe,
     SubscriptionOptions,
@@ -282,3 +285,45 @@ async def test_a_session_not_resumed_for_its_deleted_queue_leaves_its_groups(
     assert not ack.session_present
     assert await broker.redis.zscore(members, "ghost") is None
     raw.close()
+
+
+async def test_pubrels_are_sent_again_in_the_order_their_pubrecs_came(mqtt: Listener) -> None:
+    """MQTT-4.6.0-3. A new connection numbers packets from 1 again, so a message PUBREC'd
+    there can have a smaller id than one PUBREC'd before: ids do not give the order."""
+    cid = "pubrel-order"
+    sub, _ = await Raw.connected(mqtt.port, 4, client_id=cid, clean_start=False)
+    await sub.send(Subscribe(1, [("po/#", SubscriptionOptions(qos=2))]))
+    assert await sub.recv() == Suback(1, [2])
+    pub, _ = await Raw.connected(mqtt.port, 4, client_id="po-pub")
+
+    async def publish(payload: bytes, pid: int) -> Publish:
+        await pub.send(Publish("po/t", payload, qos=2, packet_id=pid))
+        assert await pub.recv() == Pubrec(pid)
+        await pub.send(Pubrel(pid))
+        assert await pub.recv() == Pubcomp(pid)
+        delivered = await sub.recv()
+        assert isinstance(delivered, Publish) and delivered.payload == payload
+        await sub.send(Pubrec(delivered.packet_id))
+        assert await sub.recv() == Pubrel(delivered.packet_id)
+        return delivered
+
+    first = [await publish(b"a%d" % i, i + 1) for i in range(3)]
+    for done in first[:2]:
+        await sub.send(Pubcomp(done.packet_id))
+    await sub.ping()
+    sub.close()  # the third's PUBCOMP never sent
+    await asyncio.sleep(0.3)
+    sub, _ = await Raw.connected(mqtt.port, 4, client_id=cid, clean_start=False)
+    assert await sub.recv() == Pubrel(first[2].packet_id)
+    later = await publish(b"b", 9)
+    assert later.packet_id < first[2].packet_id
+    await sub.ping()
+    sub.close()  # neither PUBCOMP sent
+    await asyncio.sleep(0.3)
+    sub, _ = await Raw.connected(mqtt.port, 4, client_id=cid, clean_start=False)
+    assert [await sub.recv() for _ in range(2)] == [
+        Pubrel(first[2].packet_id),
+        Pubrel(later.packet_id),
+    ]
+    pub.close()
+    sub.close()

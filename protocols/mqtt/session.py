@@ -459,7 +459,7 @@ class Session:
                     log.warning("MQTT client %r: %s not resumed: %s", self.client_id, pattern, exc)
             elif options.qos == 0:
                 await self._subscribe_direct(pattern)
-        for pid in sorted(state.pubrel_out):
+        for pid in state.pubrel_out:
             self._send(Pubrel(pid))
         if state.queue is not None:
             await self._bind(state.queue)
@@ -1030,7 +1030,7 @@ class Session:
                 return
             self._settle(item[0], item[1])
             if p.reason_code < 0x80:
-                state.pubrel_out.add(p.packet_id)
+                state.pubrel_out[p.packet_id] = None
                 self._pubrel_changed()
                 self._send(Pubrel(p.packet_id))
             if item[0] is None or self._retained_waiting:
@@ -1052,7 +1052,7 @@ class Session:
         state = self.state
         assert state is not None
         if p.packet_id in state.pubrel_out:
-            state.pubrel_out.discard(p.packet_id)
+            del state.pubrel_out[p.packet_id]
             self._pubrel_changed()
             self._send_held_out()
 

@@ -52,7 +52,9 @@ class SessionState:
     trie: SubscriptionTrie[str] = field(default_factory=lambda: SubscriptionTrie(64))
     queue: str | None = None
     qos2_in: set[int] = field(default_factory=set)  # mirror of the Redis exactly-once set
-    pubrel_out: set[int] = field(default_factory=set)  # PUBREL sent, PUBCOMP not yet seen
+    # PUBREL sent, PUBCOMP not yet seen: in the order of their PUBRECs, the order they are
+    # sent again in on a new connection (MQTT-4.6.0-3)
+    pubrel_out: dict[int, None] = field(default_factory=dict)
     # QoS 1/2 messages of the session's queue in flight when its last connection ended:
     # entry id -> packet id, resent with that id (MQTT-4.4.0-1)
     resend_ids: dict[str, int] = field(default_factory=dict)
@@ -98,7 +100,7 @@ class SessionState:
             "expiry": self.expiry,
             "queue": self.queue,
             "subs": subs,
-            "pubrel": sorted(self.pubrel_out),
+            "pubrel": list(self.pubrel_out),
             "resend": self.resend_ids,
             "resend_shared": self.resend_shared,
             "resend_retained": self.resend_retained,
@@ -114,7 +116,7 @@ class SessionState:
             state.set_subscription(pattern, SubscriptionOptions(qos, no_local, rap, handling))
             if sub_id is not None:
                 state.set_subscription_id(pattern, sub_id)
-        state.pubrel_out = set(blob["pubrel"])
+        state.pubrel_out = dict.fromkeys(blob["pubrel"])
         state.resend_ids = blob.get("resend", {})  # absent in states saved before
         state.resend_shared = blob.get("resend_shared", {})
         state.resend_retained = blob.get("resend_retained", {})
