@@ -535,3 +535,26 @@ async def test_qos1_across_two_gateway_nodes(broker: Broker, redis_url: str) -> 
         await node_b.close()
         await other.stop()
         await other.redis.aclose()
+
+
+async def test_a_qos2_resend_is_answered_as_its_first_copy_once_that_is_decided(
+    mqtt: Listener, broker: Broker
+) -> None:
+    """A DUP that comes while the first copy waits (producer flow control) gets no
+    PUBREC before it: MQTT 3.1.1 gets none for a refused publish, so the client sends it
+    again, where an early PUBREC would have it believe a message stored that was not."""
+    await broker.declare_queue(QueueConfig(name="fc", max_messages=1, overflow="flow_control"))
+    await broker.subscribe_queue("fc", ["fc/#"], "mqtt")
+    pub, _ = await Raw.connected(mqtt.port, 4, client_id="fc-pub")
+    await pub.send(Publish("fc/t", b"first", qos=1, packet_id=1))
+    assert await pub.recv() == Puback(1)
+    await pub.send(Publish("fc/t", b"held", qos=2, packet_id=3))
+    await asyncio.sleep(0.3)
+    await pub.send(Publish("fc/t", b"held", qos=2, packet_id=3, dup=True))
+    with pytest.raises(TimeoutError):
+        await pub.recv(timeout=0.3)  # both wait
+    await broker.update_queue("fc", {"overflow": "reject"})
+    with pytest.raises(TimeoutError):
+        await pub.recv(timeout=0.8)  # refused: no PUBREC for either
+    assert (await broker.queues.info("fc")).messages == 1
+    pub.close()

@@ -223,6 +223,7 @@ class Session:
         self._unresolved = 0  # of them, those still waiting for the spool
         self._resolved: asyncio.Future[None] | None = None  # set when that reaches 0
         self._qos1_in = 0
+        self._storing: dict[int, asyncio.Future[Outcome]] = {}  # QoS 2 ids being stored
         self._spooling = 0
         self._publisher: Publisher | None = None  # shared by this session's messages
         # packet id -> (queue, entry id, qos); queue None: not from a queue (retained)
@@ -560,6 +561,13 @@ class Session:
             return
         pid = p.packet_id or 0  # set whenever qos > 0 (the decoder checks)
         if p.qos == 2 and pid in state.qos2_in:  # resent before PUBREL: do not spool again
+            storing = self._storing.get(pid)
+            if storing is not None:  # the first is not stored yet: answered as it is
+                self._unresolved += 1
+                ack = _Ack(self, 2, pid, ReasonCode.SUCCESS, None)
+                self._acks.append(ack)
+                storing.add_done_callback(ack.from_future)
+                return
             self._acks.append(_Ack(self, 2, pid, ReasonCode.SUCCESS, _DECIDED))
             self._flush_acks()
             return
@@ -601,6 +609,8 @@ class Session:
         self._acks.append(ack)
         fut = asyncio.ensure_future(self._mark_received(self.broker.publish_nowait(msg), pid))
         fut.add_done_callback(ack.from_future)
+        self._storing[pid] = fut
+        fut.add_done_callback(lambda _: self._storing.pop(pid, None))
 
     async def _mark_received(self, spooled: asyncio.Future[Outcome], pid: int) -> Outcome:
         """QoS 2: record the id in Redis once the message is stored, before the PUBREC, so a
