@@ -250,3 +250,35 @@ async def test_a_session_resumed_elsewhere_with_expiry_0_keeps_its_queue_while_c
     assert isinstance(got, Publish) and got.payload == b"still here", got
     second.close()
     pub.close()
+
+
+async def test_qos0_messages_relayed_to_another_node_keep_their_order(
+    mqtt: Listener, mqtt2: Listener
+) -> None:
+    """MQTT-4.6.0-6: a subscriber on the other node gets one publisher's QoS 0 messages in
+    the order sent, as one on the publisher's node does."""
+    far, _ = await Raw.connected(mqtt2.port, 4, client_id="far")
+    near, _ = await Raw.connected(mqtt.port, 4, client_id="near")
+    for sub in (far, near):
+        await sub.send(Subscribe(1, [("o/#", SubscriptionOptions(qos=0))]))
+        assert await sub.recv() == Suback(1, [0])
+    pub, _ = await Raw.connected(mqtt.port, 4, client_id="opub")
+    n = 6000
+    got: dict[str, list[int]] = {"far": [], "near": []}
+
+    async def read(name: str, sub: Raw) -> None:
+        while len(got[name]) < n:
+            packet = await sub.recv(timeout=5)
+            if isinstance(packet, Publish):
+                got[name].append(int(packet.payload))
+
+    readers = [asyncio.ensure_future(read("far", far)), asyncio.ensure_future(read("near", near))]
+    for i in range(n):
+        await pub.send(Publish("o/x", b"%d" % i))
+        await asyncio.sleep(0)  # one a loop turn: as many relay batches as can be
+    await asyncio.wait(readers, timeout=20)
+    for task in readers:
+        task.cancel()
+    for client in (pub, far, near):
+        client.close()
+    assert got == {"far": list(range(n)), "near": list(range(n))}

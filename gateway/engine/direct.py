@@ -1,11 +1,12 @@
 """Direct topic subscribers (not spooled, e.g. MQTT QoS 0) across nodes.
 
 Subscribers are matched in a trie on their own node. A topic message published on a node
-reaches that node's subscribers at once, and is relayed over Redis pub/sub (batched per
-event-loop turn) only while another node has direct subscribers: nodes announce themselves
-in a Redis set and tell the others through the event channel, and a node's first
-subscriber is told its subscription holds (`subscribe` returns) only once every other node
-that got the announcement answered that it relays from then on. At most once, like QoS 0.
+reaches that node's subscribers at once, and is relayed over Redis pub/sub (in order, in
+batches of what gathered while the one before was sent) only while another node has
+direct subscribers: nodes announce themselves in a Redis set and tell the others through
+the event channel, and a node's first subscriber is told its subscription holds
+(`subscribe` returns) only once every other node that got the announcement answered that
+it relays from then on. At most once, like QoS 0.
 A message with a later delivery time is held on its node until then, as a spooled one is
 (at most MAX_HELD at a time: beyond that it is dropped, as QoS 0 may be).
 """
@@ -55,6 +56,7 @@ class DirectRelay:
         self._announcing: asyncio.Task | None = None  # the latest (with)drawal of that
         self._announce_lock = asyncio.Lock()  # one at a time, in order
         self._outbox: list[bytes] = []
+        self._relayer: asyncio.Task | None = None  # sends _outbox, batch after batch
         self._tasks: set[asyncio.Task] = set()
         self._held: set[asyncio.TimerHandle] = set()
         self.relayed = 0
@@ -102,9 +104,9 @@ class DirectRelay:
         if self._callbacks:
             self._deliver(msg)
         if self._others:
-            if not self._outbox:
-                asyncio.get_running_loop().call_soon(self._flush)
             self._outbox.append(encode(msg))
+            if self._relayer is None:
+                self._relayer = self._spawn(self._relay())
 
     def told(self, node: str) -> bool:
         """`node` announced or withdrew itself (or was reaped). Relay from now on, before
@@ -210,17 +212,22 @@ class DirectRelay:
                 await self._redis.publish(keys.events, f"direct {self._node}")
                 self._listed = False
 
-    def _flush(self) -> None:
-        batch, self._outbox = self._outbox, []
-        self.relayed += len(batch)
-        data = self._node.encode() + b"\n" + msgpack.packb(batch, use_bin_type=True)
-        self._spawn(self._relay(data, len(batch)))
-
-    async def _relay(self, data: bytes, count: int) -> None:
+    async def _relay(self) -> None:
+        """One batch at a time, each what gathered while the one before was sent: two
+        PUBLISHes in flight on two pooled connections could reach Redis in either order,
+        and a topic's messages must not overtake each other (MQTT-4.6.0-6)."""
         try:
-            await self._redis.publish(keys.direct_channel, data)
-        except RedisError as exc:  # at most once, as QoS 0 is
-            log.warning("%d direct messages not relayed to other nodes: %s", count, exc)
+            await asyncio.sleep(0)  # this turn's messages go together
+            while self._outbox:
+                batch, self._outbox = self._outbox, []
+                self.relayed += len(batch)
+                data = self._node.encode() + b"\n" + msgpack.packb(batch, use_bin_type=True)
+                try:
+                    await self._redis.publish(keys.direct_channel, data)
+                except RedisError as exc:  # at most once, as QoS 0 is
+                    log.warning("%d direct messages not relayed: %s", len(batch), exc)
+        finally:
+            self._relayer = None
 
     def _received(self, data: bytes) -> None:
         origin, _, body = data.partition(b"\n")
