@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -210,5 +212,41 @@ async def test_qos0_subscriber_on_another_node(redis_url: str) -> None:
         await pub.send(Publish("far/x", b"hello"))
         got = await sub.recv()
         assert isinstance(got, Publish) and (got.topic, got.payload) == ("far/x", b"hello")
+        pub.close()
+        sub.close()
+
+
+async def test_a_qos2_message_in_flight_on_a_node_presumed_dead_a_while_is_not_sent_again(
+    redis_url: str,
+) -> None:
+    """A node only slow (stopped for three node TTLs): presumed dead, its flows were given
+    back, and once it runs again its flow takes the unanswered message again. Its client
+    has it under a packet id already: it must not get it again under another (exactly
+    once, MQTT-4.3.3; a resend keeps its packet id, MQTT-4.4.0-1)."""
+    async with (
+        serve("--redis-url", redis_url) as (slow, port),
+        serve("--redis-url", redis_url) as (_, other_port),  # it presumes the first dead
+    ):
+        sub, _ = await Raw.connected(port, 5, client_id="slowsub", properties=KEEP)
+        await sub.send(Subscribe(1, [("p2/#", SubscriptionOptions(qos=2))]))
+        assert await sub.recv() == Suback(1, [2])
+        pub, _ = await Raw.connected(other_port, 4, client_id="p2pub")
+        await pub.send(Publish("p2/x", b"exactly-once", qos=2, packet_id=1))
+        assert await pub.recv() == Pubrec(1)
+        await pub.send(Pubrel(1))
+        assert await pub.recv() == Pubcomp(1)
+        first = await sub.recv()
+        assert isinstance(first, Publish) and first.payload == b"exactly-once"
+        os.kill(slow.proc.pid, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(3.0)  # node TTL 1 s (node_env)
+        finally:
+            os.kill(slow.proc.pid, signal.SIGCONT)
+        with pytest.raises(TimeoutError):
+            again = await sub.recv(timeout=3)
+            pytest.fail(f"sent again: {again}")
+        await sub.send(Pubrec(first.packet_id))
+        assert await sub.recv() == Pubrel(first.packet_id)
+        await sub.send(Pubcomp(first.packet_id))
         pub.close()
         sub.close()

@@ -733,7 +733,14 @@ class Session:
         self._deliver(msg, None, None, False)
 
     def _on_delivery(self, delivery: Delivery) -> None:
-        self._deliver(delivery.message, delivery.queue, delivery.entry_id, delivery.redelivered)
+        queue, entry_id = delivery.queue, delivery.entry_id
+        if delivery.redelivered and self._inflight and self._in_flight(queue, entry_id):
+            return  # its flow took it again (its node was presumed dead a while): the client
+            # has it under its packet id, and its answer settles it (MQTT-4.3.3, -4.4.0-1)
+        self._deliver(delivery.message, queue, entry_id, delivery.redelivered)
+
+    def _in_flight(self, queue: str, entry_id: str) -> bool:
+        return any(q == queue and e == entry_id for q, e, _ in self._inflight.values())
 
     def _deliver(self, msg: Message, queue: str | None, entry_id: str | None, dup: bool) -> None:
         """Send one message; `entry_id` None: a direct (QoS 0, not spooled) message."""
