@@ -128,6 +128,7 @@ __all__ = [
     "StoreError",
 ]
 
+HANDOVER_CHECK_S = 0.5  # how often a handover's wait looks whether the old node still lives
 REFRESH_RETRY_S = 1.0  # a routing table or direct-subscriber list Redis did not answer
 
 log = logging.getLogger(__name__)
@@ -352,23 +353,35 @@ class Broker:
 
     async def handed_over(self, client_id: str, before: str, timeout: float) -> bool:
         """Wait until the connection `before` held on another node has ended (its teardown
-        saved what the session needs next), at most `timeout` seconds: False if it did not."""
+        saved what the session needs next), at most `timeout` seconds: False if it did not,
+        or once its node is presumed dead (it never will: a crashed node saves nothing)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
+        node = before.split(" ", 1)[0]
         try:
             while True:
                 fut = self._handovers.get(client_id)
                 if fut is None:
                     return False
+                wait = min(deadline - loop.time(), HANDOVER_CHECK_S)
                 try:
-                    ended = await asyncio.wait_for(asyncio.shield(fut), deadline - loop.time())
+                    ended = await asyncio.wait_for(asyncio.shield(fut), wait)
                 except TimeoutError:
-                    return False
+                    if loop.time() >= deadline or not await self._node_alive(node):
+                        return False
+                    continue
                 if ended == before:
                     return True
                 self._handovers[client_id] = loop.create_future()  # an older one's end
         finally:
             self._handovers.pop(client_id, None)
+
+    async def _node_alive(self, node: str) -> bool:
+        """Not presumed dead (in doubt, when Redis does not answer, alive)."""
+        try:
+            return bool(await self.redis.exists(keys.node_alive(node)))
+        except StoreError:
+            return True
 
     async def client_held(self, client_id: str) -> bool:
         """Whether a connection, on this node or another live one, holds `client_id`."""

@@ -250,3 +250,31 @@ async def test_a_qos2_message_in_flight_on_a_node_presumed_dead_a_while_is_not_s
         await sub.send(Pubcomp(first.packet_id))
         pub.close()
         sub.close()
+
+
+async def test_a_client_of_a_crashed_node_is_taken_once_that_node_is_presumed_dead(
+    redis_url: str,
+) -> None:
+    """A crashed node never saves nor releases the session: a survivor loads it once the
+    node is presumed dead (the node TTL), not after the 15 s a live node's teardown gets."""
+    argv = [*GATEWAY, "serve", "--redis-url", redis_url, "--mqtt-port", "0", "--admin-port",
+            "0", "--amqp-port", "0"]  # fmt: skip
+    crashing = await Proc.start(argv, node_env())
+    try:
+        port = (await crashing.wait_event("ready", timeout=30))["mqtt_port"]
+        async with serve("--redis-url", redis_url) as (_, other_port):
+            first, _ = await Raw.connected(port, 5, client_id="roamer", properties=KEEP)
+            await first.send(Subscribe(1, [("r/#", SubscriptionOptions(qos=1))]))
+            assert await first.recv() == Suback(1, [1])
+            crashing.kill()
+            await crashing.proc.wait()
+            started = asyncio.get_running_loop().time()
+            second, ack = await Raw.connected(
+                other_port, 5, client_id="roamer", clean_start=False, properties=KEEP
+            )
+            took = asyncio.get_running_loop().time() - started
+            assert ack.session_present
+            assert took < 5, f"CONNACK after {took:.1f} s (node TTL 1 s)"
+            second.close()
+    finally:
+        crashing.kill()
