@@ -41,7 +41,7 @@ def mqtt_to_amqp(ctx: Ctx, pub: Client, sub: Client) -> str:
     if pub.version == 5:
         want = {
             "correlation_id": {"binary": b64(b"corr-42")},
-            "reply_to": "replies/x",
+            "reply_to": "topic://replies/x",  # an address: a bare name is a queue
             "content_type": "application/json",
             "group_id": "dev-7",
         }
