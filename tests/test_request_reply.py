@@ -5,6 +5,7 @@ and property values an MQTT subscriber reads as their usual text."""
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
@@ -119,3 +120,32 @@ async def test_booleans_reach_mqtt_subscribers_as_true_and_false(
             conn.close()
 
     assert await asyncio.to_thread(scenario) == [[("ok", "true"), ("bad", "false")]]
+
+
+async def test_a_uuid_correlation_id_survives_an_mqtt_responder(
+    broker: Broker, ports: Ports
+) -> None:
+    """It reaches MQTT as the correlation data "urn:uuid:..." (as RabbitMQ sends it), which
+    the responder echoes unaltered (MQTT 5 §4.10.2): the AMQP requester gets its uuid back."""
+    corr = uuid.UUID("1b4e28ba-2fa1-11d2-883f-0016d3cca427")
+
+    def scenario() -> tuple[bytes, object]:
+        responder = Client(ports.mqtt, V5, "responder-2")
+        conn = BlockingConnection(ports.url, timeout=TIMEOUT)
+        try:
+            responder.subscribe("requests/#", 1)
+            replies = conn.create_receiver("topic://replies/r2")
+            conn.create_sender("topic://requests/c").send(
+                AmqpMessage(body=b"ping", correlation_id=corr, durable=True)
+            )
+            [request] = responder.receive(1)
+            data = request.properties.CorrelationData
+            props = Properties(PacketTypes.PUBLISH)
+            props.CorrelationData = data
+            responder.publish("replies/r2", b"pong", 1, props)
+            return data, replies.receive(timeout=TIMEOUT).correlation_id
+        finally:
+            responder.close()
+            conn.close()
+
+    assert await asyncio.to_thread(scenario) == (f"urn:uuid:{corr}".encode(), corr)

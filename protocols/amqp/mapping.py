@@ -47,6 +47,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
+from uuid import UUID
 
 from proton import Data, byte, symbol, ulong
 from proton import Message as AmqpMessage
@@ -132,7 +133,7 @@ def decode(data: bytes, publisher: Publisher) -> Ingress:
         expiration=_expiration(amqp),
         persistent=bool(amqp.durable),
         content_type=content_type,
-        correlation_id=_ident(amqp.correlation_id),
+        correlation_id=_correlation(amqp.correlation_id),
         reply_to=amqp.reply_to or None,
         message_id=_ident(amqp.id),
         subject=amqp.subject or None,
@@ -185,7 +186,7 @@ def from_delivery(delivery: Delivery) -> AmqpMessage:
     if msg.content_type is not None:
         amqp.content_type = msg.content_type
     if msg.correlation_id is not None:
-        amqp.correlation_id = msg.correlation_id
+        amqp.correlation_id = sections.correlation_out(msg.correlation_id)
     if msg.reply_to is not None:
         amqp.reply_to = msg.reply_to
     if msg.message_id is not None:
@@ -233,6 +234,11 @@ def _expiration(amqp: AmqpMessage) -> int | None:
     if amqp.ttl:
         return int(time.time() * 1000 + amqp.ttl * 1000)
     return None
+
+
+def _correlation(value: object) -> str | bytes | int | None:
+    """A uuid as its URN, as the section decoder reads it (sections.correlation_in)."""
+    return sections.URN_UUID + str(value) if isinstance(value, UUID) else _ident(value)
 
 
 def _ident(value: object) -> str | bytes | int | None:

@@ -174,6 +174,26 @@ def _ident(value: object) -> str | bytes | int | None:
     raise Unsupported("message id type")
 
 
+# A uuid correlation-id as text, the form MQTT correlation data carries it in (RabbitMQ's):
+# a responder's echo of it becomes the uuid again for an AMQP requester.
+URN_UUID = "urn:uuid:"
+
+
+def correlation_in(value: object) -> str | bytes | int | None:
+    return URN_UUID + str(value) if isinstance(value, UUID) else _ident(value)
+
+
+def correlation_out(value: str | bytes | int) -> object:
+    """The AMQP correlation-id of a model one: a uuid again when it is one's URN."""
+    text = value.decode("ascii", "replace") if isinstance(value, bytes) else value
+    if isinstance(text, str) and len(text) == 45 and text.startswith(URN_UUID):
+        try:
+            return UUID(text[9:])
+        except ValueError:
+            pass
+    return value
+
+
 def _prop(value: object) -> PropertyValue:
     if value is None or isinstance(value, _PROPERTY_TYPES):
         return value
@@ -265,7 +285,7 @@ def _decode(data: bytes, publisher: Publisher) -> tuple[Message, str | None, int
         expiry, created = props[8], props[9]
         if created is not None and created.__class__ is not int:  # a timestamp
             raise Unsupported("creation-time type")
-        message_id, correlation_id = _ident(props[0]), _ident(props[5])
+        message_id, correlation_id = _ident(props[0]), correlation_in(props[5])
     else:
         to = subject = reply_to = group_id = content_type = expiry = created = None
         message_id = correlation_id = None
@@ -400,6 +420,8 @@ def _value(value: object) -> bytes:
 
 
 def _msgid(value: object) -> bytes:
+    if isinstance(value, UUID):
+        return b"\x98" + value.bytes
     if isinstance(value, int) and not isinstance(value, bool):
         if not 0 <= value < 1 << 64:
             raise Unsupported("message id out of range")
@@ -622,7 +644,7 @@ def _properties(msg: Message, expiry: bytes) -> bytes:
         _str(to),
         _NULL if msg.subject is None else _str(msg.subject),
         _NULL if msg.reply_to is None else _str(msg.reply_to),
-        _NULL if msg.correlation_id is None else _msgid(msg.correlation_id),
+        _NULL if msg.correlation_id is None else _msgid(correlation_out(msg.correlation_id)),
         _NULL if msg.content_type is None else _sym(msg.content_type),
         _NULL,  # content-encoding
         expiry,
