@@ -18,6 +18,7 @@ from urllib.parse import quote
 import pytest
 
 from gateway.broker import Broker
+from gateway.model import Message, Outcome
 
 # urllib honours *_proxy variables; this client and the CLI must talk to loopback directly
 _opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -577,6 +578,16 @@ async def test_get_timeout_waits_for_a_message(admin: Admin, broker: Broker) -> 
     assert [m["payload"] for m in got] == ["late"]
     assert loop.time() - started < 4  # returned when the message came, not at the timeout
     assert await admin.depth("q1") == 0
+
+
+async def test_a_binary_user_property_is_got_as_base64(admin: Admin, broker: Broker) -> None:
+    """AMQP application properties may be binary (§3.2.5): JSON has no bytes."""
+    await admin.create("bin")
+    props = [("raw", b"\x00\xff"), ("text", "t")]
+    msg = Message(destination="bin", to_queue=True, payload=b"x", user_properties=props)
+    assert await broker.publish(msg) is Outcome.OK
+    [got] = await admin.take("bin")
+    assert got["user_properties"] == {"raw": {"base64": "AP8="}, "text": "t"}
 
 
 @pytest.mark.parametrize(

@@ -27,7 +27,7 @@ from gateway.broker import BindError, Broker
 from gateway.config import User
 from gateway.engine.queues import QueueConfig, QueueError
 from gateway.engine.spool_usage import read_usage
-from gateway.model import Delivery, Message, Outcome, Publisher
+from gateway.model import Delivery, Message, Outcome, PropertyValue, Publisher
 from gateway.topics import TopicError, validate_topic
 
 OUTCOME_STATUS = {
@@ -382,5 +382,12 @@ def _delivery_json(d: Delivery) -> dict[str, Any]:
         "payload_base64": base64.b64encode(m.payload).decode(),
         "partition_key": m.partition_key,
         "priority": m.priority,
-        "user_properties": dict(m.user_properties),
+        "user_properties": {k: _json_value(v) for k, v in m.user_properties},
     }
+
+
+def _json_value(value: PropertyValue) -> Any:
+    """A user property as JSON: binary (from AMQP) as {"base64": ...}, not as text."""
+    if isinstance(value, bytes):
+        return {"base64": base64.b64encode(value).decode()}
+    return value
