@@ -168,3 +168,25 @@ async def test_presettled_deliveries_are_acked_once_written_and_kept_if_never_wr
     await detach(peer)
     got = await first_deliveries(amqp.port, "atmostonce", 3)
     assert got == [(b"%d" % i, 0, True) for i in range(2, 5)]
+
+
+@pytest.mark.parametrize("mode", [UNSETTLED, SETTLED], ids=["unsettled", "settled"])
+async def test_deliveries_held_when_the_window_opens_with_the_detach_come_back_as_they_were(
+    broker: Broker, amqp: Listener, mode: int
+) -> None:
+    """One write opens the session window and detaches the link (a client accepting a
+    message, then closing its receiver): proton may write the held deliveries in that
+    turn, to a link the client has left. They were no deliveries to it."""
+    await fill(broker, "both", 5)
+    peer = await Peer.opened(amqp.port, window=1)
+    peer.attach("r", 0, RECEIVER, "both", snd_mode=mode)
+    await peer.expect(ATTACH)
+    peer.send(flow(0, 5, window=1))
+    await peer.expect(TRANSFER)  # "0"; the other four wait for the session window
+    assert [f.code for f in await peer.frames_for(0.5)] == []
+    peer.send(flow(None, 0, window=1000) + frame(performative(DETACH, uint(0), True)))
+    await peer.expect(DETACH)
+    await asyncio.sleep(0.3)
+    got = await first_deliveries(amqp.port, "both", 5 if mode == UNSETTLED else 4)
+    held_back = [(b"%d" % i, 0, True) for i in range(1, 5)]
+    assert got == ([(b"0", 1, False)] if mode == UNSETTLED else []) + held_back

@@ -412,6 +412,7 @@ class AmqpConnection(asyncio.Protocol):
         if endpoint is None:
             return  # released already: its session or connection ended first
         endpoint.closed = True  # from now on nothing may be sent on it
+        endpoint.detached()
         name = link.name
         if not link.state & Endpoint.LOCAL_CLOSED:
             if ended:

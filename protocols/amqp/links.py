@@ -123,6 +123,9 @@ class Endpoint:
     def on_delivery(self, dlv: Any) -> None:
         """DELIVERY event on the C delivery `dlv` of this link (while the link is live)."""
 
+    def detached(self) -> None:
+        """The client detached the link, in the turn its detach is read."""
+
     def on_flow(self) -> None:
         """LINK_FLOW event: the client's flow frame changed this link's credit."""
 

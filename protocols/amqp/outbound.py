@@ -95,6 +95,7 @@ class Outbound(Endpoint):
         # entry ids of pre-settled deliveries proton may not have written yet, in order:
         # acked once written (at most once), given back if the link closes before
         self._presettled: collections.deque[str] = collections.deque()
+        self._given_back = False  # what proton held at the detach went back (see detached)
         self.max_message_size = 0  # the client's, from its attach (0: no limit)
         self.durable: str | None = None  # durable subscription queue, deleted on link close
         self.shared = False  # a shared subscription's: deleted once no other link consumes
@@ -338,11 +339,17 @@ class Outbound(Endpoint):
                 flow.ack(entry_id)
         return bool(waiting)
 
-    def _give_back_unsent(self, flow: Flow) -> None:
-        """Deliveries proton still holds (no credit, or the client's session window shut)
-        were never attempts (§3.2.1): they go back as they were, first deliveries still if
-        they were; pre-settled ones are not lost. Proton writes a link's deliveries in
-        order, so they are the last ones handed to it."""
+    def detached(self) -> None:
+        """The link is detached: deliveries proton still holds (no credit, or the client's
+        session window shut) were never attempts (§3.2.1): they go back as they were,
+        first deliveries still if they were; pre-settled ones are not lost. Proton writes
+        a link's deliveries in order, so they are the last ones handed to it. Told at once,
+        in the detach's turn: proton's next output pass may write them to a link the
+        client has left."""
+        flow = self.flow
+        if flow is None or self._given_back:
+            return
+        self._given_back = True
         queued = pn_link_queued(self.link._impl)
         waiting, self._presettled = self._presettled, collections.deque()
         for i, entry_id in enumerate(waiting):
@@ -420,8 +427,8 @@ class Outbound(Endpoint):
     async def close(self, ended: bool = False) -> None:
         self.closed = True
         if self.flow is not None:
+            self.detached()  # if the connection went without a detach
             flow, self.flow = self.flow, None
-            self._give_back_unsent(flow)
             await flow.close()
         if ended and self.durable is not None:
             name, self.durable = self.durable, None
