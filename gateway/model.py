@@ -26,8 +26,8 @@ import msgpack
 ENCODING_VERSION = 1
 DEFAULT_PRIORITY = 4
 MAX_PRIORITY = 9  # JMS's 0-9: higher AMQP priorities are clamped to it
-# `reply_to` is an address: "topic://a/b" a topic, a bare name (or "queue://q") a queue
-TOPIC_ADDRESS, QUEUE_ADDRESS = "topic://", "queue://"
+# `reply_to` is an address: "topic://a/b" a topic, anything else a queue
+TOPIC_ADDRESS = "topic://"
 
 FLAG_PERSISTENT = 1
 FLAG_DMQ_ELIGIBLE = 2

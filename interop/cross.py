@@ -18,7 +18,7 @@ MQTT_PROPS = {
 APP_PROPS = {"site": "south", "unit": "F"}
 AMQP_PROPS = {
     "correlation_id": "corr-7",
-    "reply_to": "replies/y",
+    "reply_to": "topic://replies/y",  # a topic: MQTT cannot reply to a queue
     "content_type": "text/plain",
     "group_id": "dev-9",
 }

@@ -16,7 +16,7 @@ from proton.utils import BlockingConnection
 
 from gateway.broker import Broker, QueueConfig
 from gateway.config import Settings
-from gateway.model import Message
+from gateway.model import Message, Publisher
 from protocols.amqp.listener import start as start_amqp
 from protocols.mqtt.codec import MqttDecoder, Publish
 from protocols.mqtt.listener import start as start_mqtt
@@ -139,7 +139,7 @@ async def test_amqp_send_reaches_mqtt5_subscriber_mapped(
             body=b"pong",
             group_id="dev-7",
             correlation_id=b"corr-42",
-            reply_to="devices/dev-7/cmd",
+            reply_to="topic://devices/dev-7/cmd",
             content_type="text/plain",
             properties={"attempt": "2"},
             durable=True,
@@ -173,7 +173,7 @@ async def test_amqp_text_with_nul_reaches_mqtt5_subscriber(
 
 def test_mqtt5_egress_replaces_nul_in_every_text_property() -> None:
     """The fields proton's client cuts at U+0000 may still hold one (the admin API)."""
-    msg = Message("t", b"x", partition_key="g\x00", content_type="c\x00", reply_to="r\x00")
+    msg = Message("t", b"x", partition_key="g\x00", content_type="c\x00", reply_to="topic://r\x00")
     data = encode_delivery(
         msg,
         qos=0,
@@ -189,3 +189,32 @@ def test_mqtt5_egress_replaces_nul_in_every_text_property() -> None:
     assert publish.properties.content_type == "c\ufffd"
     assert publish.properties.response_topic == "r\ufffd"
     assert publish.properties.user_properties == [("JMSXGroupId", "g\ufffd")]
+
+
+@pytest.mark.parametrize(
+    "reply_to, protocol, topic",
+    [
+        ("topic://a/b", "amqp", "a/b"),
+        ("a/b", "amqp", None),  # a queue
+        ("a/b", "mqtt", "a/b"),  # stored by an MQTT publisher before reply-tos were addresses
+        ("topic://a/#", "mqtt", None),  # no topic name (MQTT-3.3.2-14)
+    ],
+)
+def test_a_response_topic_is_the_topic_a_reply_to_names(
+    reply_to: str, protocol: str, topic: str | None
+) -> None:
+    msg = Message("t", b"x", reply_to=reply_to, publisher=Publisher(protocol, "c"))
+    data = encode_delivery(
+        msg,
+        qos=0,
+        packet_id=None,
+        dup=False,
+        retain=False,
+        subscription_ids=[],
+        expiry=None,
+        level=5,
+    )
+    (publish,) = MqttDecoder(protocol_level=5).feed(data)
+    assert isinstance(publish, Publish)
+    props = publish.properties
+    assert (props.response_topic if props is not None else None) == topic

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+import pytest
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from proton import Message as AmqpMessage
@@ -48,8 +49,12 @@ async def test_an_amqp_requesters_topic_reply_to_is_an_mqtt_responders_response_
     assert await asyncio.to_thread(scenario) == ("replies/r1", b"pong")
 
 
-async def test_a_queue_reply_to_is_no_response_topic(broker: Broker, ports: Ports) -> None:
-    """MQTT cannot publish to a queue: a responder told its name would reply to a topic."""
+@pytest.mark.parametrize("reply_to", ["queue://answers", "answers", "/queues/answers"])
+async def test_a_queue_reply_to_is_no_response_topic(
+    broker: Broker, ports: Ports, reply_to: str
+) -> None:
+    """MQTT cannot publish to a queue: a responder told its name would reply to a topic.
+    A bare name is a queue (what Qpid JMS sends for a Queue or TemporaryQueue)."""
 
     def scenario() -> object:
         responder = Client(ports.mqtt, V5, "responder-q")
@@ -57,7 +62,7 @@ async def test_a_queue_reply_to_is_no_response_topic(broker: Broker, ports: Port
         try:
             responder.subscribe("requests/#", 1)
             conn.create_sender("topic://requests/q").send(
-                AmqpMessage(body=b"ping", reply_to="queue://answers", durable=True)
+                AmqpMessage(body=b"ping", reply_to=reply_to, durable=True)
             )
             [request] = responder.receive(1)
             return getattr(request.properties, "ResponseTopic", None)

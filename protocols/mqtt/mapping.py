@@ -41,7 +41,6 @@ import time
 from gateway.model import (
     DEFAULT_PRIORITY,
     LATEST_MS,
-    QUEUE_ADDRESS,
     TOPIC_ADDRESS,
     Message,
     PropertyValue,
@@ -190,7 +189,7 @@ def egress_properties(
     if corr is not None and not isinstance(corr, bytes):
         corr = str(corr).encode()
     fmt = msg.annotations.get(PAYLOAD_FORMAT)
-    reply = _response_topic(msg.reply_to)
+    reply = _response_topic(msg)
     props = Properties(
         payload_format_indicator=fmt if fmt in (0, 1) else None,
         message_expiry_interval=expiry,
@@ -203,12 +202,17 @@ def egress_properties(
     return None if props.is_empty() else props
 
 
-def _response_topic(reply_to: str | None) -> str:
+def _response_topic(msg: Message) -> str:
     """The topic of a reply-to address; "" for none, or one MQTT cannot reply to: a queue
-    (a bare name passes, as stored before addresses were), a filter (MQTT-3.3.2-14)."""
-    if not reply_to or reply_to.startswith(QUEUE_ADDRESS):
+    (a bare name, but an MQTT publisher's stored before reply-tos were addresses), a
+    filter (MQTT-3.3.2-14)."""
+    reply_to = msg.reply_to
+    if not reply_to:
         return ""
-    return reply_to[len(TOPIC_ADDRESS) :] if reply_to.startswith(TOPIC_ADDRESS) else reply_to
+    if reply_to.startswith(TOPIC_ADDRESS):
+        return reply_to[len(TOPIC_ADDRESS) :]
+    publisher = msg.publisher
+    return reply_to if publisher is not None and publisher.protocol == "mqtt" else ""
 
 
 def _says_priority(props: list[tuple[str, PropertyValue]], priority: int) -> bool:
