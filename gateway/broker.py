@@ -377,9 +377,10 @@ class Broker:
             self._handovers.pop(client_id, None)
 
     async def _node_alive(self, node: str) -> bool:
-        """Not presumed dead (in doubt, when Redis does not answer, alive)."""
+        """Not presumed dead, as the engine judges it (a liveness grace after a Redis
+        restart counts every node alive); in doubt, when Redis does not answer, alive."""
         try:
-            return bool(await self.redis.exists(keys.node_alive(node)))
+            return bool(await self.redis.fcall_ro("gw_node_alive", 0, node))
         except StoreError:
             return True
 
@@ -391,7 +392,7 @@ class Broker:
         node = holder.decode().split(" ", 1)[0]
         if node == self.node_id:
             return client_id in self._connected
-        return bool(await self.redis.exists(keys.node_alive(node)))
+        return await self._node_alive(node)
 
     async def release_client(self, client_id: str, claim: int) -> None:
         """The connection of `claim` ended: no longer the holder, and one waiting on

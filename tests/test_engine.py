@@ -813,3 +813,33 @@ async def test_an_ack_after_a_reader_went_takes_its_own_entry_not_a_kept_one(
         await asyncio.sleep(0.02)
     assert not await client.exists(keys.queue_kept("q")), "the mark goes once all kept went"
     await client.aclose()
+
+
+async def test_a_handover_waits_for_an_old_node_the_engine_counts_alive(redis_url: str) -> None:
+    """Its liveness key gone, a node is still alive while the liveness grace lasts (every
+    node lost its key alike when Redis was out of touch): the takeover waits for its
+    teardown, which saves what the session needs next, as the engine reaps nothing."""
+    clients = [await library.connect(redis_url) for _ in range(2)]
+    old = Broker(clients[0], heartbeat=5.0, node_ttl=15.0)  # beats rarely: the key stays gone
+    new = Broker(clients[1], heartbeat=5.0, node_ttl=15.0)
+    await old.start()
+    await new.start()
+    try:
+        claim, _ = await old.claim_client("roamer", lambda: None)
+        _, before = await new.claim_client("roamer", lambda: None)
+        assert before == f"{old.node_id} {claim}"
+        await clients[0].delete(keys.node_alive(old.node_id))
+        await clients[0].set(keys.liveness_grace, "1", px=20000)
+
+        async def teardown() -> None:
+            await asyncio.sleep(1.5)
+            await old.release_client("roamer", claim)
+
+        releasing = asyncio.create_task(teardown())
+        assert await asyncio.wait_for(new.handed_over("roamer", before, 15.0), 10)
+        await releasing
+    finally:
+        await new.stop()
+        await old.stop()
+        for client in clients:
+            await client.aclose()

@@ -2322,6 +2322,13 @@ register_always('gw_client_mark', function(k, a)
   return redis.call('SADD', k[1], a[1])
 end)
 
+-- ARGV: node. 1 while it is not presumed dead (node_alive): a handover waits for it.
+redis.register_function {
+  function_name = 'gw_node_alive',
+  callback = function(_, a) return node_alive(a[1]) and 1 or 0 end,
+  flags = { 'no-writes', 'allow-oom' },
+}
+
 -- ARGV: node. A clean shutdown: same clean-up as for a dead node.
 register_always('gw_node_down', function(_, a)
   return reap_node(a[1])
