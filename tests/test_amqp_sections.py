@@ -417,3 +417,28 @@ def test_a_symbolic_properties_section_without_to_gets_it_filled_in() -> None:
     got = AmqpMessage()
     got.decode(out)
     assert (got.id, got.address, bytes(got.body)) == ("m1", "q", b"abc")
+
+
+@pytest.mark.parametrize("protocol, dropped", [("mqtt", True), ("http", False)])
+@pytest.mark.parametrize("encoder", ["sections", "proton"])
+def test_jms_named_user_properties_are_left_out_only_when_an_mqtt_publisher_set_them(
+    protocol: str, dropped: bool, encoder: str
+) -> None:
+    """An MQTT 5 publisher's JMSXGroupId / JMSPriority travel as group-id and priority;
+    another publisher's properties of those names are its own."""
+    msg = Message(
+        "orders",
+        b"x",
+        to_queue=True,
+        partition_key="g1",
+        user_properties=[("JMSXGroupId", "g1"), ("JMSPriority", "4"), ("other", "y")],
+        publisher=Publisher(protocol),
+    )
+    delivery = Delivery("orders", "1-0", msg)
+    if encoder == "sections":
+        amqp = AmqpMessage()
+        amqp.decode(sections.encode(delivery))
+    else:
+        amqp = mapping.from_delivery(delivery)
+    kept = {"other": "y"} if dropped else {"JMSXGroupId": "g1", "JMSPriority": "4", "other": "y"}
+    assert amqp.properties == kept

@@ -577,8 +577,11 @@ GROUP_PROPERTY, PRIORITY_PROPERTY = "JMSXGroupId", "JMSPriority"
 
 
 def application_properties(msg: Message) -> list[tuple[str, PropertyValue]]:
-    """`msg`'s user properties but those its group-id or header.priority carries."""
-    props = msg.user_properties
+    """`msg`'s user properties but those its group-id or header.priority carries (an MQTT
+    publisher's: another's of those names are its own)."""
+    props, publisher = msg.user_properties, msg.publisher
+    if publisher is None or publisher.protocol != "mqtt":
+        return props
     if not any(k in (GROUP_PROPERTY, PRIORITY_PROPERTY) for k, _ in props):
         return props
     return [
