@@ -740,6 +740,11 @@ class Session:
         self._deliver(delivery.message, queue, entry_id, delivery.redelivered)
 
     def _in_flight(self, queue: str, entry_id: str) -> bool:
+        """Looked up only on a flow that was lost once (a scan of the window: other
+        redeliveries, a resumed session's, cannot be in flight on this connection)."""
+        flow = self._flows.get(queue)
+        if flow is None or flow.lost_at < 0:  # never lost
+            return False
         return any(q == queue and e == entry_id for q, e, _ in self._inflight.values())
 
     def _deliver(self, msg: Message, queue: str | None, entry_id: str | None, dup: bool) -> None:
