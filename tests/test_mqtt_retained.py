@@ -14,6 +14,7 @@ from paho.mqtt.subscribeoptions import SubscribeOptions
 from gateway.broker import Broker
 from gateway.engine import keys
 from gateway.model import Message
+from gateway.model import encode as encode_message
 from protocols.mqtt.codec import (
     Properties,
     Puback,
@@ -240,4 +241,31 @@ async def test_held_retained_messages_take_the_topic_in_the_order_they_fall_due(
     )
     await broker.retained.put(_held("dd/t", b"v2", None))  # stored over what fell due
     assert await _value(broker, "dd/t") == b"v2"
-    assert await broker.redis.hget(keys.retained_pending, "dd/t") is None  # nothing left held
+    assert not await broker.redis.exists(keys.retained_held("dd/t"))  # nothing left held
+    assert await broker.redis.smembers(keys.retained_held_topics) == set()
+
+
+async def test_a_held_retained_value_stored_before_held_ones_waited_apart_shows_when_due(
+    broker: Broker,
+) -> None:
+    """Stored as the topic's value with its delivery time (as it was before held messages
+    waited apart): it is not shown before it is due, by an exact or a wildcard read."""
+    msg = _held("old/t", b"later", 400)
+    await broker.redis.hset(keys.retained, "old/t", encode_message(msg))
+    assert await broker.retained.matching("old/t") == []
+    assert await broker.retained.matching("old/#") == []
+    await asyncio.sleep(0.5)
+    assert [m.payload for m in await broker.retained.matching("old/#")] == [b"later"]
+
+
+async def test_a_wildcard_read_takes_what_fell_due_at_the_instant_it_reads_the_topic(
+    broker: Broker,
+) -> None:
+    """A held message falls due; a newer value is stored afterwards: that one is the
+    topic's, whatever fell due between a scan's steps."""
+    await broker.retained.put(_held("wr/t", b"held", 200))
+    await asyncio.sleep(0.3)  # due, not yet promoted: no store since
+    assert [m.payload for m in await broker.retained.matching("wr/#")] == [b"held"]
+    await broker.retained.put(_held("wr/t", b"newer", None))
+    assert [m.payload for m in await broker.retained.matching("wr/#")] == [b"newer"]
+    assert [m.payload for m in await broker.retained.matching("wr/t")] == [b"newer"]

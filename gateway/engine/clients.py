@@ -10,9 +10,7 @@ channel, so a reconnect elsewhere takes the session over.
 from __future__ import annotations
 
 import re
-import struct
 import time
-from collections.abc import Callable, Iterator
 
 import redis.asyncio as aioredis
 from redis.exceptions import OutOfMemoryError
@@ -22,7 +20,6 @@ from gateway.model import Message, decode, encode
 from gateway.topics import literal_prefix, pattern_matcher
 
 _GLOB_SPECIAL = re.compile(r"[\\*?\[\]]")  # what a Redis MATCH pattern would read as a wildcard
-_HELD_HEAD = struct.Struct("<dI")  # gw_retain's held record: due epoch ms, message length
 
 
 class ClientStore:
@@ -107,17 +104,18 @@ class RetainedStore:
 
     def __init__(self, redis: aioredis.Redis) -> None:
         self._redis = redis
-        self._keys = (keys.retained, keys.retained_pending)
 
     async def put(self, msg: Message, queued: bool = False) -> bool:
         """Retain `msg`, or clear its topic for an empty payload. A message its queues hold
         (`queued`), or a clear, is retained even when Redis is over its maxmemory: its
         publish was taken. One that no queue took is new data and is refused then: False."""
         function = "gw_retain" if queued or not msg.payload else "gw_retain_new"
+        topic = msg.destination
         due = "" if msg.not_before is None else msg.not_before
-        args = (msg.destination, int(time.time() * 1000), encode(msg) if msg.payload else b"", due)
+        blob = encode(msg) if msg.payload else b""
+        names = (keys.retained, keys.retained_held_topics, keys.retained_held(topic))
         try:
-            await self._redis.fcall(function, 2, *self._keys, *args)
+            await self._redis.fcall(function, 3, *names, topic, _now_ms(), blob, due)
         except OutOfMemoryError:
             return False
         return True
@@ -127,38 +125,31 @@ class RetainedStore:
         wildcards names one topic: one call, not a scan of every retained message (devices
         that each subscribe to their own topics, with a retained message per device). A
         filter with a literal start ("site/7/+/temp") has Redis send only the topics with
-        that start, not every retained message."""
+        that start, not every retained message. A topic with held messages is read again
+        at one instant (gw_retained): one may have fallen due since its value was read."""
         prefix, exact = literal_prefix(pattern, syntax)
         if exact:
-            value, held = await self._redis.fcall_ro("gw_retained", 2, *self._keys, pattern)
-            values = {} if value is None else {pattern: value}
-            pending = {} if held is None else {pattern: held}
+            values = {pattern: await self._value(pattern)}
         else:
             matches = pattern_matcher(pattern, syntax)
             glob = _GLOB_SPECIAL.sub(r"\\\g<0>", prefix) + "*"
-            # held ones first: one promoted between the two scans is then seen in both
-            pending = await self._scan(keys.retained_pending, glob, matches)
-            values = await self._scan(keys.retained, glob, matches)
+            values = {}
+            async for topic, blob in self._redis.hscan_iter(keys.retained, glob, count=1000):
+                if matches(name := topic.decode()):
+                    values[name] = blob
+            held_topics = keys.retained_held_topics
+            async for topic in self._redis.sscan_iter(held_topics, glob, count=1000):
+                if matches(name := topic.decode()):
+                    values[name] = await self._value(name)
         now_ms = time.time() * 1000
-        for topic, packed in pending.items():
-            due = [blob for at, blob in _held(packed) if at <= now_ms]
-            if due:  # fell due since the topic's last store: newer than its value
-                values[topic] = due[-1]
-        return [decode(values[t]) for t in sorted(values) if values[t]]
+        found = [decode(values[t]) for t in sorted(values) if values[t]]
+        # one stored held before held messages waited apart: not shown before it is due
+        return [m for m in found if m.not_before is None or m.not_before <= now_ms]
 
-    async def _scan(self, key: str, glob: str, matches: Callable[[str], bool]) -> dict[str, bytes]:
-        found = {}
-        async for topic, blob in self._redis.hscan_iter(key, glob, count=1000):
-            if matches(name := topic.decode()):
-                found[name] = blob
-        return found
+    async def _value(self, topic: str) -> bytes | None:
+        names = (keys.retained, keys.retained_held(topic))
+        return await self._redis.fcall_ro("gw_retained", 2, *names, topic, _now_ms())
 
 
-def _held(packed: bytes) -> Iterator[tuple[float, bytes]]:
-    """(due epoch ms, message or b"" for a clear) of gw_retain's held records, in due order."""
-    at = 0
-    while at < len(packed):
-        due, size = _HELD_HEAD.unpack_from(packed, at)
-        at += _HELD_HEAD.size
-        yield due, packed[at : at + size]
-        at += size
+def _now_ms() -> int:
+    return int(time.time() * 1000)

@@ -2254,36 +2254,28 @@ register_always('gw_client_expire', function(k, a)
   return 1
 end)
 
--- A topic's retained messages held by a delivery delay: records of a little-endian double
--- (the epoch ms they are due) and a uint32 length, then the message ('' for a clear), in
--- the order they fall due (publish order among equals).
-local function retained_pending(packed)
-  local out, at = {}, 1
-  while packed and at <= #packed do
-    local due, size = struct.unpack('<dI4', packed, at)
-    local blob = string.sub(packed, at + 12, at + 11 + size)
-    out[#out + 1] = { due, struct.pack('<dI4', due, size) .. blob, blob }
-    at = at + 12 + size
-  end
-  return out
+-- Retained messages held by a delivery delay wait in their topic's sorted set (KEYS[3]),
+-- scored by the epoch ms they fall due, each member the publish order (16 hex digits, so
+-- equal scores keep it) and the message ('' for a clear); KEYS[2] lists topics with some.
+
+-- The latest held member of topic set `held` due by `now`, as its message; nil if none.
+local function fallen_due(held, now)
+  local m = redis.call('ZREVRANGEBYSCORE', held, now, '-inf', 'LIMIT', 0, 1)[1]
+  return m and string.sub(m, 17)
 end
 
--- KEYS: the retained-messages hash, the hash of those held by a delivery delay. ARGV: topic,
--- now (epoch ms), the message ('' clears the topic), the epoch ms it is due ('' if now).
--- The topic's value is what its live subscribers heard last: a held message takes it when
--- due, not when published; one published later and due sooner goes before it. Held ones
--- now due are promoted first (the last of them wins), so a reader (RetainedStore.matching)
--- may take any still held and now due as newer than the value.
+-- KEYS: the retained-messages hash, the held topics set, the topic's held set. ARGV:
+-- topic, now (epoch ms), the message ('' clears the topic), the epoch ms it is due ('' if
+-- now). The topic's value is what its live subscribers heard last: a held message takes
+-- it when due, not when published; one published later and due sooner goes before it.
+-- What fell due is promoted first (the latest due wins), so a reader (gw_retained) takes
+-- any held one due by now as newer than the value. One sorted-set step a store.
 local function retain(k, a)
   local topic, now, blob, due = a[1], tonumber(a[2]), a[3], tonumber(a[4])
-  local held, value = {}, nil
-  for _, r in ipairs(retained_pending(redis.call('HGET', k[2], topic))) do
-    if r[1] <= now then value = r[3] else held[#held + 1] = r end
-  end
+  local value = fallen_due(k[3], now)
+  if value then redis.call('ZREMRANGEBYSCORE', k[3], '-inf', now) end
   if due and due > now then
-    local at = #held + 1
-    while at > 1 and held[at - 1][1] > due do at = at - 1 end
-    table.insert(held, at, { due, struct.pack('<dI4', due, #blob) .. blob })
+    redis.call('ZADD', k[3], due, string.format('%016x', redis.call('INCR', K_SEQ)) .. blob)
   else
     value = blob
   end
@@ -2292,12 +2284,10 @@ local function retain(k, a)
   elseif value then
     redis.call('HSET', k[1], topic, value)
   end
-  if #held == 0 then
-    redis.call('HDEL', k[2], topic)
+  if redis.call('EXISTS', k[3]) == 1 then
+    redis.call('SADD', k[2], topic)
   else
-    local parts = {}
-    for i, r in ipairs(held) do parts[i] = r[2] end
-    redis.call('HSET', k[2], topic, table.concat(parts))
+    redis.call('SREM', k[2], topic)
   end
   return 1
 end
@@ -2308,11 +2298,12 @@ end
 register_always('gw_retain', retain)
 redis.register_function('gw_retain_new', retain)
 
--- KEYS: as gw_retain's. ARGV: topic. Its value and its held messages, read at one instant.
+-- KEYS: the retained-messages hash, the topic's held set. ARGV: topic, now (epoch ms).
+-- The topic's retained message as of now ('' or nil: none), read at one instant.
 redis.register_function {
   function_name = 'gw_retained',
   callback = function(k, a)
-    return { redis.call('HGET', k[1], a[1]), redis.call('HGET', k[2], a[1]) }
+    return fallen_due(k[2], tonumber(a[2])) or redis.call('HGET', k[1], a[1])
   end,
   flags = { 'no-writes', 'allow-oom' },
 }

@@ -55,7 +55,10 @@ TEMPLATES: dict[str, str] = {
     "spool_events": f"{PREFIX}:spool:ev",
     "spool_notify": f"{PREFIX}:spool:notify",
     "retained": f"{PREFIX}:retained",
-    "retained_pending": f"{PREFIX}:retained:held",  # topic -> those held by a delivery delay
+    # a topic's retained messages held by a delivery delay (a sorted set by the epoch ms
+    # they fall due), and the topics that have some
+    "retained_held": f"{PREFIX}:retained:held:{{t}}",
+    "retained_held_topics": f"{PREFIX}:retained:heldtopics",
     "direct_nodes": f"{PREFIX}:directnodes",
     "direct_channel": f"{PREFIX}:direct",
     "node_alive": f"{PREFIX}:node:{{n}}",
@@ -87,7 +90,7 @@ liveness_grace = TEMPLATES["liveness_grace"]
 events = TEMPLATES["events"]
 sub_version = TEMPLATES["sub_version"]
 retained = TEMPLATES["retained"]
-retained_pending = TEMPLATES["retained_pending"]
+retained_held_topics = TEMPLATES["retained_held_topics"]
 direct_nodes = TEMPLATES["direct_nodes"]  # nodes with direct (not spooled) subscribers
 direct_channel = TEMPLATES["direct_channel"]  # topic messages for other nodes' direct subscribers
 read_queues = TEMPLATES["read_queues"]
@@ -232,6 +235,10 @@ def sink_progress(s: str) -> str:
     return TEMPLATES["sink_progress"].replace("{s}", s.encode().hex())
 
 
+def retained_held(t: str) -> str:
+    return TEMPLATES["retained_held"].replace("{t}", t.encode().hex())
+
+
 def client_state(c: str) -> str:
     return _client_key("client_state", c)
 
@@ -261,8 +268,8 @@ def lua_prelude() -> str:
         if "{{q}}" in template:
             head, tail = template.split("{{q}}")
             lines.append(f"local function k_{name}(q) return '{head}{{' .. q .. '}}{tail}' end")
-        elif "{c}" in template or "{s}" in template:
-            continue  # client and sink keys are used from Python only
+        elif "{c}" in template or "{s}" in template or "{t}" in template:
+            continue  # client, sink and held-retained keys are named from Python only
         elif "{n}" in template:
             head, tail = template.split("{n}")
             lines.append(f"local function k_{name}(n) return '{head}' .. n .. '{tail}' end")
