@@ -85,8 +85,9 @@ class Router:
 
     def spool_properties(self, msg: Message) -> str:
         """The message's values of the properties some queue keys on (a last value queue's
-        lvq_key, a sorted queue's sort_key), as "name\0size\0value..." for the spool
-        function, the size in UTF-8 bytes: a value may hold U+0000 ("" almost always)."""
+        lvq_key, a sorted queue's sort_key), as "\0name\0size\0value..." for the spool
+        function (property_value), the size in UTF-8 bytes: a value may hold U+0000 (""
+        almost always)."""
         if not self.keyed_properties or not msg.user_properties:
             return ""
         found: dict[str, str] = {}
@@ -98,7 +99,9 @@ class Router:
                     if isinstance(value, bytes)
                     else str(value)
                 )
-        return "".join(f"{k}\0{len(v.encode())}\0{v}" for k, v in found.items())
+        if not found:
+            return ""
+        return "\0" + "".join(f"{k}\0{len(v.encode())}\0{v}" for k, v in found.items())
 
     def subscriptions(self) -> list[tuple[str, str, str]]:
         """(pattern, syntax, queue) for every loaded subscription."""

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import pytest
 
 from gateway.broker import Broker
 from gateway.engine.queues import QueueConfig, QueueError
 from gateway.model import Delivery, Message, Outcome
+from gateway.router import Router
 from tests.test_engine import wait_for
 
 
@@ -203,3 +205,35 @@ async def test_a_full_ring_lvq_drops_only_what_a_bigger_new_value_still_needs(
     assert [dict(d.message.user_properties)["symbol"] for d in seen] == ["C", "A"]
     info = await broker.queues.info("ticks")
     assert (info.messages, info.counters["replaced"], info.counters["dropped"]) == (2, 1, 1)
+
+
+def older_spool_properties(router: Router) -> Callable[[Message], str]:
+    """The keyed properties as a node or Spark executor of the release before sizes sends
+    them ("name\\0value\\0..."): they still use the library the newest node loaded."""
+
+    def spool_properties(m: Message) -> str:
+        found: dict[str, str] = {}
+        for name, value in m.user_properties:
+            if name in router.keyed_properties and name not in found and value is not None:
+                found[name] = str(value)
+        return "".join(f"{k}\0{v}\0" for k, v in found.items())
+
+    return spool_properties
+
+
+async def test_an_older_callers_keyed_properties_still_key_and_sort(
+    broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await broker.declare_queue(QueueConfig(name="ticks", lvq_key="symbol"), [("prices/>", "smf")])
+    await broker.declare_queue(QueueConfig(name="ranked", sort_key="rank"), [("prices/>", "smf")])
+    monkeypatch.setattr(broker.router, "spool_properties", older_spool_properties(broker.router))
+    for payload, props in (("a1", {"symbol": "A"}), ("a2", {"symbol": "A"})):
+        assert (await broker.publish(msg(payload, **props))).accepted
+    for payload, rank in (("r3", "3"), ("r1", "1"), ("r2", "2")):
+        assert (await broker.publish(msg(payload, rank=rank))).accepted
+    assert sorted(await browse_all(broker, "ticks")) == [b"a2", b"r1", b"r2", b"r3"]
+    got: list[Delivery] = []
+    flow = await broker.bind("ranked", got.append)
+    await wait_for(lambda: len(got) == 5)
+    await flow.close()
+    assert [d.message.payload for d in got] == [b"a1", b"a2", b"r1", b"r2", b"r3"]

@@ -706,11 +706,23 @@ local function dmq_eligible(blob, default)
   return default
 end
 
--- A property's value from the "name\0size\0value..." string the spooler passes along (only
--- the properties some queue's lvq_key or sort_key names; size: the value's bytes, as it
--- may hold a NUL).
+-- A property's value from the string the spooler passes along (only the properties some
+-- queue's lvq_key or sort_key names): "\0" then "name\0size\0value..." (size: the value's
+-- bytes, as it may hold a NUL), or, from a node or Spark executor of an older release,
+-- "name\0value\0..." (no name is empty, so the first byte tells them apart).
 local function property_value(props, name)
-  local pos = 1
+  if string.byte(props, 1) ~= 0 then
+    local pos = 1
+    while pos <= #props do
+      local z1 = string.find(props, '\0', pos, true)
+      if not z1 then return nil end
+      local z2 = string.find(props, '\0', z1 + 1, true) or (#props + 1)
+      if string.sub(props, pos, z1 - 1) == name then return string.sub(props, z1 + 1, z2 - 1) end
+      pos = z2 + 1
+    end
+    return nil
+  end
+  local pos = 2
   while pos <= #props do
     local z1 = string.find(props, '\0', pos, true)
     if not z1 then return nil end
@@ -1224,7 +1236,7 @@ end
 -- the partition of a partitioned queue: xxh3_64(key) % partition_count), the key itself
 -- ('' for none; kept as field 'k' on message-group queues), the publisher's expiry (epoch
 -- ms, 0: none; kept as field 'x', shortened to the queue's max_ttl_ms), the properties LVQ
--- keys name ("name\0size\0value..."), priority (0-9: the level of a priority queue), the
+-- keys name (see property_value), priority (0-9: the level of a priority queue), the
 -- delivery time (epoch ms, 0: now; kept as field 'h'), blob.
 -- A message without key, expiry, properties or delivery time may come in the short form:
 -- two arguments, a binary head and the blob. The head (big-endian): a 0 byte (a full-form
