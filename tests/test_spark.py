@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -20,8 +22,17 @@ pyspark = pytest.importorskip("pyspark")
 from proton import Message as AmqpMessage  # noqa: E402
 from proton import Timeout  # noqa: E402
 from proton.utils import BlockingConnection  # noqa: E402
-from pyspark.sql import SparkSession  # noqa: E402
+from pyspark.sql import Row, SparkSession  # noqa: E402
 from pyspark.sql import functions as F  # noqa: E402
+from pyspark.sql.conversion import ArrowTableToRowsConversion  # noqa: E402
+from pyspark.sql.types import (  # noqa: E402
+    DataType,
+    StringType,
+    StructField,
+    StructType,
+    TimestampNTZType,
+    TimestampType,
+)
 
 from gateway.broker import Broker  # noqa: E402
 from gateway.config import Settings  # noqa: E402
@@ -31,7 +42,7 @@ from gateway.engine.queues import QueueConfig, stream_queues  # noqa: E402
 from gateway.model import Delivery, Message, Outcome, decode, encode  # noqa: E402
 from gateway.spark import jobs, sink  # noqa: E402
 from gateway.spark.session import activate, build_session  # noqa: E402
-from gateway.spark.sink import SinkCommit, SinkOptions  # noqa: E402
+from gateway.spark.sink import RowMapper, SinkCommit, SinkOptions  # noqa: E402
 from protocols.amqp.listener import start as start_amqp  # noqa: E402
 from tests.test_engine import wait_for  # noqa: E402
 
@@ -752,3 +763,33 @@ async def test_aggregate_windows_an_hour_apart_in_a_daylight_saving_change_get_t
     results = await stored(broker, "aggs")
     ids = {json.loads(m.payload)["window_start"]: m.message_id for m in results}
     assert len(ids) == 2 and len(set(ids.values())) == 2, ids
+
+
+@pytest.fixture
+def tokyo_worker() -> Iterator[None]:
+    """This process as a Python worker on a host whose zone is Asia/Tokyo (UTC+9)."""
+    before = os.environ.get("TZ")
+    os.environ["TZ"] = "Asia/Tokyo"
+    time.tzset()
+    yield
+    if before is None:
+        del os.environ["TZ"]
+    else:
+        os.environ["TZ"] = before
+    time.tzset()
+
+
+@pytest.mark.parametrize("kind", [TimestampType(), TimestampNTZType()], ids=["ltz", "ntz"])
+def test_an_expiration_is_the_instant_its_column_holds_whatever_the_workers_zone(
+    tokyo_worker: None, kind: DataType
+) -> None:
+    """pyspark hands a writer a TimestampType value naive in the worker's zone (its Arrow
+    converter), a TimestampNTZType one naive with no zone (taken as UTC)."""
+    schema = StructType([StructField("payload", StringType()), StructField("expiration", kind)])
+    expires = datetime(2100, 1, 2, 3, 4, 5, tzinfo=UTC)
+    value = ArrowTableToRowsConversion._create_converter(kind)(
+        expires if isinstance(kind, TimestampType) else expires.replace(tzinfo=None)
+    )
+    opts = SinkOptions.parse({"redis_url": "redis://127.0.0.1:1/0", "queue": "q"})
+    msg = RowMapper(opts, schema).message(Row(payload="a", expiration=value), "b", 0)
+    assert msg.expiration == int(expires.timestamp() * 1000)

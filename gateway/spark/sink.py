@@ -174,6 +174,8 @@ class RowMapper:
         self.opts = opts
         self.payload = names.index("payload")
         self.optional = {c: names.index(c) for c in OPTIONAL_COLUMNS if c in names}
+        kinds = {f.name: f.dataType for f in schema.fields}
+        self.expiration_ntz = isinstance(kinds.get("expiration"), TimestampNTZType)
 
     def _get(self, row: Row, name: str) -> Any:
         index = self.optional.get(name)
@@ -194,7 +196,7 @@ class RowMapper:
             correlation_id=self._get(row, "correlation_id"),
             user_properties=sorted((self._get(row, "properties") or {}).items()),
             priority=_priority(self._get(row, "priority")),
-            expiration=_epoch_ms(self._get(row, "expiration")),
+            expiration=_epoch_ms(self._get(row, "expiration"), self.expiration_ntz),
             persistent=self._get(row, "persistent") is not False,
             subject=self._get(row, "subject"),
             reply_to=self._get(row, "reply_to"),
@@ -207,12 +209,13 @@ def _priority(value: int | None) -> int:
     return DEFAULT_PRIORITY if value is None else max(0, min(value, MAX_PRIORITY))
 
 
-def _epoch_ms(value: datetime | None) -> int | None:
-    """A TimestampType value arrives aware or in the session's zone, naive; a
-    TimestampNTZType one naive and meant as UTC (Spark's "without time zone")."""
+def _epoch_ms(value: datetime | None, ntz: bool) -> int | None:
+    """A TimestampType value arrives naive in the worker's local zone (pyspark converts
+    the instant so), which datetime.timestamp() reads back as that instant; a
+    TimestampNTZType one (`ntz`) names no zone and is taken as UTC."""
     if value is None:
         return None
-    if value.tzinfo is None:
+    if ntz and value.tzinfo is None:
         value = value.replace(tzinfo=UTC)
     return max(1, round(value.timestamp() * 1000))
 
