@@ -13,6 +13,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -60,7 +61,9 @@ def _child_setup(cpus: set[int] | None) -> Callable[[], None]:
 
 def repair_aof(data_dir: Path) -> str | None:
     """Cut a torn transaction off the end of the AOF in `data_dir`, before redis-server
-    loads it; returns redis-check-aof's report when it cut something.
+    loads it; returns redis-check-aof's report when it cut something. Damage before the
+    end (a disk error, an edit) is no torn write: cutting there would drop everything
+    after it, so RedisStartError says so and nothing is cut (as Redis refuses it).
 
     A crash in the middle of writing a function's effects (one MULTI/EXEC in the AOF)
     leaves a torn tail. Redis 7.0 cuts it at the last whole command, which can leave a
@@ -72,6 +75,17 @@ def repair_aof(data_dir: Path) -> str | None:
     tool = shutil.which("redis-check-aof")
     if not manifests or tool is None:
         return None
+    checked = subprocess.run([tool, str(manifests[0])], capture_output=True, timeout=600)
+    report = checked.stdout.decode(errors="replace")
+    if "is not valid" not in report:
+        return None
+    if not _torn_at_the_end(report):
+        lines = [line for line in report.splitlines() if "0x" in line or "analyzed" in line]
+        raise RedisStartError(
+            f"the AOF in {data_dir / 'appendonlydir'} is damaged before its end "
+            f"({' | '.join(lines) or 'format error'}): nothing was cut; back it up, then "
+            "cut it yourself with redis-check-aof --fix (everything after the damage goes)"
+        )
     done = subprocess.run(
         [tool, "--fix", str(manifests[0])], input=b"y\n", capture_output=True, timeout=600
     )
@@ -79,6 +93,33 @@ def repair_aof(data_dir: Path) -> str | None:
     if "Successfully truncated" not in report:
         return None
     return " | ".join(line for line in report.splitlines() if "AOF" in line and "shrink" in line)
+
+
+_ANALYZED = re.compile(r"AOF analyzed: .*size=(\d+),")
+_AT = re.compile(r"0x\s*([0-9a-fA-F]+): (.*)")
+_SHORT_READ = re.compile(r"Expected to read (\d+) bytes, got (\d+) bytes")
+_LINE_END = re.compile(r"Expected \\r\\n, got: ([0-9a-fA-F]{4})")
+
+
+def _torn_at_the_end(report: str) -> bool:
+    """Whether redis-check-aof stopped for want of bytes (a write cut short by a crash),
+    not at a damaged byte: a MULTI without its EXEC, a bulk string read short, or a line
+    end missing at the file's end."""
+    size, at, error = None, None, ""
+    for line in report.splitlines():
+        if (m := _ANALYZED.search(line)) is not None:
+            size = int(m.group(1))
+        elif (m := _AT.search(line)) is not None:
+            at, error = int(m.group(1), 16), m.group(2)
+    if "Reached EOF before reading EXEC" in error:
+        return True
+    if (m := _SHORT_READ.search(error)) is not None:
+        return int(m.group(2)) < int(m.group(1))
+    # a line end read at the end of the file: the bytes not there show as 00
+    got = _LINE_END.search(error)
+    if got is None or at is None or size is None:
+        return False
+    return got.group(1).endswith("00") and size - at <= 16
 
 
 def memory_limit(percent: int) -> int:

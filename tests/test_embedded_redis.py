@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from gateway.redis_server import EmbeddedRedis, memory_limit
+from gateway.redis_server import EmbeddedRedis, RedisStartError, memory_limit
 
 # three writes in one call: Redis puts the effects in the AOF as one MULTI ... EXEC
 THREE_WRITES = "redis.call('SET', 'x1', 1); redis.call('SET', 'x2', 2); redis.call('SET', 'x3', 3)"
@@ -55,6 +55,51 @@ def test_a_torn_transaction_is_dropped_whole_and_later_writes_survive(
         assert (c.get("before"), c.get("after"), c.get("x1"), c.get("x2")) == ("1", "1", None, None)
         c.close()
         assert "the AOF ended in a torn transaction" in caplog.text
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("cut", [1, 2, 3, 7, 19, 45])
+def test_a_write_torn_anywhere_in_its_last_transaction_is_cut(tmp_path: Path, cut: int) -> None:
+    """Whatever byte a crash stopped at, redis-check-aof reads it as a torn end."""
+    server = EmbeddedRedis(tmp_path, appendfsync="always")
+    server.start()
+    try:
+        c = client(server)
+        c.set("before", 1)
+        c.eval(THREE_WRITES, 0)
+        c.close()
+        crash(server)
+        torn = incr_file(tmp_path)
+        with torn.open("r+b") as f:
+            f.truncate(torn.stat().st_size - cut)
+        server.start()
+        c = client(server)
+        assert (c.get("before"), c.get("x1"), c.get("x3")) == ("1", None, None)
+        c.close()
+    finally:
+        server.stop()
+
+
+def test_damage_before_the_end_of_the_aof_is_not_cut_away(tmp_path: Path) -> None:
+    """A damaged byte amid the file is no torn write: cutting there would drop all that
+    follows. The start is refused, as Redis refuses such a file, and nothing is cut."""
+    server = EmbeddedRedis(tmp_path, appendfsync="always")
+    server.start()
+    try:
+        c = client(server)
+        for i in range(1000):
+            c.set(f"k{i}", "v" * 50)
+        c.close()
+        crash(server)
+        aof = incr_file(tmp_path)
+        data = bytearray(aof.read_bytes())
+        at = data.index(b"*3\r\n", len(data) // 10)
+        data[at : at + 2] = b"*9"  # one command's header, a tenth into the file
+        aof.write_bytes(bytes(data))
+        with pytest.raises(RedisStartError, match="damaged before its end"):
+            server.start()
+        assert aof.read_bytes() == bytes(data)
     finally:
         server.stop()
 
