@@ -213,6 +213,10 @@ class EmbeddedRedis:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             preexec_fn=_child_setup(self.cpus),
+            # its own session: a terminal's Ctrl-C, or a service manager's stop sent to the
+            # whole group, reaches the gateway only, which stops it last, after its own
+            # clean-up needed it (it dies with the gateway all the same: _die_with_parent)
+            start_new_session=True,
         )
 
     async def supervise(self) -> None:

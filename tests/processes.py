@@ -43,7 +43,10 @@ class Proc:
         self.lines: list[dict[str, Any]] = []
 
     @classmethod
-    async def start(cls, argv: list[str], env: dict[str, str] | None = None) -> Proc:
+    async def start(
+        cls, argv: list[str], env: dict[str, str] | None = None, session: bool = False
+    ) -> Proc:
+        """`session`: in a process group of its own, as a terminal's job is."""
         fd, name = tempfile.mkstemp(prefix="gw-proc-", suffix=".log", dir=_LOGS.name)
         try:
             proc = await asyncio.create_subprocess_exec(
@@ -52,6 +55,7 @@ class Proc:
                 stderr=fd,
                 env={**os.environ, **(env or {})},
                 cwd=ROOT,
+                start_new_session=session,
             )
         finally:
             os.close(fd)

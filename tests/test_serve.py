@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
 import signal
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 import redis
+from proton import Message as AmqpMessage
+from proton.utils import BlockingConnection
 
 from gateway.cpus import split
 from gateway.engine.library import MIN_REDIS, parse_version
@@ -37,6 +42,39 @@ async def test_sigint_stops_node_and_embedded_redis(tmp_path: Path) -> None:
     gw.proc.send_signal(signal.SIGINT)
     assert await asyncio.wait_for(gw.proc.wait(), 20) == 0
     assert not Path(f"/proc/{redis_pid}").exists(), "no orphaned redis-server"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "unit-stop"])
+async def test_a_signal_to_the_whole_process_group_stops_the_node_cleanly(
+    tmp_path: Path, sig: int
+) -> None:
+    """A terminal's Ctrl-C, or a service manager's stop of the whole unit, reaches every
+    process of the group: the node still ends its consumers with Redis there, and exits 0."""
+    gw = await Proc.start(serve_argv(tmp_path / "d"), session=True)
+    ready = await gw.wait_event("ready")
+    conn = None
+    try:
+        conn = await asyncio.to_thread(_consume_unsettled, ready["admin_port"], ready["amqp_port"])
+    finally:
+        os.killpg(gw.proc.pid, sig)
+        assert await asyncio.wait_for(gw.proc.wait(), 20) == 0
+        if conn is not None:
+            with contextlib.suppress(Exception):  # the node is gone: it may not answer
+                conn.close()
+    assert "Traceback" not in gw.log.read_text(errors="replace"), gw.stderr_tail()
+
+
+def _consume_unsettled(admin_port: int, port: int) -> BlockingConnection:
+    """A queue, and a consumer that holds its messages unsettled (left open)."""
+    create = urllib.request.Request(
+        f"http://127.0.0.1:{admin_port}/api/v1/queues", json.dumps({"name": "held"}).encode()
+    )
+    urllib.request.urlopen(create, timeout=10).close()
+    conn = BlockingConnection(f"127.0.0.1:{port}", timeout=10)
+    conn.create_sender("held").send(AmqpMessage(body=b"x", durable=True))
+    receiver = conn.create_receiver("held", credit=5)
+    receiver.receive(5)
+    return conn
 
 
 async def test_an_embedded_redis_that_dies_is_started_again(tmp_path: Path) -> None:
