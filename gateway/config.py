@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
+import math
 import os
 import ssl
 import tomllib
@@ -20,6 +21,10 @@ APPENDFSYNC = ("everysec", "always")
 
 
 ANONYMOUS = "anonymous"  # the user of clients that did not authenticate: never the operator
+
+
+MIN_HEARTBEAT_S = 0.05  # below it, a node would call Redis without pause
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 class ConfigError(ValueError):
@@ -102,8 +107,14 @@ class Settings:
             raise ConfigError("redis_url must be a redis://, rediss:// or unix:// URL")
         if not 0 <= self.redis_max_memory_percent <= 90:
             raise ConfigError("redis_max_memory_percent must be 0 (no limit) to 90")
+        for name in ("heartbeat_s", "node_ttl_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= MIN_HEARTBEAT_S):
+                raise ConfigError(f"{name} must be a number of seconds, {MIN_HEARTBEAT_S} or more")
         if self.node_ttl_s <= self.heartbeat_s:
             raise ConfigError("node_ttl_s must be longer than heartbeat_s")
+        if self.log_level.upper() not in LOG_LEVELS:
+            raise ConfigError(f"log_level must be one of {', '.join(LOG_LEVELS)}")
         self._validate_spool()
 
     def _validate_spool(self) -> None:

@@ -17,6 +17,8 @@ from collections.abc import Awaitable, Callable
 from importlib.metadata import entry_points
 from typing import Any, Protocol
 
+from redis.exceptions import RedisError
+
 from gateway.admin.api import AdminApi
 from gateway.admin.http import HttpServer
 from gateway.broker import Broker
@@ -65,7 +67,12 @@ async def run_node(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    client = await library.connect(redis_url)
+    try:
+        client = await library.connect(redis_url)
+    except RedisError as exc:  # refused, wrong password...: one line, not a traceback
+        raise library.RedisUnsuitable(
+            f"cannot use Redis at {library.redacted(redis_url)}: {exc}"
+        ) from None
     broker = Broker(client, heartbeat=settings.heartbeat_s, node_ttl=settings.node_ttl_s)
     listeners: list[Listener] = []
     supervisor: asyncio.Task | None = None
@@ -84,7 +91,7 @@ async def run_node(
             "event": "ready",
             "node": broker.node_id,
             "admin_port": admin_port,
-            "redis_url": redis_url,
+            "redis_url": library.redacted(redis_url),
             **{f"{lst.name}_port": lst.port for lst in listeners},
             **{k: v for lst in listeners for k, v in getattr(lst, "extra_ports", {}).items()},
         }

@@ -302,6 +302,21 @@ def test_bad_redis_max_memory_percent(percent: str) -> None:
         load_settings(env={"GATEWAY_REDIS_MAX_MEMORY_PERCENT": percent})
 
 
+@pytest.mark.parametrize(
+    "env, name",
+    [
+        ({"GATEWAY_NODE_TTL_S": "nan"}, "node_ttl_s"),
+        ({"GATEWAY_NODE_TTL_S": "inf"}, "node_ttl_s"),
+        ({"GATEWAY_HEARTBEAT_S": "0"}, "heartbeat_s"),  # Redis called without pause
+        ({"GATEWAY_HEARTBEAT_S": "-1"}, "heartbeat_s"),
+        ({"GATEWAY_LOG_LEVEL": "verbose"}, "log_level"),
+    ],
+)
+def test_settings_a_node_cannot_run_with_are_refused(env: dict[str, str], name: str) -> None:
+    with pytest.raises(ConfigError, match=name):
+        load_settings(env=env)
+
+
 def test_node_ttl_must_exceed_heartbeat() -> None:
     with pytest.raises(ConfigError, match="node_ttl_s"):
         load_settings(env={"GATEWAY_HEARTBEAT_S": "5", "GATEWAY_NODE_TTL_S": "5"})

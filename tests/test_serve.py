@@ -18,8 +18,9 @@ from proton import Message as AmqpMessage
 from proton.utils import BlockingConnection
 
 from gateway.cpus import split
-from gateway.engine.library import MIN_REDIS, parse_version
+from gateway.engine.library import MIN_REDIS, parse_version, redacted
 from gateway.redis_server import memory_limit
+from tests.conftest import free_port
 from tests.processes import GATEWAY, Proc, serve_argv
 from tests.test_mqtt_paho import V311, Client
 
@@ -204,6 +205,41 @@ async def test_bad_config_is_one_clear_line(tmp_path: Path) -> None:
     _, err = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode == 2
     assert "mqtt_prot" in err.decode() and len(err.decode().strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("password", [None, "s3cret-pw"], ids=["refused", "with-password"])
+async def test_a_redis_out_of_reach_is_one_clear_line_without_its_password(
+    password: str | None,
+) -> None:
+    port = free_port()  # nothing listens there
+    auth = f":{password}@" if password else ""
+    proc = await asyncio.create_subprocess_exec(
+        *GATEWAY,
+        "serve",
+        "--redis-url",
+        f"redis://{auth}127.0.0.1:{port}/0",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 30)
+    text = err.decode()
+    assert proc.returncode == 2, text
+    assert "cannot use Redis at" in text and len(text.strip().splitlines()) == 1, text
+    if password:
+        assert password not in text + out.decode() and ":***@" in text
+
+
+@pytest.mark.parametrize(
+    "url, shown",
+    [
+        ("redis://:pw@h:6379/0", "redis://:***@h:6379/0"),
+        ("redis://user:pw@h/0?db=1", "redis://user:***@h/0?db=1"),
+        ("redis://h:1/0?password=pw&db=1", "redis://h:1/0?password=***&db=1"),
+        ("unix:///tmp/r.sock?db=0", "unix:///tmp/r.sock?db=0"),
+    ],
+)
+def test_a_redis_url_is_shown_without_its_password(url: str, shown: str) -> None:
+    assert redacted(url) == shown
 
 
 def test_redis_version_gate() -> None:

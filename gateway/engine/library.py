@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from importlib import resources
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import hiredis
 import redis.asyncio as aioredis
@@ -99,6 +101,23 @@ async def loaded_library(client: aioredis.Redis) -> str | None:
     return None
 
 
+def redacted(url: str) -> str:
+    """`url` without its password (in the user part or a `password=` parameter): fit for
+    logs and the ready line."""
+    parts = urlsplit(url)
+    if parts.password is None and not _PASSWORD_PARAM.search(parts.query):
+        return url
+    netloc = parts.netloc
+    if parts.password is not None:
+        user = parts.username or ""
+        netloc = f"{user}:***@{netloc.rpartition('@')[2]}"
+    query = _PASSWORD_PARAM.sub(r"\1***", parts.query)
+    return urlunsplit(parts._replace(netloc=netloc, query=query))
+
+
+_PASSWORD_PARAM = re.compile(r"((?:^|&)password=)[^&]*")
+
+
 async def connect(url: str, *, replace: bool = True) -> aioredis.Redis:
     """A client with the library loaded; raises RedisTooOld, or RedisUnsuitable for a Redis
     that evicts keys when full (it would delete stored messages), before touching any data.
@@ -112,12 +131,14 @@ async def connect(url: str, *, replace: bool = True) -> aioredis.Redis:
         version = str(info.get("redis_version", "0"))
         if parse_version(version)[:2] < MIN_REDIS:
             raise RedisTooOld(
-                f"Redis {version} at {url} is too old: the gateway needs Redis 7.0 or newer"
+                f"Redis {version} at {redacted(url)} is too old: the gateway needs Redis 7.0 "
+                "or newer"
             )
         policy = str((await client.info("memory")).get("maxmemory_policy", "noeviction"))
         if policy != "noeviction":
             raise RedisUnsuitable(
-                f"Redis at {url} evicts keys when full (maxmemory-policy {policy}), which "
+                f"Redis at {redacted(url)} evicts keys when full (maxmemory-policy {policy}), "
+                "which "
                 "would delete stored messages: set maxmemory-policy noeviction"
             )
         loaded = await loaded_library(client)
