@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import http.client
 import json
 import logging
 import os
@@ -241,6 +242,9 @@ def _call(method: str, url: str, body: Any = None, auth: str | None = None) -> t
         raw, status = exc.read(), exc.code
     except urllib.error.URLError as exc:
         print(f"gateway: cannot reach the admin API at {url}: {exc.reason}", file=sys.stderr)
+        raise SystemExit(1) from None
+    except (http.client.HTTPException, ConnectionError) as exc:  # e.g. the AMQP port
+        print(f"gateway: no admin API answers at {url}: {exc!r}", file=sys.stderr)
         raise SystemExit(1) from None
     if not raw:
         return status, None

@@ -251,7 +251,7 @@ class EmbeddedRedis:
         except (FileNotFoundError, ValueError):
             return
         deadline = time.monotonic() + timeout
-        while _alive(pid) and _is_redis(pid):
+        while _alive(pid) and _serves(pid, self.socket):
             if time.monotonic() > deadline:
                 raise RedisStartError(
                     f"redis-server pid {pid} still runs on {self.data_dir}: another gateway "
@@ -308,8 +308,11 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _is_redis(pid: int) -> bool:
+def _serves(pid: int, socket: Path) -> bool:
+    """Whether `pid` is a redis-server on `socket` (its title names its listening socket):
+    a stale pid file may name another process, even another redis-server, by now."""
     try:
-        return b"redis" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        title = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
+    return b"redis" in title and str(socket).encode() in title

@@ -813,6 +813,20 @@ async def test_cli_errors(admin: Admin) -> None:
     assert rc == 1 and out == ""
     assert len(err.splitlines()) == 1 and "cannot reach the admin API" in err
 
+    async def not_http(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"AMQP\x00\x01\x00\x00")  # what the AMQP port answers
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(not_http, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        rc, out, err = await run_cli("queue", "--admin-url", f"http://127.0.0.1:{port}", "list")
+    finally:
+        server.close()
+    assert rc == 1 and out == ""
+    assert len(err.splitlines()) == 1 and "no admin API answers" in err
+
 
 async def test_concurrent_patches_of_other_fields_both_stay(admin: Admin) -> None:
     """A PATCH writes the fields it changes, not the whole config it read: two PATCHes

@@ -11,6 +11,7 @@ import pytest
 import redis
 
 from gateway.redis_server import EmbeddedRedis, RedisStartError, memory_limit
+from tests.conftest import RedisServer
 
 # three writes in one call: Redis puts the effects in the AOF as one MULTI ... EXEC
 THREE_WRITES = "redis.call('SET', 'x1', 1); redis.call('SET', 'x2', 2); redis.call('SET', 'x3', 3)"
@@ -117,3 +118,25 @@ def test_the_memory_limit_is_a_share_of_the_machine_and_never_evicts(tmp_path: P
         c.close()
     finally:
         server.stop()
+
+
+def test_a_stale_pid_file_naming_another_redis_server_is_no_obstacle(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """After a crash and a reboot the pid file's pid may be another redis-server's (the
+    distribution's, another gateway's): it does not serve this data directory."""
+    assert redis_server.proc is not None
+    (tmp_path / "redis.pid").write_text(f"{redis_server.proc.pid}\n")
+    server = EmbeddedRedis(tmp_path)
+    try:
+        server.start(timeout=5)
+        assert client(server).ping()
+    finally:
+        server.stop()
+    other = EmbeddedRedis(tmp_path / "busy")
+    other.start()
+    try:  # one that serves the data directory still keeps a second one out
+        with pytest.raises(RedisStartError, match="another gateway uses this data directory"):
+            EmbeddedRedis(tmp_path / "busy").start(timeout=1)
+    finally:
+        other.stop()
