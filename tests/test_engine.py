@@ -843,3 +843,31 @@ async def test_a_handover_waits_for_an_old_node_the_engine_counts_alive(redis_ur
         await old.stop()
         for client in clients:
             await client.aclose()
+
+
+async def test_direct_messages_go_to_other_nodes_in_bounded_batches_in_order(
+    broker: Broker, second_node: Broker, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What gathers at once goes in parts: one PUBLISH too large for a subscriber's pub/sub
+    output buffer (32 MB by default) would disconnect the other nodes' listeners."""
+    monkeypatch.setattr(direct, "MAX_RELAY_BATCH", 10)
+    there: list[Message] = []
+    await second_node.subscribe_direct("parts/#", "mqtt", there.append)
+    await wait_for(lambda: broker.direct._others)
+    watcher = aioredis.Redis.from_url(redis_url)
+    channel = watcher.pubsub()
+    await channel.subscribe(keys.direct_channel)
+    try:
+        for i in range(35):  # one loop turn: one outbox
+            broker.publish_nowait(Message(destination="parts/x", payload=b"%d" % i))
+        await wait_for(lambda: len(there) == 35)
+        relays = 0
+        deadline = asyncio.get_running_loop().time() + 1.0
+        while asyncio.get_running_loop().time() < deadline:
+            got = await channel.get_message(ignore_subscribe_messages=True, timeout=0.1)
+            relays += got is not None and got["type"] == "message"
+    finally:
+        await channel.aclose()
+        await watcher.aclose()
+    assert [m.payload for m in there] == [b"%d" % i for i in range(35)]
+    assert relays == 4

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 DirectCallback = Callable[[Message], None]
 MAX_HELD = 10_000  # direct messages waiting for their delivery time
+MAX_RELAY_BATCH = 1000  # messages a PUBLISH: what gathers while Redis is slow goes in parts
 WITHDRAW_RETRY_S = 1.0  # a withdrawal Redis did not take is tried again after this long
 
 
@@ -218,8 +219,9 @@ class DirectRelay:
         and a topic's messages must not overtake each other (MQTT-4.6.0-6)."""
         try:
             await asyncio.sleep(0)  # this turn's messages go together
-            while self._outbox:
-                batch, self._outbox = self._outbox, []
+            while self._outbox:  # bounded: a subscriber's pub/sub buffer has a hard limit
+                batch = self._outbox[:MAX_RELAY_BATCH]
+                del self._outbox[:MAX_RELAY_BATCH]
                 self.relayed += len(batch)
                 data = self._node.encode() + b"\n" + msgpack.packb(batch, use_bin_type=True)
                 try:
