@@ -207,6 +207,28 @@ async def test_a_full_ring_lvq_drops_only_what_a_bigger_new_value_still_needs(
     assert (info.messages, info.counters["replaced"], info.counters["dropped"]) == (2, 1, 1)
 
 
+async def test_a_ring_lvqs_replaced_value_is_counted_replaced_when_it_is_the_oldest(
+    broker: Broker,
+) -> None:
+    """A (oldest), B and C fill it; A's new value is bigger and needs B's room too: A's old
+    value is replaced, B dropped, and the counters say so."""
+    await broker.declare_queue(QueueConfig(name="probe"), [("prices/>", "smf")])
+    assert (await broker.publish(msg("x" * 999, symbol="B"))).accepted
+    size = (await broker.queues.info("probe")).spooled_bytes
+    await broker.delete_queue("probe")
+    await broker.declare_queue(
+        QueueConfig(name="ticks", lvq_key="symbol", overflow="ring", max_spool_bytes=3 * size),
+        [("prices/>", "smf")],
+    )
+    for key in ("A", "B", "C"):
+        assert (await broker.publish(msg("x" * 999, symbol=key))).accepted
+    assert (await broker.publish(msg("y" * 1499, symbol="A"))).accepted
+    assert sorted(await browse_all(broker, "ticks")) == [b"x" * 999, b"y" * 1499]
+    info = await broker.queues.info("ticks")
+    counted = (info.messages, info.counters.get("replaced"), info.counters.get("dropped"))
+    assert counted == (2, 1, 1)
+
+
 def older_spool_properties(router: Router) -> Callable[[Message], str]:
     """The keyed properties as a node or Spark executor of the release before sizes sends
     them ("name\\0value\\0..."): they still use the library the newest node loaded."""

@@ -1025,6 +1025,8 @@ local function plan_drop(q, size, sibling, replaced, replaced_size)
     if best_id ~= replaced then  -- that one was counted out above
       probe.count = probe.count - 1
       probe.bytes = probe.bytes - n
+    else  -- the oldest is the one replaced: it goes with the drop, counted as replaced
+      plan.replaced = { m = best, bytes = n }
     end
   end
   return true
@@ -1053,6 +1055,12 @@ local function commit_drop(q)
       m.dropped = m.dropped + n
       m.dropped_bytes = m.dropped_bytes + d.bytes
     end
+  end
+  local r = plan.replaced
+  if r then
+    r.m.dropped, r.m.dropped_bytes = r.m.dropped - 1, r.m.dropped_bytes - r.bytes
+    r.m.added, r.m.added_bytes = r.m.added - 1, r.m.added_bytes - r.bytes  -- as a replace
+    r.m.replaced = (r.m.replaced or 0) + 1
   end
 end
 
