@@ -79,7 +79,7 @@ def repair_aof(data_dir: Path) -> str | None:
     report = checked.stdout.decode(errors="replace")
     if "is not valid" not in report:
         return None
-    if not _torn_at_the_end(report):
+    if not _torn_at_the_end(data_dir / "appendonlydir", report):
         lines = [line for line in report.splitlines() if "0x" in line or "analyzed" in line]
         raise RedisStartError(
             f"the AOF in {data_dir / 'appendonlydir'} is damaged before its end "
@@ -95,31 +95,96 @@ def repair_aof(data_dir: Path) -> str | None:
     return " | ".join(line for line in report.splitlines() if "AOF" in line and "shrink" in line)
 
 
-_ANALYZED = re.compile(r"AOF analyzed: .*size=(\d+),")
-_AT = re.compile(r"0x\s*([0-9a-fA-F]+): (.*)")
-_SHORT_READ = re.compile(r"Expected to read (\d+) bytes, got (\d+) bytes")
-_LINE_END = re.compile(r"Expected \\r\\n, got: ([0-9a-fA-F]{4})")
+# What an AOF holds: Redis 7.0's write commands (COMMAND LIST FILTERBY ACLCAT write), MULTI
+# and SELECT. A verb outside it in what a fix would cut is damage, not a torn write.
+AOF_VERBS = frozenset(
+    b"""
+APPEND BITFIELD BITOP BLMOVE BLMPOP BLPOP BRPOP BRPOPLPUSH BZMPOP BZPOPMAX BZPOPMIN
+COPY DECR DECRBY DEL EXPIRE EXPIREAT FLUSHALL FLUSHDB FUNCTION GEOADD GEORADIUS
+GEORADIUSBYMEMBER GEOSEARCHSTORE GETDEL GETEX GETSET HDEL HINCRBY HINCRBYFLOAT HMSET
+HSET HSETNX INCR INCRBY INCRBYFLOAT LINSERT LMOVE LMPOP LPOP LPUSH LPUSHX LREM LSET
+LTRIM MIGRATE MOVE MSET MSETNX PERSIST PEXPIRE PEXPIREAT PFADD PFDEBUG PFMERGE PSETEX
+RENAME RENAMENX RESTORE RESTORE-ASKING RPOP RPOPLPUSH RPUSH RPUSHX SADD SDIFFSTORE SET
+SETBIT SETEX SETNX SETRANGE SINTERSTORE SMOVE SORT SPOP SREM SUNIONSTORE SWAPDB UNLINK
+XACK XADD XAUTOCLAIM XCLAIM XDEL XGROUP XREADGROUP XSETID XTRIM ZADD ZDIFFSTORE ZINCRBY
+ZINTERSTORE ZMPOP ZPOPMAX ZPOPMIN ZRANGESTORE ZREM ZREMRANGEBYLEX ZREMRANGEBYRANK
+ZREMRANGEBYSCORE ZUNIONSTORE MULTI SELECT PUBLISH SPUBLISH
+""".split()
+)
 
 
-def _torn_at_the_end(report: str) -> bool:
-    """Whether redis-check-aof stopped for want of bytes (a write cut short by a crash),
-    not at a damaged byte: a MULTI without its EXEC, a bulk string read short, or a line
-    end missing at the file's end."""
-    size, at, error = None, None, ""
-    for line in report.splitlines():
-        if (m := _ANALYZED.search(line)) is not None:
-            size = int(m.group(1))
-        elif (m := _AT.search(line)) is not None:
-            at, error = int(m.group(1), 16), m.group(2)
-    if "Reached EOF before reading EXEC" in error:
-        return True
-    if (m := _SHORT_READ.search(error)) is not None:
-        return int(m.group(2)) < int(m.group(1))
-    # a line end read at the end of the file: the bytes not there show as 00
-    got = _LINE_END.search(error)
-    if got is None or at is None or size is None:
+_ANALYZED = re.compile(r"AOF analyzed: filename=([^,]+), size=\d+, ok_up_to=(\d+),")
+
+
+def _torn_at_the_end(aof_dir: Path, report: str) -> bool:
+    """Whether what redis-check-aof would cut is one write a crash cut short: in the
+    newest file, whole commands (a MULTI only first, no EXEC: one function's effects),
+    then at most one command cut short or the zeros a crash can leave. Damage amid the
+    file is anything else (a broken byte, or a broken EXEC that would take every later
+    transaction with it)."""
+    found = _ANALYZED.findall(report)
+    if not found:
         return False
-    return got.group(1).endswith("00") and size - at <= 16
+    name, ok_up_to = found[-1]
+    path = aof_dir / Path(name).name
+    if path != _newest_file(aof_dir):
+        return False
+    tail = path.read_bytes()[int(ok_up_to) :]
+    at, commands = 0, 0
+    while at < len(tail):
+        if not tail[at:].strip(b"\0"):
+            return True  # zeros to the end: space the file got, data that never came
+        parsed = _command(tail, at)
+        if parsed is None:
+            return True  # cut short at the end
+        if parsed is False:
+            return False
+        at, name_bytes = parsed
+        verb = name_bytes.upper()
+        if verb not in AOF_VERBS or (verb == b"MULTI" and commands):
+            return False  # an EXEC too: a whole transaction is no torn one
+        commands += 1
+    return True
+
+
+def _newest_file(aof_dir: Path) -> Path | None:
+    """The incr file Redis appends to: the manifest's last one."""
+    manifests = sorted(aof_dir.glob("*.manifest"))
+    if not manifests:
+        return None
+    names = [
+        line.split()[1]
+        for line in manifests[0].read_text().splitlines()
+        if len(line.split()) > 1 and line.split()[0] == "file"
+    ]
+    return aof_dir / names[-1] if names else None
+
+
+def _command(buf: bytes, at: int) -> tuple[int, bytes] | bool | None:
+    """The RESP command at `at`: (where it ends, its name); None if the bytes end first;
+    False if it is malformed."""
+    line = buf.find(b"\r\n", at)
+    if line < 0:
+        return None
+    if buf[at : at + 1] != b"*" or not buf[at + 1 : line].isdigit():
+        return False
+    pos, name = line + 2, b""
+    for i in range(int(buf[at + 1 : line])):
+        line = buf.find(b"\r\n", pos)
+        if line < 0:
+            return None
+        if buf[pos : pos + 1] != b"$" or not buf[pos + 1 : line].isdigit():
+            return False
+        start = line + 2
+        end = start + int(buf[pos + 1 : line])
+        if end + 2 > len(buf):
+            return None
+        if buf[end : end + 2] != b"\r\n":
+            return False
+        if i == 0:
+            name = buf[start:end]
+        pos = end + 2
+    return pos, name
 
 
 def memory_limit(percent: int) -> int:

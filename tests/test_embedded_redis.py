@@ -5,12 +5,13 @@ its memory limit: a share of the machine's, reached without evicting anything.""
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 import redis
 
-from gateway.redis_server import EmbeddedRedis, RedisStartError, memory_limit
+from gateway.redis_server import EmbeddedRedis, RedisStartError, memory_limit, repair_aof
 from tests.conftest import RedisServer
 
 # three writes in one call: Redis puts the effects in the AOF as one MULTI ... EXEC
@@ -82,6 +83,33 @@ def test_a_write_torn_anywhere_in_its_last_transaction_is_cut(tmp_path: Path, cu
         server.stop()
 
 
+def test_a_crash_stopping_at_any_byte_of_the_last_writes_is_a_torn_end(tmp_path: Path) -> None:
+    """Every cut inside the last transaction and the single write before it (line ends
+    and bulk strings cut short, a cut on a line boundary) is taken for a torn end and cut
+    (or is a whole file already), never refused as damage."""
+    server = EmbeddedRedis(tmp_path / "made", appendfsync="always")
+    server.start()
+    try:
+        c = client(server)
+        c.set("before", 1)
+        c.set("single", "s" * 40)
+        c.eval(THREE_WRITES, 0)
+        c.close()
+    finally:
+        server.stop()
+    made = tmp_path / "made" / "appendonlydir"
+    whole = incr_file(tmp_path / "made").read_bytes()
+    last = len(whole) - whole.rindex(b"*3\r\n$3\r\nSET\r\n$6\r\nsingle")
+    for cut in range(1, last):
+        data_dir = tmp_path / f"cut{cut}"
+        shutil.copytree(made, data_dir / "appendonlydir")
+        aof = incr_file(data_dir)
+        aof.write_bytes(whole[:-cut])
+        repair_aof(data_dir)  # raises for what it takes for damage
+        assert repair_aof(data_dir) is None, f"a cut of {cut} bytes left a bad AOF"
+        shutil.rmtree(data_dir)
+
+
 def test_damage_before_the_end_of_the_aof_is_not_cut_away(tmp_path: Path) -> None:
     """A damaged byte amid the file is no torn write: cutting there would drop all that
     follows. The start is refused, as Redis refuses such a file, and nothing is cut."""
@@ -101,6 +129,30 @@ def test_damage_before_the_end_of_the_aof_is_not_cut_away(tmp_path: Path) -> Non
         with pytest.raises(RedisStartError, match="damaged before its end"):
             server.start()
         assert aof.read_bytes() == bytes(data)
+    finally:
+        server.stop()
+
+
+def test_a_broken_exec_amid_the_aof_is_not_cut_away(tmp_path: Path) -> None:
+    """One broken EXEC leaves its transaction open to the end of the file: that is no
+    torn write, and a fix would take every later write with it."""
+    server = EmbeddedRedis(tmp_path, appendfsync="always")
+    server.start()
+    try:
+        c = client(server)
+        c.eval(THREE_WRITES, 0)
+        for i in range(200):
+            c.set(f"k{i}", "v")
+        c.close()
+        crash(server)
+        aof = incr_file(tmp_path)
+        data = aof.read_bytes()
+        at = data.index(b"EXEC\r\n")
+        damaged = data[:at] + b"EXEX" + data[at + 4 :]
+        aof.write_bytes(damaged)
+        with pytest.raises(RedisStartError, match="damaged before its end"):
+            server.start()
+        assert aof.read_bytes() == damaged
     finally:
         server.stop()
 
