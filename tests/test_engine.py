@@ -845,12 +845,20 @@ async def test_a_handover_waits_for_an_old_node_the_engine_counts_alive(redis_ur
             await client.aclose()
 
 
+@pytest.mark.parametrize("bound", ["count", "bytes"])
 async def test_direct_messages_go_to_other_nodes_in_bounded_batches_in_order(
-    broker: Broker, second_node: Broker, redis_url: str, monkeypatch: pytest.MonkeyPatch
+    broker: Broker,
+    second_node: Broker,
+    redis_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    bound: str,
 ) -> None:
     """What gathers at once goes in parts: one PUBLISH too large for a subscriber's pub/sub
     output buffer (32 MB by default) would disconnect the other nodes' listeners."""
-    monkeypatch.setattr(direct, "MAX_RELAY_BATCH", 10)
+    if bound == "count":
+        monkeypatch.setattr(direct, "MAX_RELAY_BATCH", 10)
+    else:  # ten 1,000-byte payloads a part
+        monkeypatch.setattr(direct, "MAX_RELAY_BYTES", 10 * 1000 + 500)
     there: list[Message] = []
     await second_node.subscribe_direct("parts/#", "mqtt", there.append)
     await wait_for(lambda: broker.direct._others)
@@ -859,7 +867,8 @@ async def test_direct_messages_go_to_other_nodes_in_bounded_batches_in_order(
     await channel.subscribe(keys.direct_channel)
     try:
         for i in range(35):  # one loop turn: one outbox
-            broker.publish_nowait(Message(destination="parts/x", payload=b"%d" % i))
+            payload = b"%d" % i if bound == "count" else b"%-1000d" % i
+            broker.publish_nowait(Message(destination="parts/x", payload=payload))
         await wait_for(lambda: len(there) == 35)
         relays = 0
         deadline = asyncio.get_running_loop().time() + 1.0
@@ -869,5 +878,5 @@ async def test_direct_messages_go_to_other_nodes_in_bounded_batches_in_order(
     finally:
         await channel.aclose()
         await watcher.aclose()
-    assert [m.payload for m in there] == [b"%d" % i for i in range(35)]
+    assert [int(m.payload) for m in there] == list(range(35))
     assert relays == 4

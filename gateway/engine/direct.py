@@ -34,7 +34,10 @@ log = logging.getLogger(__name__)
 
 DirectCallback = Callable[[Message], None]
 MAX_HELD = 10_000  # direct messages waiting for their delivery time
-MAX_RELAY_BATCH = 1000  # messages a PUBLISH: what gathers while Redis is slow goes in parts
+# a PUBLISH's messages and bytes: what gathers while Redis is slow goes in parts, each well
+# below a subscriber's pub/sub output buffer limit (32 MB hard by default)
+MAX_RELAY_BATCH = 1000
+MAX_RELAY_BYTES = 4 << 20
 WITHDRAW_RETRY_S = 1.0  # a withdrawal Redis did not take is tried again after this long
 
 
@@ -220,8 +223,7 @@ class DirectRelay:
         try:
             await asyncio.sleep(0)  # this turn's messages go together
             while self._outbox:  # bounded: a subscriber's pub/sub buffer has a hard limit
-                batch = self._outbox[:MAX_RELAY_BATCH]
-                del self._outbox[:MAX_RELAY_BATCH]
+                batch = self._next_batch()
                 self.relayed += len(batch)
                 data = self._node.encode() + b"\n" + msgpack.packb(batch, use_bin_type=True)
                 try:
@@ -230,6 +232,19 @@ class DirectRelay:
                     log.warning("%d direct messages not relayed: %s", len(batch), exc)
         finally:
             self._relayer = None
+
+    def _next_batch(self) -> list[bytes]:
+        """The oldest messages of the outbox, up to MAX_RELAY_BATCH of them and
+        MAX_RELAY_BYTES in all (one at least)."""
+        outbox, size, count = self._outbox, 0, 0
+        for blob in outbox[:MAX_RELAY_BATCH]:
+            if count and size + len(blob) > MAX_RELAY_BYTES:
+                break
+            size += len(blob)
+            count += 1
+        batch = outbox[:count]
+        del outbox[:count]
+        return batch
 
     def _received(self, data: bytes) -> None:
         origin, _, body = data.partition(b"\n")
