@@ -269,3 +269,44 @@ async def test_a_wildcard_read_takes_what_fell_due_at_the_instant_it_reads_the_t
     await broker.retained.put(_held("wr/t", b"newer", None))
     assert [m.payload for m in await broker.retained.matching("wr/#")] == [b"newer"]
     assert [m.payload for m in await broker.retained.matching("wr/t")] == [b"newer"]
+
+
+async def test_a_wildcard_read_sees_what_a_store_between_its_scans_left(
+    broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """V is the value, H falls due over it, and W is stored while the read scans: the read
+    gives W or H, never V, which H replaced already."""
+    await broker.retained.put(_held("sc/t", b"V", None))
+    await broker.retained.put(_held("sc/t", b"H", 200))
+    await asyncio.sleep(0.3)  # H is due: not promoted, no store since
+    started = []
+
+    def second_after_a_store(name: str):  # W is stored as the read's second scan starts
+        scan = getattr(broker.redis, name)
+
+        def scanning(*args, **kwargs):
+            async def scanned():
+                started.append(name)
+                if len(started) == 2:
+                    await broker.retained.put(_held("sc/t", b"W", None))
+                async for item in scan(*args, **kwargs):
+                    yield item
+
+            return scanned()
+
+        return scanning
+
+    for name in ("hscan_iter", "sscan_iter"):
+        monkeypatch.setattr(broker.redis, name, second_after_a_store(name))
+    assert [m.payload for m in await broker.retained.matching("sc/#")] == [b"W"]
+    assert len(started) == 2
+
+
+async def test_a_topic_whose_held_messages_all_fell_due_is_no_held_topic_once_read(
+    broker: Broker,
+) -> None:
+    await broker.retained.put(_held("gone/t", b"H", 100))
+    await asyncio.sleep(0.2)
+    assert [m.payload for m in await broker.retained.matching("gone/#")] == [b"H"]
+    assert not await broker.redis.exists(keys.retained_held("gone/t"))
+    assert await broker.redis.smembers(keys.retained_held_topics) == set()

@@ -133,22 +133,29 @@ class RetainedStore:
         else:
             matches = pattern_matcher(pattern, syntax)
             glob = _GLOB_SPECIAL.sub(r"\\\g<0>", prefix) + "*"
+            # the topics with held messages first: one of them read by the value scan may
+            # have had one fall due meanwhile, so they are read again, each at one instant
+            held = [
+                name
+                async for topic in self._redis.sscan_iter(
+                    keys.retained_held_topics, glob, count=1000
+                )
+                if matches(name := topic.decode())
+            ]
             values = {}
             async for topic, blob in self._redis.hscan_iter(keys.retained, glob, count=1000):
                 if matches(name := topic.decode()):
                     values[name] = blob
-            held_topics = keys.retained_held_topics
-            async for topic in self._redis.sscan_iter(held_topics, glob, count=1000):
-                if matches(name := topic.decode()):
-                    values[name] = await self._value(name)
+            for name in held:
+                values[name] = await self._value(name)
         now_ms = time.time() * 1000
         found = [decode(values[t]) for t in sorted(values) if values[t]]
         # one stored held before held messages waited apart: not shown before it is due
         return [m for m in found if m.not_before is None or m.not_before <= now_ms]
 
     async def _value(self, topic: str) -> bytes | None:
-        names = (keys.retained, keys.retained_held(topic))
-        return await self._redis.fcall_ro("gw_retained", 2, *names, topic, _now_ms())
+        names = (keys.retained, keys.retained_held_topics, keys.retained_held(topic))
+        return await self._redis.fcall("gw_retained", 3, *names, topic, _now_ms())
 
 
 def _now_ms() -> int:

@@ -2294,7 +2294,8 @@ local function retain(k, a)
   local topic, now, blob, due = a[1], tonumber(a[2]), a[3], tonumber(a[4])
   local value = fallen_due(k[3], now)
   if value then redis.call('ZREMRANGEBYSCORE', k[3], '-inf', now) end
-  if due and due > now then
+  if blob == nil then  -- a read (gw_retained): what fell due only
+  elseif due and due > now then
     redis.call('ZADD', k[3], due, string.format('%016x', redis.call('INCR', K_SEQ)) .. blob)
   else
     value = blob
@@ -2318,15 +2319,13 @@ end
 register_always('gw_retain', retain)
 redis.register_function('gw_retain_new', retain)
 
--- KEYS: the retained-messages hash, the topic's held set. ARGV: topic, now (epoch ms).
--- The topic's retained message as of now ('' or nil: none), read at one instant.
-redis.register_function {
-  function_name = 'gw_retained',
-  callback = function(k, a)
-    return fallen_due(k[2], tonumber(a[2])) or redis.call('HGET', k[1], a[1])
-  end,
-  flags = { 'no-writes', 'allow-oom' },
-}
+-- KEYS: as gw_retain's. ARGV: topic, now (epoch ms). The topic's retained message as of
+-- now (nil: none), what fell due promoted first (so a topic's held set goes once all of
+-- it fell due, read or not): one instant, and it frees memory, so it runs when full too.
+register_always('gw_retained', function(k, a)
+  retain(k, a)
+  return redis.call('HGET', k[1], a[1])
+end)
 
 -- KEYS: a client's received-ids key. ARGV: a message id. 1 if it was new, 0 if recorded.
 register_always('gw_client_mark', function(k, a)
