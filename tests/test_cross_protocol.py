@@ -171,9 +171,8 @@ async def test_amqp_text_with_nul_reaches_mqtt5_subscriber(
     assert ("b", "\ufffd") in m.properties.UserProperty
 
 
-def test_mqtt5_egress_replaces_nul_in_every_text_property() -> None:
-    """The fields proton's client cuts at U+0000 may still hold one (the admin API)."""
-    msg = Message("t", b"x", partition_key="g\x00", content_type="c\x00", reply_to="topic://r\x00")
+def as_v5_publish(msg: Message) -> Publish:
+    """The QoS 0 PUBLISH an MQTT 5 subscriber gets for `msg`, decoded."""
     data = encode_delivery(
         msg,
         qos=0,
@@ -185,7 +184,15 @@ def test_mqtt5_egress_replaces_nul_in_every_text_property() -> None:
         level=5,
     )
     (publish,) = MqttDecoder(protocol_level=5).feed(data)
-    assert isinstance(publish, Publish) and publish.properties is not None
+    assert isinstance(publish, Publish)
+    return publish
+
+
+def test_mqtt5_egress_replaces_nul_in_every_text_property() -> None:
+    """The fields proton's client cuts at U+0000 may still hold one (the admin API)."""
+    msg = Message("t", b"x", partition_key="g\x00", content_type="c\x00", reply_to="topic://r\x00")
+    publish = as_v5_publish(msg)
+    assert publish.properties is not None
     assert publish.properties.content_type == "c\ufffd"
     assert publish.properties.response_topic == "r\ufffd"
     assert publish.properties.user_properties == [("JMSXGroupId", "g\ufffd")]
@@ -204,17 +211,5 @@ def test_a_response_topic_is_the_topic_a_reply_to_names(
     reply_to: str, protocol: str, topic: str | None
 ) -> None:
     msg = Message("t", b"x", reply_to=reply_to, publisher=Publisher(protocol, "c"))
-    data = encode_delivery(
-        msg,
-        qos=0,
-        packet_id=None,
-        dup=False,
-        retain=False,
-        subscription_ids=[],
-        expiry=None,
-        level=5,
-    )
-    (publish,) = MqttDecoder(protocol_level=5).feed(data)
-    assert isinstance(publish, Publish)
-    props = publish.properties
+    props = as_v5_publish(msg).properties
     assert (props.response_topic if props is not None else None) == topic

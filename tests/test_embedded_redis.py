@@ -61,28 +61,6 @@ def test_a_torn_transaction_is_dropped_whole_and_later_writes_survive(
         server.stop()
 
 
-@pytest.mark.parametrize("cut", [1, 2, 3, 7, 19, 45])
-def test_a_write_torn_anywhere_in_its_last_transaction_is_cut(tmp_path: Path, cut: int) -> None:
-    """Whatever byte a crash stopped at, redis-check-aof reads it as a torn end."""
-    server = EmbeddedRedis(tmp_path, appendfsync="always")
-    server.start()
-    try:
-        c = client(server)
-        c.set("before", 1)
-        c.eval(THREE_WRITES, 0)
-        c.close()
-        crash(server)
-        torn = incr_file(tmp_path)
-        with torn.open("r+b") as f:
-            f.truncate(torn.stat().st_size - cut)
-        server.start()
-        c = client(server)
-        assert (c.get("before"), c.get("x1"), c.get("x3")) == ("1", None, None)
-        c.close()
-    finally:
-        server.stop()
-
-
 def test_a_crash_stopping_at_any_byte_of_the_last_writes_is_a_torn_end(tmp_path: Path) -> None:
     """Every cut inside the last transaction and the single write before it (line ends
     and bulk strings cut short, a cut on a line boundary) is taken for a torn end and cut
