@@ -24,7 +24,7 @@ ANONYMOUS = "anonymous"  # the user of clients that did not authenticate: never 
 
 
 MIN_HEARTBEAT_S = 0.05  # below it, a node would call Redis without pause
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL")  # as logging reads them
 
 
 class ConfigError(ValueError):

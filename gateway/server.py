@@ -69,7 +69,8 @@ async def run_node(
         loop.add_signal_handler(sig, stop.set)
     try:
         client = await library.connect(redis_url)
-    except RedisError as exc:  # refused, wrong password...: one line, not a traceback
+    except (RedisError, ValueError) as exc:  # refused, wrong password, a URL redis-py
+        # cannot read...: one line, not a traceback
         raise library.RedisUnsuitable(
             f"cannot use Redis at {library.redacted(redis_url)}: {exc}"
         ) from None

@@ -317,6 +317,11 @@ def test_settings_a_node_cannot_run_with_are_refused(env: dict[str, str], name: 
         load_settings(env=env)
 
 
+@pytest.mark.parametrize("level", ["warn", "WARNING", "debug", "Error"])
+def test_log_levels_as_logging_reads_them_are_taken(level: str) -> None:
+    assert load_settings(env={"GATEWAY_LOG_LEVEL": level}).log_level == level
+
+
 def test_node_ttl_must_exceed_heartbeat() -> None:
     with pytest.raises(ConfigError, match="node_ttl_s"):
         load_settings(env={"GATEWAY_HEARTBEAT_S": "5", "GATEWAY_NODE_TTL_S": "5"})

@@ -229,6 +229,21 @@ async def test_a_redis_out_of_reach_is_one_clear_line_without_its_password(
         assert password not in text + out.decode() and ":***@" in text
 
 
+async def test_a_redis_url_redis_cannot_read_is_one_clear_line() -> None:
+    proc = await asyncio.create_subprocess_exec(
+        *GATEWAY,
+        "serve",
+        "--redis-url",
+        "redis://:pw@127.0.0.1:noport/0",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    _, err = await asyncio.wait_for(proc.communicate(), 30)
+    text = err.decode()
+    assert proc.returncode == 2 and len(text.strip().splitlines()) == 1, text
+    assert "cannot use Redis at" in text and "pw" not in text
+
+
 @pytest.mark.parametrize(
     "url, shown",
     [
@@ -236,6 +251,7 @@ async def test_a_redis_out_of_reach_is_one_clear_line_without_its_password(
         ("redis://user:pw@h/0?db=1", "redis://user:***@h/0?db=1"),
         ("redis://h:1/0?password=pw&db=1", "redis://h:1/0?password=***&db=1"),
         ("unix:///tmp/r.sock?db=0", "unix:///tmp/r.sock?db=0"),
+        ("redis://:p#a?b/c@h:1/0", "redis://:***@h:1/0"),  # not %-encoded, as people write
     ],
 )
 def test_a_redis_url_is_shown_without_its_password(url: str, shown: str) -> None:

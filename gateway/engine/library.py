@@ -6,7 +6,6 @@ import re
 from collections.abc import Sequence
 from importlib import resources
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import hiredis
 import redis.asyncio as aioredis
@@ -102,20 +101,16 @@ async def loaded_library(client: aioredis.Redis) -> str | None:
 
 
 def redacted(url: str) -> str:
-    """`url` without its password (in the user part or a `password=` parameter): fit for
-    logs and the ready line."""
-    parts = urlsplit(url)
-    if parts.password is None and not _PASSWORD_PARAM.search(parts.query):
-        return url
-    netloc = parts.netloc
-    if parts.password is not None:
-        user = parts.username or ""
-        netloc = f"{user}:***@{netloc.rpartition('@')[2]}"
-    query = _PASSWORD_PARAM.sub(r"\1***", parts.query)
-    return urlunsplit(parts._replace(netloc=netloc, query=query))
+    """`url` without its password (in the user part, whatever characters it holds, or a
+    `password=` parameter): fit for logs and the ready line."""
+    scheme, sep, rest = url.partition("://")
+    credentials, at, host = rest.rpartition("@")
+    if sep and at and ":" in credentials:
+        rest = f"{credentials.partition(':')[0]}:***@{host}"
+    return _PASSWORD_PARAM.sub(r"\1***", f"{scheme}{sep}{rest}")
 
 
-_PASSWORD_PARAM = re.compile(r"((?:^|&)password=)[^&]*")
+_PASSWORD_PARAM = re.compile(r"([?&]password=)[^&]*")
 
 
 async def connect(url: str, *, replace: bool = True) -> aioredis.Redis:
