@@ -350,11 +350,11 @@ class Outbound(Endpoint):
         if flow is None or self._given_back:
             return
         self._given_back = True
-        queued = pn_link_queued(self.link._impl)
+        self.written()  # pre-settled ones written are acked; the rest wait in proton
         waiting, self._presettled = self._presettled, collections.deque()
-        for i, entry_id in enumerate(waiting):
-            (flow.unsend if i >= len(waiting) - queued else flow.ack)(entry_id)
-        unsent = min(queued, len(self.unsettled))
+        for entry_id in waiting:
+            flow.unsend(entry_id)
+        unsent = min(pn_link_queued(self.link._impl), len(self.unsettled))
         if unsent:
             for dlv in list(self.unsettled)[-unsent:]:
                 entry_id, _ = self.unsettled.pop(dlv)
