@@ -165,9 +165,6 @@ class Registry:
         if before is not None:
             await self.broker.handed_over(client_id, before, HANDOVER_TIMEOUT)
         self._new_connection(client_id, clean_start)
-        timer = self._expiry.pop(client_id, None)
-        if timer is not None:
-            timer.cancel()
         state = None if clean_start else await self._load(client_id, session.claim)
         present = state is not None
         if state is None:
@@ -445,8 +442,12 @@ class Registry:
         self._wills[state.client_id] = (handle, message)
 
     def _new_connection(self, client_id: str, ends_session: bool) -> None:
-        """A new connection to the session cancels its delayed will (§3.1.3.2.2), unless it
-        starts afresh: the old session ends now, and its will goes."""
+        """A new connection to the session, here or on another node, cancels its expiry
+        here, and its delayed will (§3.1.3.2.2) unless it starts afresh: the old session
+        ends now, and its will goes."""
+        timer = self._expiry.pop(client_id, None)
+        if timer is not None:
+            timer.cancel()
         pending = self._wills.pop(client_id, None)
         if pending is not None:
             pending[0].cancel()
@@ -456,11 +457,8 @@ class Registry:
     def _claimed_elsewhere(self, client_id: str, ends_session: bool) -> None:
         """A connection on another node took the client's session: its delayed will is not
         sent, unless that connection starts afresh, ending the session (§3.1.3.2.2); nor
-        does it expire here."""
+        does it expire here (_new_connection)."""
         self._new_connection(client_id, ends_session)
-        timer = self._expiry.pop(client_id, None)
-        if timer is not None:
-            timer.cancel()
         live = self.sessions.get(client_id)
         if live is not None:  # about to be taken over: its will waits on this
             live.successor_ends = ends_session
