@@ -28,6 +28,8 @@ DEFAULT_PRIORITY = 4
 MAX_PRIORITY = 9  # JMS's 0-9: higher AMQP priorities are clamped to it
 # `reply_to` is an address: "topic://a/b" a topic, anything else a queue
 TOPIC_ADDRESS = "topic://"
+# MQTT 5 has no field for the partition key or the priority: user properties carry them
+GROUP_PROPERTY, PRIORITY_PROPERTY = "JMSXGroupId", "JMSPriority"
 
 FLAG_PERSISTENT = 1
 FLAG_DMQ_ELIGIBLE = 2
@@ -146,6 +148,13 @@ def bound_times(msg: Message) -> None:
         msg.expiration = None if msg.expiration > LATEST_MS else max(msg.expiration, 1)
     if msg.not_before is not None:
         msg.not_before = min(max(msg.not_before, 0), LATEST_MS)
+
+
+def priority_of(value: PropertyValue) -> int | None:
+    """The priority a PRIORITY_PROPERTY value sets: 0-9 in ASCII digits ("²" is a digit
+    to str.isdigit, not to int), else None (it stays an ordinary user property)."""
+    ok = isinstance(value, str) and value.isascii() and value.isdigit()
+    return int(value) if ok and int(value) <= MAX_PRIORITY else None
 
 
 def new_message_id() -> str:

@@ -19,11 +19,14 @@ from uuid import UUID
 
 from gateway.model import (
     DEFAULT_PRIORITY,
+    GROUP_PROPERTY,
     MAX_PRIORITY,
+    PRIORITY_PROPERTY,
     Delivery,
     Message,
     PropertyValue,
     Publisher,
+    priority_of,
 )
 from protocols.amqp import framing
 from protocols.amqp.framing import MAX_DEPTH  # deeper values: framing refuses them
@@ -571,14 +574,10 @@ def encode(delivery: Delivery, now_ms: int | None = None) -> bytes:
     return b"".join(parts)
 
 
-# An MQTT 5 publisher's user properties for the group and the priority: AMQP carries what
-# they set in group-id and header.priority, so they are not application properties too.
-GROUP_PROPERTY, PRIORITY_PROPERTY = "JMSXGroupId", "JMSPriority"
-
-
 def application_properties(msg: Message) -> list[tuple[str, PropertyValue]]:
-    """`msg`'s user properties but those its group-id or header.priority carries (an MQTT
-    publisher's: another's of those names are its own)."""
+    """`msg`'s user properties but an MQTT publisher's for the group and the priority:
+    AMQP carries what they set in group-id and header.priority (another publisher's
+    properties of those names are its own)."""
     props, publisher = msg.user_properties, msg.publisher
     if publisher is None or publisher.protocol != "mqtt":
         return props
@@ -588,13 +587,8 @@ def application_properties(msg: Message) -> list[tuple[str, PropertyValue]]:
         (k, v)
         for k, v in props
         if not (k == GROUP_PROPERTY and v == msg.partition_key)
-        and not (k == PRIORITY_PROPERTY and _digits(v) == msg.priority)
+        and not (k == PRIORITY_PROPERTY and priority_of(v) == msg.priority)
     ]
-
-
-def _digits(value: PropertyValue) -> int | None:
-    ok = isinstance(value, str) and value.isascii() and value.isdigit()
-    return int(value) if ok else None
 
 
 def keep_bare(msg: Message, bare: bytes) -> None:

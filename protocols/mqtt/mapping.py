@@ -40,16 +40,17 @@ import time
 
 from gateway.model import (
     DEFAULT_PRIORITY,
+    GROUP_PROPERTY,
     LATEST_MS,
+    PRIORITY_PROPERTY,
     TOPIC_ADDRESS,
     Message,
     PropertyValue,
     Publisher,
+    priority_of,
 )
 from protocols.mqtt.codec import Properties, Publish, Will, encode_publish
 
-GROUP_ID = "JMSXGroupId"
-PRIORITY = "JMSPriority"
 PAYLOAD_FORMAT = "x-mqtt-payload-format"
 QOS = "x-mqtt-qos"
 DMQ_ELIGIBLE = "x-opt-dmq-eligible"
@@ -100,11 +101,11 @@ def _apply_properties(msg: Message, props: Properties) -> None:
     if props.payload_format_indicator is not None:
         msg.annotations[PAYLOAD_FORMAT] = props.payload_format_indicator
     for key, value in props.user_properties:
-        if key == GROUP_ID:
+        if key == GROUP_PROPERTY:
             if msg.partition_key is None:
                 msg.partition_key = value
-        elif key == PRIORITY:
-            if (priority := _priority(value)) is not None:
+        elif key == PRIORITY_PROPERTY:
+            if (priority := priority_of(value)) is not None:
                 msg.priority = priority
         elif key == DMQ_ELIGIBLE and value.lower() in ("true", "false"):
             msg.dmq_eligible = value.lower() == "true"
@@ -113,12 +114,6 @@ def _apply_properties(msg: Message, props: Properties) -> None:
             msg.not_before = not_before
             continue
         msg.user_properties.append((key, value))  # the group and priority too: in place
-
-
-def _priority(value: str) -> int | None:
-    """The priority a JMSPriority user property sets: 0-9 in ASCII digits ("²" is a digit
-    to str.isdigit, not to int), else None."""
-    return int(value) if value.isascii() and value.isdigit() and int(value) <= 9 else None
 
 
 def _not_before(key: str, value: str) -> int | None:
@@ -180,10 +175,10 @@ def egress_properties(
     """MQTT 5 PUBLISH properties for `msg` (None when it needs none)."""
     user: list[tuple[str, str]] = []
     key, priority, props = msg.partition_key, msg.priority, msg.user_properties
-    if key is not None and (GROUP_ID, key) not in props:  # else an MQTT publisher's, in place
-        user.append((GROUP_ID, _mqtt_string(key)))
+    if key is not None and (GROUP_PROPERTY, key) not in props:  # else an MQTT publisher's, in place
+        user.append((GROUP_PROPERTY, _mqtt_string(key)))
     if priority != DEFAULT_PRIORITY and not _says_priority(props, priority):
-        user.append((PRIORITY, str(priority)))
+        user.append((PRIORITY_PROPERTY, str(priority)))
     user.extend((_mqtt_string(k), _text(v)) for k, v in props)
     corr = msg.correlation_id
     if corr is not None and not isinstance(corr, bytes):
@@ -216,7 +211,7 @@ def _response_topic(msg: Message) -> str:
 
 
 def _says_priority(props: list[tuple[str, PropertyValue]], priority: int) -> bool:
-    return any(k == PRIORITY and isinstance(v, str) and _priority(v) == priority for k, v in props)
+    return any(k == PRIORITY_PROPERTY and priority_of(v) == priority for k, v in props)
 
 
 def encode_delivery(
