@@ -238,7 +238,7 @@ def _expiration(amqp: AmqpMessage) -> int | None:
 
 def _correlation(value: object) -> str | bytes | int | None:
     """A uuid as its URN, as the section decoder reads it (sections.correlation_in)."""
-    return sections.URN_UUID + str(value) if isinstance(value, UUID) else _ident(value)
+    return sections.correlation_in(value) if isinstance(value, UUID) else _ident(value)
 
 
 def _ident(value: object) -> str | bytes | int | None:
