@@ -49,6 +49,9 @@ Client sessions (state that must survive restarts and moves between nodes)
     ``await broker.handed_over(client_id, before, timeout)`` waits for the teardown of one
     on another node (which saves what the session needs next) before the state is loaded;
     ``await broker.release_client(client_id, claim)`` when the connection ends.
+    ``broker.parting`` (`PartingStore`) keeps a connection's parting message (an MQTT will)
+    in Redis: ``hold`` at connect, ``due`` / ``drop`` as its node decides; those of a node
+    that died are published by the others once due.
     Retained messages: publishing a topic message with ``retain=True`` stores it (an empty
     payload clears it) before the future resolves; ``await broker.retained.matching(filter,
     "mqtt")`` returns those matching a new subscription.
@@ -100,6 +103,7 @@ from gateway.engine.flows import (
     Flow,
 )
 from gateway.engine.leases import NodeLiveness, new_node_id
+from gateway.engine.parting import Due, PartingStore, unpack
 from gateway.engine.permissions import BROWSE, CONSUME, DELETE, MODIFY_TOPIC, allowed
 from gateway.engine.queues import (
     DEAD_MESSAGE_QUEUE,
@@ -157,6 +161,7 @@ class Broker:
         self.queues = QueueStore(redis)
         self.clients = ClientStore(redis)
         self.retained = RetainedStore(redis)
+        self.parting = PartingStore(redis, self.node_id)
         # topic -> [its retained stores under way, the number of the latest stored]
         self._retaining: dict[str, list[int]] = {}
         self._retain_seq = itertools.count(1)  # retained publishes, in publish order
@@ -183,14 +188,20 @@ class Broker:
         self._tasks: set[asyncio.Task] = set()
         self._undeleted: set[str] = set()  # temporary queues whose deletion Redis refused
         self.published = 0
+        self._heartbeat = heartbeat
+        self._partings: asyncio.Task | None = None
 
     async def start(self) -> None:
         await self.events.start()
         await self.router.reload()
         await self.direct.refresh()
         await self.liveness.start()
+        self._partings = asyncio.get_running_loop().create_task(self._publish_partings())
 
     async def stop(self) -> None:
+        if self._partings is not None:
+            self._partings.cancel()
+            await asyncio.gather(self._partings, return_exceptions=True)
         for task in list(self._tasks):  # retries until Redis answers, answers, resyncs
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -722,6 +733,34 @@ class Broker:
                 if failed:
                     log.info("%s done", what)
                 return
+
+    # -- parting messages ------------------------------------------------------------------
+
+    async def _publish_partings(self) -> None:
+        """Publish the parting messages (MQTT wills) of connections whose node died, as
+        they fall due, at the heartbeat's pace."""
+        while True:
+            await asyncio.sleep(self._heartbeat)
+            try:
+                for due in await self.parting.take():
+                    await self._publish_parting(due)
+            except StoreError as exc:  # taken again after the lease
+                log.warning("parting messages of dead nodes not published: %s", exc)
+            except Exception:  # a bug of ours: the next round goes on
+                log.exception("parting messages of dead nodes not published")
+
+    async def _publish_parting(self, due: Due) -> None:
+        try:
+            msg = unpack(due.message)
+        except ValueError as exc:  # not one this node can read: no retry reads it either
+            log.error("parting message %s unreadable, dropped: %s", due.key, exc)
+        else:
+            outcome = await self.publish_nowait(msg)
+            if outcome is Outcome.OUT_OF_MEMORY:  # taken again after the lease
+                return
+            if not outcome.accepted:
+                log.warning("parting message %s refused: %s", due.key, outcome.name)
+        await self.parting.done(due)
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -492,6 +492,20 @@ local function node_alive(n)
   return last[1] ~= false and now_ms() - tonumber(last[1]) > tonumber(last[2])
 end
 
+-- The parting messages of a node's connections fall due: each when its connection's delay
+-- from now ends, or when it was due already (its connection ended first).
+local function release_partings(n)
+  local now = now_ms()
+  for _, k in ipairs(redis.call('SMEMBERS', k_node_parting(n))) do
+    local r = redis.call('HMGET', k, 'node', 'delay', 'due')
+    if r[1] == n then
+      local due = tonumber(r[3]) or 0
+      redis.call('ZADD', K_PARTING_DUE, due > 0 and due or now + tonumber(r[2]), k)
+    end
+  end
+  redis.call('DEL', k_node_parting(n))
+end
+
 -- Forget a node: return its flows' messages, delete the temporary queues it owned.
 local function reap_node(n)
   local released = 0
@@ -504,6 +518,7 @@ local function reap_node(n)
     end
     if redis.call('HGET', k_queue_config(q), 'owner_node') == n then delete_queue(q) end
   end
+  release_partings(n)
   redis.call('DEL', k_node_queues(n), k_node_alive(n))
   redis.call('SREM', K_NODES, n)
   if redis.call('SREM', K_DIRECT_NODES, n) == 1 then redis.call('PUBLISH', K_EVENTS, 'direct ' .. n) end
@@ -2217,6 +2232,68 @@ register_always('gw_unclaim', function(k, a)
     redis.call('EXPIRE', k[1], UNCLAIMED_TTL)
   end
   return 1
+end)
+
+-- A client's parting message (an MQTT will; see gateway/engine/parting.py): held in
+-- KEYS[1] while its connection lives, due by a time once it ended (on a node that died).
+
+local function drop_parting(k, node)
+  redis.call('SREM', k_node_parting(node), k)
+  redis.call('ZREM', K_PARTING_DUE, k)
+  redis.call('DEL', k)
+end
+
+-- ARGV: node, claim, '1' if the connection starts afresh, delay ms, message ('': none).
+-- The connection of `claim` replaces the record an earlier one left. That one's message is
+-- returned to be sent now when no live node decides on it any more (its node died, or it
+-- is due) and it went at once (delay 0) or the new connection ends its session; else it is
+-- dropped: a connection to the session came within its delay. A live node decides on its
+-- own connection's (it is taken over, see the adapter).
+register_always('gw_parting_hold', function(k, a)
+  local old = redis.call('HMGET', k[1], 'node', 'delay', 'message')
+  local out = false
+  if old[1] then
+    local decided = redis.call('ZSCORE', K_PARTING_DUE, k[1]) == false
+      and (old[1] == a[1] or redis.call('EXISTS', k_node_alive(old[1])) == 1)
+    if not decided and (a[3] == '1' or tonumber(old[2]) == 0) then out = old[3] end
+    drop_parting(k[1], old[1])
+  end
+  if a[5] ~= '' then
+    redis.call('HSET', k[1], 'node', a[1], 'claim', a[2], 'delay', a[4], 'due', 0,
+      'message', a[5])
+    redis.call('SADD', k_node_parting(a[1]), k[1])
+  end
+  return out
+end)
+
+-- ARGV: claim, due (epoch ms). The connection ended and its message waits on its node: it
+-- goes at `due` should that node die first.
+register_always('gw_parting_due', function(k, a)
+  if redis.call('HGET', k[1], 'claim') == a[1] then redis.call('HSET', k[1], 'due', a[2]) end
+  return 1
+end)
+
+-- ARGV: claim. The message of the connection of `claim` went, or is not to go.
+register_always('gw_parting_drop', function(k, a)
+  local r = redis.call('HMGET', k[1], 'node', 'claim')
+  if r[2] == a[1] then drop_parting(k[1], r[1]) end
+  return 1
+end)
+
+-- ARGV: lease ms, limit. Due messages, as {key, claim, message} triples: each is due again
+-- after the lease, should the node that took it die before it was sent and dropped.
+register_always('gw_parting_take', function(_, a)
+  local now, out = now_ms(), {}
+  for _, k in ipairs(redis.call('ZRANGEBYSCORE', K_PARTING_DUE, '-inf', now, 'LIMIT', 0, a[2])) do
+    local r = redis.call('HMGET', k, 'claim', 'message')
+    if r[2] then
+      redis.call('ZADD', K_PARTING_DUE, now + tonumber(a[1]), k)
+      out[#out + 1] = { k, r[1], r[2] }
+    else
+      redis.call('ZREM', K_PARTING_DUE, k)
+    end
+  end
+  return out
 end)
 
 -- KEYS: a client's state key, its claims hash. ARGV: the reader's claim. The stored state;

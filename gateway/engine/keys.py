@@ -66,11 +66,16 @@ TEMPLATES: dict[str, str] = {
     "liveness": f"{PREFIX}:nodes:liveness",
     "liveness_grace": f"{PREFIX}:nodes:grace",  # while it lives, no node is presumed dead
     "node_queues": f"{PREFIX}:node:{{n}}:queues",
+    # parting messages (an MQTT will): the records a node's connections hold, and those
+    # whose node died or whose connection ended, by the epoch ms they go (see parting.py)
+    "node_parting": f"{PREFIX}:node:{{n}}:parting",
+    "parting_due": f"{PREFIX}:parting:due",
     "sink_batches": f"{PREFIX}:sink:{{s}}:batches",
     "sink_progress": f"{PREFIX}:sink:{{s}}:progress",
     "client_state": f"{PREFIX}:client:{{c}}",
     "client_received": f"{PREFIX}:client:{{c}}:received",
     "client_claims": f"{PREFIX}:client:{{c}}:claims",
+    "client_parting": f"{PREFIX}:client:{{c}}:parting",
 }
 
 
@@ -251,6 +256,13 @@ def client_claims(c: str) -> str:
     """Which connection holds a client ('holder': node and claim) and the latest claim that
     read its state ('loaded')."""
     return _client_key("client_claims", c)
+
+
+def client_parting(c: str) -> str:
+    """The message a client's connection leaves should it end without a word (an MQTT
+    will): 'node' and 'claim' of that connection, 'delay' (ms), 'due' (epoch ms, once the
+    connection ended), 'message'."""
+    return _client_key("client_parting", c)
 
 
 def lua_prelude() -> str:

@@ -13,7 +13,10 @@ expires while this node runs. While connected, a session with a finite expiry ho
 expires. Its queue has the session as its one member, for as long as the session lasts
 (renewed with the lease): a sweep at start and every SWEEP_S deletes the queue of a session
 that expired while no node watched it (its node stopped first, or Redis refused the
-deletion). Delayed wills are node memory only.
+deletion). A connection's will is also kept in Redis (`broker.parting`) while its node
+holds it: this node publishes it, times its delay and drops it, but should the node die the
+others publish it once its delay from then ends, unless a connection to the session came
+first (one that starts afresh ends the session, and the will goes then).
 
 A shared subscription group's queue lives while the group has members: a member joins in
 Redis before it declares and binds the queue, and leaves when it unsubscribes or its
@@ -40,6 +43,7 @@ from typing import Any
 
 from gateway.broker import ANONYMOUS, Broker, Outcome, QueueConfig, QueueError
 from gateway.config import Settings
+from gateway.engine.parting import pack, unpack
 from gateway.model import Message, Publisher
 from gateway.topics import MQTT
 from protocols.listening import BackgroundTasks, Listener, Plan
@@ -114,8 +118,10 @@ class Registry:
         self.closing = False  # connections made from now on are dropped
         self.counters: dict[str, int] = {}
         self._locks: dict[str, list[Any]] = {}  # client id -> [lock, users]
-        # client id -> its delayed will: the timer, and what makes the message when it goes
-        self._wills: dict[str, tuple[asyncio.TimerHandle, Callable[[], Message]]] = {}
+        # client id -> its delayed will: the timer, what makes the message when it goes,
+        # and the claim of its connection when Redis keeps it too
+        self._wills: dict[str, tuple[asyncio.TimerHandle, Callable[[], Message], int | None]] = {}
+        self._wills_kept: set[Session] = set()  # sessions whose will Redis keeps
         self._expiry: dict[str, asyncio.TimerHandle] = {}
         self._rechecks: dict[str, asyncio.TimerHandle] = {}  # shared queue -> its recheck
         self._unsaved: set[Session] = set()
@@ -178,7 +184,30 @@ class Registry:
         if state.persistent:
             await self._hold(state)
             await self.save(session)
+        await self._keep_will(session, state, clean_start)
         return state, present
+
+    async def _keep_will(self, session: Session, state: SessionState, clean_start: bool) -> None:
+        """Keep the connection's will in Redis, in place of an earlier connection's; that
+        one's goes now if its node died and it had no delay, or this one ends the session."""
+        assert session.claim is not None
+        will = session.will
+        record = None
+        if will is not None:
+            publisher = Publisher("mqtt", state.client_id, session.user)
+            msg = mapping.to_message(will, publisher, session.level)
+            msg.expiration = None  # counted from when it goes
+            props = will.properties if session.level == 5 else None
+            expiry = None if props is None else props.message_expiry_interval
+            record = pack(msg, None if expiry is None else expiry * 1000)
+        delay = _will_delay(session, state) if will is not None else 0
+        earlier = await self.broker.parting.hold(
+            state.client_id, session.claim, clean_start, record, delay
+        )
+        if record is not None:
+            self._wills_kept.add(session)
+        if earlier is not None:
+            self._publish_will(state.client_id, functools.partial(unpack, earlier), None)
 
     async def _load(self, client_id: str, claim: int) -> SessionState | None:
         """The stored state, as the connection of `claim` (older ones no longer save);
@@ -262,8 +291,13 @@ class Registry:
         state = session.state
         assert state is not None
         client_id = session.client_id
+        kept = session in self._wills_kept
+        self._wills_kept.discard(session)
+        claim = session.claim if kept else None
         if session.will is not None:
-            self._schedule_will(session, state)
+            self._schedule_will(session, state, claim)
+        elif claim is not None:  # dropped by a DISCONNECT 0x00
+            self.spawn(self.broker.parting.drop(client_id, claim))
         if session.taken_over:  # the state is the new connection's once it loads it
             if state.persistent:
                 await self.save(session)  # what it needs next, unless it loaded already
@@ -422,24 +456,29 @@ class Registry:
 
     # -- wills -----------------------------------------------------------------------------
 
-    def _schedule_will(self, session: Session, state: SessionState) -> None:
+    def _schedule_will(self, session: Session, state: SessionState, claim: int | None) -> None:
+        """Publish the will of a connection that ended, now or after its delay; `claim`:
+        its connection's, when Redis keeps the will too (dropped once it went)."""
         will = session.will
         assert will is not None
         publisher = Publisher("mqtt", state.client_id, session.user)
         # made when it goes: its message expiry interval counts from then (§3.1.3.2.4)
         message = functools.partial(mapping.to_message, will, publisher, session.level)
-        delay = 0
-        if session.level == 5 and will.properties is not None:
-            delay = min(will.properties.will_delay_interval or 0, state.expiry)
+        delay = _will_delay(session, state)
         if delay <= 0:
-            self._publish_will(message)
+            self._publish_will(state.client_id, message, claim)
             return
         if session.successor_ends is not None:  # a connection on another node took it over
             if session.successor_ends:  # ... and ended the session
-                self._publish_will(message)
+                self._publish_will(state.client_id, message, claim)
+            elif claim is not None:
+                self.spawn(self.broker.parting.drop(state.client_id, claim))
             return
         handle = asyncio.get_running_loop().call_later(delay, self._fire_will, state.client_id)
-        self._wills[state.client_id] = (handle, message)
+        self._wills[state.client_id] = (handle, message, claim)
+        if claim is not None:  # should this node die first, it goes when due all the same
+            due = int((time.time() + delay) * 1000)
+            self.spawn(self.broker.parting.due(state.client_id, claim, due))
 
     def _new_connection(self, client_id: str, ends_session: bool) -> None:
         """A new connection to the session, here or on another node, cancels its expiry
@@ -450,9 +489,12 @@ class Registry:
             timer.cancel()
         pending = self._wills.pop(client_id, None)
         if pending is not None:
-            pending[0].cancel()
+            handle, message, claim = pending
+            handle.cancel()
             if ends_session:
-                self._publish_will(pending[1])
+                self._publish_will(client_id, message, claim)
+            elif claim is not None:  # the new connection's replaces it, unless that one fails
+                self.spawn(self.broker.parting.drop(client_id, claim))
 
     def _claimed_elsewhere(self, client_id: str, ends_session: bool) -> None:
         """A connection on another node took the client's session: its delayed will is not
@@ -466,12 +508,22 @@ class Registry:
     def _fire_will(self, client_id: str) -> None:
         pending = self._wills.pop(client_id, None)
         if pending is not None:
-            self._publish_will(pending[1])
+            self._publish_will(client_id, pending[1], pending[2])
 
-    def _publish_will(self, message: Callable[[], Message]) -> None:
+    def _publish_will(
+        self, client_id: str, message: Callable[[], Message], claim: int | None
+    ) -> None:
+        """Publish a will; once it is stored (or refused), Redis drops its copy."""
         self.count("wills")
         fut = self.broker.publish_nowait(message())
         fut.add_done_callback(_log_will_outcome)
+        if claim is not None:
+            self.spawn(self._drop_will(client_id, fut, claim))
+
+    async def _drop_will(self, client_id: str, fut: asyncio.Future[Outcome], claim: int) -> None:
+        await asyncio.wait({fut})
+        if not fut.cancelled() and fut.exception() is None:  # else it goes should we die
+            await self.broker.parting.drop(client_id, claim)
 
     # -- shutdown --------------------------------------------------------------------------
 
@@ -492,6 +544,15 @@ class Registry:
         for client_id in list(self._wills):
             self._wills[client_id][0].cancel()
             self._fire_will(client_id)
+        await self._tasks.wait(lambda: False, CLOSE_TIMEOUT)  # Redis drops the wills that went
+
+
+def _will_delay(session: Session, state: SessionState) -> int:
+    """Seconds a will waits once its connection ended: no longer than the session lasts."""
+    will = session.will
+    if session.level == 5 and will is not None and will.properties is not None:
+        return min(will.properties.will_delay_interval or 0, state.expiry)
+    return 0
 
 
 def _lease(state: SessionState) -> int | None:

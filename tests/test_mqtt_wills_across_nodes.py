@@ -1,0 +1,176 @@
+"""Wills of clients whose node crashed: the surviving node publishes them (MQTT 5
+§3.1.3.2.2: a will goes when the network connection closes without DISCONNECT 0x00,
+after its delay, unless a connection to the session came first)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+
+from protocols.mqtt.codec import (
+    Disconnect,
+    Properties,
+    Publish,
+    Suback,
+    Subscribe,
+    SubscriptionOptions,
+    Will,
+)
+from tests.processes import GATEWAY, Proc, node_env
+from tests.test_mqtt_nodes import KEEP, serve
+from tests.test_mqtt_protocol import Raw
+
+
+@asynccontextmanager
+async def crashing_node(redis_url: str) -> AsyncIterator[tuple[Proc, int]]:
+    """A `gateway serve` node the test SIGKILLs (killed at the end if it did not)."""
+    argv = [*GATEWAY, "serve", "--redis-url", redis_url, "--mqtt-port", "0", "--admin-port",
+            "0", "--amqp-port", "0"]  # fmt: skip
+    proc = await Proc.start(argv, node_env())
+    try:
+        yield proc, (await proc.wait_event("ready", timeout=30))["mqtt_port"]
+    finally:
+        proc.kill()
+        await proc.proc.wait()
+
+
+async def watch(port: int, topic_filter: str) -> Raw:
+    watcher, _ = await Raw.connected(port, 5, client_id="watcher")
+    await watcher.send(Subscribe(1, [(topic_filter, SubscriptionOptions(qos=1))]))
+    assert await watcher.recv() == Suback(1, [1])
+    return watcher
+
+
+async def crash(proc: Proc) -> float:
+    proc.kill()
+    await proc.proc.wait()
+    return asyncio.get_running_loop().time()
+
+
+async def test_the_will_of_a_client_on_a_crashed_node_is_published_by_a_survivor(
+    redis_url: str,
+) -> None:
+    async with (
+        crashing_node(redis_url) as (node, port),
+        serve("--redis-url", redis_url) as (_, other_port),
+    ):
+        watcher = await watch(other_port, "status/#")
+        will = Will("status/dev1", b"offline", qos=1, retain=True)
+        await Raw.connected(port, 4, client_id="dev1", will=will)
+        crashed = await crash(node)
+        got = await watcher.recv(timeout=10)
+        took = asyncio.get_running_loop().time() - crashed
+        assert isinstance(got, Publish)
+        assert (got.topic, got.payload, got.qos) == ("status/dev1", b"offline", 1)
+        assert took < 5, f"published {took:.1f} s after the crash (node TTL 1 s)"
+        late, _ = await Raw.connected(other_port, 4, client_id="late")  # it was retained
+        await late.send(Subscribe(1, [("status/#", SubscriptionOptions(qos=1))]))
+        assert await late.recv() == Suback(1, [1])
+        kept = await late.recv()
+        assert isinstance(kept, Publish) and (kept.payload, kept.retain) == (b"offline", True)
+        with pytest.raises(TimeoutError):  # once, not again after the take's lease
+            again = await watcher.recv(timeout=2)
+            pytest.fail(f"published again: {again}")
+        watcher.close()
+        late.close()
+
+
+async def test_a_will_dropped_by_disconnect_is_not_published_when_its_node_crashes_later(
+    redis_url: str,
+) -> None:
+    async with (
+        crashing_node(redis_url) as (node, port),
+        serve("--redis-url", redis_url) as (_, other_port),
+    ):
+        watcher = await watch(other_port, "gone/#")
+        polite, _ = await Raw.connected(port, 4, client_id="polite", will=Will("gone/p", b"x"))
+        await polite.send(Disconnect())
+        await polite.closed()
+        await asyncio.sleep(0.3)  # its node drops the will in Redis
+        await crash(node)
+        with pytest.raises(TimeoutError):
+            got = await watcher.recv(timeout=4)
+            pytest.fail(f"published: {got}")
+        watcher.close()
+
+
+async def test_a_delayed_will_of_a_crashed_node_waits_its_delay_and_a_resume_cancels_it(
+    redis_url: str,
+) -> None:
+    async with (
+        crashing_node(redis_url) as (node, port),
+        serve("--redis-url", redis_url) as (_, other_port),
+    ):
+        watcher = await watch(other_port, "late/#")
+        delayed = Properties(will_delay_interval=4)
+        for client_id in ("resumes", "stays-away"):
+            will = Will(f"late/{client_id}", b"bye", 1, properties=delayed)
+            await Raw.connected(port, 5, client_id=client_id, properties=KEEP, will=will)
+        crashed = await crash(node)
+        back, ack = await Raw.connected(
+            other_port, 5, client_id="resumes", clean_start=False, properties=KEEP
+        )
+        assert ack.session_present
+        with pytest.raises(TimeoutError):  # nothing before the delay ends
+            early = await watcher.recv(timeout=2.5)
+            pytest.fail(f"published before its delay: {early}")
+        got = await watcher.recv(timeout=6)
+        took = asyncio.get_running_loop().time() - crashed
+        assert isinstance(got, Publish) and got.topic == "late/stays-away"
+        assert 3.5 < took < 8, f"published {took:.1f} s after the crash (delay 4 s)"
+        with pytest.raises(TimeoutError):  # the resumed session's will stays unsent
+            other = await watcher.recv(timeout=2)
+            pytest.fail(f"published: {other}")
+        back.close()
+        watcher.close()
+
+
+async def test_a_will_without_delay_goes_when_its_client_is_back_before_the_crash_is_seen(
+    redis_url: str,
+) -> None:
+    """The client reconnects to the survivor at once: its old connection still closed
+    without DISCONNECT, so its will goes, as a live node's does on a takeover."""
+    async with (
+        crashing_node(redis_url) as (node, port),
+        serve("--redis-url", redis_url) as (_, other_port),
+    ):
+        watcher = await watch(other_port, "quick/#")
+        await Raw.connected(port, 5, client_id="quick", properties=KEEP,
+                            will=Will("quick/1", b"first connection's", 1))  # fmt: skip
+        await crash(node)
+        will = Will("quick/2", b"second's", 1)
+        back, ack = await Raw.connected(
+            other_port, 5, client_id="quick", clean_start=False, properties=KEEP, will=will
+        )
+        assert ack.session_present
+        got = await watcher.recv(timeout=6)
+        assert isinstance(got, Publish) and got.payload == b"first connection's"
+        with pytest.raises(TimeoutError):  # the new connection's will stays with it
+            other = await watcher.recv(timeout=3)
+            pytest.fail(f"published: {other}")
+        back.close()
+        watcher.close()
+
+
+async def test_a_will_waiting_its_delay_on_a_node_that_crashes_goes_when_it_was_due(
+    redis_url: str,
+) -> None:
+    async with (
+        crashing_node(redis_url) as (node, port),
+        serve("--redis-url", redis_url) as (_, other_port),
+    ):
+        watcher = await watch(other_port, "waiting/#")
+        will = Will("waiting/1", b"bye", 1, properties=Properties(will_delay_interval=4))
+        raw, _ = await Raw.connected(port, 5, client_id="waiting", properties=KEEP, will=will)
+        raw.writer.transport.abort()
+        lost = asyncio.get_running_loop().time()
+        await asyncio.sleep(1)  # its node times the delay, then dies
+        await crash(node)
+        got = await watcher.recv(timeout=8)
+        took = asyncio.get_running_loop().time() - lost
+        assert isinstance(got, Publish) and got.payload == b"bye"
+        assert 3.5 < took < 6.5, f"published {took:.1f} s after the connection ended (delay 4 s)"
+        watcher.close()
