@@ -24,6 +24,7 @@ from pathlib import Path
 import redis
 
 from gateway.cpus import pin
+from gateway.output_tail import OutputTail
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ _PR_SET_PDEATHSIG = 1
 START_TIMEOUT = 15.0  # seconds for a start, the AOF loaded
 SUPERVISE_EVERY = 0.2  # seconds between checks that the embedded redis-server still runs
 SUPERVISE_BACKOFF_MAX = 5.0  # seconds between attempts when it does not start again
+LOG_TAIL_BYTES = 4096  # of its log, read for the lines that say why it exited
 
 
 class RedisStartError(RuntimeError):
@@ -213,7 +215,13 @@ class EmbeddedRedis:
         self.maxmemory = maxmemory
         self.socket = self.data_dir / "redis.sock"
         self.pidfile = self.data_dir / "redis.pid"
+        self.logfile = self.data_dir / "redis.log"
         self.proc: subprocess.Popen | None = None
+        # what the running redis-server printed (it logs to `logfile`, but says on stdout
+        # and stderr why it cannot, e.g. in a data directory it may not write), and where
+        # its lines in `logfile` begin
+        self._output: OutputTail | None = None
+        self._log_start = 0
 
     @property
     def pid(self) -> int:
@@ -268,21 +276,27 @@ class EmbeddedRedis:
             "--maxmemory-policy",
             "noeviction",
             "--logfile",
-            str(self.data_dir / "redis.log"),
+            str(self.logfile),
             "--daemonize",
             "no",
         ]
+        try:
+            self._log_start = self.logfile.stat().st_size
+        except OSError:
+            self._log_start = 0
         self.proc = subprocess.Popen(
             args,
             stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
             preexec_fn=_child_setup(self.cpus),
             # its own session: a terminal's Ctrl-C, or a service manager's stop sent to the
             # whole group, reaches the gateway only, which stops it last, after its own
             # clean-up needed it (it dies with the gateway all the same: _die_with_parent)
             start_new_session=True,
         )
+        assert self.proc.stdout is not None
+        self._output = OutputTail(self.proc.stdout)
 
     async def supervise(self) -> None:
         """Start redis-server again (its AOF checked first) whenever it exits while the node
@@ -294,7 +308,9 @@ class EmbeddedRedis:
             if self.proc is None or self.proc.poll() is None:
                 continue
             log.error(
-                "embedded redis-server exited (code %s); starting it again", self.proc.returncode
+                "embedded redis-server exited (code %s: %s); starting it again",
+                self.proc.returncode,
+                await asyncio.to_thread(self._exit_reason),
             )
             try:
                 binary = await asyncio.to_thread(self._prepare, START_TIMEOUT)
@@ -330,10 +346,9 @@ class EmbeddedRedis:
         try:
             while True:
                 if self.proc is not None and self.proc.poll() is not None:
-                    log = self.data_dir / "redis.log"
-                    tail = log.read_text().strip().splitlines()[-3:] if log.exists() else []
                     raise RedisStartError(
-                        f"redis-server exited with code {self.proc.returncode}: " + " | ".join(tail)
+                        f"redis-server exited with code {self.proc.returncode}: "
+                        + self._exit_reason()
                     )
                 try:
                     # PING answers while the AOF is still loading; wait until it is loaded
@@ -348,6 +363,18 @@ class EmbeddedRedis:
                 time.sleep(0.02)
         finally:
             client.close()
+
+    def _exit_reason(self) -> str:
+        """What the exited redis-server printed, and the last lines it logged since its
+        start (not those of an earlier run)."""
+        printed = self._output.lines() if self._output is not None else []
+        try:
+            with self.logfile.open("rb") as f:
+                f.seek(max(self._log_start, f.seek(0, os.SEEK_END) - LOG_TAIL_BYTES))
+                logged = f.read().decode(errors="replace").strip().splitlines()[-3:]
+        except OSError:
+            logged = []
+        return " | ".join(printed + logged) or "it printed no reason"
 
     def stop(self, timeout: float = 15.0) -> None:
         """SIGTERM: redis-server fsyncs its AOF and exits."""

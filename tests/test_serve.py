@@ -191,6 +191,22 @@ async def test_missing_redis_server_is_one_clear_line(tmp_path: Path) -> None:
     assert len(lines) == 1 and "apt-get install redis-server" in lines[0], lines
 
 
+async def test_an_unwritable_data_dir_is_one_clear_line_with_redis_server_s_reason() -> None:
+    """redis-server cannot open its log file there and says so on stderr before it exits:
+    that reason is in the line. /sys/kernel is a directory no one may create files in,
+    root included (root writes in a directory chmod-ed read-only)."""
+    proc = await asyncio.create_subprocess_exec(
+        *serve_argv(Path("/sys/kernel")),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    _, err = await asyncio.wait_for(proc.communicate(), 30)
+    text = err.decode()
+    assert proc.returncode == 2 and len(text.strip().splitlines()) == 1, text
+    assert "redis-server exited with code 1" in text, text
+    assert "Can't open the log file" in text, text
+
+
 async def test_bad_config_is_one_clear_line(tmp_path: Path) -> None:
     bad = tmp_path / "g.toml"
     bad.write_text("[server]\nmqtt_prot = 1\n")
