@@ -465,6 +465,39 @@ async def test_declared_auto_delete_queue_goes_with_its_last_amqp_consumer(
     await until(gone)
 
 
+async def test_a_non_destructive_auto_delete_queue_goes_with_its_last_amqp_consumer(
+    ports: Ports,
+) -> None:
+    """Its consumers browse (Qpid non-destructive consumers) and are consumers all the
+    same: the queue stays while one is attached, and goes with the last."""
+    admin = ports.admin
+    assert (await admin.create("board", non_destructive=True, auto_delete=True)).status == 201
+
+    def client() -> list[bytes]:
+        conns = [ports.connect() for _ in range(2)]
+        try:
+            conns[0].create_sender("board").send(Message(body=b"x"))
+            first, second = (c.create_receiver("board", name="r", credit=10) for c in conns)
+            got = [body(first), body(second)]
+            first.close()
+            pump(conns[0], QUIET)
+            late = conns[0].create_sender("board", name="late")  # one consumer left: still there
+            assert send_outcome(conns[0], late, Message(body=b"y")) == (Disposition.ACCEPTED, None)
+            got.append(body(second))
+            second.close()
+            return got
+        finally:
+            for c in conns:
+                c.close()
+
+    assert await asyncio.to_thread(client) == [b"x", b"x", b"y"]
+
+    async def gone() -> bool:
+        return (await admin.get(q("board"))).status == 404
+
+    await until(gone)
+
+
 # -- regressions ------------------------------------------------------------------------------
 
 

@@ -122,6 +122,7 @@ class Flow:
         "held_timer",
         "id",
         "idle",
+        "listed",
         "lost_at",
         "on_closed",
         "on_deliver",
@@ -173,6 +174,9 @@ class Flow:
         self.closed = False
         self.selector: Selector | None = None
         self.browse = False  # reads without taking (AMQP distribution-mode copy)
+        # among the queue's flows in Redis: every consumer is, a non-destructive queue's
+        # too (they browse); a browser of another queue is no consumer and registered nowhere
+        self.listed = False
         self.cursor: str | bytes = "0-0"  # browsing: the last entry (sorted: index member) seen
         self.replay_since = 0  # browsing: epoch ms of the replay period's start (0: all)
         self.held: dict[str, int] = {}  # browsing: entries seen held -> delivery time (ms)
@@ -424,6 +428,7 @@ class Dispatcher:
             code, why = BIND_REFUSALS.get(status, (status, "bind refused"))
             raise BindError(code, f"{why}: {flow.queue!r}")
         flow.browse = reply[5] == b"browse"  # every consumer of a non-destructive queue browses
+        flow.listed = int(reply[1]) > 0
         flow.exclusive = reply[2] == b"exclusive" and not flow.browse
         flow.partitioned = int(reply[3]) > 0
         flow.prioritised = reply[6] == 1
@@ -433,7 +438,7 @@ class Dispatcher:
         return int(reply[4]) / 1000
 
     async def unbind(self, flow: Flow) -> None:
-        if flow.browse:  # registered nowhere in Redis
+        if not flow.listed:  # a browser, registered nowhere in Redis
             self._forget(flow)
             return
         fut = asyncio.get_running_loop().create_future()
@@ -495,13 +500,13 @@ class Dispatcher:
         """The queue's deletion was announced: end its local flows. The news comes on a
         connection of its own, so the queue may have been made again under its name and
         flows bound to it by then (an MQTT clean start): Redis has those registered, and
-        they stay. A browser is registered nowhere: it ends (one of the deleted queue must
-        not go on reading the new one, whose access it was never checked for), unless
-        `browsers` is False: the deletion's own event ends those."""
+        they stay. A browser registered nowhere (see Flow.listed) ends (one of the deleted
+        queue must not go on reading the new one, whose access it was never checked for),
+        unless `browsers` is False: the deletion's own event ends those."""
         local = [
             flow
             for flow in self.flows.get(queue, ())
-            if not flow.closed and (browsers or not flow.browse)
+            if not flow.closed and (browsers or flow.listed)
         ]
         if not local:
             return
@@ -511,14 +516,14 @@ class Dispatcher:
             log.warning("checking the flows of deleted queue %s failed: %s", queue, exc)
             registered = [None] * len(local)
         for flow, score in zip(local, registered, strict=True):
-            if (score is None or flow.browse) and not flow.closed:
+            if (score is None or not flow.listed) and not flow.closed:
                 self._end_flow(flow, QUEUE_DELETED)
 
     def _queue_gone(self, flow: Flow) -> None:
         """Redis ran a call of the flow when its queue was not there (deleted): the flow
         ends. The answer may come late, when the queue was made again under its name and
         other flows bound to it: of the consumers, queue_deleted ends only those Redis does
-        not have; browsers are left to the deletion's event (they are registered nowhere)."""
+        not have; browsers registered nowhere are left to the deletion's event."""
         if not flow.closed:
             self._end_flow(flow, QUEUE_DELETED)
         self._spawn(self.queue_deleted(flow.queue, browsers=False))
@@ -790,7 +795,16 @@ class Dispatcher:
                 due = _due_held(flow, f.count)
                 page = f.count - len(due)
                 commands.append(
-                    ("gw_browse", 0, f.queue, flow.cursor, page, flow.replay_since, *due)
+                    (
+                        "gw_browse",
+                        0,
+                        f.queue,
+                        flow.id if flow.listed else "",
+                        flow.cursor,
+                        page,
+                        flow.replay_since,
+                        *due,
+                    )
                 )
             else:
                 commands.append(

@@ -1867,12 +1867,16 @@ local function browse_again(out, s, a, first, now, kept, last)
   end
 end
 
--- ARGV: queue, cursor (an entry id), count, since (epoch ms: replay period start, or 0),
--- then the ids of entries this browser saw held that are due now.
+-- ARGV: queue, flow (a consumer of a non-destructive queue, registered by gw_bind; '' for
+-- a browser of another queue, registered nowhere), cursor (an entry id), count, since
+-- (epoch ms: replay period start, or 0), then the ids of entries this browser saw held
+-- that are due now.
 -- Browsing: up to `count` messages on the queue after `cursor`, oldest first, without
 -- taking them: {'ok', n, the n entries asked for again, then the page: id, blob, meta,
 -- ...} (see `browsed`). Settled entries kept for stream readers and expired entries are
--- not shown; held ones are shown once due.
+-- not shown; held ones are shown once due. {'noflow'} when the flow is no longer
+-- registered (its node was presumed dead): it binds again, or the last consumer of an
+-- auto-delete queue to go would delete it while this one browses.
 -- A sorted queue is browsed in its order, over the entries waiting on it (those delivered
 -- and not yet settled are not shown): {'sorted', cursor (the last index member seen), n,
 -- ...}. A message sorting before the cursor that arrives later is not shown.
@@ -1882,7 +1886,7 @@ local function browse_sorted(q, s, cursor, count, since, a)
   local members = redis.call('ZRANGE', k_queue_sorted(q), start, '+', 'BYLEX', 'LIMIT', 0, count)
   local out = { 'sorted', members[#members] or cursor }
   local now = now_ms()
-  browse_again(out, s, a, 5, now)
+  browse_again(out, s, a, 6, now)
   for _, m in ipairs(members) do
     local id = member_id(m)
     local e = redis.call('XRANGE', s, id, id)
@@ -1892,10 +1896,13 @@ local function browse_sorted(q, s, cursor, count, since, a)
 end
 
 register_always('gw_browse', function(_, a)
-  local q, cursor, count, since = a[1], a[2], tonumber(a[3]), tonumber(a[4])
+  local q, flow, cursor, count, since = a[1], a[2], a[3], tonumber(a[4]), tonumber(a[5])
   local c = redis.call('HMGET', k_queue_config(q), 'egress', 'sort_key', 'parent')
   if not c[1] or c[3] then return { 'noqueue' } end
   if c[1] ~= '1' then return { 'egress' } end
+  if flow ~= '' and not redis.call('ZSCORE', k_queue_flows(q), flow) then
+    return { 'noflow' }
+  end
   local s = k_queue_stream(q)
   if c[2] and c[2] ~= '' then return browse_sorted(q, s, cursor, count, since, a) end
   if since > 0 and id_less(cursor, since .. '-0') then cursor = since .. '-0' end
@@ -1903,7 +1910,7 @@ register_always('gw_browse', function(_, a)
   local last = kept and last_delivered(s)
   local now = now_ms()
   local out = { 'ok' }
-  browse_again(out, s, a, 5, now, kept, last)
+  browse_again(out, s, a, 6, now, kept, last)
   local start = '(' .. cursor
   if cursor == '0-0' then start = '-' end
   local entries = redis.call('XRANGE', s, start, '+', 'COUNT', count)
@@ -2062,7 +2069,9 @@ end
 -- ARGV: queue, flow, node, mode ('' | 'select': the flow has a selector | 'browse').
 -- Registers a flow; bind order decides exclusive standby order. A selector makes the queue
 -- selective: new messages wait in the holding consumer until a flow whose selector matches
--- takes them. Browsers (and every consumer of a non-destructive queue) are not registered.
+-- takes them. Browsers take nothing and are no consumers: not registered (bind sequence
+-- 0). Every consumer of a non-destructive queue browses, and is one: registered, so that
+-- the last of them to go, on any node, deletes an auto-delete queue (release_flow).
 -- Returns {'ok', bind sequence, access type, partition count, rebalance delay ms, mode,
 -- 1 for a priority queue} or {'noqueue'} / {'egress'} / {'partitioned'} / {'grouped'} /
 -- {'prioritised'}.
@@ -2076,8 +2085,8 @@ register_always('gw_bind', function(_, a)
   if mode ~= '' and (tonumber(c[3]) or 0) > 0 then return { 'partitioned' } end
   local prioritised = redis.call('HGET', k_queue_config(q), 'priorities') == '1'
   if mode ~= '' and prioritised then return { 'prioritised' } end
-  if mode == 'browse' then
-    return { 'ok', 0, c[2], 0, 0, 'browse', 0 }  -- browsers take nothing: not registered
+  if mode == 'browse' and c[6] ~= '1' then
+    return { 'ok', 0, c[2], 0, 0, 'browse', 0 }
   end
   if mode == 'select' then
     if c[5] and c[5] ~= '' then return { 'grouped' } end

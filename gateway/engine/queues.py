@@ -465,7 +465,9 @@ class QueueInfo:
                     "id": f,
                     "active": f in active
                     if self.partitions
-                    else f == self.active_flow or self.config.access_type == "non-exclusive",
+                    else f == self.active_flow
+                    or self.config.access_type == "non-exclusive"
+                    or self.config.non_destructive,  # every consumer browses, none waits
                 }
                 for f in self.flows
             ],
