@@ -11,6 +11,10 @@ Publishing
     creates no future and calls ``done(outcome)`` (or ``done(exception)``) when the batch
     has committed (the cheapest form, for hot paths). Publishes of one event-loop turn share
     one Redis round trip (group commit). A Redis failure raises: do not ack.
+    ``watch = await broker.watch_deletion(queue, on_deleted)`` (QueueError 'not_found' if
+    there is no such queue) calls ``on_deleted()`` once the queue is deleted, on any node:
+    for a publisher that names a queue, such as an AMQP sender link whose target it is;
+    ``watch.cancel()`` when it goes.
 
 Consuming
     ``flow = await broker.bind(queue, on_deliver, window=N, credit=None, on_closed=cb)``
@@ -91,6 +95,7 @@ from redis.exceptions import RedisError as StoreError
 from gateway.config import ANONYMOUS
 from gateway.engine import keys
 from gateway.engine.clients import ClientStore, RetainedStore
+from gateway.engine.deletions import DeletionWatch, DeletionWatches, OnDeleted
 from gateway.engine.direct import DirectCallback, DirectRelay
 from gateway.engine.events import EventListener
 from gateway.engine.flows import (
@@ -124,6 +129,7 @@ __all__ = [
     "QUEUE_DELETED",
     "BindError",
     "Broker",
+    "DeletionWatch",
     "Flow",
     "Outcome",
     "QueueConfig",
@@ -159,6 +165,7 @@ class Broker:
         self.redis = redis
         self.node_id = node_id or new_node_id()
         self.queues = QueueStore(redis)
+        self.deletions = DeletionWatches(self.queues)
         self.clients = ClientStore(redis)
         self.retained = RetainedStore(redis)
         self.parting = PartingStore(redis, self.node_id)
@@ -311,6 +318,10 @@ class Broker:
 
     async def publish(self, msg: Message) -> Outcome:
         return await self.publish_nowait(msg)
+
+    async def watch_deletion(self, queue: str, on_deleted: OnDeleted) -> DeletionWatch:
+        """`on_deleted()` once `queue` is deleted (see the module docstring)."""
+        return await self.deletions.watch(queue, on_deleted)
 
     def store_in(self, queue: str, msg: Message) -> asyncio.Future[Outcome]:
         """Spool `msg` into `queue` alone, its destination kept: a message one consumer
@@ -651,6 +662,7 @@ class Broker:
             self._spawn(self._until_answered("reloading the routes", self.router.reload, version))
         elif kind == "qdel":
             self._spawn(self.dispatcher.queue_deleted(arg))
+            self._spawn(self.deletions.queue_deleted(arg))
         elif kind == "qcfg":
             self.dispatcher.wake_queue(arg)
         elif kind == "lease":
@@ -709,6 +721,7 @@ class Broker:
 
     def _resync(self) -> None:
         self._spawn(self._routes_back())
+        self._spawn(self._until_answered("checking watched queues", self.deletions.recheck))
         self.dispatcher.wake_all()
         for queue in self.dispatcher.exclusive_standby_queues():
             self.dispatcher.request_lease_check(queue)

@@ -32,7 +32,7 @@ from cproton import (
 from cproton_ffi import ffi, lib
 from proton import Condition, Delivery, Disposition, Link, Terminus
 
-from gateway.broker import Broker, Outcome
+from gateway.broker import Broker, DeletionWatch, Outcome, QueueError
 from gateway.model import Publisher
 from protocols.amqp import mapping, sections
 from protocols.amqp.nodes import DynamicNodes, Lifetime, lifetime
@@ -51,6 +51,7 @@ RECEIVE_BUFFER_MAX = 64 * 1024  # larger deliveries are read through a buffer of
 
 NOT_FOUND = "amqp:not-found"
 NOT_IMPLEMENTED = "amqp:not-implemented"
+RESOURCE_DELETED = "amqp:resource-deleted"
 RESOURCE_LIMIT = "amqp:resource-limit-exceeded"
 TRANSFER_LIMIT = "amqp:link:transfer-limit-exceeded"
 REFUSALS = {
@@ -165,13 +166,20 @@ class Endpoint:
 
 
 class Inbound(Endpoint):
-    """A link the client sends on: complete deliveries become broker publishes."""
+    """A link the client sends on: complete deliveries become broker publishes.
+
+    A link whose target is a queue ends with amqp:resource-deleted once the queue is deleted
+    (on any node): from then on its deliveries are refused with that error, not spooled,
+    and the detach waits for the outcomes of those already spooling, so that each
+    delivery the client sent is settled with what became of it."""
 
     def __init__(self, host: Host, link: Link) -> None:
         super().__init__(host, link)
         self.address: Address | None = None  # None: anonymous relay (per-message `to`)
         self.attached = False
         self.inflight = 0
+        self.watch: DeletionWatch | None = None  # of the target's queue
+        self.deleted = ""  # why the link ends, once its queue was deleted
         self._buffer: Any = ffi.NULL  # see _receive_buffer
         self._buffer_size = 0
 
@@ -190,8 +198,11 @@ class Inbound(Endpoint):
             if remote.address and self.address is None:
                 self.refuse(NOT_FOUND, f"invalid address {remote.address!r}")
                 return
-            queue = self.address.name if self.address and self.address.is_queue else None
-            if queue is not None and not await broker.queues.exists(queue):
+        queue = self.address.name if self.address and self.address.is_queue else None
+        if queue is not None:
+            try:
+                self.watch = await broker.watch_deletion(queue, partial(self._deleted, queue))
+            except QueueError:
                 self.refuse(NOT_FOUND, f"queue {queue!r} does not exist")
                 return
         if not self.live:
@@ -230,6 +241,8 @@ class Inbound(Endpoint):
         pn_link_advance(impl)
         if not self.attached:  # sent before we granted credit
             self._settle(dlv, Disposition.REJECTED, "amqp:illegal-state", "link not attached")
+        elif self.deleted:  # the link ends once the publishes in flight are answered
+            self._settle(dlv, Disposition.REJECTED, RESOURCE_DELETED, self.deleted)
         elif size > MAX_MESSAGE_SIZE:
             self._settle(dlv, Disposition.REJECTED, RESOURCE_LIMIT, "message too large")
         elif self._publish(dlv, data):
@@ -302,8 +315,19 @@ class Inbound(Endpoint):
                 pn_delivery_settle(dlv)
             else:
                 self._settle(dlv, Disposition.REJECTED, REFUSALS[outcome], outcome.name)
+        if self.deleted and not self.inflight:
+            self.fail(RESOURCE_DELETED, self.deleted)
         self._top_up()
         self.host.wake()
+
+    def _deleted(self, queue: str) -> None:
+        """The target's queue was deleted: no more credit, and the link ends once the
+        publishes in flight have their outcomes (they may have been stored before it went)."""
+        self.watch = None
+        if self.live and not self.deleted:
+            self.deleted = f"queue {queue!r} was deleted"
+            if not self.inflight:
+                self.fail(RESOURCE_DELETED, self.deleted)
 
     @staticmethod
     def _settle(dlv: Any, state: int, condition: str = "", text: str = "") -> None:
@@ -319,10 +343,16 @@ class Inbound(Endpoint):
 
     def _top_up(self) -> None:
         """Keep the client's credit near CREDIT minus the publishes still in flight."""
-        if self.closed or self.host.closed:
+        if self.closed or self.host.closed or self.deleted:
             return
         impl = self.link._impl  # runs once a message: no wrapper
         credit = pn_link_credit(impl)
         missing = max(0, CREDIT - self.inflight) - credit
         if missing > 0 and (missing >= CREDIT // 4 or credit == 0):
             pn_link_flow(impl, missing)
+
+    async def close(self, ended: bool = False) -> None:
+        if self.watch is not None:
+            self.watch.cancel()
+            self.watch = None
+        await super().close(ended)
