@@ -423,7 +423,9 @@ class Broker:
         if current is not None and current[0] == claim:
             del self._connected[client_id]
         holder = f"{self.node_id} {claim}"
-        await self.redis.fcall("gw_unclaim", 1, keys.client_claims(client_id), holder)
+        await self.redis.fcall(
+            "gw_unclaim", 1, keys.client_claims(client_id), holder, client_id.encode().hex()
+        )
         await self.redis.publish(keys.events, f"released {holder} {client_id.encode().hex()}")
 
     def _released(self, arg: str) -> None:

@@ -1,6 +1,7 @@
-"""Wills of clients whose node crashed: the surviving node publishes them (MQTT 5
-§3.1.3.2.2: a will goes when the network connection closes without DISCONNECT 0x00,
-after its delay, unless a connection to the session came first)."""
+"""Wills and sessions of clients whose node crashed. A surviving node publishes their wills
+(MQTT 5 §3.1.3.2.2: a will goes when the network connection closes without DISCONNECT 0x00,
+after its delay, unless a connection to the session came first), and their sessions expire
+their expiry after the crash."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ from contextlib import asynccontextmanager
 
 import pytest
 
+from gateway.broker import Broker
+from gateway.engine import keys
+from protocols.listening import Listener
 from protocols.mqtt.codec import (
     Disconnect,
     Properties,
@@ -174,3 +178,48 @@ async def test_a_will_waiting_its_delay_on_a_node_that_crashes_goes_when_it_was_
         assert isinstance(got, Publish) and got.payload == b"bye"
         assert 3.5 < took < 6.5, f"published {took:.1f} s after the connection ended (delay 4 s)"
         watcher.close()
+
+
+async def test_the_session_of_a_crashed_node_expires_its_expiry_after_the_crash(
+    redis_url: str,
+) -> None:
+    """Not a lease later: a connected session's state outlives its node by up to a minute
+    only should no node reap that node."""
+    async with (
+        crashing_node(redis_url) as (node, port),
+        serve("--redis-url", redis_url) as (_, other_port),
+    ):
+        short = Properties(session_expiry_interval=2)
+        await Raw.connected(port, 5, client_id="brief", properties=short)
+        await crash(node)
+        await asyncio.sleep(5)  # presumed dead after 1 s, reaped within the next beat
+        back, ack = await Raw.connected(
+            other_port, 5, client_id="brief", clean_start=False, properties=short
+        )
+        assert not ack.session_present
+        back.close()
+
+
+async def test_a_node_keeps_no_will_nor_session_index_of_its_ended_connections(
+    broker: Broker, mqtt: Listener
+) -> None:
+    """What Redis keeps for a node's connections goes with each connection: a busy node's
+    index of its sessions and wills does not grow with every client it ever had."""
+    node_keys = (keys.node_sessions(broker.node_id), keys.node_parting(broker.node_id))
+    for i in range(3):
+        will = Will(f"bye/{i}", b"x", properties=Properties(will_delay_interval=1))
+        raw, _ = await Raw.connected(mqtt.port, 5, client_id=f"c{i}", properties=KEEP, will=will)
+        assert [await broker.redis.exists(k) for k in node_keys] == [1, 1]
+        if i == 0:
+            await raw.send(Disconnect())  # its will dropped
+        elif i == 1:
+            raw.writer.transport.abort()  # its will sent after its delay
+        else:  # taken over by a connection that ends without a will
+            again, _ = await Raw.connected(
+                mqtt.port, 5, client_id=f"c{i}", properties=KEEP, clean_start=False
+            )
+            await again.send(Disconnect())
+        names = [*node_keys, keys.client_parting(f"c{i}")]
+        async with asyncio.timeout(5):
+            while await broker.redis.exists(*names):
+                await asyncio.sleep(0.05)

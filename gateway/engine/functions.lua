@@ -506,6 +506,23 @@ local function release_partings(n)
   redis.call('DEL', k_node_parting(n))
 end
 
+-- The sessions a node's connections held: each expires its expiry from now (a connected
+-- session's state outlives its node by a lease, see gw_client_expire), unless a connection
+-- elsewhere holds it by now.
+local function release_sessions(n)
+  local held = redis.call('HGETALL', k_node_sessions(n))
+  for i = 1, #held, 2 do
+    local c, expiry = held[i], tonumber(held[i + 1])
+    local holder = redis.call('HGET', k_client_claims(c), 'holder')
+    if not holder or string.match(holder, '^(%S+) ') == n then
+      for _, key in ipairs({ k_client_state(c), k_client_received(c) }) do
+        if redis.call('TTL', key) > expiry then redis.call('EXPIRE', key, expiry) end
+      end
+    end
+  end
+  redis.call('DEL', k_node_sessions(n))
+end
+
 -- Forget a node: return its flows' messages, delete the temporary queues it owned.
 local function reap_node(n)
   local released = 0
@@ -519,6 +536,7 @@ local function reap_node(n)
     if redis.call('HGET', k_queue_config(q), 'owner_node') == n then delete_queue(q) end
   end
   release_partings(n)
+  release_sessions(n)
   redis.call('DEL', k_node_queues(n), k_node_alive(n))
   redis.call('SREM', K_NODES, n)
   if redis.call('SREM', K_DIRECT_NODES, n) == 1 then redis.call('PUBLISH', K_EVENTS, 'direct ' .. n) end
@@ -2230,15 +2248,22 @@ register_always('gw_claim', function(k, a)
   return { claim, before or false }
 end)
 
--- KEYS: a client's claims hash. ARGV: "node claim". The connection ended: while no newer
--- one claimed the client, it is no longer held, and the hash goes once an older connection
--- still tearing down could no longer save (its 'loaded' refuses that until then).
+-- KEYS: a client's claims hash. ARGV: "node claim", the client id (hex). The connection
+-- ended: while no newer one claimed the client, it is no longer held, and the hash goes
+-- once an older connection still tearing down could no longer save (its 'loaded' refuses
+-- that until then). Its node no longer holds the session, unless a newer connection there
+-- does.
 local UNCLAIMED_TTL = 120
 
 register_always('gw_unclaim', function(k, a)
-  if redis.call('HGET', k[1], 'holder') == a[1] then
+  local holder = redis.call('HGET', k[1], 'holder')
+  if holder == a[1] then
     redis.call('HDEL', k[1], 'holder')
     redis.call('EXPIRE', k[1], UNCLAIMED_TTL)
+  end
+  local node = string.match(a[1], '^(%S+) ')
+  if holder == a[1] or not holder or string.match(holder, '^(%S+) ') ~= node then
+    redis.call('HDEL', k_node_sessions(node), a[2])
   end
   return 1
 end)
@@ -2339,9 +2364,12 @@ end)
 
 -- KEYS: a client's state and received-ids keys, optionally its claims hash. ARGV: seconds
 -- until the first two expire; 0 deletes them now, -1 keeps them for good (the client is
--- connected again). A connected session's claims hash lives CLAIMS_TTL more.
+-- connected again). A connected session's claims hash lives CLAIMS_TTL more. With a node,
+-- the client id (hex) and its session's expiry (s): that node's connection holds the
+-- session, which expires that long after the node dies (release_sessions).
 register_always('gw_client_expire', function(k, a)
   local seconds = tonumber(a[1])
+  if a[2] then redis.call('HSET', k_node_sessions(a[2]), a[3], a[4]) end
   if k[3] then
     if seconds ~= 0 and redis.call('EXISTS', k[3]) == 1 then
       redis.call('EXPIRE', k[3], CLAIMS_TTL)

@@ -69,6 +69,8 @@ TEMPLATES: dict[str, str] = {
     # parting messages (an MQTT will): the records a node's connections hold, and those
     # whose node died or whose connection ended, by the epoch ms they go (see parting.py)
     "node_parting": f"{PREFIX}:node:{{n}}:parting",
+    # a node's connected sessions with a finite expiry: client id (hex) -> expiry (s)
+    "node_sessions": f"{PREFIX}:node:{{n}}:sessions",
     "parting_due": f"{PREFIX}:parting:due",
     "sink_batches": f"{PREFIX}:sink:{{s}}:batches",
     "sink_progress": f"{PREFIX}:sink:{{s}}:progress",
@@ -225,6 +227,14 @@ def node_queues(n: str) -> str:
     return _node_key("node_queues", n)
 
 
+def node_parting(n: str) -> str:
+    return _node_key("node_parting", n)
+
+
+def node_sessions(n: str) -> str:
+    return _node_key("node_sessions", n)
+
+
 def _client_key(name: str, c: str) -> str:
     # client ids may hold any character: hex keeps the key unambiguous
     return TEMPLATES[name].replace("{c}", c.encode().hex())
@@ -280,8 +290,11 @@ def lua_prelude() -> str:
         if "{{q}}" in template:
             head, tail = template.split("{{q}}")
             lines.append(f"local function k_{name}(q) return '{head}{{' .. q .. '}}{tail}' end")
-        elif "{c}" in template or "{s}" in template or "{t}" in template:
-            continue  # client, sink and held-retained keys are named from Python only
+        elif "{c}" in template:  # a client id in hex, as Python names them
+            head, tail = template.split("{c}")
+            lines.append(f"local function k_{name}(c) return '{head}' .. c .. '{tail}' end")
+        elif "{s}" in template or "{t}" in template:
+            continue  # sink and held-retained keys are named from Python only
         elif "{n}" in template:
             head, tail = template.split("{n}")
             lines.append(f"local function k_{name}(n) return '{head}' .. n .. '{tail}' end")

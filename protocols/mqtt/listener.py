@@ -10,8 +10,9 @@ clock runs in Redis (`expire` at disconnect); a session found gone at its next c
 its durable queue `#mqtt/<hex client id>` deleted, as does a local timer when the session
 expires while this node runs. While connected, a session with a finite expiry holds a lease
 (its expiry + LEASE_S, renewed every LEASE_S / 2), so the session of a node that died still
-expires. Its queue has the session as its one member, for as long as the session lasts
-(renewed with the lease): a sweep at start and every SWEEP_S deletes the queue of a session
+expires; the node that reaps a dead one cuts that to the expiry from then. Its queue has
+the session as its one member, for as long as the session lasts (renewed with the lease):
+a sweep at start and every SWEEP_S deletes the queue of a session
 that expired while no node watched it (its node stopped first, or Redis refused the
 deletion). A connection's will is also kept in Redis (`broker.parting`) while its node
 holds it: this node publishes it, times its delay and drops it, but should the node die the
@@ -249,7 +250,9 @@ class Registry:
         if lease is None:
             await self.broker.clients.persist(state.client_id)
         else:
-            await self.broker.clients.expire(state.client_id, lease)
+            await self.broker.clients.hold(
+                state.client_id, lease, self.broker.node_id, state.expiry
+            )
         if state.queue is not None:
             await self._member(state, state.queue, connected=True)
 
