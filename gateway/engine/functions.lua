@@ -496,11 +496,12 @@ end
 -- from now ends, or when it was due already (its connection ended first).
 local function release_partings(n)
   local now = now_ms()
-  for _, k in ipairs(redis.call('SMEMBERS', k_node_parting(n))) do
-    local r = redis.call('HMGET', k, 'node', 'delay', 'due')
-    if r[1] == n then
-      local due = tonumber(r[3]) or 0
-      redis.call('ZADD', K_PARTING_DUE, due > 0 and due or now + tonumber(r[2]), k)
+  for _, m in ipairs(redis.call('SMEMBERS', k_node_parting(n))) do
+    local c, k = string.match(m, '^(%d+) (.+)$')
+    local r = redis.call('HMGET', k, c .. ':node', c .. ':delay', c .. ':due')
+    if r[1] == n and not redis.call('ZSCORE', K_PARTING_DUE, m) then
+      local due = tonumber(r[3])
+      redis.call('ZADD', K_PARTING_DUE, due > 0 and due or now + tonumber(r[2]), m)
     end
   end
   redis.call('DEL', k_node_parting(n))
@@ -2268,34 +2269,65 @@ register_always('gw_unclaim', function(k, a)
   return 1
 end)
 
--- A client's parting message (an MQTT will; see gateway/engine/parting.py): held in
--- KEYS[1] while its connection lives, due by a time once it ended (on a node that died).
+-- Parting messages (an MQTT will; see gateway/engine/parting.py). KEYS[1] holds those of
+-- one client's connections, by claim: '<claim>:node', ':delay' (ms), ':due' (epoch ms once
+-- the connection ended, else 0), ':msg', and ':taken' once a node is publishing it. Node
+-- sets and the due set name one as '<claim> <key>'. A live node publishes its connection's
+-- only once it took it (gw_parting_own), so no other node sends it as well.
 
-local function drop_parting(k, node)
-  redis.call('SREM', k_node_parting(node), k)
-  redis.call('ZREM', K_PARTING_DUE, k)
-  redis.call('DEL', k)
+local PARTING_FIELDS = { ':node', ':delay', ':due', ':msg', ':taken' }
+
+local function parting(k, c)
+  local r = redis.call('HMGET', k, c .. ':node', c .. ':delay', c .. ':due', c .. ':msg',
+    c .. ':taken')
+  if not r[1] then return nil end
+  return { node = r[1], delay = tonumber(r[2]), due = tonumber(r[3]), msg = r[4], taken = r[5] }
+end
+
+local function drop_parting(k, c, node)
+  local fields = {}
+  for i, f in ipairs(PARTING_FIELDS) do fields[i] = c .. f end
+  redis.call('HDEL', k, unpack(fields))
+  redis.call('SREM', k_node_parting(node), c .. ' ' .. k)
+  redis.call('ZREM', K_PARTING_DUE, c .. ' ' .. k)
+end
+
+-- Mark a record taken: due again after the lease, should its taker die before it dropped it.
+local function take_parting(k, c, now, lease)
+  redis.call('HSET', k, c .. ':taken', 1)
+  redis.call('ZADD', K_PARTING_DUE, now + lease, c .. ' ' .. k)
+end
+
+-- What becomes of an earlier connection's record when a new connection to the session
+-- comes (MQTT 5 §3.1.3.2.2): 'send' (its delay ended, its connection closed at once on a
+-- node that died, or the new connection ends the session), 'drop' (it came within the
+-- delay), or nil: its connection is still open on a live node, or a node publishes it.
+local function parting_fate(k, c, r, node, ends, now)
+  if r.taken then return nil end
+  local due = tonumber(redis.call('ZSCORE', K_PARTING_DUE, c .. ' ' .. k))
+  if not due and r.due > 0 then due = r.due end  -- ended: its delay runs on its node
+  if due then return (due <= now or ends) and 'send' or 'drop' end
+  if r.node == node or redis.call('EXISTS', k_node_alive(r.node)) == 1 then return nil end
+  return (r.delay == 0 or ends) and 'send' or 'drop'  -- open when its node died
 end
 
 -- ARGV: node, claim, '1' if the connection starts afresh, delay ms, message ('': none).
--- The connection of `claim` replaces the record an earlier one left. That one's message is
--- returned to be sent now when no live node decides on it any more (its node died, or it
--- is due) and it went at once (delay 0) or the new connection ends its session; else it is
--- dropped: a connection to the session came within its delay. A live node decides on its
--- own connection's (it is taken over, see the adapter).
+-- The connection of `claim` keeps its message; earlier connections' records are settled
+-- (parting_fate). Returns the messages to send now.
 register_always('gw_parting_hold', function(k, a)
-  local old = redis.call('HMGET', k[1], 'node', 'delay', 'message')
-  local out = false
-  if old[1] then
-    local decided = redis.call('ZSCORE', K_PARTING_DUE, k[1]) == false
-      and (old[1] == a[1] or redis.call('EXISTS', k_node_alive(old[1])) == 1)
-    if not decided and (a[3] == '1' or tonumber(old[2]) == 0) then out = old[3] end
-    drop_parting(k[1], old[1])
+  local now, ends, out = now_ms(), a[3] == '1', {}
+  for _, f in ipairs(redis.call('HKEYS', k[1])) do
+    local c = string.match(f, '^(%d+):node$')
+    local r = c and parting(k[1], c)
+    local fate = r and parting_fate(k[1], c, r, a[1], ends, now)
+    if fate == 'send' then out[#out + 1] = r.msg end
+    if fate then drop_parting(k[1], c, r.node) end
   end
   if a[5] ~= '' then
-    redis.call('HSET', k[1], 'node', a[1], 'claim', a[2], 'delay', a[4], 'due', 0,
-      'message', a[5])
-    redis.call('SADD', k_node_parting(a[1]), k[1])
+    local c = a[2]
+    redis.call('HSET', k[1], c .. ':node', a[1], c .. ':delay', a[4], c .. ':due', 0,
+      c .. ':msg', a[5])
+    redis.call('SADD', k_node_parting(a[1]), c .. ' ' .. k[1])
   end
   return out
 end)
@@ -2303,28 +2335,41 @@ end)
 -- ARGV: claim, due (epoch ms). The connection ended and its message waits on its node: it
 -- goes at `due` should that node die first.
 register_always('gw_parting_due', function(k, a)
-  if redis.call('HGET', k[1], 'claim') == a[1] then redis.call('HSET', k[1], 'due', a[2]) end
+  if redis.call('HEXISTS', k[1], a[1] .. ':node') == 1 then
+    redis.call('HSET', k[1], a[1] .. ':due', a[2])
+  end
+  return 1
+end)
+
+-- ARGV: claim, lease ms. The node of the connection of `claim` is to publish its message:
+-- 1 if it is its to publish (now taken), 0 if another connection or node settled it.
+register_always('gw_parting_own', function(k, a)
+  local r = parting(k[1], a[1])
+  if not r or r.taken or redis.call('ZSCORE', K_PARTING_DUE, a[1] .. ' ' .. k[1]) then
+    return 0
+  end
+  take_parting(k[1], a[1], now_ms(), tonumber(a[2]))
   return 1
 end)
 
 -- ARGV: claim. The message of the connection of `claim` went, or is not to go.
 register_always('gw_parting_drop', function(k, a)
-  local r = redis.call('HMGET', k[1], 'node', 'claim')
-  if r[2] == a[1] then drop_parting(k[1], r[1]) end
+  local r = parting(k[1], a[1])
+  if r then drop_parting(k[1], a[1], r.node) end
   return 1
 end)
 
--- ARGV: lease ms, limit. Due messages, as {key, claim, message} triples: each is due again
--- after the lease, should the node that took it die before it was sent and dropped.
+-- ARGV: lease ms, limit. Due messages, as {key, claim, message} triples, taken.
 register_always('gw_parting_take', function(_, a)
   local now, out = now_ms(), {}
-  for _, k in ipairs(redis.call('ZRANGEBYSCORE', K_PARTING_DUE, '-inf', now, 'LIMIT', 0, a[2])) do
-    local r = redis.call('HMGET', k, 'claim', 'message')
-    if r[2] then
-      redis.call('ZADD', K_PARTING_DUE, now + tonumber(a[1]), k)
-      out[#out + 1] = { k, r[1], r[2] }
+  for _, m in ipairs(redis.call('ZRANGEBYSCORE', K_PARTING_DUE, '-inf', now, 'LIMIT', 0, a[2])) do
+    local c, k = string.match(m, '^(%d+) (.+)$')
+    local r = parting(k, c)
+    if r then
+      take_parting(k, c, now, tonumber(a[1]))
+      out[#out + 1] = { k, c, r.msg }
     else
-      redis.call('ZREM', K_PARTING_DUE, k)
+      redis.call('ZREM', K_PARTING_DUE, m)
     end
   end
   return out

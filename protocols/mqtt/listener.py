@@ -189,26 +189,22 @@ class Registry:
         return state, present
 
     async def _keep_will(self, session: Session, state: SessionState, clean_start: bool) -> None:
-        """Keep the connection's will in Redis, in place of an earlier connection's; that
-        one's goes now if its node died and it had no delay, or this one ends the session."""
+        """Keep the connection's will in Redis, and settle earlier connections' there
+        (those whose node died, or that wait their delay): they go now, or not at all."""
         assert session.claim is not None
         will = session.will
         record = None
         if will is not None:
             publisher = Publisher("mqtt", state.client_id, session.user)
-            msg = mapping.to_message(will, publisher, session.level)
-            msg.expiration = None  # counted from when it goes
-            props = will.properties if session.level == 5 else None
-            expiry = None if props is None else props.message_expiry_interval
-            record = pack(msg, None if expiry is None else expiry * 1000)
+            record = pack(mapping.to_message(will, publisher, session.level))
         delay = _will_delay(session, state) if will is not None else 0
         earlier = await self.broker.parting.hold(
             state.client_id, session.claim, clean_start, record, delay
         )
         if record is not None:
             self._wills_kept.add(session)
-        if earlier is not None:
-            self._publish_will(state.client_id, functools.partial(unpack, earlier), None)
+        for message in earlier:
+            self._publish_will(state.client_id, functools.partial(unpack, message), None)
 
     async def _load(self, client_id: str, claim: int) -> SessionState | None:
         """The stored state, as the connection of `claim` (older ones no longer save);
@@ -516,17 +512,31 @@ class Registry:
     def _publish_will(
         self, client_id: str, message: Callable[[], Message], claim: int | None
     ) -> None:
-        """Publish a will; once it is stored (or refused), Redis drops its copy."""
+        """Publish a will; `claim`: its connection's, whose copy in Redis this node takes
+        first (a new connection to the session, or other nodes while this one was presumed
+        dead, may have settled it) and drops once it is stored or refused."""
+        if claim is None:
+            self._send_will(message)
+        else:
+            self.spawn(self._publish_kept_will(client_id, message, claim))
+
+    async def _publish_kept_will(
+        self, client_id: str, message: Callable[[], Message], claim: int
+    ) -> None:
+        if not await self.broker.parting.own(client_id, claim):
+            return
+        fut = self._send_will(message)
+        await asyncio.wait({fut})
+        if fut.cancelled() or fut.exception() is not None:
+            return  # taken again by a node once its lease ends
+        if fut.result() is not Outcome.OUT_OF_MEMORY:
+            await self.broker.parting.drop(client_id, claim)
+
+    def _send_will(self, message: Callable[[], Message]) -> asyncio.Future[Outcome]:
         self.count("wills")
         fut = self.broker.publish_nowait(message())
         fut.add_done_callback(_log_will_outcome)
-        if claim is not None:
-            self.spawn(self._drop_will(client_id, fut, claim))
-
-    async def _drop_will(self, client_id: str, fut: asyncio.Future[Outcome], claim: int) -> None:
-        await asyncio.wait({fut})
-        if not fut.cancelled() and fut.exception() is None:  # else it goes should we die
-            await self.broker.parting.drop(client_id, claim)
+        return fut
 
     # -- shutdown --------------------------------------------------------------------------
 

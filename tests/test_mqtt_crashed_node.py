@@ -6,6 +6,8 @@ their expiry after the crash."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -223,3 +225,143 @@ async def test_a_node_keeps_no_will_nor_session_index_of_its_ended_connections(
         async with asyncio.timeout(5):
             while await broker.redis.exists(*names):
                 await asyncio.sleep(0.05)
+
+
+@asynccontextmanager
+async def node(redis_url: str, ttl: float = 1.0) -> AsyncIterator[tuple[Proc, int]]:
+    """A `gateway serve` node with node TTL `ttl` the test kills or stops (SIGSTOP)."""
+    argv = [*GATEWAY, "serve", "--redis-url", redis_url, "--mqtt-port", "0", "--admin-port",
+            "0", "--amqp-port", "0"]  # fmt: skip
+    proc = await Proc.start(argv, node_env(ttl))
+    try:
+        yield proc, (await proc.wait_event("ready", timeout=30))["mqtt_port"]
+    finally:
+        if proc.proc.returncode is None:
+            os.kill(proc.proc.pid, signal.SIGCONT)
+        proc.kill()
+        await proc.proc.wait()
+
+
+async def test_a_clean_start_on_a_survivor_sends_a_will_that_waited_on_the_crashed_node(
+    redis_url: str,
+) -> None:
+    """The connection ended, its will waits its delay on node A; A crashes; the client
+    comes back to B with a clean start, which ends the session: the will goes (§3.1.3.2.2),
+    though A's liveness key has not expired yet (TTL 5 s)."""
+    async with (
+        node(redis_url, ttl=5.0) as (a, port),
+        serve("--redis-url", redis_url) as (_, other_port),
+    ):
+        watcher = await watch(other_port, "ended/#")
+        will = Will("ended/1", b"bye", 1, properties=Properties(will_delay_interval=30))
+        raw, _ = await Raw.connected(port, 5, client_id="ended", properties=KEEP, will=will)
+        raw.writer.transport.abort()
+        await asyncio.sleep(0.5)  # A times the delay, its record is due in 30 s
+        await crash(a)
+        back, _ = await Raw.connected(other_port, 5, client_id="ended", clean_start=True)
+        got = await watcher.recv(timeout=8)  # at once, or at the latest once A is reaped
+        assert isinstance(got, Publish) and got.payload == b"bye"
+        back.close()
+        watcher.close()
+
+
+async def test_a_reconnection_after_the_delay_ended_does_not_cancel_the_will_of_a_crashed_node(
+    redis_url: str,
+) -> None:
+    """The connection ended at t0 with a 2 s will delay; its node crashed before sending it;
+    the client resumes at t0 + 3 s, before the node is presumed dead: the delay ended
+    before that, so the will goes (§3.1.3.2.2)."""
+    async with (
+        node(redis_url, ttl=5.0) as (a, port),
+        serve("--redis-url", redis_url) as (_, other_port),
+    ):
+        watcher = await watch(other_port, "due/#")
+        will = Will("due/1", b"bye", 1, properties=Properties(will_delay_interval=2))
+        raw, _ = await Raw.connected(port, 5, client_id="due", properties=KEEP, will=will)
+        raw.writer.transport.abort()
+        t0 = asyncio.get_running_loop().time()
+        await asyncio.sleep(0.5)  # A notes the due time in Redis
+        await crash(a)
+        await asyncio.sleep(t0 + 3 - asyncio.get_running_loop().time())
+        back, ack = await Raw.connected(
+            other_port, 5, client_id="due", clean_start=False, properties=KEEP
+        )
+        assert ack.session_present
+        got = await watcher.recv(timeout=8)
+        assert isinstance(got, Publish) and got.payload == b"bye"
+        back.close()
+        watcher.close()
+
+
+async def test_a_will_goes_once_when_its_node_was_only_stopped(redis_url: str) -> None:
+    """Node A stalls (SIGSTOP) past its TTL: B reaps it and publishes the will of a client
+    still connected to A. A resumes; the client then goes without DISCONNECT: A does not
+    publish the same connection's will again."""
+    async with (
+        node(redis_url, ttl=1.0) as (a, port),
+        serve("--redis-url", redis_url) as (_, other_port),
+    ):
+        watcher = await watch(other_port, "stall/#")
+        raw, _ = await Raw.connected(port, 4, client_id="stall", will=Will("stall/1", b"bye", 1))
+        os.kill(a.proc.pid, signal.SIGSTOP)
+        await asyncio.sleep(3)
+        os.kill(a.proc.pid, signal.SIGCONT)
+        await asyncio.sleep(1)
+        raw.writer.transport.abort()
+        wills = []
+        with pytest.raises(TimeoutError):
+            while True:
+                got = await watcher.recv(timeout=3)
+                assert isinstance(got, Publish)
+                wills.append(got.payload)
+        assert wills == [b"bye"], f"one connection's will published {len(wills)} times"
+        watcher.close()
+
+
+async def test_a_survivors_will_counts_its_delivery_delay_from_when_it_goes(
+    redis_url: str,
+) -> None:
+    """A will with x-opt-delivery-delay: as a live node makes the message when it goes,
+    the survivor's copy (made at CONNECT) counts the delay from when it goes."""
+    async with (
+        node(redis_url, ttl=1.0) as (a, port),
+        serve("--redis-url", redis_url) as (_, other_port),
+    ):
+        watcher = await watch(other_port, "held/#")
+        props = Properties(user_properties=[("x-opt-delivery-delay", "3000")])
+        will = Will("held/1", b"bye", 1, properties=props)
+        await Raw.connected(port, 5, client_id="held", will=will)
+        await asyncio.sleep(3.5)  # connected longer than the delivery delay
+        crashed = await crash(a)
+        got = await watcher.recv(timeout=10)
+        took = asyncio.get_running_loop().time() - crashed
+        assert isinstance(got, Publish) and got.payload == b"bye"
+        assert took > 3, f"delivered {took:.1f} s after the crash: its delay counted from CONNECT"
+        watcher.close()
+
+
+async def test_a_node_stopped_by_sigterm_publishes_each_of_its_wills_once(
+    redis_url: str,
+) -> None:
+    """It publishes them as it stops, delayed ones too; none is left to the others."""
+    async with (
+        node(redis_url) as (stopping, port),
+        serve("--redis-url", redis_url) as (_, other_port),
+    ):
+        watcher = await watch(other_port, "term/#")
+        for i in range(3):
+            will = Will(f"term/{i}", b"bye", 1)
+            await Raw.connected(port, 5, client_id=f"t{i}", properties=KEEP, will=will)
+        delayed = Will("term/d", b"later", 1, properties=Properties(will_delay_interval=3))
+        raw, _ = await Raw.connected(port, 5, client_id="td", properties=KEEP, will=delayed)
+        raw.writer.transport.abort()
+        await asyncio.sleep(0.3)
+        assert await stopping.stop() == 0
+        got = []
+        with pytest.raises(TimeoutError):
+            while True:
+                packet = await watcher.recv(timeout=4)
+                assert isinstance(packet, Publish)
+                got.append(packet.topic)
+        assert sorted(got) == ["term/0", "term/1", "term/2", "term/d"]
+        watcher.close()

@@ -1,0 +1,63 @@
+"""Parting messages in Redis (gateway/engine/parting.py): each connection's record is
+settled once, by its node, by a new connection to the session, or by a node taking due
+ones of a node that died."""
+
+from __future__ import annotations
+
+import time
+
+from gateway.broker import Broker
+from gateway.engine.parting import PartingStore, pack, unpack
+from gateway.model import Message
+
+
+def record(payload: bytes) -> bytes:
+    return pack(Message(destination="w/x", payload=payload))
+
+
+async def test_a_record_a_node_is_publishing_is_not_sent_again_by_a_new_connection(
+    broker: Broker,
+) -> None:
+    dead = PartingStore(broker.redis, "ndead0001")
+    assert await dead.hold("cx", 1, False, record(b"bye"), 0) == []
+    await broker.redis.fcall("gw_node_down", 0, "ndead0001")  # reaped: due now
+    taken = await PartingStore(broker.redis, "nsurv0001").take()
+    assert [unpack(t.message).payload for t in taken] == [b"bye"]
+    newcomer = PartingStore(broker.redis, broker.node_id)
+    assert await newcomer.hold("cx", 2, False, None, 0) == []
+
+
+async def test_a_node_presumed_dead_does_not_publish_what_the_others_took_over(
+    broker: Broker,
+) -> None:
+    stalled = PartingStore(broker.redis, "nstall001")
+    await stalled.hold("cy", 1, False, record(b"bye"), 0)
+    await broker.redis.fcall("gw_node_down", 0, "nstall001")  # presumed dead, reaped
+    assert not await stalled.own("cy", 1)
+    assert len(await PartingStore(broker.redis, "nsurv0001").take()) == 1
+
+
+async def test_a_new_connection_cancels_a_will_within_its_delay_and_sends_one_past_it(
+    broker: Broker,
+) -> None:
+    store = PartingStore(broker.redis, broker.node_id)
+    now_ms = int(time.time() * 1000)
+    await store.hold("w1", 1, False, record(b"waiting"), 60)
+    await store.due("w1", 1, now_ms + 60_000)
+    await store.hold("w2", 3, False, record(b"due"), 1)
+    await store.due("w2", 3, now_ms - 1)
+    assert await store.hold("w1", 2, False, None, 0) == []
+    assert not await store.own("w1", 1)  # its timer fires late: settled
+    sent = await store.hold("w2", 4, False, None, 0)
+    assert [unpack(m).payload for m in sent] == [b"due"]
+
+
+async def test_a_will_keeps_its_expiry_and_delivery_delay_as_intervals(broker: Broker) -> None:
+    made = int(time.time() * 1000)
+    msg = Message(destination="w/x", payload=b"x", expiration=made + 5000, not_before=made + 800)
+    blob = pack(msg)
+    time.sleep(0.05)  # it goes later: the intervals count from then
+    back = unpack(blob)
+    assert back.expiration is not None and back.not_before is not None
+    assert back.expiration - back.not_before == 4200
+    assert back.not_before >= made + 800 + 50
