@@ -114,6 +114,7 @@ class Flow:
         "active",
         "browse",
         "closed",
+        "created",
         "credit",
         "cursor",
         "exclusive",
@@ -177,6 +178,7 @@ class Flow:
         # among the queue's flows in Redis: every consumer is, a non-destructive queue's
         # too (they browse); a browser of another queue is no consumer and registered nowhere
         self.listed = False
+        self.created: bytes = b""  # the created_ms of the queue it bound to (gw_bind)
         self.cursor: str | bytes = "0-0"  # browsing: the last entry (sorted: index member) seen
         self.replay_since = 0  # browsing: epoch ms of the replay period's start (0: all)
         self.held: dict[str, int] = {}  # browsing: entries seen held -> delivery time (ms)
@@ -422,7 +424,9 @@ class Dispatcher:
     async def _register(self, flow: Flow) -> float:
         """gw_bind; sets the flow's kind. Returns the queue's rebalance delay (seconds)."""
         mode = "browse" if flow.browse else "select" if flow.selector else ""
-        reply = await self._redis.fcall("gw_bind", 0, flow.queue, flow.id, self.node_id, mode)
+        reply = await self._redis.fcall(
+            "gw_bind", 0, flow.queue, flow.id, self.node_id, mode, flow.created
+        )
         status = reply[0].decode()
         if status != "ok":
             code, why = BIND_REFUSALS.get(status, (status, "bind refused"))
@@ -432,6 +436,7 @@ class Dispatcher:
         flow.exclusive = reply[2] == b"exclusive" and not flow.browse
         flow.partitioned = int(reply[3]) > 0
         flow.prioritised = reply[6] == 1
+        flow.created = reply[7]
         flow.active = not (flow.exclusive or flow.partitioned)
         self._registrations += 1
         flow.registered = self._registrations

@@ -2085,27 +2085,31 @@ local function adopt_returned(q)
   end
 end
 
--- ARGV: queue, flow, node, mode ('' | 'select': the flow has a selector | 'browse').
+-- ARGV: queue, flow, node, mode ('' | 'select': the flow has a selector | 'browse'), the
+-- queue's created_ms the flow bound to before ('' at its first bind): a flow binding again
+-- (its node presumed dead a while) binds only to that queue, not to one made again under
+-- its name, whose access it was never checked for.
 -- Registers a flow; bind order decides exclusive standby order. A selector makes the queue
 -- selective: new messages wait in the holding consumer until a flow whose selector matches
 -- takes them. Browsers take nothing and are no consumers: not registered (bind sequence
 -- 0). Every consumer of a non-destructive queue browses, and is one: registered, so that
 -- the last of them to go, on any node, deletes an auto-delete queue (release_flow).
 -- Returns {'ok', bind sequence, access type, partition count, rebalance delay ms, mode,
--- 1 for a priority queue} or {'noqueue'} / {'egress'} / {'partitioned'} / {'grouped'} /
+-- 1 for a priority queue, created_ms} or {'noqueue'} / {'egress'} / {'partitioned'} / {'grouped'} /
 -- {'prioritised'}.
 register_always('gw_bind', function(_, a)
   local q, flow, node, mode = a[1], a[2], a[3], a[4]
   local c = redis.call('HMGET', k_queue_config(q), 'egress', 'access', 'partition_count',
-    'partition_rebalance_delay_ms', 'message_groups', 'non_destructive', 'parent')
-  if not c[1] or c[7] then return { 'noqueue' } end
+    'partition_rebalance_delay_ms', 'message_groups', 'non_destructive', 'parent', 'created_ms')
+  local created = c[8] or ''
+  if not c[1] or c[7] or (a[5] and a[5] ~= '' and a[5] ~= created) then return { 'noqueue' } end
   if c[1] ~= '1' then return { 'egress' } end
   if c[6] == '1' then mode = 'browse' end  -- every consumer of it browses
   if mode ~= '' and (tonumber(c[3]) or 0) > 0 then return { 'partitioned' } end
   local prioritised = redis.call('HGET', k_queue_config(q), 'priorities') == '1'
   if mode ~= '' and prioritised then return { 'prioritised' } end
   if mode == 'browse' and c[6] ~= '1' then
-    return { 'ok', 0, c[2], 0, 0, 'browse', 0 }
+    return { 'ok', 0, c[2], 0, 0, 'browse', 0, created }
   end
   if mode == 'select' then
     if c[5] and c[5] ~= '' then return { 'grouped' } end
@@ -2121,7 +2125,7 @@ register_always('gw_bind', function(_, a)
     for _, child in ipairs(children(q)) do redis.call('ZADD', k_queue_flows(child), seq, flow) end
   end
   return { 'ok', seq, c[2], tonumber(c[3]) or 0, tonumber(c[4]) or 0, mode,
-    prioritised and 1 or 0 }
+    prioritised and 1 or 0, created }
 end)
 
 -- ARGV: queue, flow. Unbinds a flow; its unacked messages go back for redelivery. A flow
