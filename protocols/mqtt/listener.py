@@ -541,7 +541,9 @@ class Registry:
     # -- shutdown --------------------------------------------------------------------------
 
     async def close(self) -> None:
-        """Disconnect every client, release their flows, publish pending wills now."""
+        """Disconnect every client, release their flows. Delayed wills Redis keeps go when
+        due, from another node or this one's next start (unless their client comes back
+        within the delay, as it may to another node at once); the others go now."""
         self.closing = True
         self._renewer.cancel()
         self._sweeper.cancel()
@@ -554,10 +556,12 @@ class Registry:
             timer.cancel()
         self._expiry.clear()
         self._rechecks.clear()
-        for client_id in list(self._wills):
-            self._wills[client_id][0].cancel()
-            self._fire_will(client_id)
-        await self._tasks.wait(lambda: False, CLOSE_TIMEOUT)  # Redis drops the wills that went
+        for client_id, (timer, message, claim) in self._wills.items():
+            timer.cancel()
+            if claim is None:
+                self._publish_will(client_id, message, None)
+        self._wills.clear()
+        await self._tasks.wait(lambda: False, CLOSE_TIMEOUT)  # the wills' records settled
 
 
 def _will_delay(session: Session, state: SessionState) -> int:
