@@ -31,16 +31,32 @@ from tests.test_mqtt_protocol import Raw
 
 
 @asynccontextmanager
-async def crashing_node(redis_url: str) -> AsyncIterator[tuple[Proc, int]]:
-    """A `gateway serve` node the test SIGKILLs (killed at the end if it did not)."""
+async def node(redis_url: str, ttl: float = 1.0) -> AsyncIterator[tuple[Proc, int]]:
+    """A `gateway serve` node with node TTL `ttl` the test kills or stops (SIGSTOP)."""
     argv = [*GATEWAY, "serve", "--redis-url", redis_url, "--mqtt-port", "0", "--admin-port",
             "0", "--amqp-port", "0"]  # fmt: skip
-    proc = await Proc.start(argv, node_env())
+    proc = await Proc.start(argv, node_env(ttl))
     try:
         yield proc, (await proc.wait_event("ready", timeout=30))["mqtt_port"]
     finally:
+        if proc.proc.returncode is None:
+            os.kill(proc.proc.pid, signal.SIGCONT)
         proc.kill()
         await proc.proc.wait()
+
+
+@asynccontextmanager
+async def two_nodes(redis_url: str, ttl: float = 1.0) -> AsyncIterator[tuple[Proc, int, int]]:
+    """A node the test kills or stops (node TTL `ttl`) and another that survives it on the
+    same Redis: the first, its MQTT port and the survivor's."""
+    async with node(redis_url, ttl) as (first, port), serve("--redis-url", redis_url) as (_, other):
+        yield first, port, other
+
+
+async def nothing_more(watcher: Raw, seconds: float) -> None:
+    with pytest.raises(TimeoutError):
+        got = await watcher.recv(timeout=seconds)
+        pytest.fail(f"published: {got}")
 
 
 async def watch(port: int, topic_filter: str) -> Raw:
@@ -59,10 +75,7 @@ async def crash(proc: Proc) -> float:
 async def test_the_will_of_a_client_on_a_crashed_node_is_published_by_a_survivor(
     redis_url: str,
 ) -> None:
-    async with (
-        crashing_node(redis_url) as (node, port),
-        serve("--redis-url", redis_url) as (_, other_port),
-    ):
+    async with two_nodes(redis_url) as (node, port, other_port):
         watcher = await watch(other_port, "status/#")
         will = Will("status/dev1", b"offline", qos=1, retain=True)
         await Raw.connected(port, 4, client_id="dev1", will=will)
@@ -77,9 +90,7 @@ async def test_the_will_of_a_client_on_a_crashed_node_is_published_by_a_survivor
         assert await late.recv() == Suback(1, [1])
         kept = await late.recv()
         assert isinstance(kept, Publish) and (kept.payload, kept.retain) == (b"offline", True)
-        with pytest.raises(TimeoutError):  # once, not again after the take's lease
-            again = await watcher.recv(timeout=2)
-            pytest.fail(f"published again: {again}")
+        await nothing_more(watcher, 2)  # once, not again after the take's lease
         watcher.close()
         late.close()
 
@@ -87,29 +98,21 @@ async def test_the_will_of_a_client_on_a_crashed_node_is_published_by_a_survivor
 async def test_a_will_dropped_by_disconnect_is_not_published_when_its_node_crashes_later(
     redis_url: str,
 ) -> None:
-    async with (
-        crashing_node(redis_url) as (node, port),
-        serve("--redis-url", redis_url) as (_, other_port),
-    ):
+    async with two_nodes(redis_url) as (node, port, other_port):
         watcher = await watch(other_port, "gone/#")
         polite, _ = await Raw.connected(port, 4, client_id="polite", will=Will("gone/p", b"x"))
         await polite.send(Disconnect())
         await polite.closed()
         await asyncio.sleep(0.3)  # its node drops the will in Redis
         await crash(node)
-        with pytest.raises(TimeoutError):
-            got = await watcher.recv(timeout=4)
-            pytest.fail(f"published: {got}")
+        await nothing_more(watcher, 4)
         watcher.close()
 
 
 async def test_a_delayed_will_of_a_crashed_node_waits_its_delay_and_a_resume_cancels_it(
     redis_url: str,
 ) -> None:
-    async with (
-        crashing_node(redis_url) as (node, port),
-        serve("--redis-url", redis_url) as (_, other_port),
-    ):
+    async with two_nodes(redis_url) as (node, port, other_port):
         watcher = await watch(other_port, "late/#")
         delayed = Properties(will_delay_interval=4)
         for client_id in ("resumes", "stays-away"):
@@ -120,16 +123,12 @@ async def test_a_delayed_will_of_a_crashed_node_waits_its_delay_and_a_resume_can
             other_port, 5, client_id="resumes", clean_start=False, properties=KEEP
         )
         assert ack.session_present
-        with pytest.raises(TimeoutError):  # nothing before the delay ends
-            early = await watcher.recv(timeout=2.5)
-            pytest.fail(f"published before its delay: {early}")
+        await nothing_more(watcher, 2.5)  # nothing before the delay ends
         got = await watcher.recv(timeout=6)
         took = asyncio.get_running_loop().time() - crashed
         assert isinstance(got, Publish) and got.topic == "late/stays-away"
         assert 3.5 < took < 8, f"published {took:.1f} s after the crash (delay 4 s)"
-        with pytest.raises(TimeoutError):  # the resumed session's will stays unsent
-            other = await watcher.recv(timeout=2)
-            pytest.fail(f"published: {other}")
+        await nothing_more(watcher, 2)  # the resumed session's will stays unsent
         back.close()
         watcher.close()
 
@@ -139,10 +138,7 @@ async def test_a_will_without_delay_goes_when_its_client_is_back_before_the_cras
 ) -> None:
     """The client reconnects to the survivor at once: its old connection still closed
     without DISCONNECT, so its will goes, as a live node's does on a takeover."""
-    async with (
-        crashing_node(redis_url) as (node, port),
-        serve("--redis-url", redis_url) as (_, other_port),
-    ):
+    async with two_nodes(redis_url) as (node, port, other_port):
         watcher = await watch(other_port, "quick/#")
         await Raw.connected(port, 5, client_id="quick", properties=KEEP,
                             will=Will("quick/1", b"first connection's", 1))  # fmt: skip
@@ -154,9 +150,7 @@ async def test_a_will_without_delay_goes_when_its_client_is_back_before_the_cras
         assert ack.session_present
         got = await watcher.recv(timeout=6)
         assert isinstance(got, Publish) and got.payload == b"first connection's"
-        with pytest.raises(TimeoutError):  # the new connection's will stays with it
-            other = await watcher.recv(timeout=3)
-            pytest.fail(f"published: {other}")
+        await nothing_more(watcher, 3)  # the new connection's will stays with it
         back.close()
         watcher.close()
 
@@ -164,10 +158,7 @@ async def test_a_will_without_delay_goes_when_its_client_is_back_before_the_cras
 async def test_a_will_waiting_its_delay_on_a_node_that_crashes_goes_when_it_was_due(
     redis_url: str,
 ) -> None:
-    async with (
-        crashing_node(redis_url) as (node, port),
-        serve("--redis-url", redis_url) as (_, other_port),
-    ):
+    async with two_nodes(redis_url) as (node, port, other_port):
         watcher = await watch(other_port, "waiting/#")
         will = Will("waiting/1", b"bye", 1, properties=Properties(will_delay_interval=4))
         raw, _ = await Raw.connected(port, 5, client_id="waiting", properties=KEEP, will=will)
@@ -187,10 +178,7 @@ async def test_the_session_of_a_crashed_node_expires_its_expiry_after_the_crash(
 ) -> None:
     """Not a lease later: a connected session's state outlives its node by up to a minute
     only should no node reap that node."""
-    async with (
-        crashing_node(redis_url) as (node, port),
-        serve("--redis-url", redis_url) as (_, other_port),
-    ):
+    async with two_nodes(redis_url) as (node, port, other_port):
         short = Properties(session_expiry_interval=2)
         await Raw.connected(port, 5, client_id="brief", properties=short)
         await crash(node)
@@ -227,31 +215,13 @@ async def test_a_node_keeps_no_will_nor_session_index_of_its_ended_connections(
                 await asyncio.sleep(0.05)
 
 
-@asynccontextmanager
-async def node(redis_url: str, ttl: float = 1.0) -> AsyncIterator[tuple[Proc, int]]:
-    """A `gateway serve` node with node TTL `ttl` the test kills or stops (SIGSTOP)."""
-    argv = [*GATEWAY, "serve", "--redis-url", redis_url, "--mqtt-port", "0", "--admin-port",
-            "0", "--amqp-port", "0"]  # fmt: skip
-    proc = await Proc.start(argv, node_env(ttl))
-    try:
-        yield proc, (await proc.wait_event("ready", timeout=30))["mqtt_port"]
-    finally:
-        if proc.proc.returncode is None:
-            os.kill(proc.proc.pid, signal.SIGCONT)
-        proc.kill()
-        await proc.proc.wait()
-
-
 async def test_a_clean_start_on_a_survivor_sends_a_will_that_waited_on_the_crashed_node(
     redis_url: str,
 ) -> None:
     """The connection ended, its will waits its delay on node A; A crashes; the client
     comes back to B with a clean start, which ends the session: the will goes (§3.1.3.2.2),
     though A's liveness key has not expired yet (TTL 5 s)."""
-    async with (
-        node(redis_url, ttl=5.0) as (a, port),
-        serve("--redis-url", redis_url) as (_, other_port),
-    ):
+    async with two_nodes(redis_url, ttl=5.0) as (a, port, other_port):
         watcher = await watch(other_port, "ended/#")
         will = Will("ended/1", b"bye", 1, properties=Properties(will_delay_interval=30))
         raw, _ = await Raw.connected(port, 5, client_id="ended", properties=KEEP, will=will)
@@ -271,10 +241,7 @@ async def test_a_reconnection_after_the_delay_ended_does_not_cancel_the_will_of_
     """The connection ended at t0 with a 2 s will delay; its node crashed before sending it;
     the client resumes at t0 + 3 s, before the node is presumed dead: the delay ended
     before that, so the will goes (§3.1.3.2.2)."""
-    async with (
-        node(redis_url, ttl=5.0) as (a, port),
-        serve("--redis-url", redis_url) as (_, other_port),
-    ):
+    async with two_nodes(redis_url, ttl=5.0) as (a, port, other_port):
         watcher = await watch(other_port, "due/#")
         will = Will("due/1", b"bye", 1, properties=Properties(will_delay_interval=2))
         raw, _ = await Raw.connected(port, 5, client_id="due", properties=KEEP, will=will)
@@ -297,10 +264,7 @@ async def test_a_will_goes_once_when_its_node_was_only_stopped(redis_url: str) -
     """Node A stalls (SIGSTOP) past its TTL: B reaps it and publishes the will of a client
     still connected to A. A resumes; the client then goes without DISCONNECT: A does not
     publish the same connection's will again."""
-    async with (
-        node(redis_url, ttl=1.0) as (a, port),
-        serve("--redis-url", redis_url) as (_, other_port),
-    ):
+    async with two_nodes(redis_url) as (a, port, other_port):
         watcher = await watch(other_port, "stall/#")
         raw, _ = await Raw.connected(port, 4, client_id="stall", will=Will("stall/1", b"bye", 1))
         os.kill(a.proc.pid, signal.SIGSTOP)
@@ -323,10 +287,7 @@ async def test_a_survivors_will_counts_its_delivery_delay_from_when_it_goes(
 ) -> None:
     """A will with x-opt-delivery-delay: as a live node makes the message when it goes,
     the survivor's copy (made at CONNECT) counts the delay from when it goes."""
-    async with (
-        node(redis_url, ttl=1.0) as (a, port),
-        serve("--redis-url", redis_url) as (_, other_port),
-    ):
+    async with two_nodes(redis_url) as (a, port, other_port):
         watcher = await watch(other_port, "held/#")
         props = Properties(user_properties=[("x-opt-delivery-delay", "3000")])
         will = Will("held/1", b"bye", 1, properties=props)
@@ -346,10 +307,7 @@ async def test_a_node_stopped_by_sigterm_leaves_its_delayed_wills_to_the_others(
     """Wills without delay go as it stops, once. Delayed ones go when due, from the other
     node, unless their client came back there within the delay (as clients of a node
     stopped for a rolling restart do)."""
-    async with (
-        node(redis_url) as (stopping, port),
-        serve("--redis-url", redis_url) as (_, other_port),
-    ):
+    async with two_nodes(redis_url) as (stopping, port, other_port):
         watcher = await watch(other_port, "term/#")
         for i in range(3):
             will = Will(f"term/{i}", b"bye", 1)
