@@ -30,8 +30,11 @@ Semantics:
   support ``=`` and ``<>``.  Comparing anything else (other types, ``bytes`` or other
   unsupported value types) is FALSE, as JMS 2.0 §3.8.1.1 says (so ``NOT (a = 'x')`` is
   TRUE for a number ``a``); so are ``[NOT] BETWEEN`` on a value that is not a number and
-  ``[NOT] IN`` / ``[NOT] LIKE`` on one that is not a string, as ActiveMQ and Qpid
-  evaluate them.  ``bool`` values are booleans, never numbers.
+  ``LIKE`` on one that is not a string (``NOT LIKE`` is its negation: TRUE), while
+  ``[NOT] IN`` on one that is not a string is UNKNOWN, and an identifier used as a
+  condition whose value is not a boolean is FALSE (``NOT urgent`` is TRUE for
+  ``urgent = 'yes'``), as Qpid Broker-J and ActiveMQ evaluate them.  ``bool`` values are
+  booleans, never numbers.
 * Integer arithmetic is exact; ``/`` on two integers truncates toward zero (Java
   semantics).  Division by zero, and an integer result outside
   ``[-2**63, 2**64)`` (the signed/unsigned 64-bit range), are UNKNOWN.
@@ -731,7 +734,7 @@ def _ident_value(name: str) -> _Fn:
 def _ident_bool(name: str) -> _Fn:
     def ident_bool(lk: Lookup) -> bool | None:
         v = lk(name)
-        return v if v is True or v is False else None
+        return v if v is True or v is False or v is None else False
 
     return ident_bool
 
@@ -928,7 +931,11 @@ def _build_between(node: _Node) -> _Fn:
     return between
 
 
-def _string_predicate(x: _Node, negated: bool, test: Callable[[str], bool]) -> _Fn:
+def _string_predicate(
+    x: _Node, negated: bool, test: Callable[[str], bool], other: bool | None
+) -> _Fn:
+    """`test` on a string value (negated for NOT); UNKNOWN for NULL, `other` for a value
+    that is not a string."""
     if x.kind == "ident":
         name = x.args[0]
 
@@ -936,7 +943,7 @@ def _string_predicate(x: _Node, negated: bool, test: Callable[[str], bool]) -> _
             v = lk(name)
             if type(v) is not str:
                 if not isinstance(v, str):
-                    return None if v is None else False  # NOT IN / NOT LIKE too
+                    return None if v is None else other
                 v = str.__str__(v)
             return (not test(v)) if negated else test(v)
 
@@ -946,7 +953,7 @@ def _string_predicate(x: _Node, negated: bool, test: Callable[[str], bool]) -> _
     def pred(lk: Lookup) -> bool | None:
         v = xf(lk)
         if type(v) is not str:
-            return None if v is None else False
+            return None if v is None else other
         return (not test(v)) if negated else test(v)
 
     return pred
@@ -954,12 +961,12 @@ def _string_predicate(x: _Node, negated: bool, test: Callable[[str], bool]) -> _
 
 def _build_in(node: _Node) -> _Fn:
     negated, x, values = node.args
-    return _string_predicate(x, negated, values.__contains__)
+    return _string_predicate(x, negated, values.__contains__, None)
 
 
 def _build_like(node: _Node) -> _Fn:
     negated, x, matcher = node.args
-    return _string_predicate(x, negated, matcher)
+    return _string_predicate(x, negated, matcher, negated)
 
 
 def _build_isnull(node: _Node) -> _Fn:

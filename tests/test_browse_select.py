@@ -153,3 +153,25 @@ async def test_on_empty_reports_an_exhausted_queue(broker: Broker) -> None:
     flow.set_credit(10)  # e.g. an AMQP flow with drain: all three, then "nothing more"
     await wait_for(lambda: empty != [])
     assert len(got) == 3 and empty[0] == 3
+
+
+async def test_not_like_consumer_gets_numeric_typed_messages(broker: Broker) -> None:
+    """A consumer selecting `kind NOT LIKE 'debug%'` gets a message whose `kind` is an int
+    (an AMQP application property), as on Qpid Broker-J: NOT (kind LIKE 'debug%')."""
+    await broker.declare_queue(QueueConfig(name="nl"))
+    for kind in ("debug-1", 7, "info"):
+        msg = Message(
+            destination="nl",
+            to_queue=True,
+            payload=str(kind).encode(),
+            user_properties=[("kind", kind)],
+        )
+        await broker.publish(msg)
+    got: list[Delivery] = []
+    flow = await broker.bind("nl", got.append, selector="kind NOT LIKE 'debug%'")
+    try:
+        await wait_for(lambda: len(got) >= 1)
+        await asyncio.sleep(0.3)
+        assert sorted(d.message.payload for d in got) == [b"7", b"info"]
+    finally:
+        await flow.close()
