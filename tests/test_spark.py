@@ -159,7 +159,7 @@ async def test_sink_publishes_through_the_spool_and_replays_idempotently(
             {"i": "7"},
         )
         # three partition markers, then the batch marker from the driver's commit
-        assert await broker.redis.scard(keys.sink_batches("topic:events/new")) == 4
+        assert await broker.redis.zcard(keys.sink_marks("topic:events/new")) == 4
 
         # the same batch again, partitioned otherwise: nothing is published twice
         await asyncio.to_thread(save(df.repartition(5), topic="events/new", batchId="b1"))

@@ -73,6 +73,7 @@ TEMPLATES: dict[str, str] = {
     "node_sessions": f"{PREFIX}:node:{{n}}:sessions",
     "parting_due": f"{PREFIX}:parting:due",
     "sink_batches": f"{PREFIX}:sink:{{s}}:batches",
+    "sink_marks": f"{PREFIX}:sink:{{s}}:marks",
     "sink_progress": f"{PREFIX}:sink:{{s}}:progress",
     "client_state": f"{PREFIX}:client:{{c}}",
     "client_received": f"{PREFIX}:client:{{c}}:received",
@@ -241,8 +242,15 @@ def _client_key(name: str, c: str) -> str:
 
 
 def sink_batches(s: str) -> str:
-    """Batches a Spark sink already wrote (idempotent replays)."""
+    """Batches a Spark sink wrote before its markers were timed (a set, expiring a week
+    after its last write): read, never written."""
     return TEMPLATES["sink_batches"].replace("{s}", s.encode().hex())
+
+
+def sink_marks(s: str) -> str:
+    """Batches (and batch partitions) a Spark sink already wrote: marker -> the epoch ms it
+    was written (idempotent replays)."""
+    return TEMPLATES["sink_marks"].replace("{s}", s.encode().hex())
 
 
 def sink_progress(s: str) -> str:

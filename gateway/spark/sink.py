@@ -2,10 +2,11 @@
 
 Going through `Broker.publish_nowait` (not a raw XADD) means quotas, routing and topic
 subscriptions apply exactly as for a protocol client. Replays are idempotent: markers in
-`keys.sink_batches(sink)` record each (batch, Spark partition) once its messages are
-spooled, and, for batch writes, the whole batch once the driver commits it; a task that
-finds either marker publishes nothing. A streaming micro-batch replays as it ran, so its
-partition markers hold across runs, and a partition that failed part-way (a refusal: say,
+`keys.sink_marks(sink)`, each kept MARK_TTL_S from when it was written, record each
+(batch, Spark partition) once its messages are spooled, and, for batch writes, the
+whole batch once the driver commits it; a task that finds either marker publishes
+nothing. A streaming micro-batch replays as it ran, so its partition markers hold across
+runs, and a partition that failed part-way (a refusal: say,
 a full queue) noted which of its messages it spooled (`keys.sink_progress`), so that its
 replay spools only the rest. A batch write replayed after it failed part-way may
 partition differently, so its partition markers (and the message ids of rows without an
@@ -27,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -35,6 +37,7 @@ from itertools import chain, islice
 from typing import Any
 
 import redis
+import redis.asyncio as aioredis
 from pyspark import TaskContext
 from pyspark.sql import Row
 from pyspark.sql.datasource import DataSourceStreamWriter, DataSourceWriter, WriterCommitMessage
@@ -255,9 +258,9 @@ async def publish(
     a failed attempt spooled is noted, chunk by chunk, so that a replay (a streaming
     micro-batch replays its partitions as they ran) spools only the rest."""
     client = await library.connect(opts.redis_url, replace=False)
-    marks, progress = keys.sink_batches(opts.sink_name), keys.sink_progress(opts.sink_name)
+    progress = keys.sink_progress(opts.sink_name)
     try:
-        if any(await client.smismember(marks, [batch, marker])):
+        if await _written(client, opts.sink_name, [batch, marker]):
             return SinkCommit(marker, 0, True)
         done = Progress.parse(await client.hget(progress, marker))
         broker = Broker(client)
@@ -284,14 +287,38 @@ async def publish(
                             f"{outcome.name} ({published} of this task's messages were "
                             "spooled; a replay of a streaming micro-batch spools the rest)"
                         )
-            await client.sadd(marks, marker)
-            await client.expire(marks, MARK_TTL_S)
+            await _mark(client.pipeline(transaction=False), opts.sink_name, marker).execute()
             await client.hdel(progress, marker)
         finally:
             await broker.stop()
         return SinkCommit(marker, published, False, unrouted)
     finally:
         await client.aclose()
+
+
+async def _written(client: aioredis.Redis, sink: str, markers: list[str]) -> bool:
+    """Whether any of `markers` was written within MARK_TTL_S (or before markers were timed,
+    in the set that then held them)."""
+    pipe = client.pipeline(transaction=False)
+    pipe.zmscore(keys.sink_marks(sink), markers)
+    pipe.smismember(keys.sink_batches(sink), markers)
+    written, legacy = await pipe.execute()
+    since = (time.time() - MARK_TTL_S) * 1000
+    return any(at is not None and at > since for at in written) or any(legacy)
+
+
+Pipeline = redis.client.Pipeline | aioredis.client.Pipeline
+
+
+def _mark(pipe: Pipeline, sink: str, marker: str) -> Pipeline:
+    """Queue on `pipe`: note `marker` as written now, forget those older than MARK_TTL_S
+    (the markers of a sink that keeps writing do not pile up), the lot gone when idle."""
+    now = time.time() * 1000
+    marks = keys.sink_marks(sink)
+    pipe.zadd(marks, {marker: now})
+    pipe.zremrangebyscore(marks, "-inf", now - MARK_TTL_S * 1000)
+    pipe.expire(marks, MARK_TTL_S)
+    return pipe
 
 
 def _spooled(outcome: Outcome | BaseException) -> bool:
@@ -342,9 +369,7 @@ class BatchWriter(DataSourceWriter):
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
         client = redis.Redis.from_url(self.opts.redis_url)
         try:
-            marks = keys.sink_batches(self.opts.sink_name)
-            client.sadd(marks, self.batch)
-            client.expire(marks, MARK_TTL_S)
+            _mark(client.pipeline(transaction=False), self.opts.sink_name, self.batch).execute()
         finally:
             client.close()
         _report(self.opts, messages, self.batch)
