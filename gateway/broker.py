@@ -758,13 +758,15 @@ class Broker:
             await asyncio.sleep(self._heartbeat)
             try:
                 for due in await self.parting.take():
-                    await self._publish_parting(due)
+                    await self.publish_parting(due)
             except StoreError as exc:  # taken again after the lease
                 log.warning("parting messages of dead nodes not published: %s", exc)
             except Exception:  # a bug of ours: the next round goes on
                 log.exception("parting messages of dead nodes not published")
 
-    async def _publish_parting(self, due: Due) -> None:
+    async def publish_parting(self, due: Due) -> None:
+        """Publish a parting message taken from Redis, then drop it there; one Redis did
+        not take stays, taken again once its lease ends."""
         try:
             msg = unpack(due.message)
         except ValueError as exc:  # not one this node can read: no retry reads it either

@@ -335,3 +335,34 @@ async def test_a_node_stopped_by_sigterm_leaves_its_delayed_wills_to_the_others(
         assert got["term/gone"] > 2.5, "a delayed will went as its node stopped"
         back.close()
         watcher.close()
+
+
+async def test_the_reap_of_a_node_keeps_the_expiry_a_later_connection_elsewhere_set(
+    broker: Broker, mqtt: Listener
+) -> None:
+    """Node A held 'moved' (expiry 2 s) and crashed before its teardown unclaimed it (or its
+    unclaim failed). The client came back to node B (this one) with expiry 3600 s and
+    left. When A is reaped afterwards (or stops cleanly: gw_node_down), its index still
+    lists the session and no connection holds it: the state is cut to A's 2 s, though the
+    session's expiry is now 3600 s (MQTT 5 §3.1.2.11.2)."""
+    client_id = "moved"
+    claims = keys.client_claims(client_id)
+    # node A's connection: claimed, holding the session with a 2 s expiry (a lease of 62 s)
+    claim, _ = await broker.redis.fcall("gw_claim", 1, claims, "nrev21dead")
+    await broker.clients.hold(client_id, 62, "nrev21dead", int(claim), 2)
+    assert await broker.redis.hget(keys.node_sessions("nrev21dead"), client_id.encode().hex())
+    # the client comes back to node B, resumes with a long expiry, and leaves
+    long = Properties(session_expiry_interval=3600)
+    raw, _ = await Raw.connected(
+        mqtt.port, 5, client_id=client_id, properties=long, clean_start=False
+    )
+    await raw.send(Disconnect())
+    await raw.closed()
+    async with asyncio.timeout(5):
+        while await broker.redis.hget(claims, "holder") is not None:
+            await asyncio.sleep(0.05)
+    assert await broker.redis.ttl(keys.client_state(client_id)) > 3000
+    # node A is reaped now
+    await broker.redis.fcall("gw_node_down", 0, "nrev21dead")
+    ttl = await broker.redis.ttl(keys.client_state(client_id))
+    assert ttl > 3000, f"session cut to {ttl} s by the reap of a node it had left"

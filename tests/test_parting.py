@@ -4,9 +4,13 @@ ones of a node that died."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
+import pytest
+
 from gateway.broker import Broker
+from gateway.engine import parting
 from gateway.engine.parting import PartingStore, pack, unpack
 from gateway.model import Message
 
@@ -49,7 +53,26 @@ async def test_a_new_connection_cancels_a_will_within_its_delay_and_sends_one_pa
     assert await store.hold("w1", 2, False, None, 0) == []
     assert not await store.own("w1", 1)  # its timer fires late: settled
     sent = await store.hold("w2", 4, False, None, 0)
-    assert [unpack(m).payload for m in sent] == [b"due"]
+    assert [unpack(d.message).payload for d in sent] == [b"due"]
+
+
+async def test_a_will_a_new_connection_is_to_send_stays_until_it_went(
+    broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Taken, not dropped: should its publish fail (Redis full, or away), a node takes it
+    again once the lease ends."""
+    monkeypatch.setattr(parting, "TAKE_LEASE_MS", 200)
+    dead = PartingStore(broker.redis, "ndead0002")
+    await dead.hold("cz", 1, False, record(b"bye"), 0)
+    newcomer = PartingStore(broker.redis, broker.node_id)
+    [due] = await newcomer.hold("cz", 2, True, None, 0)  # its node died: it goes now
+    assert await newcomer.take() == []  # the newcomer is publishing it
+    await asyncio.sleep(0.3)  # ... and failed: the lease ended
+    [again] = await newcomer.take()
+    assert (again.key, again.claim, again.message) == (due.key, due.claim, due.message)
+    await newcomer.done(again)
+    await asyncio.sleep(0.3)
+    assert await newcomer.take() == []
 
 
 async def test_a_will_keeps_its_expiry_and_delivery_delay_as_intervals(broker: Broker) -> None:

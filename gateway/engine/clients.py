@@ -54,23 +54,26 @@ class ClientStore:
         """Start the expiry clock (e.g. when the client disconnects); 0 deletes now."""
         await self._expire(client_id, max(0, expiry_s))
 
-    async def hold(self, client_id: str, lease_s: int, node: str, expiry_s: int) -> None:
-        """A connection on `node` holds the session: its state is kept `lease_s` (renewed
-        while connected), and `expiry_s` from when the node dies (gw_reap)."""
-        await self._expire(client_id, lease_s, (node, expiry_s))
+    async def hold(
+        self, client_id: str, lease_s: int, node: str, claim: int, expiry_s: int
+    ) -> None:
+        """The connection of `claim` on `node` holds the session: its state is kept
+        `lease_s` (renewed while connected), and `expiry_s` from when the node dies
+        (gw_reap), unless a newer connection claimed it by then."""
+        await self._expire(client_id, lease_s, (node, claim, expiry_s))
 
     async def persist(self, client_id: str) -> None:
         """Stop the expiry clock (the client is connected again)."""
         await self._expire(client_id, -1)
 
     async def _expire(
-        self, client_id: str, seconds: int, held: tuple[str, int] | None = None
+        self, client_id: str, seconds: int, held: tuple[str, int, int] | None = None
     ) -> None:
         """One function call for both keys (it runs while Redis is full, see functions.lua);
         the claims of a client whose session is held live on with it."""
         state, received = keys.client_state(client_id), keys.client_received(client_id)
         claims = keys.client_claims(client_id)
-        node = () if held is None else (held[0], client_id.encode().hex(), held[1])
+        node = () if held is None else (held[0], client_id.encode().hex(), held[1], held[2])
         await self._redis.fcall("gw_client_expire", 3, state, received, claims, seconds, *node)
 
     async def delete(self, client_id: str) -> None:

@@ -508,14 +508,16 @@ local function release_partings(n)
 end
 
 -- The sessions a node's connections held: each expires its expiry from now (a connected
--- session's state outlives its node by a lease, see gw_client_expire), unless a connection
--- elsewhere holds it by now.
+-- session's state outlives its node by a lease, see gw_client_expire), unless a newer
+-- connection claimed it since (its own expiry holds).
 local function release_sessions(n)
   local held = redis.call('HGETALL', k_node_sessions(n))
   for i = 1, #held, 2 do
-    local c, expiry = held[i], tonumber(held[i + 1])
-    local holder = redis.call('HGET', k_client_claims(c), 'holder')
-    if not holder or string.match(holder, '^(%S+) ') == n then
+    local c = held[i]
+    local claim, expiry = string.match(held[i + 1], '^(%d+) (%d+)$')
+    local last = tonumber(redis.call('HGET', k_client_claims(c), 'last')) or 0
+    expiry = tonumber(expiry)
+    if last <= tonumber(claim) then
       for _, key in ipairs({ k_client_state(c), k_client_received(c) }) do
         if redis.call('TTL', key) > expiry then redis.call('EXPIRE', key, expiry) end
       end
@@ -2242,7 +2244,7 @@ local CLAIMS_TTL = 86400  -- renewed with a connected session's lease (gw_client
 register_always('gw_claim', function(k, a)
   local claim = redis.call('INCR', K_SEQ)
   local before = redis.call('HGET', k[1], 'holder')
-  redis.call('HSET', k[1], 'holder', a[1] .. ' ' .. claim)
+  redis.call('HSET', k[1], 'holder', a[1] .. ' ' .. claim, 'last', claim)
   redis.call('EXPIRE', k[1], CLAIMS_TTL)
   if before then
     local node = string.match(before, '^(%S+) ')
@@ -2315,17 +2317,22 @@ local function parting_fate(k, c, r, node, ends, now)
   return (r.delay == 0 or ends) and 'send' or 'drop'  -- open when its node died
 end
 
--- ARGV: node, claim, '1' if the connection starts afresh, delay ms, message ('': none).
--- The connection of `claim` keeps its message; earlier connections' records are settled
--- (parting_fate). Returns the messages to send now.
+-- ARGV: node, claim, '1' if the connection starts afresh, delay ms, message ('': none),
+-- lease ms. The connection of `claim` keeps its message; earlier connections' records are
+-- settled (parting_fate): those to send now are returned as gw_parting_take returns due
+-- ones, taken, to be dropped once sent.
 register_always('gw_parting_hold', function(k, a)
   local now, ends, out = now_ms(), a[3] == '1', {}
   for _, f in ipairs(redis.call('HKEYS', k[1])) do
     local c = string.match(f, '^(%d+):node$')
     local r = c and parting(k[1], c)
     local fate = r and parting_fate(k[1], c, r, a[1], ends, now)
-    if fate == 'send' then out[#out + 1] = r.msg end
-    if fate then drop_parting(k[1], c, r.node) end
+    if fate == 'send' then
+      take_parting(k[1], c, now, tonumber(a[6]))
+      out[#out + 1] = { k[1], c, r.msg }
+    elseif fate then
+      drop_parting(k[1], c, r.node)
+    end
   end
   if a[5] ~= '' then
     local c = a[2]
@@ -2414,11 +2421,12 @@ end)
 -- KEYS: a client's state and received-ids keys, optionally its claims hash. ARGV: seconds
 -- until the first two expire; 0 deletes them now, -1 keeps them for good (the client is
 -- connected again). A connected session's claims hash lives CLAIMS_TTL more. With a node,
--- the client id (hex) and its session's expiry (s): that node's connection holds the
--- session, which expires that long after the node dies (release_sessions).
+-- the client id (hex), the connection's claim and its session's expiry (s): that node's
+-- connection holds the session, which expires that long after the node dies
+-- (release_sessions).
 register_always('gw_client_expire', function(k, a)
   local seconds = tonumber(a[1])
-  if a[2] then redis.call('HSET', k_node_sessions(a[2]), a[3], a[4]) end
+  if a[2] then redis.call('HSET', k_node_sessions(a[2]), a[3], a[4] .. ' ' .. a[5]) end
   if k[3] then
     if seconds ~= 0 and redis.call('EXISTS', k[3]) == 1 then
       redis.call('EXPIRE', k[3], CLAIMS_TTL)

@@ -70,12 +70,13 @@ class PartingStore:
 
     async def hold(
         self, client_id: str, claim: int, ends_session: bool, message: bytes | None, delay_s: int
-    ) -> list[bytes]:
+    ) -> list[Due]:
         """Keep the parting message of the connection of `claim` (None: it has none), and
         settle those of earlier connections to the session (§3.1.3.2.2): returns those to
         send now (their delay ended, their node died with them open, or this connection
-        ends the session); those within their delay are dropped."""
-        return await self._redis.fcall(
+        ends the session), taken as `take` takes due ones; those within their delay are
+        dropped."""
+        rows = await self._redis.fcall(
             "gw_parting_hold",
             1,
             keys.client_parting(client_id),
@@ -84,7 +85,9 @@ class PartingStore:
             "1" if ends_session else "",
             delay_s * 1000,
             message or b"",
+            TAKE_LEASE_MS,
         )
+        return _due(rows)
 
     async def due(self, client_id: str, claim: int, at_ms: int) -> None:
         """The connection ended; its message waits on this node until `at_ms`, and goes
@@ -104,11 +107,14 @@ class PartingStore:
 
     async def take(self) -> list[Due]:
         """Due messages of connections whose node died."""
-        rows = await self._redis.fcall("gw_parting_take", 0, TAKE_LEASE_MS, TAKE_LIMIT)
-        return [Due(key.decode(), int(claim), message) for key, claim, message in rows]
+        return _due(await self._redis.fcall("gw_parting_take", 0, TAKE_LEASE_MS, TAKE_LIMIT))
 
     async def done(self, due: Due) -> None:
         await self._drop(due.key, due.claim)
 
     async def _drop(self, key: str, claim: int) -> None:
         await self._redis.fcall("gw_parting_drop", 1, key, claim)
+
+
+def _due(rows: list[list[bytes]]) -> list[Due]:
+    return [Due(key.decode(), int(claim), message) for key, claim, message in rows]

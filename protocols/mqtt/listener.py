@@ -44,7 +44,7 @@ from typing import Any
 
 from gateway.broker import ANONYMOUS, Broker, Outcome, QueueConfig, QueueError
 from gateway.config import Settings
-from gateway.engine.parting import pack, unpack
+from gateway.engine.parting import pack
 from gateway.model import Message, Publisher
 from gateway.topics import MQTT
 from protocols.listening import BackgroundTasks, Listener, Plan
@@ -183,7 +183,7 @@ class Registry:
         session.state = state
         self.sessions[client_id] = session
         if state.persistent:
-            await self._hold(state)
+            await self._hold(session, state)
             await self.save(session)
         await self._keep_will(session, state, clean_start)
         return state, present
@@ -203,8 +203,9 @@ class Registry:
         )
         if record is not None:
             self._wills_kept.add(session)
-        for message in earlier:
-            self._publish_will(state.client_id, functools.partial(unpack, message), None)
+        for due in earlier:
+            self.count("wills")
+            self.spawn(self.broker.publish_parting(due))
 
     async def _load(self, client_id: str, claim: int) -> SessionState | None:
         """The stored state, as the connection of `claim` (older ones no longer save);
@@ -240,14 +241,16 @@ class Registry:
         if state is not None and state.persistent and claim is not None:
             await self.broker.clients.save(session.client_id, state.dumps(), _lease(state), claim)
 
-    async def _hold(self, state: SessionState) -> None:
+    async def _hold(self, session: Session, state: SessionState) -> None:
         """Stop the expiry clock of a connected session, and its queue's, up to its lease."""
         lease = _lease(state)
         if lease is None:
             await self.broker.clients.persist(state.client_id)
         else:
+            assert session.claim is not None
+            node = self.broker.node_id
             await self.broker.clients.hold(
-                state.client_id, lease, self.broker.node_id, state.expiry
+                state.client_id, lease, node, session.claim, state.expiry
             )
         if state.queue is not None:
             await self._member(state, state.queue, connected=True)
@@ -264,7 +267,7 @@ class Registry:
                 state = session.state
                 if state is not None and state.persistent and not session.taken_over:
                     try:
-                        await self._hold(state)
+                        await self._hold(session, state)
                     except Exception:  # Redis away: the next round tries again
                         log.warning("MQTT session lease not renewed", exc_info=True)
 
