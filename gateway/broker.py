@@ -359,7 +359,8 @@ class Broker:
         Returns the claim's number (for `release_client` and the state's load and saves)
         and, when a connection on another live node held the client, that one's holder
         ("node claim") for `handed_over`."""
-        reply = await self.redis.fcall("gw_claim", 1, keys.client_claims(client_id), self.node_id)
+        claims, hex_id = keys.client_claims(client_id), client_id.encode().hex()
+        reply = await self.redis.fcall("gw_claim", 1, claims, self.node_id, hex_id)
         claim, before = int(reply[0]), reply[1].decode() if reply[1] else None
         if before is not None:  # waiting before the announcement: no release is missed
             self._handovers[client_id] = asyncio.get_running_loop().create_future()

@@ -6,13 +6,22 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 
 import pytest
+import redis.asyncio as aioredis
 
-from gateway.broker import Broker
-from gateway.engine import parting
+from gateway.engine import library, parting
 from gateway.engine.parting import PartingStore, pack, unpack
 from gateway.model import Message
+
+
+@pytest.fixture
+async def client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    """No node runs: none takes due records but the test's."""
+    client = await library.connect(redis_url)
+    yield client
+    await client.aclose()
 
 
 def record(payload: bytes) -> bytes:
@@ -20,31 +29,31 @@ def record(payload: bytes) -> bytes:
 
 
 async def test_a_record_a_node_is_publishing_is_not_sent_again_by_a_new_connection(
-    broker: Broker,
+    client: aioredis.Redis,
 ) -> None:
-    dead = PartingStore(broker.redis, "ndead0001")
+    dead = PartingStore(client, "ndead0001")
     assert await dead.hold("cx", 1, False, record(b"bye"), 0) == []
-    await broker.redis.fcall("gw_node_down", 0, "ndead0001")  # reaped: due now
-    taken = await PartingStore(broker.redis, "nsurv0001").take()
+    await client.fcall("gw_node_down", 0, "ndead0001")  # reaped: due now
+    taken = await PartingStore(client, "nsurv0001").take()
     assert [unpack(t.message).payload for t in taken] == [b"bye"]
-    newcomer = PartingStore(broker.redis, broker.node_id)
+    newcomer = PartingStore(client, "nlive0001")
     assert await newcomer.hold("cx", 2, False, None, 0) == []
 
 
 async def test_a_node_presumed_dead_does_not_publish_what_the_others_took_over(
-    broker: Broker,
+    client: aioredis.Redis,
 ) -> None:
-    stalled = PartingStore(broker.redis, "nstall001")
+    stalled = PartingStore(client, "nstall001")
     await stalled.hold("cy", 1, False, record(b"bye"), 0)
-    await broker.redis.fcall("gw_node_down", 0, "nstall001")  # presumed dead, reaped
+    await client.fcall("gw_node_down", 0, "nstall001")  # presumed dead, reaped
     assert not await stalled.own("cy", 1)
-    assert len(await PartingStore(broker.redis, "nsurv0001").take()) == 1
+    assert len(await PartingStore(client, "nsurv0001").take()) == 1
 
 
 async def test_a_new_connection_cancels_a_will_within_its_delay_and_sends_one_past_it(
-    broker: Broker,
+    client: aioredis.Redis,
 ) -> None:
-    store = PartingStore(broker.redis, broker.node_id)
+    store = PartingStore(client, "nlive0001")
     now_ms = int(time.time() * 1000)
     await store.hold("w1", 1, False, record(b"waiting"), 60)
     await store.due("w1", 1, now_ms + 60_000)
@@ -57,14 +66,14 @@ async def test_a_new_connection_cancels_a_will_within_its_delay_and_sends_one_pa
 
 
 async def test_a_will_a_new_connection_is_to_send_stays_until_it_went(
-    broker: Broker, monkeypatch: pytest.MonkeyPatch
+    client: aioredis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Taken, not dropped: should its publish fail (Redis full, or away), a node takes it
     again once the lease ends."""
     monkeypatch.setattr(parting, "TAKE_LEASE_MS", 200)
-    dead = PartingStore(broker.redis, "ndead0002")
+    dead = PartingStore(client, "ndead0002")
     await dead.hold("cz", 1, False, record(b"bye"), 0)
-    newcomer = PartingStore(broker.redis, broker.node_id)
+    newcomer = PartingStore(client, "nlive0001")
     [due] = await newcomer.hold("cz", 2, True, None, 0)  # its node died: it goes now
     assert await newcomer.take() == []  # the newcomer is publishing it
     await asyncio.sleep(0.3)  # ... and failed: the lease ended
@@ -75,7 +84,9 @@ async def test_a_will_a_new_connection_is_to_send_stays_until_it_went(
     assert await newcomer.take() == []
 
 
-async def test_a_will_keeps_its_expiry_and_delivery_delay_as_intervals(broker: Broker) -> None:
+async def test_a_will_keeps_its_expiry_and_delivery_delay_as_intervals(
+    client: aioredis.Redis,
+) -> None:
     made = int(time.time() * 1000)
     msg = Message(destination="w/x", payload=b"x", expiration=made + 5000, not_before=made + 800)
     blob = pack(msg)

@@ -2235,7 +2235,8 @@ register_always('gw_spool_report', function()
 end)
 
 -- Claims are numbers from the node-wide counter, so they are ordered.
--- KEYS: a client's claims hash. ARGV: node. A connection claims its client id: returns
+-- KEYS: a client's claims hash. ARGV: node, client id (hex). A connection claims its client
+-- id: returns
 -- {claim, the holder before it ("node claim") when that was a connection on another live
 -- node, else false}. The new connection waits for that one's teardown, which saves what
 -- the session needs next, before it reads the state (gw_client_load).
@@ -2248,6 +2249,8 @@ register_always('gw_claim', function(k, a)
   redis.call('EXPIRE', k[1], CLAIMS_TTL)
   if before then
     local node = string.match(before, '^(%S+) ')
+    -- the session is this connection's now: the reap of that one's node leaves it be
+    redis.call('HDEL', k_node_sessions(node), a[2])
     -- the key itself: a connection does not wait ~15 s for a handover from a node counted
     -- alive only for want of judging (see node_alive), e.g. a lone node's crashed self
     if node == a[1] or redis.call('EXISTS', k_node_alive(node)) == 0 then before = false end
