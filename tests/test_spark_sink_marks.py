@@ -35,3 +35,26 @@ async def test_old_markers_expire_while_the_sink_keeps_writing(
     await sink.publish(opts, "q/3", "q/3:0", msgs("c"))
     marks = await broker.redis.zrange(keys.sink_marks("queue:out"), 0, -1)
     assert marks == [b"q/2:0", b"q/3:0"]
+
+
+async def test_the_progress_of_an_attempt_never_replayed_goes_while_the_sink_keeps_writing(
+    broker: Broker, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch write's failed attempt is never replayed under its marker (a replay is a new
+    attempt): what it noted it spooled goes MARK_TTL_S after, not with the sink's last write."""
+    monkeypatch.setattr(sink, "MARK_TTL_S", 2)
+    await broker.declare_queue(QueueConfig(name="pout"))
+    opts = sink.SinkOptions(redis_url, "pout", True, "queue:pout", None)
+
+    def msg(destination: str, tag: str) -> list[Message]:
+        return [Message(destination=destination, to_queue=True, payload=tag.encode(), id=tag)]
+
+    with pytest.raises(sink.SinkRefused):  # no such queue: refused, its progress noted
+        await sink.publish(opts, "b1", "b1/att1:0", msg("nosuchq", "x"))
+    progress = keys.sink_progress("queue:pout")
+    assert await broker.redis.hexists(progress, "b1/att1:0")
+    for batch in ("b2", "b3"):  # the sink keeps writing
+        await asyncio.sleep(1.2)
+        with pytest.raises(sink.SinkRefused):
+            await sink.publish(opts, batch, f"{batch}/att:0", msg("nosuchq", batch))
+    assert await broker.redis.hkeys(progress) == [b"b2/att:0", b"b3/att:0"]

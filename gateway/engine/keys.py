@@ -75,6 +75,7 @@ TEMPLATES: dict[str, str] = {
     "sink_batches": f"{PREFIX}:sink:{{s}}:batches",
     "sink_marks": f"{PREFIX}:sink:{{s}}:marks",
     "sink_progress": f"{PREFIX}:sink:{{s}}:progress",
+    "sink_progress_times": f"{PREFIX}:sink:{{s}}:progress:at",
     "client_state": f"{PREFIX}:client:{{c}}",
     "client_received": f"{PREFIX}:client:{{c}}:received",
     "client_claims": f"{PREFIX}:client:{{c}}:claims",
@@ -256,6 +257,12 @@ def sink_marks(s: str) -> str:
 def sink_progress(s: str) -> str:
     """Partition marker -> which of its messages a Spark sink spooled before it failed."""
     return TEMPLATES["sink_progress"].replace("{s}", s.encode().hex())
+
+
+def sink_progress_times(s: str) -> str:
+    """Partition marker -> the epoch ms its progress was last noted (it goes MARK_TTL_S
+    after)."""
+    return TEMPLATES["sink_progress_times"].replace("{s}", s.encode().hex())
 
 
 def retained_held(t: str) -> str:

@@ -258,11 +258,11 @@ async def publish(
     a failed attempt spooled is noted, chunk by chunk, so that a replay (a streaming
     micro-batch replays its partitions as they ran) spools only the rest."""
     client = await library.connect(opts.redis_url, replace=False)
-    progress = keys.sink_progress(opts.sink_name)
+    sink_name = opts.sink_name
     try:
-        if await _written(client, opts.sink_name, [batch, marker]):
+        if await _written(client, sink_name, [batch, marker]):
             return SinkCommit(marker, 0, True)
-        done = Progress.parse(await client.hget(progress, marker))
+        done = Progress.parse(await client.hget(keys.sink_progress(sink_name), marker))
         broker = Broker(client)
         await broker.start()
         published = unrouted = 0
@@ -276,8 +276,7 @@ async def publish(
                 published += len(spooled)
                 unrouted += sum(o is Outcome.NO_SUBSCRIBERS for o in outcomes)
                 done.add(spooled)
-                await client.hset(progress, marker, str(done))
-                await client.expire(progress, MARK_TTL_S)
+                await _note_progress(client.pipeline(transaction=False), sink_name, marker, done)
                 for (_, msg), outcome in zip(chunk, outcomes, strict=True):
                     if isinstance(outcome, BaseException):
                         raise outcome
@@ -287,8 +286,10 @@ async def publish(
                             f"{outcome.name} ({published} of this task's messages were "
                             "spooled; a replay of a streaming micro-batch spools the rest)"
                         )
-            await _mark(client.pipeline(transaction=False), opts.sink_name, marker).execute()
-            await client.hdel(progress, marker)
+            pipe = _mark(client.pipeline(transaction=False), sink_name, marker)
+            pipe.hdel(keys.sink_progress(sink_name), marker)
+            pipe.zrem(keys.sink_progress_times(sink_name), marker)
+            await pipe.execute()
         finally:
             await broker.stop()
         return SinkCommit(marker, published, False, unrouted)
@@ -319,6 +320,25 @@ def _mark(pipe: Pipeline, sink: str, marker: str) -> Pipeline:
     pipe.zremrangebyscore(marks, "-inf", now - MARK_TTL_S * 1000)
     pipe.expire(marks, MARK_TTL_S)
     return pipe
+
+
+async def _note_progress(
+    pipe: aioredis.client.Pipeline, sink: str, marker: str, done: Progress
+) -> None:
+    """Note what a partition spooled so far; what partitions noted over MARK_TTL_S ago (an
+    attempt never replayed under its marker) goes, and the lot when the sink is idle."""
+    now = time.time() * 1000
+    progress, times = keys.sink_progress(sink), keys.sink_progress_times(sink)
+    pipe.hset(progress, marker, str(done))
+    pipe.zadd(times, {marker: now})
+    pipe.zrangebyscore(times, "-inf", now - MARK_TTL_S * 1000)
+    *_, stale = await pipe.execute()
+    if stale:
+        pipe.hdel(progress, *stale)
+        pipe.zrem(times, *stale)
+    pipe.expire(progress, MARK_TTL_S)
+    pipe.expire(times, MARK_TTL_S)
+    await pipe.execute()
 
 
 def _spooled(outcome: Outcome | BaseException) -> bool:
