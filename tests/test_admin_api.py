@@ -18,6 +18,7 @@ from urllib.parse import quote
 import pytest
 
 from gateway.broker import Broker
+from gateway.engine.queues import QueueConfig
 from gateway.model import Message, Outcome
 
 # urllib honours *_proxy variables; this client and the CLI must talk to loopback directly
@@ -841,3 +842,24 @@ async def test_concurrent_patches_of_other_fields_both_stay(admin: Admin) -> Non
         shown = (await admin.get(q("cp"))).body
         assert (shown["max_messages"], shown["max_message_size"]) == (100 + i, 1000 + i)
     assert (await admin.request("PATCH", q("cp"), {"max_messages": 110})).status == 200
+
+
+async def test_flow_control_is_a_state_not_a_counter(admin: Admin, broker: Broker) -> None:
+    """While a queue holds publishers back it shows `blocked`, and /metrics a 0/1 gauge:
+    no event counter that vanishes when the queue drains."""
+    await broker.declare_queue(
+        QueueConfig(name="fc", max_messages=1, overflow="flow_control", resume_percent=50)
+    )
+    assert (await admin.publish("fc", "m0")).status == 200
+    held = broker.publish_nowait(Message(destination="fc", payload=b"m1", to_queue=True))
+    await asyncio.sleep(0.3)
+    assert not held.done()
+    info = (await admin.get("/api/v1/queues/fc")).body
+    assert info["blocked"] is True and "blocked" not in info["counters"]
+    text = (await admin.get("/metrics")).raw.decode()
+    assert "# TYPE gateway_queue_blocked gauge" in text
+    assert 'gateway_queue_blocked{queue="fc"} 1' in text.splitlines()
+    assert "gateway_queue_blocked_total" not in text
+    assert len(await admin.take("fc")) == 1  # drained: the held publish goes
+    assert await asyncio.wait_for(held, 5) is Outcome.OK
+    assert (await admin.get("/api/v1/queues/fc")).body["blocked"] is False

@@ -32,6 +32,9 @@ async def render_metrics(broker: Broker) -> str:
         queue_lines.setdefault("gateway_queue_spooled_bytes", []).append(
             f'gateway_queue_spooled_bytes{{queue="{q}"}} {info.spooled_bytes}'
         )
+        queue_lines.setdefault("gateway_queue_blocked", []).append(
+            f'gateway_queue_blocked{{queue="{q}"}} {int(info.blocked)}'
+        )
         flows = info.to_json()["flows"]
         active = sum(1 for f in flows if f["active"])
         queue_lines.setdefault("gateway_queue_flows", []).extend(

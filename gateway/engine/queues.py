@@ -451,6 +451,8 @@ class QueueInfo:
     flows: list[str]
     active_flow: str | None
     partitions: list[dict[str, Any]] = field(default_factory=list)
+    # holding publishers back (overflow flow_control; a partitioned queue: any partition)
+    blocked: bool = False
 
     def to_json(self) -> dict[str, Any]:
         active = {p["owner"] for p in self.partitions if p["owner"]}
@@ -460,6 +462,7 @@ class QueueInfo:
             "messages": self.messages,
             "spooled_bytes": self.spooled_bytes,
             "counters": self.counters,
+            "blocked": self.blocked,
             "flows": [
                 {
                     "id": f,
@@ -628,6 +631,7 @@ class QueueStore:
             subscriptions=[parse_subscription_entry(e.decode()) for e in subs],
             messages=counters.pop("msgs", 0),
             spooled_bytes=counters.pop("bytes", 0),
+            blocked=counters.pop("blocked", 0) > 0,  # a state, not an event count
             counters=counters,
             flows=[f.decode() for f in flows],
             active_flow=active.decode() if active else None,
