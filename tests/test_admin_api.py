@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import os
 import re
@@ -863,3 +864,58 @@ async def test_flow_control_is_a_state_not_a_counter(admin: Admin, broker: Broke
     assert len(await admin.take("fc")) == 1  # drained: the held publish goes
     assert await asyncio.wait_for(held, 5) is Outcome.OK
     assert (await admin.get("/api/v1/queues/fc")).body["blocked"] is False
+
+
+async def test_delete_with_an_unread_body_field_is_refused(admin: Admin) -> None:
+    """Unknown fields are refused, in a DELETE's body too: {"if_empty": true} (RabbitMQ's
+    guard) ignored deleted the queue with its messages."""
+    assert (await admin.create("keepme")).status == 201
+    assert (await admin.publish("keepme", "precious")).status == 200
+    reply = await admin.request("DELETE", q("keepme"), {"if_empty": True})
+    assert reply.status == 400, (reply.status, reply.raw)
+    assert "if_empty" in reply.error
+    assert await admin.depth("keepme") == 1
+
+
+def _post_big(port: int, size: int) -> object:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        body = b'{"topic": "a/b", "payload": "' + b"x" * size + b'"}'
+        headers = {"Content-Type": "application/json"}
+        conn.request("POST", "/api/v1/messages", body=body, headers=headers)
+        resp = conn.getresponse()
+        return resp.status
+    except OSError as exc:
+        return repr(exc)
+    finally:
+        conn.close()
+
+
+async def test_an_over_large_body_gets_its_413(admin: Admin) -> None:
+    """Answered as soon as the head is read, while the client still sends the body: a
+    lingering close (RFC 9112 §9.6) lets a client that reads only once it sent all (Python's
+    http.client, urllib, requests) read the 413 rather than a reset connection."""
+    result = await asyncio.to_thread(_post_big, admin.port, 17 * 1024 * 1024)
+    assert result == 413, result
+
+
+async def test_expect_100_continue_is_answered(admin: Admin) -> None:
+    """RFC 9110 §10.1.1: curl sends `Expect: 100-continue` for bodies over 1 MiB and,
+    unanswered, waits a second before it sends the body."""
+    assert (await admin.create("big")).status == 201
+    body = b'{"payload": "' + b"x" * 2_000_000 + b'"}'
+    reader, writer = await asyncio.open_connection("127.0.0.1", admin.port)
+    try:
+        writer.write(
+            b"POST /api/v1/queues/big/messages HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\nExpect: 100-continue\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body)
+        )
+        await writer.drain()
+        try:
+            first = await asyncio.wait_for(reader.readline(), 0.5)
+        except TimeoutError:
+            first = b"(nothing within 0.5 s)"
+        assert first.startswith(b"HTTP/1.1 100"), first
+    finally:
+        writer.close()

@@ -116,6 +116,9 @@ class AdminApi:
         # a parameter no route reads would be ignored: DELETE ...?if-empty=true deleted
         # the queue with its messages
         _known(req.query, ("pattern", "syntax") if unsubscribing else (), "query")
+        if m in ("GET", "DELETE") and req.body:  # no route reads one: DELETE {"if_empty":
+            # true} deleted the queue with its messages
+            _known(_object(req), (), m)
         if p == ["metrics"] and m == "GET":
             text = await render_metrics(self.broker)
             return Response(200, text.encode(), [("Content-Type", "text/plain; version=0.0.4")])

@@ -19,6 +19,7 @@ import h11
 log = logging.getLogger(__name__)
 
 MAX_BODY = 16 * 1024 * 1024
+LINGER_S = 2.0  # after refusing a body: what the client still sends is read for this long
 
 
 @dataclass(slots=True)
@@ -162,6 +163,8 @@ class HttpServer:
             while True:
                 request = await self._read_request(conn, reader, writer)
                 if request is None:
+                    if conn.their_state is h11.SEND_BODY:  # refused while it sends its body
+                        await _linger(reader, writer)
                     break
                 request.peer = peer
                 head = request.method == "HEAD"  # answered as a GET, without the body
@@ -211,6 +214,8 @@ class HttpServer:
                 if _declared_length(head) > MAX_BODY:  # refused before it is sent
                     await self._send_error(conn, writer, 413, "request body too large")
                     return None
+                if conn.they_are_waiting_for_100_continue:  # RFC 9110 §10.1.1
+                    writer.write(conn.send(h11.InformationalResponse(status_code=100, headers=[])))
             elif isinstance(event, h11.Data):
                 body += event.data
                 if len(body) > MAX_BODY:
@@ -244,6 +249,19 @@ class HttpServer:
         out += conn.send(h11.EndOfMessage())
         writer.write(out)
         await writer.drain()
+
+
+async def _linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """A lingering close (RFC 9112 §9.6): the error went out while the client still sends
+    its body; closing at once would reset the connection before the client read the error.
+    Stop sending, then read what it sends, for LINGER_S at most."""
+    with contextlib.suppress(OSError, RuntimeError):
+        if writer.can_write_eof():
+            writer.write_eof()
+    with contextlib.suppress(TimeoutError, ConnectionError):
+        async with asyncio.timeout(LINGER_S):
+            while await reader.read(65536):
+                pass
 
 
 def _declared_length(head: h11.Request) -> int:
