@@ -919,3 +919,18 @@ async def test_expect_100_continue_is_answered(admin: Admin) -> None:
         assert first.startswith(b"HTTP/1.1 100"), first
     finally:
         writer.close()
+
+
+async def test_a_get_without_timeout_takes_what_waits_in_a_partitioned_queue(
+    admin: Admin,
+) -> None:
+    """Its flow fetches once the rebalance gives it partitions (after the queue's
+    partition_rebalance_delay_ms): it waited one dispatch round, and answered []."""
+    assert (await admin.create("orders", partition_count=4)).status == 201
+    for i in range(3):
+        assert (await admin.publish("orders", f"m{i}", partition_key=f"k{i}")).status == 200
+    reply = await admin.post(q("orders", "get"), {"count": 10, "ackmode": "ack"})
+    assert reply.status == 200, reply
+    assert sorted(m["payload"] for m in reply.body) == ["m0", "m1", "m2"]
+    empty = await admin.post(q("orders", "get"), {"count": 10})
+    assert empty.status == 200 and empty.body == []

@@ -39,6 +39,7 @@ OUTCOME_STATUS = {
     Outcome.OUT_OF_MEMORY: 507,
 }
 MAX_GET = 1000
+GET_WAIT_S = 1.0  # a get without timeout_ms waits for its first fetch this long at most
 USER_PROPERTY_HEADER = "solace-user-property-"  # header names arrive lower-cased
 AMQP_INTEGERS = range(-(2**63), 2**64)  # a user property as AMQP carries it: long or ulong
 MESSAGE_FIELDS = (
@@ -251,11 +252,13 @@ class AdminApi:
             name, on_deliver, window=count, browse=browse, user=user, get=True
         )
         try:
-            if timeout:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(enough.wait(), timeout)
-            else:
-                await asyncio.sleep(0.05)  # one dispatch round
+            if not timeout:  # what waits now: until a fetch finds no more (a partitioned
+                # queue's flow fetches once the rebalance gave it partitions)
+                flow.on_empty = enough.set
+                config = await self.broker.queues.config(name)
+                timeout = GET_WAIT_S + config.partition_rebalance_delay_ms / 1000
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(enough.wait(), timeout)
             settle = {"ack": flow.ack, "requeue": flow.requeue, "reject": flow.reject}[mode]
             for d in got:
                 settle(d.entry_id)
