@@ -934,3 +934,27 @@ async def test_a_get_without_timeout_takes_what_waits_in_a_partitioned_queue(
     assert sorted(m["payload"] for m in reply.body) == ["m0", "m1", "m2"]
     empty = await admin.post(q("orders", "get"), {"count": 10})
     assert empty.status == 200 and empty.body == []
+
+
+def _sample(text: str, series: str) -> int:
+    rows = [line for line in text.splitlines() if line.startswith(series + " ")]
+    assert len(rows) == 1, rows
+    return int(rows[0].rsplit(" ", 1)[1])
+
+
+async def test_queue_counters_never_go_back_when_it_is_repartitioned(admin: Admin) -> None:
+    """Prometheus reads a counter that went back as a reset: the counters of the partitions
+    a repartition deletes stay the queue's."""
+    assert (await admin.create("pq", partition_count=4)).status == 201
+    for i in range(8):
+        assert (await admin.publish("pq", f"m{i}", partition_key=f"k{i}")).status == 200
+    assert len(await admin.take("pq", count=8)) == 8
+    series = ('gateway_queue_spooled_total{queue="pq"}', 'gateway_queue_acked_total{queue="pq"}')
+    text = (await admin.get("/metrics")).raw.decode()
+    assert [_sample(text, s) for s in series] == [8, 8]
+    assert (await admin.request("PATCH", q("pq"), {"egress_enabled": False})).status == 200
+    for count in (1, 0, 2):  # fewer partitions, none, some again
+        reply = await admin.request("PATCH", q("pq"), {"partition_count": count})
+        assert reply.status == 200, reply
+        text = (await admin.get("/metrics")).raw.decode()
+        assert [_sample(text, s) for s in series] == [8, 8], count

@@ -2689,11 +2689,29 @@ register_always('gw_queue_update', function(_, a)
   return 1
 end)
 
+-- A queue's event counters (spooled, acked, ...: not its depth, nor its blocked state), by
+-- field; they never go back, so a repartition keeps those of what it deletes.
+local STATE_STATS = { msgs = true, bytes = true, blocked = true }
+
+local function event_counters(q)
+  local out = {}
+  local st = redis.call('HGETALL', k_queue_stats(q))
+  for i = 1, #st, 2 do
+    if not STATE_STATS[st[i]] then out[st[i]] = st[i + 1] end
+  end
+  return out
+end
+
+local function add_counters(q, counters)
+  for field, n in pairs(counters) do redis.call('HINCRBY', k_queue_stats(q), field, n) end
+end
+
 -- ARGV: queue, new partition count, and the max_spool_bytes the same change sets, if it
 -- does (a last value queue ceasing to be one is partitioned then). Scaling partitions or
 -- switching between partitioned and not is only allowed with egress disabled; every flow
 -- is unbound. Messages of
--- removed partitions (or of the old layout when switching kind) are deleted and counted.
+-- removed partitions (or of the old layout when switching kind) are deleted and counted;
+-- their event counters stay, the queue's own.
 -- Returns {'ok', deleted messages} or {'noqueue'} / {'egress'}, or a refusal of what
 -- cannot be partitioned: {'exclusive'} / {'sorted'} / {'priority'} / {'grouped'} /
 -- {'non_destructive'} / {'lvq'}.
@@ -2720,11 +2738,14 @@ register_always('gw_repartition', function(_, a)
   local deleted = 0
   if old_n == 0 then
     deleted = tonumber(redis.call('HGET', k_queue_stats(q), 'msgs') or '0') or 0
+    local counters = event_counters(q)
     init_queue(q)
+    add_counters(q, counters)
   end
   for i = new_n, old_n - 1 do
     local child = partition_queue(q, i)
     deleted = deleted + (tonumber(redis.call('HGET', k_queue_stats(child), 'msgs') or '0') or 0)
+    add_counters(q, event_counters(child))
     delete_queue(child)
   end
   redis.call('HSET', cfg, 'partition_count', new_n)
