@@ -958,3 +958,20 @@ async def test_queue_counters_never_go_back_when_it_is_repartitioned(admin: Admi
         assert reply.status == 200, reply
         text = (await admin.get("/metrics")).raw.decode()
         assert [_sample(text, s) for s in series] == [8, 8], count
+
+
+async def test_a_get_without_timeout_from_an_exclusive_queue_another_consumer_holds(
+    admin: Admin, broker: Broker
+) -> None:
+    """Its flow is a standby and never fetches: it answers [] within a round or so."""
+    await broker.declare_queue(QueueConfig(name="x", access_type="exclusive"))
+    flow = await broker.bind("x", lambda d: None)
+    try:
+        assert (await admin.publish("x", "m")).status == 200
+        started = asyncio.get_running_loop().time()
+        reply = await admin.post(q("x", "get"), {"count": 1})
+        took = asyncio.get_running_loop().time() - started
+        assert reply.status == 200 and reply.body == []
+        assert took < 0.5, took
+    finally:
+        await flow.close()

@@ -39,7 +39,9 @@ OUTCOME_STATUS = {
     Outcome.OUT_OF_MEMORY: 507,
 }
 MAX_GET = 1000
-GET_WAIT_S = 1.0  # a get without timeout_ms waits for its first fetch this long at most
+# a get without timeout_ms waits for its first fetch to find no more this long at most (a
+# standby of an exclusive queue never fetches); a partitioned queue's rebalance delay more
+GET_WAIT_S = 0.25
 USER_PROPERTY_HEADER = "solace-user-property-"  # header names arrive lower-cased
 AMQP_INTEGERS = range(-(2**63), 2**64)  # a user property as AMQP carries it: long or ulong
 MESSAGE_FIELDS = (
@@ -256,7 +258,9 @@ class AdminApi:
                 # queue's flow fetches once the rebalance gave it partitions)
                 flow.on_empty = enough.set
                 config = await self.broker.queues.config(name)
-                timeout = GET_WAIT_S + config.partition_rebalance_delay_ms / 1000
+                timeout = GET_WAIT_S
+                if config.partition_count:
+                    timeout += config.partition_rebalance_delay_ms / 1000
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(enough.wait(), timeout)
             settle = {"ack": flow.ack, "requeue": flow.requeue, "reject": flow.reject}[mode]
