@@ -350,7 +350,11 @@ class Broker:
     # -- client sessions -------------------------------------------------------------------
 
     async def claim_client(
-        self, client_id: str, on_takeover: Callable[[], None], ends_session: bool = False
+        self,
+        client_id: str,
+        on_takeover: Callable[[], None],
+        ends_session: bool = False,
+        user: str = "",
     ) -> tuple[int, str | None]:
         """Announce that this connection now holds `client_id`: an older connection with the
         same id, on this node or another, gets `on_takeover()` called and should close;
@@ -358,9 +362,10 @@ class Broker:
         Claims are ordered by a Redis counter, so a late event never ends a newer claim.
         Returns the claim's number (for `release_client` and the state's load and saves)
         and, when a connection on another live node held the client, that one's holder
-        ("node claim") for `handed_over`."""
+        ("node claim") for `handed_over`. `user`: the one the connection acts as
+        (`client_user` on other nodes)."""
         claims, hex_id = keys.client_claims(client_id), client_id.encode().hex()
-        reply = await self.redis.fcall("gw_claim", 1, claims, self.node_id, hex_id)
+        reply = await self.redis.fcall("gw_claim", 1, claims, self.node_id, hex_id, user)
         claim, before = int(reply[0]), reply[1].decode() if reply[1] else None
         if before is not None:  # waiting before the announcement: no release is missed
             self._handovers[client_id] = asyncio.get_running_loop().create_future()
@@ -406,6 +411,17 @@ class Broker:
             return bool(await self.redis.fcall_ro("gw_node_alive", 0, node))
         except StoreError:
             return True
+
+    async def client_user(self, client_id: str) -> str | None:
+        """The user a connection on another live node that holds `client_id` acts as (None:
+        no such connection; this node's own are its adapter's to know)."""
+        holder, user = await self.redis.hmget(keys.client_claims(client_id), "holder", "user")
+        if holder is None:
+            return None
+        node = holder.decode().split(" ", 1)[0]
+        if node == self.node_id or not await self._node_alive(node):
+            return None
+        return (user or b"").decode()
 
     async def client_held(self, client_id: str) -> bool:
         """Whether a connection, on this node or another live one, holds `client_id`."""

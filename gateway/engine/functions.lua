@@ -2235,8 +2235,8 @@ register_always('gw_spool_report', function()
 end)
 
 -- Claims are numbers from the node-wide counter, so they are ordered.
--- KEYS: a client's claims hash. ARGV: node, client id (hex). A connection claims its client
--- id: returns
+-- KEYS: a client's claims hash. ARGV: node, client id (hex), the user the connection acts
+-- as. A connection claims its client id: returns
 -- {claim, the holder before it ("node claim") when that was a connection on another live
 -- node, else false}. The new connection waits for that one's teardown, which saves what
 -- the session needs next, before it reads the state (gw_client_load).
@@ -2245,7 +2245,7 @@ local CLAIMS_TTL = 86400  -- renewed with a connected session's lease (gw_client
 register_always('gw_claim', function(k, a)
   local claim = redis.call('INCR', K_SEQ)
   local before = redis.call('HGET', k[1], 'holder')
-  redis.call('HSET', k[1], 'holder', a[1] .. ' ' .. claim, 'last', claim)
+  redis.call('HSET', k[1], 'holder', a[1] .. ' ' .. claim, 'last', claim, 'user', a[3] or '')
   redis.call('EXPIRE', k[1], CLAIMS_TTL)
   if before then
     local node = string.match(before, '^(%S+) ')

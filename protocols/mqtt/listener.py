@@ -162,7 +162,7 @@ class Registry:
         client_id = session.client_id
         old = self.sessions.get(client_id)
         session.claim, before = await self.broker.claim_client(
-            client_id, session.take_over, clean_start
+            client_id, session.take_over, clean_start, session.access_user
         )
         # the connection it takes over saves what the session needs next (the packet ids of
         # messages in flight...) as it ends: wait for that, here or on another node
@@ -423,6 +423,9 @@ class Registry:
         start forgetting it, would take their session and messages)."""
         live = self.sessions.get(client_id)
         if live is not None and live.access_user != user:
+            return False
+        elsewhere = await self.broker.client_user(client_id)  # a clean session stores nothing
+        if elsewhere is not None and elsewhere != user:
             return False
         raw = await self.broker.clients.load(client_id)
         stored = SessionState.loads(client_id, raw).user if raw is not None else None
