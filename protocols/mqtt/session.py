@@ -431,7 +431,7 @@ class Session:
             if not accepted:
                 return ReasonCode.BAD_USER_NAME_OR_PASSWORD
         for rule in self.settings.acl:
-            if rule.user in ("*", self.user):
+            if rule.user in ("*", self.access_user):  # "anonymous": who did not authenticate
                 self._deny_publish += rule.deny_publish
                 self._deny_subscribe += rule.deny_subscribe
         return None
