@@ -364,7 +364,7 @@ class Broker:
         and, when a connection on another live node held the client, that one's holder
         ("node claim") for `handed_over`. `user`: the one the connection acts as
         (`client_user` on other nodes)."""
-        claims, hex_id = keys.client_claims(client_id), client_id.encode().hex()
+        claims, hex_id = keys.client_claims(client_id), keys.client_hex(client_id)
         reply = await self.redis.fcall("gw_claim", 1, claims, self.node_id, hex_id, user)
         claim, before = int(reply[0]), reply[1].decode() if reply[1] else None
         if before is not None:  # waiting before the announcement: no release is missed
@@ -374,9 +374,7 @@ class Broker:
         if previous is not None:
             previous[1]()
         ends = " 1" if ends_session else ""
-        await self.redis.publish(
-            keys.events, f"client {self.node_id} {claim} {client_id.encode().hex()}{ends}"
-        )
+        await self.redis.publish(keys.events, f"client {self.node_id} {claim} {hex_id}{ends}")
         return claim, before
 
     async def handed_over(self, client_id: str, before: str, timeout: float) -> bool:
@@ -415,23 +413,26 @@ class Broker:
     async def client_user(self, client_id: str) -> str | None:
         """The user a connection on another live node that holds `client_id` acts as (None:
         no such connection; this node's own are its adapter's to know)."""
+        holder = await self._holder(client_id)
+        return None if holder is None or holder[0] == self.node_id else holder[1]
+
+    async def client_held(self, client_id: str) -> bool:
+        """Whether a connection, on this node or another live one, holds `client_id`."""
+        holder = await self._holder(client_id)
+        if holder is None:
+            return False
+        return holder[0] != self.node_id or client_id in self._connected
+
+    async def _holder(self, client_id: str) -> tuple[str, str] | None:
+        """The node of the connection that holds `client_id`, and its user; None when none
+        does, or its node (another) is presumed dead."""
         holder, user = await self.redis.hmget(keys.client_claims(client_id), "holder", "user")
         if holder is None:
             return None
         node = holder.decode().split(" ", 1)[0]
-        if node == self.node_id or not await self._node_alive(node):
+        if node != self.node_id and not await self._node_alive(node):
             return None
-        return (user or b"").decode()
-
-    async def client_held(self, client_id: str) -> bool:
-        """Whether a connection, on this node or another live one, holds `client_id`."""
-        holder = await self.redis.hget(keys.client_claims(client_id), "holder")
-        if holder is None:
-            return False
-        node = holder.decode().split(" ", 1)[0]
-        if node == self.node_id:
-            return client_id in self._connected
-        return await self._node_alive(node)
+        return node, (user or b"").decode()
 
     async def release_client(self, client_id: str, claim: int) -> None:
         """The connection of `claim` ended: no longer the holder, and one waiting on
@@ -439,11 +440,9 @@ class Broker:
         current = self._connected.get(client_id)
         if current is not None and current[0] == claim:
             del self._connected[client_id]
-        holder = f"{self.node_id} {claim}"
-        await self.redis.fcall(
-            "gw_unclaim", 1, keys.client_claims(client_id), holder, client_id.encode().hex()
-        )
-        await self.redis.publish(keys.events, f"released {holder} {client_id.encode().hex()}")
+        holder, hex_id = f"{self.node_id} {claim}", keys.client_hex(client_id)
+        await self.redis.fcall("gw_unclaim", 1, keys.client_claims(client_id), holder, hex_id)
+        await self.redis.publish(keys.events, f"released {holder} {hex_id}")
 
     def _released(self, arg: str) -> None:
         node, claim, hex_id = arg.split(" ")

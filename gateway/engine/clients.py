@@ -73,7 +73,7 @@ class ClientStore:
         the claims of a client whose session is held live on with it."""
         state, received = keys.client_state(client_id), keys.client_received(client_id)
         claims = keys.client_claims(client_id)
-        node = () if held is None else (held[0], client_id.encode().hex(), held[1], held[2])
+        node = () if held is None else (held[0], keys.client_hex(client_id), held[1], held[2])
         await self._redis.fcall("gw_client_expire", 3, state, received, claims, seconds, *node)
 
     async def delete(self, client_id: str) -> None:

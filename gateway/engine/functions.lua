@@ -2356,14 +2356,15 @@ register_always('gw_parting_due', function(k, a)
 end)
 
 -- ARGV: claim, lease ms. The node of the connection of `claim` is to publish its message:
--- 1 if it is its to publish (now taken), 0 if another connection or node settled it.
+-- {key, claim, message} as gw_parting_take returns due ones (now taken) if it is its to
+-- publish, false if another connection or node settled it.
 register_always('gw_parting_own', function(k, a)
   local r = parting(k[1], a[1])
   if not r or r.taken or redis.call('ZSCORE', K_PARTING_DUE, a[1] .. ' ' .. k[1]) then
-    return 0
+    return false
   end
   take_parting(k[1], a[1], now_ms(), tonumber(a[2]))
-  return 1
+  return { k[1], a[1], r.msg }
 end)
 
 -- ARGV: claim. The message of the connection of `claim` went, or is not to go.

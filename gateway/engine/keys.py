@@ -237,9 +237,14 @@ def node_sessions(n: str) -> str:
     return _node_key("node_sessions", n)
 
 
+def client_hex(c: str) -> str:
+    """A client id as its keys (and the Lua functions that name them) spell it: client ids
+    may hold any character, hex keeps the key unambiguous."""
+    return c.encode().hex()
+
+
 def _client_key(name: str, c: str) -> str:
-    # client ids may hold any character: hex keeps the key unambiguous
-    return TEMPLATES[name].replace("{c}", c.encode().hex())
+    return TEMPLATES[name].replace("{c}", client_hex(c))
 
 
 def sink_batches(s: str) -> str:

@@ -94,12 +94,13 @@ class PartingStore:
         then should this node die first."""
         await self._redis.fcall("gw_parting_due", 1, keys.client_parting(client_id), claim, at_ms)
 
-    async def own(self, client_id: str, claim: int) -> bool:
-        """This node is to publish the message of its connection of `claim`: True if it is
-        its to publish (taken now: drop it once it went), False if it was settled
-        elsewhere (a new connection, or other nodes while this one was presumed dead)."""
+    async def own(self, client_id: str, claim: int) -> Due | None:
+        """This node is to publish the message of its connection of `claim`: taken as
+        `take` takes due ones if it is its to publish, None if it was settled elsewhere (a
+        new connection, or other nodes while this one was presumed dead)."""
         key = keys.client_parting(client_id)
-        return bool(await self._redis.fcall("gw_parting_own", 1, key, claim, TAKE_LEASE_MS))
+        row = await self._redis.fcall("gw_parting_own", 1, key, claim, TAKE_LEASE_MS)
+        return _due([row])[0] if row else None
 
     async def drop(self, client_id: str, claim: int) -> None:
         """The message of the connection of `claim` went, or is not to go."""

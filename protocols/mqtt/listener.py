@@ -34,18 +34,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import hashlib
 import logging
 import math
 import time
-from collections.abc import Callable
 from typing import Any
 
-from gateway.broker import ANONYMOUS, Broker, Outcome, QueueConfig, QueueError
+from gateway.broker import ANONYMOUS, Broker, QueueConfig, QueueError
 from gateway.config import Settings
-from gateway.engine.parting import pack
-from gateway.model import Message, Publisher
+from gateway.engine.parting import Due, pack
+from gateway.model import Publisher
 from gateway.topics import MQTT
 from protocols.listening import BackgroundTasks, Listener, Plan
 from protocols.mqtt import mapping
@@ -119,9 +117,9 @@ class Registry:
         self.closing = False  # connections made from now on are dropped
         self.counters: dict[str, int] = {}
         self._locks: dict[str, list[Any]] = {}  # client id -> [lock, users]
-        # client id -> its delayed will: the timer, what makes the message when it goes,
-        # and the claim of its connection when Redis keeps it too
-        self._wills: dict[str, tuple[asyncio.TimerHandle, Callable[[], Message], int | None]] = {}
+        # client id -> its delayed will: the timer, and its connection's claim (Redis keeps
+        # the will by that claim)
+        self._wills: dict[str, tuple[asyncio.TimerHandle, int]] = {}
         self._wills_kept: set[Session] = set()  # sessions whose will Redis keeps
         self._expiry: dict[str, asyncio.TimerHandle] = {}
         self._rechecks: dict[str, asyncio.TimerHandle] = {}  # shared queue -> its recheck
@@ -204,8 +202,7 @@ class Registry:
         if record is not None:
             self._wills_kept.add(session)
         for due in earlier:
-            self.count("wills")
-            self.spawn(self.broker.publish_parting(due))
+            self._send_will(due)
 
     async def _load(self, client_id: str, claim: int) -> SessionState | None:
         """The stored state, as the connection of `claim` (older ones no longer save);
@@ -293,13 +290,13 @@ class Registry:
         state = session.state
         assert state is not None
         client_id = session.client_id
-        kept = session in self._wills_kept
-        self._wills_kept.discard(session)
-        claim = session.claim if kept else None
-        if session.will is not None:
-            self._schedule_will(session, state, claim)
-        elif claim is not None:  # dropped by a DISCONNECT 0x00
-            self.spawn(self.broker.parting.drop(client_id, claim))
+        if session in self._wills_kept:  # (a connection never accepted has none)
+            self._wills_kept.discard(session)
+            assert session.claim is not None
+            if session.will is not None:
+                self._schedule_will(session, state, session.claim)
+            else:  # dropped by a DISCONNECT 0x00
+                self.spawn(self.broker.parting.drop(client_id, session.claim))
         if session.taken_over:  # the state is the new connection's once it loads it
             if state.persistent:
                 await self.save(session)  # what it needs next, unless it loaded already
@@ -461,29 +458,24 @@ class Registry:
 
     # -- wills -----------------------------------------------------------------------------
 
-    def _schedule_will(self, session: Session, state: SessionState, claim: int | None) -> None:
-        """Publish the will of a connection that ended, now or after its delay; `claim`:
-        its connection's, when Redis keeps the will too (dropped once it went)."""
-        will = session.will
-        assert will is not None
-        publisher = Publisher("mqtt", state.client_id, session.user)
-        # made when it goes: its message expiry interval counts from then (§3.1.3.2.4)
-        message = functools.partial(mapping.to_message, will, publisher, session.level)
+    def _schedule_will(self, session: Session, state: SessionState, claim: int) -> None:
+        """Publish the will Redis keeps for the connection of `claim`, which ended: now or
+        after its delay."""
         delay = _will_delay(session, state)
         if delay <= 0:
-            self._publish_will(state.client_id, message, claim)
+            self._publish_will(state.client_id, claim)
             return
         if session.successor_ends is not None:  # a connection on another node took it over
             if session.successor_ends:  # ... and ended the session
-                self._publish_will(state.client_id, message, claim)
-            elif claim is not None:
+                self._publish_will(state.client_id, claim)
+            else:
                 self.spawn(self.broker.parting.drop(state.client_id, claim))
             return
         handle = asyncio.get_running_loop().call_later(delay, self._fire_will, state.client_id)
-        self._wills[state.client_id] = (handle, message, claim)
-        if claim is not None:  # should this node die first, it goes when due all the same
-            due = int((time.time() + delay) * 1000)
-            self.spawn(self.broker.parting.due(state.client_id, claim, due))
+        self._wills[state.client_id] = (handle, claim)
+        # should this node die first, it goes when due all the same
+        due = int((time.time() + delay) * 1000)
+        self.spawn(self.broker.parting.due(state.client_id, claim, due))
 
     def _new_connection(self, client_id: str, ends_session: bool) -> None:
         """A new connection to the session, here or on another node, cancels its expiry
@@ -494,11 +486,11 @@ class Registry:
             timer.cancel()
         pending = self._wills.pop(client_id, None)
         if pending is not None:
-            handle, message, claim = pending
+            handle, claim = pending
             handle.cancel()
             if ends_session:
-                self._publish_will(client_id, message, claim)
-            elif claim is not None:  # the new connection's replaces it, unless that one fails
+                self._publish_will(client_id, claim)
+            else:  # the new connection settles it too, unless that one fails first
                 self.spawn(self.broker.parting.drop(client_id, claim))
 
     def _claimed_elsewhere(self, client_id: str, ends_session: bool) -> None:
@@ -513,43 +505,29 @@ class Registry:
     def _fire_will(self, client_id: str) -> None:
         pending = self._wills.pop(client_id, None)
         if pending is not None:
-            self._publish_will(client_id, pending[1], pending[2])
+            self._publish_will(client_id, pending[1])
 
-    def _publish_will(
-        self, client_id: str, message: Callable[[], Message], claim: int | None
-    ) -> None:
-        """Publish a will; `claim`: its connection's, whose copy in Redis this node takes
-        first (a new connection to the session, or other nodes while this one was presumed
-        dead, may have settled it) and drops once it is stored or refused."""
-        if claim is None:
-            self._send_will(message)
-        else:
-            self.spawn(self._publish_kept_will(client_id, message, claim))
+    def _publish_will(self, client_id: str, claim: int) -> None:
+        self.spawn(self._publish_own_will(client_id, claim))
 
-    async def _publish_kept_will(
-        self, client_id: str, message: Callable[[], Message], claim: int
-    ) -> None:
-        if not await self.broker.parting.own(client_id, claim):
-            return
-        fut = self._send_will(message)
-        await asyncio.wait({fut})
-        if fut.cancelled() or fut.exception() is not None:
-            return  # taken again by a node once its lease ends
-        if fut.result() is not Outcome.OUT_OF_MEMORY:
-            await self.broker.parting.drop(client_id, claim)
+    async def _publish_own_will(self, client_id: str, claim: int) -> None:
+        """Take the will of the connection of `claim` from Redis and publish it, unless it
+        was settled there first (a new connection to the session, or other nodes while
+        this one was presumed dead)."""
+        due = await self.broker.parting.own(client_id, claim)
+        if due is not None:
+            self._send_will(due)
 
-    def _send_will(self, message: Callable[[], Message]) -> asyncio.Future[Outcome]:
+    def _send_will(self, due: Due) -> None:
         self.count("wills")
-        fut = self.broker.publish_nowait(message())
-        fut.add_done_callback(_log_will_outcome)
-        return fut
+        self.spawn(self.broker.publish_parting(due))
 
     # -- shutdown --------------------------------------------------------------------------
 
     async def close(self) -> None:
-        """Disconnect every client, release their flows. Delayed wills Redis keeps go when
-        due, from another node or this one's next start (unless their client comes back
-        within the delay, as it may to another node at once); the others go now."""
+        """Disconnect every client, release their flows. Delayed wills go when due, from
+        another node or this one's next start (unless their client comes back within the
+        delay, as it may to another node at once); those without a delay go now."""
         self.closing = True
         self._renewer.cancel()
         self._sweeper.cancel()
@@ -562,10 +540,8 @@ class Registry:
             timer.cancel()
         self._expiry.clear()
         self._rechecks.clear()
-        for client_id, (timer, message, claim) in self._wills.items():
+        for timer, _ in self._wills.values():
             timer.cancel()
-            if claim is None:
-                self._publish_will(client_id, message, None)
         self._wills.clear()
         await self._tasks.wait(lambda: False, CLOSE_TIMEOUT)  # the wills' records settled
 
@@ -581,15 +557,6 @@ def _will_delay(session: Session, state: SessionState) -> int:
 def _lease(state: SessionState) -> int | None:
     """Seconds a connected session's state is kept should its node die; None: for ever."""
     return None if state.expiry == NEVER_EXPIRES else state.expiry + LEASE_S
-
-
-def _log_will_outcome(fut: asyncio.Future[Outcome]) -> None:
-    if fut.cancelled():
-        return
-    if fut.exception() is not None:
-        log.warning("will message not published: %s", fut.exception())
-    elif not fut.result().accepted:
-        log.warning("will message refused: %s", fut.result().name)
 
 
 async def start(broker: Broker, settings: Settings) -> Listener | None:
