@@ -2286,17 +2286,20 @@ end)
 
 local PARTING_FIELDS = { ':node', ':delay', ':due', ':msg', ':taken' }
 
+local function parting_fields(c)
+  local fields = {}
+  for i, f in ipairs(PARTING_FIELDS) do fields[i] = c .. f end
+  return fields
+end
+
 local function parting(k, c)
-  local r = redis.call('HMGET', k, c .. ':node', c .. ':delay', c .. ':due', c .. ':msg',
-    c .. ':taken')
+  local r = redis.call('HMGET', k, unpack(parting_fields(c)))
   if not r[1] then return nil end
   return { node = r[1], delay = tonumber(r[2]), due = tonumber(r[3]), msg = r[4], taken = r[5] }
 end
 
 local function drop_parting(k, c, node)
-  local fields = {}
-  for i, f in ipairs(PARTING_FIELDS) do fields[i] = c .. f end
-  redis.call('HDEL', k, unpack(fields))
+  redis.call('HDEL', k, unpack(parting_fields(c)))
   redis.call('SREM', k_node_parting(node), c .. ' ' .. k)
   redis.call('ZREM', K_PARTING_DUE, c .. ' ' .. k)
 end
