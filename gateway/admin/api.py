@@ -20,6 +20,8 @@ import contextlib
 from collections.abc import Collection, Iterable
 from typing import Any
 
+from redis.exceptions import RedisError
+
 from gateway.admin.auth import AdminAuth
 from gateway.admin.http import HttpError, Request, Response
 from gateway.admin.metrics import render_metrics
@@ -42,6 +44,7 @@ MAX_GET = 1000
 # a get without timeout_ms waits for its first fetch to find no more this long at most (a
 # standby of an exclusive queue never fetches); a partitioned queue's rebalance delay more
 GET_WAIT_S = 0.25
+HEALTH_TIMEOUT_S = 2.0
 USER_PROPERTY_HEADER = "solace-user-property-"  # header names arrive lower-cased
 AMQP_INTEGERS = range(-(2**63), 2**64)  # a user property as AMQP carries it: long or ulong
 MESSAGE_FIELDS = (
@@ -107,9 +110,20 @@ class AdminApi:
             raise HttpError(BIND_STATUS.get(exc.code, 409), str(exc)) from None
 
     async def _health(self) -> Response:
-        """Open to all: load balancers and orchestrators probe without credentials."""
-        await self.broker.redis.ping()
-        return Response.json({"status": "ok", "node": self.broker.node_id})
+        """Open to all: load balancers and orchestrators probe without credentials. 503
+        (RFC 9110 §15.6.4) while the node cannot serve: Redis does not answer within
+        HEALTH_TIMEOUT_S, or the node's liveness lapsed, so other nodes take its flows."""
+        node = self.broker.node_id
+        try:
+            async with asyncio.timeout(HEALTH_TIMEOUT_S):
+                await self.broker.redis.ping()
+        except (RedisError, OSError, TimeoutError) as exc:
+            reason = f"Redis does not answer: {exc or type(exc).__name__}"
+            return Response.json({"status": "unavailable", "node": node, "reason": reason}, 503)
+        if not self.broker.liveness.presumed_alive():
+            reason = "the node's heartbeat lapsed: other nodes presume it dead"
+            return Response.json({"status": "unavailable", "node": node, "reason": reason}, 503)
+        return Response.json({"status": "ok", "node": node})
 
     async def _route(self, req: Request, user: str | None) -> Response:
         """`user` None is the operator; a user name is checked by the broker."""

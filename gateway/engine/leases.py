@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 
 import redis.asyncio as aioredis
 
@@ -44,6 +45,12 @@ class NodeLiveness:
         self.ttl_ms = int(ttl * 1000)
         self._task: asyncio.Task | None = None
         self.reaped = 0
+        self.last_beat = 0.0  # when the latest beat Redis took was sent (monotonic)
+
+    def presumed_alive(self) -> bool:
+        """Whether other nodes still count this node alive: its latest beat renewed its
+        liveness key less than a TTL ago. Past that they take its flows over."""
+        return time.monotonic() - self.last_beat < self.ttl_ms / 1000
 
     async def start(self) -> None:
         await self._redis.fcall("gw_node_up", 0, self.node_id, self.ttl_ms)
@@ -63,10 +70,12 @@ class NodeLiveness:
         pipe = self._redis.pipeline(transaction=False)
         pipe.fcall("gw_node_up", 0, self.node_id, self.ttl_ms)  # it runs while Redis is full
         pipe.fcall("gw_reap", 0)
+        sent = time.monotonic()
         replies = await pipe.execute(raise_on_error=False)
         for reply in replies:  # Redis's own error: redis-py 6.4 garbles the one it raises
             if isinstance(reply, Exception):
                 raise reply
+        self.last_beat = sent
         released = replies[1]
         if released:
             self.reaped += int(released)

@@ -1,0 +1,65 @@
+"""The admin API's health probe tells a load balancer when the node cannot serve: Redis
+does not answer, or the node's heartbeat lapsed so other nodes take its flows over. Real
+Redis behind a proxy that holds its answers back, a real HTTP server."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from gateway.admin import api
+from gateway.admin.api import AdminApi
+from gateway.admin.http import HttpServer
+from gateway.broker import Broker
+from tests.redis_proxy import CuttingProxy
+from tests.test_admin_api import Admin, Reply
+from tests.test_redis_outages import node, proxy  # noqa: F401
+
+
+@pytest.fixture
+async def health(node: Broker) -> AsyncIterator[Admin]:  # noqa: F811
+    server = HttpServer(AdminApi(node))
+    port = await server.start("127.0.0.1", 0)
+    try:
+        yield Admin(port)
+    finally:
+        await server.close()
+
+
+async def test_health_is_503_while_redis_does_not_answer(
+    health: Admin,
+    proxy: CuttingProxy,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(api, "HEALTH_TIMEOUT_S", 0.3)
+    assert (await health.get("/api/v1/health")).status == 200
+    proxy.delay_on, proxy.delay = b"PING", 2.0
+    reply = await health.get("/api/v1/health")
+    assert reply.status == 503, reply.raw  # was an unanswered probe, then a 500
+    assert reply.body["status"] == "unavailable" and "Redis" in reply.body["reason"]
+    await asyncio.sleep(2.0)
+    assert (await health.get("/api/v1/health")).status == 200
+
+
+async def test_health_is_503_once_the_nodes_heartbeat_lapsed(
+    health: Admin,
+    proxy: CuttingProxy,  # noqa: F811
+) -> None:
+    """The node's TTL is 1 s: a beat held back 2.5 s lets other nodes presume it dead, while
+    the probe's own PING is answered at once."""
+    assert (await health.get("/api/v1/health")).status == 200
+    proxy.delay_on, proxy.delay = b"gw_reap", 2.5
+
+    reply = await _probe_until(health, 503)
+    assert "heartbeat" in reply.body["reason"]
+    await _probe_until(health, 200)  # the held beat's answer came
+
+
+async def _probe_until(health: Admin, status: int, timeout: float = 5.0) -> Reply:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while (reply := await health.get("/api/v1/health")).status != status:
+        assert asyncio.get_running_loop().time() < deadline, reply.raw
+        await asyncio.sleep(0.05)
+    return reply
