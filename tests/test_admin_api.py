@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import json
 import os
@@ -18,6 +19,7 @@ from urllib.parse import quote
 
 import pytest
 
+from gateway.admin import http as admin_http
 from gateway.broker import Broker
 from gateway.engine.queues import QueueConfig
 from gateway.model import Message, Outcome
@@ -733,6 +735,76 @@ async def test_keep_alive_serves_several_requests_on_one_connection(admin: Admin
     finally:
         writer.close()
     assert re.findall(rb"HTTP/1\.1 (\d{3}) ", data) == [b"201", b"200", b"404"]
+
+
+async def test_a_connection_idle_between_requests_is_closed(
+    admin: Admin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each connection holds a task and a socket: one that never sent a request, and one
+    idle after its last, held them until the client left."""
+    monkeypatch.setattr(admin_http, "IDLE_S", 0.3)
+    silent_reader, silent_writer = await asyncio.open_connection("127.0.0.1", admin.port)
+    reader, writer = await asyncio.open_connection("127.0.0.1", admin.port)
+    try:
+        writer.write(b"GET /api/v1/health HTTP/1.1\r\nHost: x\r\n\r\n")
+        await writer.drain()
+        answered = await asyncio.wait_for(reader.read(), 3)  # answered, then closed
+        assert answered.startswith(b"HTTP/1.1 200 ")
+        assert await asyncio.wait_for(silent_reader.read(), 3) == b""
+    finally:
+        writer.close()
+        silent_writer.close()
+
+
+@pytest.mark.parametrize(
+    "partial",
+    [
+        b"GET /api/v1/health HTTP/1.1\r\nHost: x\r\n",
+        b"POST /api/v1/queues HTTP/1.1\r\nHost: x\r\nContent-Length: 20\r\n\r\n{",
+    ],
+    ids=["head", "body"],
+)
+async def test_a_request_not_completed_in_time_gets_408(
+    admin: Admin, monkeypatch: pytest.MonkeyPatch, partial: bytes
+) -> None:
+    monkeypatch.setattr(admin_http, "REQUEST_S", 0.3)
+    monkeypatch.setattr(admin_http, "IDLE_S", 10.0)
+    answer = await _raw_exchange(admin.port, partial, eof=False)
+    assert answer.startswith(b"HTTP/1.1 408 "), answer  # RFC 9110 §15.5.9
+    assert (await admin.get("/api/v1/queues")).body == []
+
+
+async def test_a_response_the_client_does_not_take_is_dropped(
+    admin: Admin, broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client that asks for megabytes and reads none held its connection's task for good."""
+    monkeypatch.setattr(admin_http, "SEND_S", 0.5)
+    await broker.declare_queue(QueueConfig(name="big"))
+    for _ in range(40):
+        await broker.publish(Message(destination="big", payload=os.urandom(200_000), to_queue=True))
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", admin.port))
+    sock.setblocking(False)
+    reader, writer = await asyncio.open_connection(sock=sock)
+    try:
+        body = b'{"count": 40, "browse": true}'
+        writer.write(
+            b"POST /api/v1/queues/big/get HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+            % (len(body), body)
+        )
+        await writer.drain()
+        await asyncio.sleep(2.0)  # the server gives up on it meanwhile
+        received = bytearray()
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := await asyncio.wait_for(reader.read(1 << 20), 3):
+                received += chunk
+        head, _, rest = bytes(received).partition(b"\r\n\r\n")
+        length = int(re.search(rb"Content-Length: (\d+)", head)[1])
+        assert len(rest) < length  # cut off, not delivered whole after the wait
+    finally:
+        writer.close()
+    assert (await admin.get("/api/v1/queues/big")).body["messages"] == 40
 
 
 # -- the CLI, for real, as a subprocess -------------------------------------------------------

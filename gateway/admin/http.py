@@ -20,6 +20,13 @@ log = logging.getLogger(__name__)
 
 MAX_BODY = 16 * 1024 * 1024
 LINGER_S = 2.0  # after refusing a body: what the client still sends is read for this long
+# A connection holds a task and a socket, so none may be held by a client that sends or reads
+# nothing: one idle between requests is closed after IDLE_S, a request whose head and body
+# have not all come REQUEST_S after its first byte gets a 408, and a response the client
+# does not take within SEND_S is dropped with its connection.
+IDLE_S = 60.0
+REQUEST_S = 30.0
+SEND_S = 30.0
 
 
 @dataclass(slots=True)
@@ -187,6 +194,8 @@ class HttpServer:
                     break
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
+        except TimeoutError:  # a response not taken: closing would wait to flush it
+            writer.transport.abort()
         finally:
             writer.close()
             if task is not None:
@@ -197,6 +206,9 @@ class HttpServer:
     ) -> Request | None:
         head: h11.Request | None = None
         body = bytearray()
+        loop = asyncio.get_running_loop()
+        started = bool(conn.trailing_data[0])  # a pipelined request's bytes came already
+        deadline = loop.time() + (REQUEST_S if started else IDLE_S)
         while True:
             try:
                 event = conn.next_event()
@@ -204,7 +216,16 @@ class HttpServer:
                 await self._send_error(conn, writer, exc.error_status_hint, str(exc))
                 return None
             if event is h11.NEED_DATA:
-                data = await reader.read(65536)
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        data = await reader.read(65536)
+                except TimeoutError:
+                    if started:  # RFC 9110 §15.5.9
+                        await self._send_error(conn, writer, 408, "request not completed in time")
+                    return None
+                if data and not started:
+                    started = True
+                    deadline = loop.time() + REQUEST_S
                 conn.receive_data(data)
                 if not data and conn.their_state is h11.IDLE:
                     return None
@@ -248,7 +269,8 @@ class HttpServer:
         out += conn.send(h11.Data(data=resp.body)) if resp.body and not head else b""
         out += conn.send(h11.EndOfMessage())
         writer.write(out)
-        await writer.drain()
+        async with asyncio.timeout(SEND_S):
+            await writer.drain()
 
 
 async def _linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
