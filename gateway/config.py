@@ -40,7 +40,8 @@ class User:
 
 @dataclass(slots=True)
 class AclRule:
-    """MQTT topic ACL entry; user "*" applies to everyone."""
+    """Topic ACL entry (MQTT-syntax patterns), binding the user's clients of every protocol;
+    user "*" applies to everyone, "anonymous" to clients that did not authenticate."""
 
     user: str = "*"
     deny_subscribe: list[str] = field(default_factory=list)

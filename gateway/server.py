@@ -77,7 +77,7 @@ async def run_node(
     broker = Broker(client, heartbeat=settings.heartbeat_s, node_ttl=settings.node_ttl_s)
     listeners: list[Listener] = []
     supervisor: asyncio.Task | None = None
-    admin = HttpServer(AdminApi(broker, settings.users))
+    admin = HttpServer(AdminApi(broker, settings.users, settings.acl))
     spool = SpoolMonitor(client, broker.node_id, broker.events, SpoolLimits.from_settings(settings))
     try:
         await broker.start()

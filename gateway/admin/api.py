@@ -22,11 +22,12 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
+from gateway.acl import NO_DENIALS, TopicAccess, topic_access
 from gateway.admin.auth import AdminAuth
 from gateway.admin.http import HttpError, Request, Response
 from gateway.admin.metrics import render_metrics
 from gateway.broker import BindError, Broker
-from gateway.config import User
+from gateway.config import AclRule, User
 from gateway.engine.queues import QueueConfig, QueueError
 from gateway.engine.spool_usage import read_usage
 from gateway.model import Delivery, Message, Outcome, PropertyValue, Publisher
@@ -94,9 +95,22 @@ def not_routed(path: list[str], method: str) -> HttpError:
 
 
 class AdminApi:
-    def __init__(self, broker: Broker, users: Iterable[User] = ()) -> None:
+    def __init__(
+        self, broker: Broker, users: Iterable[User] = (), acl: Iterable[AclRule] = ()
+    ) -> None:
         self.broker = broker
         self.auth = AdminAuth(users)
+        self.acl = list(acl)
+
+    def _topics(self, user: str | None) -> TopicAccess:
+        """The topic ACL binds every user but the operator (None), as on AMQP and MQTT."""
+        return NO_DENIALS if user is None else topic_access(self.acl, user)
+
+    def _check_subscribe(self, patterns: Iterable[str], user: str | None) -> None:
+        topics = self._topics(user)
+        for pattern in patterns:
+            if not topics.may_subscribe(pattern):
+                raise HttpError(403, f"may not subscribe to topic {pattern!r}")
 
     async def __call__(self, req: Request) -> Response:
         try:
@@ -197,6 +211,7 @@ class AdminApi:
 
     async def _create_queue(self, body: dict[str, Any], user: str | None) -> Response:
         subs = _subscriptions(body.get("subscriptions", []))
+        self._check_subscribe((pattern for pattern, _ in subs), user)
         config = QueueConfig.from_json(body)
         created = await self.broker.declare_queue(config, subs, user=user)
         info = await self.broker.queues.info(config.name)
@@ -214,6 +229,7 @@ class AdminApi:
     async def _subscriptions(self, name: str, req: Request, user: str | None) -> Response:
         if req.method == "POST":
             [(pattern, syntax)] = _subscriptions([_object(req)])
+            self._check_subscribe([pattern], user)
             change = self.broker.subscribe_queue
         else:  # DELETE
             pattern = req.query.get("pattern", "")
@@ -226,6 +242,8 @@ class AdminApi:
 
     async def _publish(self, body: dict[str, Any], req: Request, user: str | None) -> Response:
         msg = _message(body)
+        if not msg.to_queue and not self._topics(user).may_publish(msg.destination):
+            raise HttpError(403, f"may not publish to topic {msg.destination!r}")
         msg.publisher.user = user
         # Solace REST messaging headers: user properties, JMSXGroupID as the partition key
         for name in req.headers:

@@ -54,6 +54,7 @@ from proton import (
     Transport,
 )
 
+from gateway.acl import NO_DENIALS, topic_access
 from gateway.broker import ANONYMOUS, QueueError, StoreError
 from gateway.model import Publisher
 from protocols.amqp.links import Endpoint as LinkEndpoint
@@ -98,6 +99,7 @@ class AmqpConnection(asyncio.Protocol):
         self.publisher = Publisher("amqp")
         self.connection_id = f"{self.broker.node_id}/amqp/{next(_connection_ids)}"
         self.nodes = DynamicNodes(self.broker, ANONYMOUS, self.connection_id)
+        self.topics = NO_DENIALS  # the topic ACL's, once SASL said who the client is
         self.closed = False
         self.socket: asyncio.Transport | None = None
         self.conn = Connection()
@@ -145,6 +147,7 @@ class AmqpConnection(asyncio.Protocol):
                 return
             self.publisher.user = self.sasl.user
             self.nodes.user = self.user
+            self.topics = topic_access(self.registry.settings.acl, self.user)
             data = self.sasl.rest
         self._input = self._input + data if self._input else data
         self._pump()

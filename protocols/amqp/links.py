@@ -32,6 +32,7 @@ from cproton import (
 from cproton_ffi import ffi, lib
 from proton import Condition, Delivery, Disposition, Link, Terminus
 
+from gateway.acl import TopicAccess
 from gateway.broker import Broker, DeletionWatch, Outcome, QueueError
 from gateway.model import Publisher
 from protocols.amqp import mapping, sections
@@ -54,6 +55,7 @@ NOT_IMPLEMENTED = "amqp:not-implemented"
 RESOURCE_DELETED = "amqp:resource-deleted"
 RESOURCE_LIMIT = "amqp:resource-limit-exceeded"
 TRANSFER_LIMIT = "amqp:link:transfer-limit-exceeded"
+UNAUTHORIZED = "amqp:unauthorized-access"
 REFUSALS = {
     Outcome.NOT_FOUND: NOT_FOUND,
     Outcome.TOO_LARGE: RESOURCE_LIMIT,
@@ -97,6 +99,7 @@ class Host(Protocol):
     publisher: Publisher
     closed: bool
     user: str  # for queue permissions: the SASL user, or ANONYMOUS
+    topics: TopicAccess  # the topic ACL's denials for that user
     connection_id: str  # for exclusive queues
     nodes: DynamicNodes
 
@@ -199,6 +202,9 @@ class Inbound(Endpoint):
                 self.refuse(NOT_FOUND, f"invalid address {remote.address!r}")
                 return
         queue = self.address.name if self.address and self.address.is_queue else None
+        if self.address and queue is None and not self.host.topics.may_publish(self.address.name):
+            self.refuse(UNAUTHORIZED, f"may not publish to topic {self.address.name!r}")
+            return
         if queue is not None:
             try:
                 self.watch = await broker.watch_deletion(queue, partial(self._deleted, queue))
@@ -283,6 +289,10 @@ class Inbound(Endpoint):
             address = parse_address(ingress.to, topic)
             if address is None:
                 self._settle(dlv, Disposition.REJECTED, NOT_FOUND, "message has no usable 'to'")
+                return False
+            if not address.is_queue and not self.host.topics.may_publish(address.name):
+                why = f"may not publish to topic {address.name!r}"
+                self._settle(dlv, Disposition.REJECTED, UNAUTHORIZED, why)
                 return False
         msg = ingress.message
         msg.destination, msg.to_queue = address.name, address.is_queue

@@ -27,6 +27,7 @@ from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
+from gateway.acl import NO_DENIALS, topic_access
 from gateway.broker import (
     ANONYMOUS,
     QUEUE_DELETED,
@@ -129,18 +130,6 @@ class Link(Protocol):
     def pause_input(self, reason: str) -> None: ...
     def resume_input(self, reason: str) -> None: ...
     def output_moved(self) -> bool: ...
-
-
-def _covered(patterns: list[str], topic: str) -> bool:
-    """Whether an ACL pattern list matches `topic` (a name, or a filter taken literally)."""
-    for pattern in patterns:
-        try:
-            if pattern_matches(pattern, topic, MQTT):
-                return True
-        except TopicError:
-            if pattern == topic:
-                return True
-    return False
 
 
 def _bad_response_topic(response_topic: str | None) -> bool:
@@ -264,8 +253,7 @@ class Session:
         # ids of messages sent direct, so their queued copies are not sent again
         self._both_routes = 0
         self._sent_direct: dict[str, None] = {}
-        self._deny_publish: list[str] = []
-        self._deny_subscribe: list[str] = []
+        self.topics = NO_DENIALS  # the topic ACL's denials for its user, once it logged in
         self._max_out: int | None = None
         self._out_alias_max = 0  # topic aliases the client accepts from us
         self._out_aliases: dict[str, int] = {}
@@ -376,7 +364,7 @@ class Session:
         else:
             expiry = 0 if p.clean_start else NEVER_EXPIRES
             keep_alive = p.keep_alive
-        if self.will is not None and _covered(self._deny_publish, self.will.topic):
+        if self.will is not None and not self.topics.may_publish(self.will.topic):
             self.will = None
         try:
             attached = await self.registry.attach(self, p.clean_start, expiry)
@@ -430,10 +418,7 @@ class Session:
             accepted, self.user = self.settings.login(p.username or "", password)
             if not accepted:
                 return ReasonCode.BAD_USER_NAME_OR_PASSWORD
-        for rule in self.settings.acl:
-            if rule.user in ("*", self.access_user):  # "anonymous": who did not authenticate
-                self._deny_publish += rule.deny_publish
-                self._deny_subscribe += rule.deny_subscribe
+        self.topics = topic_access(self.settings.acl, self.access_user)
         return None
 
     @property
@@ -578,7 +563,7 @@ class Session:
         ):
             self.fail(ReasonCode.RECEIVE_MAXIMUM_EXCEEDED)
             return
-        if self._deny_publish and _covered(self._deny_publish, p.topic):
+        if self.topics.deny_publish and not self.topics.may_publish(p.topic):
             log.info("MQTT client %r may not publish to %r", self.client_id, p.topic)
             self.registry.count("publish_denied")
             if p.qos:  # v3/v4: acked and dropped (as mosquitto does), v5: refused
@@ -758,7 +743,7 @@ class Session:
             shared = state.resend_shared.get(msg.id)  # a group's, kept for this client
         if state.resend_retained and queue == state.queue and msg.id in state.resend_retained:
             qos, sub_ids = state.resend_retained[msg.id]  # as it went on SUBSCRIBE
-            denied = _covered(self._deny_subscribe, msg.destination)
+            denied = not self.topics.may_receive(msg.destination)
             route = None if denied else (qos, True, sub_ids)
         elif shared is not None:  # a shared group's queue: that one subscription
             route = self._route(state, [shared] if shared in state.subscriptions else [], msg)
@@ -831,7 +816,7 @@ class Session:
         """How the matching `filters` deliver `msg`'s topic: the highest QoS granted,
         whether one keeps the retain flag, the subscription ids; None: not at all."""
         options = [state.subscriptions[f] for f in filters]
-        if not options or _covered(self._deny_subscribe, msg.destination):
+        if not options or not self.topics.may_receive(msg.destination):
             return None
         if not mapping.is_topic_name(msg.destination):  # from AMQP: no MQTT topic name
             log.info("MQTT client %r: a message on %r, not a topic name, is not sent",
@@ -1237,7 +1222,7 @@ class Session:
         for msg in await self.broker.retained.matching(pattern, MQTT):
             if self.closing:
                 return
-            if _covered(self._deny_subscribe, msg.destination):
+            if not self.topics.may_receive(msg.destination):
                 continue
             self._pass_over_older(msg)
             qos = min(mapping.message_qos(msg), options.qos)
@@ -1294,7 +1279,7 @@ class Session:
             parse_pattern(topic_filter, MQTT)
         except TopicError:
             return ReasonCode.TOPIC_FILTER_INVALID
-        if _covered(self._deny_subscribe, topic_filter):
+        if not self.topics.may_subscribe(topic_filter):
             log.info("MQTT client %r may not subscribe to %r", self.client_id, pattern)
             return ReasonCode.NOT_AUTHORIZED
         return None

@@ -1,0 +1,135 @@
+"""The topic ACL binds a user's AMQP clients and admin API calls as it binds its MQTT clients:
+a user denied a topic cannot publish to it or read it another way. Real Redis, a real
+AMQP listener driven by python-qpid-proton, the real admin HTTP server."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+from proton import Message
+from proton.utils import BlockingConnection, LinkDetached, SendException
+
+from gateway.admin.api import AdminApi
+from gateway.admin.http import HttpServer
+from gateway.broker import Broker
+from gateway.config import AclRule, Settings, User
+from gateway.engine.queues import QueueConfig
+from protocols.amqp.listener import Listener, start
+from tests.test_admin_auth import Client, basic, q
+from tests.test_amqp_clients import TIMEOUT, queued, url
+
+USERS = [User("alice", "s3cret"), User("bob", "s3cret")]
+ACL = [AclRule(user="bob", deny_publish=["control/#"], deny_subscribe=["secret/#"])]
+
+
+@pytest.fixture
+async def amqp(broker: Broker) -> AsyncIterator[Listener]:
+    settings = Settings(amqp_port=0, host="127.0.0.1", users=USERS, acl=ACL)
+    listener = await start(broker, settings)
+    assert listener is not None
+    yield listener
+    await listener.close()
+
+
+def connect(amqp: Listener, user: str) -> BlockingConnection:
+    return BlockingConnection(url(amqp, user, "s3cret"), timeout=TIMEOUT, allowed_mechs="PLAIN")
+
+
+async def test_a_sender_to_a_denied_topic_is_refused(broker: Broker, amqp: Listener) -> None:
+    await broker.declare_queue(QueueConfig(name="doors"), [("control/#", "mqtt")])
+
+    def scenario() -> str:
+        alice = connect(amqp, "alice")
+        alice.create_sender("topic://control/door").send(Message(body=b"from alice"))
+        alice.close()
+        bob = connect(amqp, "bob")
+        try:
+            bob.create_sender("topic://control/door").send(Message(body=b"from bob"))
+        except LinkDetached as exc:
+            return str(exc)
+        finally:
+            bob.close()
+        return "attached"
+
+    refusal = await asyncio.to_thread(scenario)
+    assert "unauthorized-access" in refusal, refusal
+    assert await queued(broker, "doors", 1) == 1  # alice's only
+
+
+async def test_the_anonymous_relay_rejects_a_message_to_a_denied_topic(
+    broker: Broker, amqp: Listener
+) -> None:
+    await broker.declare_queue(QueueConfig(name="doors"), [("control/#", "mqtt")])
+
+    def scenario() -> str:
+        bob = connect(amqp, "bob")
+        try:
+            relay = bob.create_sender(None)
+            relay.send(Message(address="topic://status/door", body=b"allowed"))
+            try:
+                relay.send(Message(address="topic://control/door", body=b"denied"))
+            except SendException as exc:
+                return str(exc.state)
+            return "accepted"
+        finally:
+            bob.close()
+
+    assert await asyncio.to_thread(scenario) != "accepted"
+    assert await queued(broker, "doors", 0) == 0
+
+
+async def test_a_denied_topic_cannot_be_subscribed_nor_read_through_a_broader_filter(
+    broker: Broker, amqp: Listener
+) -> None:
+    def scenario() -> tuple[str, list[str]]:
+        bob = connect(amqp, "bob")
+        try:
+            try:
+                bob.create_receiver("topic://secret/plans")
+                refused = "attached"
+            except LinkDetached as exc:
+                refused = str(exc)
+            everything = bob.create_receiver("topic://>", credit=10)
+            alice = connect(amqp, "alice")
+            for topic in ("secret/plans", "public/news", "secret/more", "public/weather"):
+                alice.create_sender(f"topic://{topic}").send(Message(body=topic.encode()))
+            alice.close()
+            got = []
+            for _ in range(2):
+                msg = everything.receive(timeout=TIMEOUT)
+                got.append(bytes(msg.body).decode())
+                everything.accept()
+            return refused, got
+        finally:
+            bob.close()
+
+    refused, got = await asyncio.to_thread(scenario)
+    assert "unauthorized-access" in refused, refused
+    assert got == ["public/news", "public/weather"]  # the secret ones consumed unseen
+
+
+@pytest.fixture
+async def admin_port(broker: Broker) -> AsyncIterator[int]:
+    server = HttpServer(AdminApi(broker, USERS, ACL))
+    try:
+        yield await server.start("127.0.0.1", 0)
+    finally:
+        await server.close()
+
+
+async def test_the_admin_api_holds_a_user_to_the_topic_acl(broker: Broker, admin_port: int) -> None:
+    bob = Client(admin_port, basic("bob", "s3cret")).call
+    publish = await bob("POST", "/api/v1/messages", {"topic": "control/door", "payload": "x"})
+    assert publish.status == 403, publish
+    create = await bob("POST", "/api/v1/queues", {"name": "mine", "subscriptions": ["secret/>"]})
+    assert create.status == 403, create
+    assert (await bob("POST", "/api/v1/queues", {"name": "mine"})).status == 201
+    subscribe = await bob("POST", q("mine", "subscriptions"), {"pattern": "secret/#"})
+    assert subscribe.status == 403, subscribe
+    allowed = await bob("POST", q("mine", "subscriptions"), {"pattern": "public/>"})
+    assert allowed.status == 200, allowed
+    sent = await bob("POST", "/api/v1/messages", {"topic": "public/x", "payload": "x"})
+    assert sent.status == 200, sent
+    assert (await broker.queues.info("mine")).messages == 1
