@@ -57,6 +57,7 @@ from protocols.amqp import connection
 from protocols.amqp.listener import Listener, start
 from protocols.amqp.outbound import Outbound
 from protocols.amqp.sasl import AMQP_HEADER, SASL_HEADER
+from tests.amqp_raw import Peer, sasl_init
 
 TIMEOUT = 5.0
 
@@ -301,6 +302,30 @@ async def test_sasl_plain_good_and_bad_password(broker: Broker, amqp: Listener) 
     await asyncio.to_thread(good)
     assert "amqp:unauthorized-access" in await asyncio.to_thread(bad)
     assert (await broker.queues.info("q")).messages == 1
+
+
+@pytest.mark.parametrize(
+    ("response", "outcome"),
+    [
+        (b"\x00alice\x00s3cret", 0),
+        (b"alice\x00alice\x00s3cret", 0),  # the user's own authorization identity
+        (b"root\x00alice\x00s3cret", 1),  # alice acting as another: no user may
+        (b"\x00al\xffice\x00s3cret", 1),  # not UTF-8 (RFC 4616 §2)
+    ],
+    ids=["plain", "own-authzid", "other-authzid", "not-utf8"],
+)
+async def test_sasl_plain_authorization_identity(
+    amqp: Listener, response: bytes, outcome: int
+) -> None:
+    """An authorization identity was ignored: alice logging in "as root" was let in."""
+    peer = await Peer.connect(amqp.port)
+    try:
+        peer.send(SASL_HEADER + sasl_init("PLAIN", response))
+        assert await peer.read_header() == SASL_HEADER
+        await peer.read()  # the mechanisms
+        assert (await peer.read()).fields == [ubyte(outcome)]  # 0 ok, 1 auth
+    finally:
+        peer.close()
 
 
 async def test_anonymous_refused_when_disabled(broker: Broker) -> None:

@@ -128,19 +128,29 @@ class SaslServer:
         if mechanism == "ANONYMOUS" and self.allow_anonymous:
             self._succeed(None)
         elif mechanism == "PLAIN":
-            parts = response.split(b"\x00")
-            if len(parts) == 3:
-                user, password = (
-                    parts[1].decode(errors="replace"),
-                    parts[2].decode(errors="replace"),
-                )
-                accepted, who = self.login(user, password)
-                if accepted:
-                    self._succeed(who)
-                    return
-            self._fail()
+            accepted, who = self._plain(response)
+            if accepted:
+                self._succeed(who)
+            else:
+                self._fail()
         else:
             self._fail()
+
+    def _plain(self, response: bytes) -> tuple[bool, str | None]:
+        """Whether a PLAIN response (RFC 4616) logs in, and as whom (see login). Its fields are
+        UTF-8 (a user name with bytes that are not was taken with replacement characters),
+        and an authorization identity other than the user's own is refused: no user may
+        act as another here."""
+        parts = response.split(b"\x00")
+        if len(parts) != 3:
+            return False, None
+        try:
+            authzid, user, password = (part.decode() for part in parts)
+        except UnicodeDecodeError:
+            return False, None
+        if authzid not in ("", user):
+            return False, None
+        return self.login(user, password)
 
     def _succeed(self, user: str | None) -> None:
         self.user = user
