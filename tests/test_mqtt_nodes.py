@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import os
 import signal
 from collections.abc import AsyncIterator
@@ -11,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from protocols.listening import Listener
 from protocols.mqtt.codec import (
     Disconnect,
     Properties,
@@ -278,3 +281,34 @@ async def test_a_client_of_a_crashed_node_is_taken_once_that_node_is_presumed_de
             second.close()
     finally:
         crashing.kill()
+
+
+async def test_messages_delivered_while_a_subscription_waits_for_a_stalled_node_carry_its_id(
+    mqtt: Listener, redis_url: str
+) -> None:
+    """MQTT-3.3.4-3: every PUBLISH a subscription causes carries its identifier. The route
+    went live before the identifier was recorded, and a SUBSCRIBE waits up to 2 s for a
+    stalled node to say it routes by it: what this node delivered meanwhile had none."""
+    async with serve("--redis-url", redis_url) as (other, _):
+        pub, _ = await Raw.connected(mqtt.port, 5, client_id="sid-pub")
+        sub, _ = await Raw.connected(mqtt.port, 5, client_id="sid-sub")
+        os.kill(other.proc.pid, signal.SIGSTOP)
+        try:
+            subscribe = Subscribe(
+                1, [("sid/#", SubscriptionOptions(qos=1))], Properties(subscription_identifiers=[9])
+            )
+            await sub.send(subscribe)
+            got: list[object] = []
+            async with asyncio.timeout(10):
+                for n in itertools.count():  # until the SUBACK, and a while after it
+                    await pub.send(Publish("sid/t", b"%d" % n))
+                    with contextlib.suppress(TimeoutError):
+                        got.append(await sub.recv(0.005))
+                    if Suback(1, [1]) in got[-20:] and got[-1] != Suback(1, [1]):
+                        break
+        finally:
+            os.kill(other.proc.pid, signal.SIGCONT)
+    sent = [p for p in got if isinstance(p, Publish)]
+    assert sent and all(p.properties.subscription_identifiers == [9] for p in sent), [
+        (p.payload, p.properties) for p in sent if not p.properties.subscription_identifiers
+    ][:3]

@@ -1120,9 +1120,13 @@ class Session:
             sends_retained = shared_filter(pattern) is None and (
                 handling == 0 or (handling == 1 and previous is None)
             )
+            previous_id = state.subscription_ids.get(pattern)
             if rc is None:
                 if sends_retained:  # live before its retained messages are read
                     self._gate_filters.append(pattern)
+                # before the route is live: what it delivers meanwhile carries the id
+                # (MQTT-3.3.4-3), also while other nodes are asked to route by it
+                state.set_subscription_id(pattern, sub_id)
                 try:
                     rc = await self._subscribe(pattern, options, previous)
                 except (QueueError, BindError) as exc:  # e.g. a race with the queue's end
@@ -1130,15 +1134,15 @@ class Session:
                         "MQTT client %r: subscribing to %r failed: %s", self.client_id, pattern, exc
                     )
                     rc = ReasonCode.UNSPECIFIED_ERROR
+                if rc >= 0x80:
+                    state.set_subscription_id(pattern, previous_id)
             if rc >= 0x80:
                 if previous is not None:
                     state.set_subscription(pattern, previous)
                 elif pattern in state.subscriptions:
                     state.drop_subscription(pattern)
-            else:
-                state.set_subscription_id(pattern, sub_id)
-                if sends_retained:
-                    retained.append((pattern, options))
+            elif sends_retained:
+                retained.append((pattern, options))
             codes.append(rc)
         if over_quota:
             log.warning(
