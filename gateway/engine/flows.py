@@ -62,6 +62,10 @@ FETCH_BATCH = 256
 DEFAULT_WINDOW = 256
 SELECT_SCAN = 1024  # a selector consumer considers this many of the oldest waiting messages
 ROUND_MESSAGES = FETCH_BATCH  # a round's fetches stop once they ask for this many in all
+# A flow competing with others of its queue fetches this many at first, twice as many after
+# each fetch that came back full: a burst is dealt out in turns (one fetch of a whole burst
+# gave it to one consumer), a backlog goes in big batches.
+SHARE_START = 8
 MAX_ROUNDS_IN_FLIGHT = 8
 REBIND_RETRY = 0.5  # seconds between binds again while Redis is unreachable
 # A behind consumer that neither fetched nor settled nor gave credit for this long is
@@ -135,6 +139,7 @@ class Flow:
         "registered",
         "replay_since",
         "selector",
+        "share",
         "turns",
         "unacked",
         "wakes",
@@ -164,6 +169,7 @@ class Flow:
         self.registered: float = 0
         self.lost_at = -REBIND_RETRY  # monotonic: when it was last taken for lost
         self.turns = 0  # fetches of its partitions so far: which partition goes first
+        self.share = SHARE_START  # competing with other flows of its queue: its next fetch
         self.window = window
         self.credit = credit
         self.on_deliver = on_deliver
@@ -740,10 +746,13 @@ class Dispatcher:
                 asked += space
                 continue
             if not flow.partitioned:
-                # competing flows of one queue take turns: a big window does not grab the
-                # whole backlog in one fetch (each is wanted again after its batch)
+                # competing flows of one queue take turns: a big window does not grab a
+                # burst or the backlog in one fetch (each is wanted again after its batch)
                 sharing = sum(1 for f in self.flows.get(flow.queue, ()) if f.active)
-                count = min(space, max(1, FETCH_BATCH // max(1, sharing)))
+                if sharing > 1:
+                    count = min(space, flow.share, max(1, FETCH_BATCH // sharing))
+                else:
+                    count = space
                 fetches.append(_Fetch(flow, flow.queue, None, count))
                 fetching.add(flow)
                 asked += count
@@ -940,9 +949,11 @@ class Dispatcher:
             else:
                 self._empty(flow)
         elif got >= fetch.count:  # a full batch: there may be more
+            flow.share = min(2 * flow.share, FETCH_BATCH)
             if flow.space > 0:
                 self._want[flow] = None
         else:
+            flow.share = SHARE_START
             self._empty(flow)
 
     def _hand_out(self, fetch: _Fetch, reply: list) -> None:
