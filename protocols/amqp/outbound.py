@@ -314,6 +314,10 @@ class Outbound(Endpoint):
             flow.set_credit(0)  # more fetched until the flow closes
             flow.unsend(delivery.entry_id)
             return
+        if flow.credit is not None and flow.credit < 0:  # fetched as the client cut its
+            flow.credit += 1  # credit (to 0, or drained): not sent (§2.6.7), and not held
+            flow.unsend(delivery.entry_id)  # from other consumers until the link goes
+            return
         acl = self._acl
         if acl is not None and not acl.may_receive(delivery.message.destination):
             flow.ack(delivery.entry_id)  # as MQTT's subscriptions skip a denied topic
