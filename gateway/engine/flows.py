@@ -52,6 +52,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from gateway.engine.keys import partition_queue, priority_queue, queue_flows
 from gateway.engine.ordered_calls import OrderedCalls, broke, refused_for_now
 from gateway.engine.partitions import PartitionMap, split_window
+from gateway.engine.queues import PER_FLOW_DEFAULT
 from gateway.engine.selection import matches
 from gateway.model import DEAD_LETTER_REASON, ORIGIN_QUEUE, Delivery, Message, decode
 from gateway.selectors import Selector, SelectorError, compile_selector
@@ -127,6 +128,7 @@ class Flow:
         "held_timer",
         "id",
         "idle",
+        "limit",
         "listed",
         "lost_at",
         "on_closed",
@@ -171,6 +173,7 @@ class Flow:
         self.turns = 0  # fetches of its partitions so far: which partition goes first
         self.share = SHARE_START  # competing with other flows of its queue: its next fetch
         self.window = window
+        self.limit = PER_FLOW_DEFAULT  # the queue's max_delivered_unacked_msgs_per_flow
         self.credit = credit
         self.on_deliver = on_deliver
         self.on_closed = on_closed
@@ -193,7 +196,7 @@ class Flow:
     @property
     def space(self) -> int:
         """How many more messages this flow may take now."""
-        free = self.window - len(self.unacked)
+        free = min(self.window, self.limit) - len(self.unacked)
         return free if self.credit is None else min(free, self.credit)
 
     def ack(self, entry_id: str) -> None:
@@ -443,6 +446,7 @@ class Dispatcher:
         flow.partitioned = int(reply[3]) > 0
         flow.prioritised = reply[6] == 1
         flow.created = reply[7]
+        flow.limit = int(reply[8]) or PER_FLOW_DEFAULT
         flow.active = not (flow.exclusive or flow.partitioned)
         self._registrations += 1
         flow.registered = self._registrations

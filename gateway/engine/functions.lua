@@ -2097,13 +2097,15 @@ end
 -- 0). Every consumer of a non-destructive queue browses, and is one: registered, so that
 -- the last of them to go, on any node, deletes an auto-delete queue (release_flow).
 -- Returns {'ok', bind sequence, access type, partition count, rebalance delay ms, mode,
--- 1 for a priority queue, created_ms} or {'noqueue'} / {'egress'} / {'partitioned'} / {'grouped'} /
+-- 1 for a priority queue, created_ms, max_delivered_unacked_msgs_per_flow} or {'noqueue'} / {'egress'} / {'partitioned'} / {'grouped'} /
 -- {'prioritised'}.
 register_always('gw_bind', function(_, a)
   local q, flow, node, mode = a[1], a[2], a[3], a[4]
   local c = redis.call('HMGET', k_queue_config(q), 'egress', 'access', 'partition_count',
-    'partition_rebalance_delay_ms', 'message_groups', 'non_destructive', 'parent', 'created_ms')
+    'partition_rebalance_delay_ms', 'message_groups', 'non_destructive', 'parent', 'created_ms',
+    'max_delivered_unacked_msgs_per_flow')
   local created = c[8] or ''
+  local per_flow = tonumber(c[9]) or 0  -- 0: the node's default (a queue made before it)
   if not c[1] or c[7] or (a[5] and a[5] ~= '' and a[5] ~= created) then return { 'noqueue' } end
   if c[1] ~= '1' then return { 'egress' } end
   if c[6] == '1' then mode = 'browse' end  -- every consumer of it browses
@@ -2111,7 +2113,7 @@ register_always('gw_bind', function(_, a)
   local prioritised = redis.call('HGET', k_queue_config(q), 'priorities') == '1'
   if mode ~= '' and prioritised then return { 'prioritised' } end
   if mode == 'browse' and c[6] ~= '1' then
-    return { 'ok', 0, c[2], 0, 0, 'browse', 0, created }
+    return { 'ok', 0, c[2], 0, 0, 'browse', 0, created, per_flow }
   end
   if mode == 'select' then
     if c[5] and c[5] ~= '' then return { 'grouped' } end
@@ -2127,7 +2129,7 @@ register_always('gw_bind', function(_, a)
     for _, child in ipairs(children(q)) do redis.call('ZADD', k_queue_flows(child), seq, flow) end
   end
   return { 'ok', seq, c[2], tonumber(c[3]) or 0, tonumber(c[4]) or 0, mode,
-    prioritised and 1 or 0, created }
+    prioritised and 1 or 0, created, per_flow }
 end)
 
 -- ARGV: queue, flow. Unbinds a flow; its unacked messages go back for redelivery. A flow

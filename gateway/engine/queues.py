@@ -97,6 +97,8 @@ def _stored_int(h: dict[str, str], name: str, default: int) -> int:
 
 partition_queue_name = keys.partition_queue
 
+PER_FLOW_DEFAULT = 10_000  # max_delivered_unacked_msgs_per_flow: Solace's default
+
 # What QueueStore.update may change on an existing queue.
 RUNTIME_SETTINGS = {
     "permission",
@@ -107,6 +109,7 @@ RUNTIME_SETTINGS = {
     "max_message_size",
     "max_spool_bytes",
     "max_messages",
+    "max_delivered_unacked_msgs_per_flow",
     "owner",
 }
 
@@ -170,6 +173,10 @@ class QueueConfig:
     max_spool_bytes: int = 5_000_000_000  # 0: a last value queue (Solace): one message
     max_messages: int = 0  # 0: unlimited
     max_redelivery: int = 0  # 0: unlimited
+    # messages a consumer may hold delivered but unacked (Solace's default); its own window
+    # (AMQP link credit, MQTT receive maximum) may be smaller. From 1; a change applies to
+    # consumers that bind after it
+    max_delivered_unacked_msgs_per_flow: int = PER_FLOW_DEFAULT
     dead_message_queue: str = DEAD_MESSAGE_QUEUE
     max_ttl_ms: int = 0  # 0: none; else messages expire this long after spooling at the latest
     respect_ttl: bool = False  # expired messages go to the DMQ (else they are discarded)
@@ -234,6 +241,8 @@ class QueueConfig:
         problem = vpn_name_error(self.vpn)
         if problem:
             raise QueueError("invalid", f"vpn: {problem}")
+        if self.max_delivered_unacked_msgs_per_flow < 1:
+            raise QueueError("invalid", "max_delivered_unacked_msgs_per_flow must be at least 1")
         if not 1 <= self.resume_percent <= 100:
             raise QueueError("invalid", "resume_percent must be from 1 to 100")
         if self.priorities and (self.partition_count or self.message_groups):
@@ -311,6 +320,7 @@ class QueueConfig:
             "max_spool_bytes": self.max_spool_bytes,
             "max_messages": self.max_messages,
             "max_redelivery": self.max_redelivery,
+            "max_delivered_unacked_msgs_per_flow": self.max_delivered_unacked_msgs_per_flow,
             "dead_message_queue": self.dead_message_queue,
             "max_ttl_ms": self.max_ttl_ms,
             "respect_ttl": self.respect_ttl,
@@ -353,6 +363,9 @@ class QueueConfig:
             max_spool_bytes=_stored_int(h, "max_spool_bytes", 0),
             max_messages=_stored_int(h, "max_messages", 0),
             max_redelivery=_stored_int(h, "max_redelivery", 0),
+            max_delivered_unacked_msgs_per_flow=_stored_int(
+                h, "max_delivered_unacked_msgs_per_flow", PER_FLOW_DEFAULT
+            ),
             dead_message_queue=h.get("dead_message_queue", DEAD_MESSAGE_QUEUE),
             max_ttl_ms=_stored_int(h, "max_ttl_ms", 0),
             respect_ttl=h.get("respect_ttl", "0") == "1",

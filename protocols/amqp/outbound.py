@@ -69,7 +69,9 @@ log = logging.getLogger(__name__)
 
 _Tag = tuple[Any, Any, Any]  # a pn_delivery_tag_t, the cffi memory it is in and points to
 
-WINDOW = 500  # most unsettled deliveries per outbound link
+# The link credit is the window (§2.6.7), up to the queue's max_delivered_unacked_msgs_per_flow
+# (a fixed 500 stalled a client that settles in bigger batches than that)
+WINDOW = 2**32 - 1
 # New delivery tags: never one an earlier attachment of a link used, on this node or another,
 # which its client may still hold unsettled when it resumes the link (§2.6.12)
 _TAG_PREFIX = os.urandom(4).hex().encode()
