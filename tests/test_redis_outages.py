@@ -505,3 +505,40 @@ async def test_a_late_noqueue_answer_ends_its_own_flow_not_one_of_the_queue_made
     assert ended == [] and not new.closed
     assert await second_node.publish(to_queue("q", b"x")) is Outcome.OK
     await wait_for(lambda: len(got) == 1)
+
+
+async def test_an_exclusive_flow_released_again_while_it_binds_again_still_fetches(
+    broker: Broker, redis_url: str
+) -> None:
+    """A flow taken for lost binds again, then checks its queue's lease; while its node's
+    liveness key is not back, that check releases the new id too. The rebind then running
+    took no notice: the flow kept an id bound nowhere and never fetched again, while its
+    publishers were acked (a node cut from Redis past its TTL, its clients still there)."""
+    await broker.queues.create(QueueConfig(name="ex", access_type="exclusive"))
+    got: list[bytes] = []
+
+    def deliver(delivery: Delivery) -> None:
+        got.append(delivery.message.payload)
+        flow.ack(delivery.entry_id)
+
+    flow = await broker.bind("ex", deliver)
+    other = aioredis.from_url(redis_url)
+    presumed_dead = asyncio.Event()
+
+    async def keep_presumed_dead() -> None:  # as another node's reaper sees it
+        while not presumed_dead.is_set():
+            await other.delete(keys.node_alive(broker.node_id))
+            await other.fcall("gw_reap", 0)
+            await asyncio.sleep(0.005)
+
+    task = asyncio.create_task(keep_presumed_dead())
+    try:
+        await broker.publish(to_queue("ex", b"during"))
+        await asyncio.sleep(1.5)  # its fetch finds it released: it binds again, and again
+    finally:
+        presumed_dead.set()
+        await task
+        await other.aclose()
+    await broker.publish(to_queue("ex", b"after"))
+    await wait_for(lambda: got.count(b"after") == 1, timeout=5)
+    assert b"during" in got

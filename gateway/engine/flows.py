@@ -1286,16 +1286,24 @@ class Dispatcher:
             self._spawn(self._rebind(flow, pause))
 
     async def _rebind(self, flow: Flow, pause: float = 0.0) -> None:
+        """Bind until the id bound is still the flow's once its lease check or wake-up is
+        done: taken for lost again meanwhile (a lease check released it, its node's
+        liveness key not back yet), it would keep an id bound nowhere, and an exclusive
+        flow would never fetch again."""
         try:
-            await self._bind_again(flow, pause)
+            while (bound := await self._bind_again(flow, pause)) is not None:
+                if flow.closed or flow.id == bound:
+                    break
+                pause = REBIND_RETRY
         finally:
             self._rebinding.discard(flow)
 
-    async def _bind_again(self, flow: Flow, pause: float) -> None:
+    async def _bind_again(self, flow: Flow, pause: float) -> str | None:
+        """The id bound, or None when the flow ended or cannot be bound."""
         if pause:
             await asyncio.sleep(pause)
             if flow.closed:
-                return
+                return None
         while True:
             bound_id = flow.id
             try:
@@ -1313,7 +1321,7 @@ class Dispatcher:
                     self._queue_gone(flow)
                 elif not flow.closed:  # refused to it alone
                     self._end_flow(flow, str(exc))
-                return
+                return None
             except RedisError as exc:
                 if not isinstance(exc, (RedisConnectionError, RedisTimeoutError)) and not (
                     refused_for_now(exc)
@@ -1322,21 +1330,22 @@ class Dispatcher:
                     # finds the id unbound and takes the flow for lost once more
                     log.error("flow %s cannot bind again: %s", flow.id, exc)
                     flow.registered = 0
-                    return
+                    return None
                 if flow.closed:  # a bind of its id may have run, its reply lost
                     self._unbind_unknown(flow)
-                    return
+                    return None
                 log.warning("flow %s cannot bind again yet: %s", flow.id, exc)
                 await asyncio.sleep(REBIND_RETRY)  # the same id: binding it twice is once
         if flow.closed:  # closed meanwhile: its unbind may have run before this bind
             self._unbind_unknown(flow)
-            return
+            return None
         if flow.exclusive:
             await self.check_lease(flow.queue)
         elif flow.partitioned:
             self.request_rebalance(flow.queue)
         else:
             self.wake(flow)
+        return bound_id
 
 
 def _known(fetch: _Fetch) -> list[str]:
