@@ -48,7 +48,7 @@ from proton.reactor import (
     LinkOption,
     Selector,
 )
-from proton.utils import BlockingConnection, BlockingReceiver, LinkDetached
+from proton.utils import BlockingConnection, BlockingReceiver, LinkDetached, SendException
 
 from gateway.broker import Broker, QueueConfig
 from gateway.config import Settings, User
@@ -1751,3 +1751,25 @@ async def test_a_durable_subscription_attached_again_waits_for_its_last_link_to_
             conn.close()
 
     assert await asyncio.to_thread(client) == "topic://x/z"
+
+
+async def test_a_topic_no_router_can_take_is_refused(broker: Broker, amqp: Listener) -> None:
+    """A legal AMQP string the router cannot take (over 65,535 UTF-8 bytes): the relay's
+    transfer raised inside the router, was never settled, and kept one of the link's
+    credits for good. (proton's client cuts an address at U+0000, the other such case.)"""
+
+    def scenario() -> str:
+        conn = BlockingConnection(url(amqp), timeout=TIMEOUT)
+        try:
+            relay = conn.create_sender(None)
+            try:
+                relay.send(Message(address="topic://" + "a" * 70_000, body=b"x"))
+                refused = "accepted"
+            except SendException as exc:
+                refused = str(exc.state)
+            relay.send(Message(address="topic://fine", body=b"x"))  # the link still serves
+            return refused
+        finally:
+            conn.close()
+
+    assert await asyncio.to_thread(scenario) != "accepted"

@@ -35,6 +35,7 @@ from proton import Condition, Delivery, Disposition, Link, Terminus
 from gateway.acl import TopicAccess
 from gateway.broker import Broker, DeletionWatch, Outcome, QueueError
 from gateway.model import Publisher
+from gateway.topics import TopicError, validate_topic
 from protocols.amqp import mapping, sections
 from protocols.amqp.nodes import DynamicNodes, Lifetime, lifetime
 from protocols.amqp.terminus import capabilities
@@ -56,6 +57,7 @@ RESOURCE_DELETED = "amqp:resource-deleted"
 RESOURCE_LIMIT = "amqp:resource-limit-exceeded"
 TRANSFER_LIMIT = "amqp:link:transfer-limit-exceeded"
 UNAUTHORIZED = "amqp:unauthorized-access"
+INVALID_FIELD = "amqp:invalid-field"
 REFUSALS = {
     Outcome.NOT_FOUND: NOT_FOUND,
     Outcome.TOO_LARGE: RESOURCE_LIMIT,
@@ -90,6 +92,18 @@ def parse_address(
 
 def _checked(name: str, is_queue: bool) -> Address | None:
     return Address(name, is_queue) if name else None
+
+
+def _topic_refusal(address: Address) -> str | None:
+    """Why no topic may be named so (over 65,535 UTF-8 bytes, U+0000: the router takes no
+    such name), else None; a queue's name is the queue store's to judge."""
+    if address.is_queue:
+        return None
+    try:
+        validate_topic(address.name)
+    except TopicError as exc:
+        return str(exc)
+    return None
 
 
 class Host(Protocol):
@@ -289,6 +303,10 @@ class Inbound(Endpoint):
             address = parse_address(ingress.to, topic)
             if address is None:
                 self._settle(dlv, Disposition.REJECTED, NOT_FOUND, "message has no usable 'to'")
+                return False
+            refusal = _topic_refusal(address)
+            if refusal:
+                self._settle(dlv, Disposition.REJECTED, INVALID_FIELD, refusal)
                 return False
             if not address.is_queue and not self.host.topics.may_publish(address.name):
                 why = f"may not publish to topic {address.name!r}"

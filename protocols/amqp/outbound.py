@@ -57,6 +57,7 @@ from gateway.broker import BindError, Flow, QueueConfig, QueueError, QueueInfo
 from gateway.model import Delivery as GatewayDelivery
 from protocols.amqp import mapping, nodes, sections, terminus
 from protocols.amqp.links import (
+    INVALID_FIELD,
     NOT_FOUND,
     NOT_IMPLEMENTED,
     UNAUTHORIZED,
@@ -78,7 +79,6 @@ _TAG_PREFIX = os.urandom(4).hex().encode()
 _TAGS = itertools.count(1)
 _OUTCOMES = frozenset({PN_ACCEPTED, PN_REJECTED, PN_RELEASED, PN_MODIFIED})  # terminal states
 
-INVALID_FIELD = "amqp:invalid-field"
 ATTACH_REFUSALS = {
     "unauthorized": UNAUTHORIZED,
     "invalid": INVALID_FIELD,
