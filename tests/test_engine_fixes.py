@@ -20,7 +20,7 @@ from gateway.engine.spool_usage import (
     stored_limits,
 )
 from gateway.model import Delivery, Message, Outcome, encode
-from tests.test_engine import wait_for
+from tests.test_engine import second_node, wait_for  # noqa: F401
 
 PAYLOAD = b"x" * 100
 
@@ -300,3 +300,36 @@ async def test_a_browser_of_a_deleted_queue_ends_even_if_the_name_is_made_again(
         f"the browser of the deleted queue goes on browsing the new one: got "
         f"{[d.message.payload for d in got]}"
     )
+
+
+async def test_a_nodes_queue_index_holds_only_queues_it_has_flows_on_or_owns(
+    broker: Broker,
+    second_node: Broker,  # noqa: F811
+) -> None:
+    """The index is for the node's reaper. Every queue a flow of the node ever bound stayed
+    in it, deleted ones too (a request/reply client's temporary queue each time): it grew
+    without bound, and a reap walked all of it in one Redis call."""
+
+    async def index() -> set[str]:
+        members = await broker.redis.smembers(keys.node_queues(broker.node_id))
+        return {m.decode() for m in members}
+
+    await broker.queues.create(QueueConfig(name="plain"))
+    first = await broker.bind("plain", lambda d: None)
+    second = await broker.bind("plain", lambda d: None)
+    elsewhere = await second_node.bind("plain", lambda d: None)
+    await first.close()
+    assert "plain" in await index()  # a flow of the node is still there
+    await second.close()
+    assert "plain" not in await index()  # another node's flow is no reason
+    await elsewhere.close()
+
+    temporary = await broker.create_temporary_queue()
+    flow = await broker.bind(temporary, lambda d: None)
+    await flow.close()
+    assert temporary in await index()  # it owns the queue: its reaper deletes it
+    await broker.delete_temporary_queue(temporary)
+    await broker.queues.create(QueueConfig(name="gone"))
+    await broker.bind("gone", lambda d: None)
+    await broker.delete_queue("gone")  # deleted under a flow
+    assert await index() == set()

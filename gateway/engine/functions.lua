@@ -408,6 +408,18 @@ end
 -- On a partitioned queue the flow is released from every partition and the partitions
 -- are rebalanced among the remaining flows (unless `no_rebalance`). `keep`: the queue
 -- stays even if it is auto-delete and this was its last consumer.
+-- The node's index of the queues it has flows on (or owns) is for its reaper: the queue
+-- leaves it once the node has neither, or every temporary queue and every queue a flow of
+-- the node ever bound stayed there, and a reap walked them all in one call.
+local function unindex_flow(q, n)
+  for _, other in ipairs(redis.call('ZRANGE', k_queue_flows(q), 0, -1)) do
+    if node_of(other) == n then return end
+  end
+  if redis.call('HGET', k_queue_config(q), 'owner_node') ~= n then
+    redis.call('SREM', k_node_queues(n), q)
+  end
+end
+
 local function release_flow(q, flow, no_rebalance, keep)
   local s = k_queue_stream(q)
   local moved = 0
@@ -433,6 +445,7 @@ local function release_flow(q, flow, no_rebalance, keep)
     end
   end
   redis.call('ZREM', k_queue_flows(q), flow)
+  unindex_flow(q, node_of(flow))
   local lease = k_queue_lease(q)
   if redis.call('HGET', lease, 'flow') == flow then
     redis.call('DEL', lease)
@@ -462,6 +475,11 @@ end
 delete_queue = function(q)
   if redis.call('EXISTS', k_queue_config(q)) == 0 then return 0 end
   for _, child in ipairs(children(q)) do delete_queue(child) end
+  for _, flow in ipairs(redis.call('ZRANGE', k_queue_flows(q), 0, -1)) do
+    redis.call('SREM', k_node_queues(node_of(flow)), q)
+  end
+  local owner_node = redis.call('HGET', k_queue_config(q), 'owner_node')
+  if owner_node then redis.call('SREM', k_node_queues(owner_node), q) end
   unaccount_all(q)
   redis.call('HDEL', K_SPOOL_ALARMS, 'queue:' .. q)
   redis.call('HDEL', K_SPOOL_ALARM_COUNTS, 'set:queue:' .. q, 'clear:queue:' .. q)
