@@ -122,6 +122,29 @@ async def test_an_undecodable_frame_closes_with_decode_error(port: int, bad: byt
 
 
 @pytest.mark.parametrize(
+    ("first", "condition"),
+    [
+        (frame(b"\x00\x53\x99\x45"), "amqp:decode-error"),  # unknown performative
+        (frame(b"\x45"), "amqp:decode-error"),  # not a described type
+        (frame(b"\x00\x53\x10\xd0\x00\x00\x01\x00"), "amqp:decode-error"),  # open cut short
+        (frame(b"\x00\x53\x10\x40"), "amqp:decode-error"),  # open's fields not a list
+        (BEGIN_FRAME, "amqp:not-allowed"),  # §2.4.1: the open comes first
+    ],
+    ids=["unknown-performative", "not-described", "open-cut-short", "open-not-a-list", "begin"],
+)
+async def test_a_bad_first_frame_gets_a_close_at_once(
+    port: int, first: bytes, condition: str
+) -> None:
+    """In the open's place proton wrote our open and never the close (it waits for the
+    client's open): the client learnt nothing until the handshake timeout cut it off."""
+    peer = await Peer.connect(port)
+    peer.send(AMQP_HEADER + first)
+    assert await peer.read_header() == AMQP_HEADER
+    assert await peer.closed_with() == condition
+    await still_serving(port)
+
+
+@pytest.mark.parametrize(
     "bad",
     [
         struct.pack(">IBBH", 4, 2, 0, 0),  # size below the 8-byte header

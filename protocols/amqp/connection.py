@@ -47,11 +47,14 @@ from proton import (
     Collector,
     Condition,
     Connection,
+    Described,
     Endpoint,
     Event,
     Link,
     SymbolList,
     Transport,
+    symbol,
+    ulong,
 )
 
 from gateway.acl import NO_DENIALS, topic_access
@@ -61,7 +64,7 @@ from protocols.amqp.links import Endpoint as LinkEndpoint
 from protocols.amqp.links import Inbound
 from protocols.amqp.nodes import DynamicNodes
 from protocols.amqp.outbound import Outbound
-from protocols.amqp.sasl import SaslServer, State
+from protocols.amqp.sasl import SaslServer, State, encode_frame
 from protocols.amqp.terminus import InvalidField
 
 if TYPE_CHECKING:
@@ -72,6 +75,7 @@ log = logging.getLogger(__name__)
 IDLE_TIMEOUT = 60.0  # seconds of silence from the client before proton closes the connection
 CLOSE_GRACE = 1.0
 HANDSHAKE_TIMEOUT = 10.0  # seconds a new socket has for the protocol headers, SASL and open
+AMQP_FRAME, CLOSE, ERROR = 0, 0x18, 0x1D  # frame type, close and error descriptors
 _connection_ids = itertools.count(1)
 _HANDLED = frozenset(
     {
@@ -342,6 +346,9 @@ class AmqpConnection(asyncio.Protocol):
         elif kind == Event.LINK_REMOTE_DETACH:
             self._detach(event.link)
         elif kind == Event.SESSION_REMOTE_OPEN:
+            if self.conn.state & Endpoint.REMOTE_UNINIT:  # §2.4.1: the open comes first
+                self._close_with("amqp:not-allowed", "a begin before the connection's open")
+                return
             event.session.open()
         elif kind == Event.SESSION_REMOTE_CLOSE:
             session = event.session
@@ -375,10 +382,20 @@ class AmqpConnection(asyncio.Protocol):
 
     def _undecodable(self, why: str) -> None:
         """Close the connection with amqp:decode-error (once: later events may fail too)."""
+        self._close_with("amqp:decode-error", why)
+
+    def _close_with(self, condition: str, why: str) -> None:
+        """Close the connection with this error, once. Before the client's open proton
+        writes our open but never the close (it waits for the open that will not come):
+        the close is written here, and the socket shut."""
         if not self.conn.state & Endpoint.LOCAL_CLOSED:
             log.info("AMQP connection error: %s", why)
-            self.conn.condition = Condition("amqp:decode-error", why)
+            self.conn.condition = Condition(condition, why)
             self.conn.close()
+            if self.conn.state & Endpoint.REMOTE_UNINIT:
+                self._flush()  # our open
+                self._write(_close_frame(self.conn.condition))
+                self._close_socket()
 
     def _attach(self, link: Link) -> None:
         endpoint: LinkEndpoint = Inbound(self, link) if link.is_receiver else Outbound(self, link)
@@ -438,3 +455,9 @@ class AmqpConnection(asyncio.Protocol):
             closed.set_result(None)
             if self._detaching.get(name) is closed:
                 del self._detaching[name]
+
+
+def _close_frame(condition: Condition) -> bytes:
+    """A close performative (§2.7.9) carrying `condition`."""
+    error = Described(ulong(ERROR), [symbol(condition.name), condition.description])
+    return encode_frame(Described(ulong(CLOSE), [error]), AMQP_FRAME)

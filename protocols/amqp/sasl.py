@@ -76,7 +76,7 @@ class SaslServer:
         if head == SASL_HEADER:
             del self._buf[:8]
             self._header_seen = True
-            self.output += SASL_HEADER + _frame(
+            self.output += SASL_HEADER + encode_frame(
                 Described(ulong(MECHANISMS), [_symbols(self.mechanisms)])
             )
         elif AMQP_HEADER.startswith(head) and len(head) < 8:
@@ -154,7 +154,7 @@ class SaslServer:
 
     def _succeed(self, user: str | None) -> None:
         self.user = user
-        self.output += _frame(Described(ulong(OUTCOME), [ubyte(OK)]))
+        self.output += encode_frame(Described(ulong(OUTCOME), [ubyte(OK)]))
         self._finish()
 
     def _finish(self) -> None:
@@ -163,7 +163,7 @@ class SaslServer:
         self.state = State.DONE
 
     def _fail(self) -> None:
-        self.output += _frame(Described(ulong(OUTCOME), [ubyte(AUTH)]))
+        self.output += encode_frame(Described(ulong(OUTCOME), [ubyte(AUTH)]))
         self.state = State.FAILED
 
 
@@ -175,8 +175,9 @@ def _symbols(names: list[str]) -> Array:
     return Array(UNDESCRIBED, Data.SYMBOL, *(symbol(n) for n in names))
 
 
-def _frame(body: Described) -> bytes:
+def encode_frame(body: Described, kind: int = SASL_FRAME) -> bytes:
+    """One frame on channel 0: `kind` 1 a SASL frame, 0 an AMQP one."""
     data = Data()
     data.put_object(body)
     payload = bytes(data.encode())
-    return struct.pack(">IBBH", 8 + len(payload), 2, SASL_FRAME, 0) + payload
+    return struct.pack(">IBBH", 8 + len(payload), 2, kind, 0) + payload
