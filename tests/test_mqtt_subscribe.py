@@ -5,6 +5,7 @@ widen the windows these races happen in."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -144,3 +145,39 @@ async def test_unsubscribe_then_subscribe_at_once_still_gets_other_nodes_message
     assert isinstance(got, Publish) and got.payload == b"after suback"
     pub.close()
     sub.close()
+
+
+@pytest.mark.parametrize("level", [4, 5])
+async def test_a_new_qos1_filter_costs_an_overlapping_qos0_one_nothing(
+    broker: Broker, second_node: Broker, mqtt: Listener, level: int
+) -> None:
+    """MQTT-3.8.4-3: a SUBSCRIBE leaves the other subscriptions be. With `a/#` at QoS 0,
+    SUBSCRIBE `a/b` at QoS 1 took `a/b`'s direct copies away at once (the queue delivers
+    them), while the queue's route was still being set up on every node: a few vanished."""
+    sub, _ = await Raw.connected(mqtt.port, level, client_id="overlap")
+    await sub.send(Subscribe(1, [("a/#", SubscriptionOptions(qos=0))]))
+    assert await sub.recv() == Suback(1, [0])
+    sent: list[int] = []
+    subscribed = asyncio.Event()
+
+    async def publish_steadily() -> None:
+        while not subscribed.is_set() or len(sent) < 20:
+            sent.append(len(sent))
+            await broker.publish(Message(destination="a/b", payload=b"%d" % sent[-1]))
+            await asyncio.sleep(0.001)
+
+    task = asyncio.create_task(publish_steadily())
+    await asyncio.sleep(0.05)
+    await sub.send(Subscribe(2, [("a/b", SubscriptionOptions(qos=1))]))
+    got: set[int] = set()
+    with contextlib.suppress(TimeoutError):  # until nothing more comes for a second
+        while packet := await sub.recv(1.0):
+            if packet == Suback(2, [1]):
+                subscribed.set()
+            elif isinstance(packet, Publish):
+                got.add(int(packet.payload))
+                if packet.qos:
+                    await sub.send(Puback(packet.packet_id))
+    await task
+    assert subscribed.is_set() and sent
+    assert sorted(set(sent) - got) == []

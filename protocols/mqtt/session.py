@@ -252,6 +252,9 @@ class Session:
         # while a filter moves between the direct and the queued route (it has both), the
         # ids of messages sent direct, so their queued copies are not sent again
         self._both_routes = 0
+        # new QoS 1/2 filters whose queue route is being added: until it holds, a direct
+        # copy that another (QoS 0) filter of the client matches still goes out
+        self._queuing: set[str] = set()
         self._sent_direct: dict[str, None] = {}
         self.topics = NO_DENIALS  # the topic ACL's denials for its user, once it logged in
         self._max_out: int | None = None
@@ -836,8 +839,11 @@ class Session:
         still gets it. The queue holds a copy when any QoS 1/2 filter matches, a no-local
         one too: that copy, not a direct one, goes to the client's other filters."""
         matched = list(state.trie.match(topic))
-        if direct and any(state.subscriptions[f].qos > 0 for f in matched):
-            return []  # the queue delivers it
+        if direct:
+            if self._queuing:  # not routed to the queue yet: the other filters deliver it
+                matched = [f for f in matched if f not in self._queuing]
+            if any(state.subscriptions[f].qos > 0 for f in matched):
+                return []  # the queue delivers it
         if own:
             matched = [f for f in matched if not state.subscriptions[f].no_local]
         return matched
@@ -1186,9 +1192,15 @@ class Session:
                 )
             return 0
         if pattern not in self._direct:
-            state.set_subscription(pattern, options)
-            queue = await self._ensure_queue()
-            await self.broker.subscribe_queue(queue, [pattern], MQTT, user=self.access_user)
+            self._queuing.add(pattern)
+            state.set_subscription(pattern, options)  # a new version: the routes are redone
+            try:
+                with self._both_routes_held():
+                    queue = await self._ensure_queue()
+                    await self.broker.subscribe_queue(queue, [pattern], MQTT, user=self.access_user)
+            finally:
+                self._queuing.discard(pattern)
+                self._routes.clear()
             return options.qos
         queue = await self._ensure_queue()  # it stays QoS 0 until the queue takes the topic
         with self._both_routes_held():
