@@ -86,7 +86,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import Awaitable, Callable, Collection, Iterable
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from typing import Any, overload
 
 import redis.asyncio as aioredis
@@ -264,16 +264,24 @@ class Broker:
                 fut.set_result(Outcome.NO_SUBSCRIBERS)
                 return self._retain_after(msg, fut, done) if msg.retain else fut
         retain = msg.retain and not msg.to_queue
-        fut = self._spool(queues, msg.to_queue, msg, None if retain else done)
+        routed_by = None if msg.to_queue else self.router.created
+        fut = self._spool(queues, routed_by, msg, None if retain else done)
         return self._retain_after(msg, fut, done) if retain else fut
 
     def _spool(
-        self, queues: Collection[str], named: bool, msg: Message, done: Done | None
+        self,
+        queues: Collection[str],
+        routed_by: Mapping[str, str] | None,
+        msg: Message,
+        done: Done | None,
     ) -> asyncio.Future[Outcome] | None:
-        """Hand `msg` to the spooler for `queues` (`named`: by name, not by its topic)."""
+        """Hand `msg` to the spooler for `queues`. `routed_by`: None when the message names
+        its queue, else the created_ms of the queues as the routes that matched its topic
+        knew them (Router.created, one object per load): stored only in those queues, not
+        in one made again under a name since."""
         return self.spooler.submit(
             queues,
-            named,
+            routed_by,
             len(msg.payload),
             msg.partition_key,
             msg.expiration,
@@ -330,7 +338,7 @@ class Broker:
         after another keep that order; the future holds the outcome."""
         if not msg.id:
             msg.id = new_message_id()
-        stored = self._spool((queue,), True, msg, None)
+        stored = self._spool((queue,), None, msg, None)
         assert stored is not None  # a future: no `done` was given
         return stored
 

@@ -33,6 +33,9 @@ class Router:
         self.version = -1
         self.keyed_properties: frozenset[str] = frozenset()  # lvq_key / sort_key names
         self.selectors: dict[str, Selector] = {}  # queue -> its subscription selector
+        # queue -> its created_ms as loaded: a message routed by its subscriptions goes to
+        # that queue, not to one made again under its name before this node reloaded
+        self.created: dict[str, str] = {}
         self._lock = asyncio.Lock()
 
     def match(self, topic: str) -> frozenset[str]:
@@ -49,20 +52,24 @@ class Router:
             pos = 1
             keyed = set()
             selectors: dict[str, Selector] = {}
+            created: dict[str, str] = {}
             while pos < len(reply):
                 queue = reply[pos].decode()
                 if reply[pos + 1]:
                     keyed.add(reply[pos + 1].decode())
                 if reply[pos + 2]:
                     selectors[queue] = self._compiled(queue, reply[pos + 2].decode())
-                count = int(reply[pos + 3])
-                for entry in reply[pos + 4 : pos + 4 + count]:
+                count = int(reply[pos + 4])
+                if count and reply[pos + 3]:
+                    created[queue] = reply[pos + 3].decode()
+                for entry in reply[pos + 5 : pos + 5 + count]:
                     pattern, syntax = parse_subscription_entry(entry.decode())
                     trie.add(pattern, queue, syntax)
-                pos += 4 + count
+                pos += 5 + count
             self._trie = trie
             self.keyed_properties = frozenset(keyed)
             self.selectors = selectors
+            self.created = created
             self.version = int(reply[0])
 
     def _compiled(self, queue: str, text: str) -> Selector:

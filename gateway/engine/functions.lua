@@ -857,9 +857,9 @@ local function spool_target(name, families)
   local c = redis.call('HMGET', k_queue_config(name), 'ingress', 'max_message_size',
     'max_spool_bytes', 'max_messages', 'partition_count', 'parent', 'message_groups',
     'max_ttl_ms', 'lvq_key', 'priorities', 'overflow', 'resume_percent', 'vpn', 'sort_key',
-    'selective')
+    'selective', 'created_ms')
   local info = { name = name, added = 0, added_bytes = 0, dropped = 0, dropped_bytes = 0,
-    wake = c[6] or name, hidden = c[6] ~= false, parent = c[6] or false }
+    wake = c[6] or name, hidden = c[6] ~= false, parent = c[6] or false, created = c[16] }
   if not c[1] then
     info.missing = true
     return info
@@ -1293,7 +1293,10 @@ local function hold_for_node(q)
   return FLOW_CONTROLLED
 end
 
--- ARGV: node, nq, queue names..., then per message: k, queue indexes (k)..., direct,
+-- ARGV: node, nq, queue names (one a topic subscription routed to: "name created_ms", the
+-- queue it was routed to; a queue made again since under its name is missing to it, so it
+-- takes nothing its former self's subscriptions attracted)..., then per message: k, queue
+-- indexes (k)..., direct,
 -- payload size (checked against max_message_size), key hash high and low 32 bits (picks
 -- the partition of a partitioned queue: xxh3_64(key) % partition_count), the key itself
 -- ('' for none; kept as field 'k' on message-group queues), the publisher's expiry (epoch
@@ -1337,10 +1340,16 @@ redis.register_function('gw_spool', function(_, a)
   local function target(name)
     local t = by_name[name]
     if not t then
-      t = spool_target(name, families)
-      if t.overflow == 'flow_control' then flow_held_mark(t, a[1], retry) end
+      local routed_to, created = string.match(name, '^(%S+) (%d+)$')
+      if routed_to then
+        t = target(routed_to)
+        if t.created ~= created then t = NAMED_HIDDEN end
+      else
+        t = spool_target(name, families)
+        if t.overflow == 'flow_control' then flow_held_mark(t, a[1], retry) end
+        qs[#qs + 1] = t
+      end
       by_name[name] = t
-      qs[#qs + 1] = t
     end
     return t
   end
@@ -2678,6 +2687,15 @@ register_always('gw_queue_create', function(_, a)
     return out
   end
   redis.call('HSET', cfg, unpack(a, 2))
+  -- created_ms tells this queue from others made under its name (gw_bind, gw_spool): two
+  -- made in one millisecond, or by nodes whose clocks differ, must not share one
+  local made = tonumber(redis.call('HGET', cfg, 'created_ms')) or 0
+  local last = tonumber(redis.call('GET', K_LAST_CREATED)) or 0
+  if made <= last then
+    made = last + 1
+    redis.call('HSET', cfg, 'created_ms', made)
+  end
+  redis.call('SET', K_LAST_CREATED, made)
   init_queue(q)
   for i = 0, partition_count(q) - 1 do create_partition(q, i) end
   if redis.call('HGET', cfg, 'priorities') == '1' then
@@ -2868,18 +2886,19 @@ register_always('gw_subscription', function(_, a)
 end)
 
 -- Every queue's topic subscriptions (and what its spool needs: the property of its LVQ key
--- or sort key; its subscription selector, applied by the routing node), for a node's
--- routing trie.
--- Returns {version, queue, key, selector, n, entry..., queue, key, selector, n, ...}.
+-- or sort key; its subscription selector, applied by the routing node; its created_ms,
+-- which gw_spool checks), for a node's routing trie.
+-- Returns {version, queue, key, selector, created_ms, n, entry..., queue, ...}.
 register_always('gw_routes', function(_, _)
   local out = { tonumber(redis.call('GET', K_SUB_VERSION) or '0') }
   for _, q in ipairs(redis.call('SMEMBERS', K_QUEUES)) do
     local subs = redis.call('SMEMBERS', k_queue_subs(q))
     out[#out + 1] = q
     local keyed = redis.call('HMGET', k_queue_config(q), 'lvq_key', 'sort_key',
-      'subscription_selector')
+      'subscription_selector', 'created_ms')
     out[#out + 1] = (keyed[1] ~= '' and keyed[1]) or keyed[2] or ''
     out[#out + 1] = keyed[3] or ''
+    out[#out + 1] = keyed[4] or ''
     out[#out + 1] = #subs
     for _, e in ipairs(subs) do out[#out + 1] = e end
   end

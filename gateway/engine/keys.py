@@ -25,6 +25,7 @@ TEMPLATES: dict[str, str] = {
     "nodes": f"{PREFIX}:nodes",
     "events": f"{PREFIX}:ev",
     "sub_version": f"{PREFIX}:subver",
+    "last_created": f"{PREFIX}:lastcreated",  # the latest created_ms a queue was given
     "queue_config": f"{PREFIX}:q:{{{{q}}}}:cfg",
     "queue_stream": f"{PREFIX}:q:{{{{q}}}}:s",
     "queue_stats": f"{PREFIX}:q:{{{{q}}}}:st",
@@ -98,6 +99,7 @@ liveness = TEMPLATES["liveness"]
 liveness_grace = TEMPLATES["liveness_grace"]
 events = TEMPLATES["events"]
 sub_version = TEMPLATES["sub_version"]
+last_created = TEMPLATES["last_created"]
 retained = TEMPLATES["retained"]
 retained_held_topics = TEMPLATES["retained_held_topics"]
 direct_nodes = TEMPLATES["direct_nodes"]  # nodes with direct (not spooled) subscribers

@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import Protocol
 
 import redis.asyncio as aioredis
@@ -62,7 +62,7 @@ _OUTCOMES = tuple(Outcome)  # by code: indexing costs a tenth of Outcome(code)
 # a dataclass instance per message costs measurably more on the publish path.
 _Pending = tuple[
     Collection[str],
-    bool,
+    "Mapping[str, str] | None",
     int,
     "str | None",
     "int | None",
@@ -114,7 +114,7 @@ class Spooler:
     def submit(
         self,
         queues: Collection[str],
-        direct: bool,
+        routed_by: Mapping[str, str] | None,
         size: int,
         key: str | None,
         expires: int | None,
@@ -137,7 +137,7 @@ class Spooler:
             loop = self._loop = asyncio.get_running_loop()
         fut: asyncio.Future[Outcome] | None = None if done is not None else loop.create_future()
         self._pending.append(
-            (queues, direct, size, key, expires, props, priority, not_before, blob, fut, done)
+            (queues, routed_by, size, key, expires, props, priority, not_before, blob, fut, done)
         )
         if self._task is None:
             self._task = loop.create_task(self._run())
@@ -219,15 +219,28 @@ class Spooler:
     def _arguments(self, batch: list[_Pending], retry: bool) -> list[object]:
         """gw_spool's arguments for the batch (numkeys first); a retry batch, which starts
         with held messages, says so with a negative queue count."""
-        index: dict[str, int] = {}
+        named: dict[str, int] = {}  # the queues messages name
+        # the queues topic subscriptions routed messages to, by the routes (one load of
+        # them, alive in the batch) that did
+        routed: dict[int, dict[str, int]] = {}
+        names: list[str] = []
         body: list[object] = []
         append, extend = body.append, body.extend
-        for queues, direct, size, key, expires, props, priority, not_before, blob, _, _ in batch:
+        for queues, routed_by, size, key, expires, props, priority, not_before, blob, _, _ in batch:
+            direct = routed_by is None
+            if direct:
+                index = named
+            else:
+                index = routed.get(id(routed_by))
+                if index is None:
+                    index = routed[id(routed_by)] = {}
             idx = []
             for q in queues:
                 i = index.get(q)
                 if i is None:
-                    i = index[q] = len(index) + 1
+                    made = None if direct else routed_by.get(q)
+                    names.append(f"{q} {made}" if made else q)
+                    i = index[q] = len(names)
                 idx.append(i)
             if key is None and not expires and not props and not not_before:
                 append(short_head(idx, direct, size, key_hash(None)[1], priority))
@@ -248,7 +261,7 @@ class Spooler:
                     blob,
                 )
             )
-        return [0, self._node, -len(index) if retry else len(index), *index.keys(), *body]
+        return [0, self._node, -len(names) if retry else len(names), *names, *body]
 
     def _answered(self, batch: list[_Pending], reply: list[int] | BaseException) -> None:
         """gw_spool's outcome codes for the batch, or why Redis did not answer them."""
