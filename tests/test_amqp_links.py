@@ -77,6 +77,19 @@ async def test_a_sending_clients_settle_mode_is_echoed(
     peer.close()
 
 
+@pytest.mark.parametrize(("role", "snd", "rcv"), [(SENDER, 9, 0), (RECEIVER, 0, 7)])
+async def test_settle_modes_out_of_range_are_refused(
+    broker: Broker, amqp: Listener, role: bool, snd: int, rcv: int
+) -> None:
+    """They were echoed back in the gateway's attach, which no client could read."""
+    await broker.queues.create(QueueConfig(name="modes"))
+    peer = await Peer.opened(amqp.port)
+    peer.attach("m", 0, role, "modes", snd_mode=snd, rcv_mode=rcv)
+    await peer.expect(ATTACH)
+    assert (await peer.expect(DETACH)).error() == "amqp:invalid-field"
+    peer.close()
+
+
 async def test_a_receiving_clients_rcv_settle_mode_second_is_echoed_and_kept(
     broker: Broker, amqp: Listener
 ) -> None:

@@ -404,9 +404,14 @@ class AmqpConnection(asyncio.Protocol):
 
     async def _run_attach(self, endpoint: Inbound | Outbound) -> None:
         try:
-            if endpoint.link.name is None:
+            link = endpoint.link
+            if link.name is None:
                 raise InvalidField("an attach must name its link")
-            detaching = self._detaching.get(endpoint.link.name)
+            # §2.8.2 / §2.8.3: sender-settle-mode 0-2, receiver-settle-mode 0-1 (echoed back
+            # unchecked, they made an attach no client could read)
+            if link.remote_snd_settle_mode > 2 or link.remote_rcv_settle_mode > 1:
+                raise InvalidField("an attach's settle modes are out of range")
+            detaching = self._detaching.get(link.name)
             if detaching is not None:  # the link of this name before it is still closing
                 await asyncio.shield(detaching)
             await endpoint.attach()
