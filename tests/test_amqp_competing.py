@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+from proton import Described, symbol, uint, ulong
 from proton import Message as AmqpMessage
 
 from gateway.broker import Broker, QueueConfig
@@ -13,7 +14,17 @@ from gateway.config import Settings
 from gateway.model import Message
 from protocols.amqp.listener import Listener
 from protocols.amqp.listener import start as start_amqp
-from tests.amqp_raw import ATTACH, RECEIVER, TRANSFER, Peer, flow
+from tests.amqp_raw import (
+    ATTACH,
+    RECEIVER,
+    SOURCE,
+    TARGET,
+    TRANSFER,
+    Peer,
+    flow,
+    frame,
+    performative,
+)
 from tests.redis_proxy import CuttingProxy
 from tests.test_redis_outages import node, proxy  # noqa: F401
 
@@ -72,5 +83,34 @@ async def test_what_was_fetched_as_the_credit_went_to_zero_goes_to_other_consume
         assert await transfers(a, 0.1) == 0
         a.close()
         b.close()
+    finally:
+        await listener.close()
+
+
+async def test_a_browser_whose_credit_was_cut_during_a_fetch_still_sees_every_message(
+    node: Broker,  # noqa: F811
+    proxy: CuttingProxy,  # noqa: F811
+) -> None:
+    """A browser's cursor passes what its fetch brought: given back as a consumer's is, a
+    message fetched as the client cut the credit was never shown to that browser."""
+    listener = await start_amqp(node, Settings(amqp_port=0, host="127.0.0.1"))
+    try:
+        await node.queues.create(QueueConfig(name="shelf"))
+        for i in range(5):
+            await node.publish(Message("shelf", b"%d" % i, to_queue=True))
+        peer = await Peer.opened(listener.port)
+        source = Described(ulong(SOURCE), ["shelf", *[None] * 5, symbol("copy")])
+        target = Described(ulong(TARGET), [None])
+        peer.send(frame(performative(ATTACH, "b", uint(0), RECEIVER, None, None, source, target)))
+        await peer.expect(ATTACH)
+        proxy.delay_on, proxy.delay = b"gw_browse", 0.5
+        peer.send(flow(0, 5))
+        await asyncio.sleep(0.2)  # its fetch is under way
+        peer.send(flow(0, 0))
+        await asyncio.sleep(0.6)
+        peer.send(flow(0, 5))
+        assert await transfers(peer, 1.5) == 5
+        assert (await node.queues.info("shelf")).messages == 5
+        peer.close()
     finally:
         await listener.close()

@@ -12,7 +12,7 @@ import pytest
 from gateway.broker import Broker, QueueConfig, QueueError
 from gateway.model import Message
 from protocols.amqp.listener import Listener
-from tests.amqp_raw import ATTACH, RECEIVER, Peer, flow
+from tests.amqp_raw import ATTACH, FLOW, RECEIVER, TRANSFER, Peer, flow
 from tests.test_admin_api import Admin
 from tests.test_amqp_competing import transfers
 
@@ -65,3 +65,20 @@ async def test_the_limit_is_validated_and_changed_at_run_time(broker: Broker, ad
     )
     assert patched.status == 200, patched.raw
     assert patched.body["max_delivered_unacked_msgs_per_flow"] == 2
+
+
+async def test_a_drain_is_answered_once_the_per_flow_limit_is_full(
+    broker: Broker, amqp: Listener
+) -> None:
+    """§2.6.7: a drain is answered as soon as the sender can send no more. Once the limit
+    filled the flow nothing was fetched again, and nothing answered it: 7 credits hung."""
+    await broker.queues.create(QueueConfig(name="pull", max_delivered_unacked_msgs_per_flow=3))
+    await fill(broker, "pull", 10)
+    peer = await Peer.opened(amqp.port)
+    peer.attach("r", 0, RECEIVER, "pull")
+    await peer.expect(ATTACH)
+    peer.send(flow(0, 10, drain=True))
+    frames = await peer.frames_for(1.5)
+    peer.close()
+    assert sum(1 for f in frames if f.code == TRANSFER) == 3
+    assert any(f.code == FLOW and f.fields[6] == 0 for f in frames)  # link-credit 0

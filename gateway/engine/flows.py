@@ -751,9 +751,12 @@ class Dispatcher:
                 continue
             if not flow.partitioned:
                 # competing flows of one queue take turns: a big window does not grab a
-                # burst or the backlog in one fetch (each is wanted again after its batch)
-                sharing = sum(1 for f in self.flows.get(flow.queue, ()) if f.active)
-                if sharing > 1:
+                # burst or the backlog in one fetch (each is wanted again after its batch);
+                # browsers take nothing from the others: they neither compete nor share
+                sharing = sum(
+                    1 for f in self.flows.get(flow.queue, ()) if f.active and not f.browse
+                )
+                if sharing > 1 and not flow.browse:
                     count = min(space, flow.share, max(1, FETCH_BATCH // sharing))
                 else:
                     count = space

@@ -117,6 +117,7 @@ class Outbound(Endpoint):
         # a topic subscription's user's topic ACL, when it denies topics a broader filter
         # may match: their messages are consumed unseen
         self._acl: TopicAccess | None = None
+        self._draining = False  # the client asked for a drain not answered yet
 
     async def attach(self) -> None:
         link, broker = self.link, self.host.broker
@@ -316,9 +317,12 @@ class Outbound(Endpoint):
             flow.set_credit(0)  # more fetched until the flow closes
             flow.unsend(delivery.entry_id)
             return
-        if flow.credit is not None and flow.credit < 0:  # fetched as the client cut its
-            flow.credit += 1  # credit (to 0, or drained): not sent (§2.6.7), and not held
-            flow.unsend(delivery.entry_id)  # from other consumers until the link goes
+        if flow.credit is not None and flow.credit < 0 and not flow.browse:
+            # fetched as the client cut its credit (to 0, or drained): not sent (§2.6.7),
+            # nor held from other consumers until the link goes. (A browser's cursor has
+            # passed it: proton holds it for the browser's next credit.)
+            flow.credit += 1
+            flow.unsend(delivery.entry_id)
             return
         acl = self._acl
         if acl is not None and not acl.may_receive(delivery.message.destination):
@@ -352,6 +356,8 @@ class Outbound(Endpoint):
             self._presettled.append(delivery.entry_id)
         else:
             self.unsettled[dlv] = (delivery.entry_id, tag)
+        if self._draining and flow.space <= 0:  # its window (the queue's per-flow limit)
+            self._drained(flow)  # is full: no more to send for this drain
         self.host.wake()
 
     def written(self) -> bool:
@@ -409,7 +415,8 @@ class Outbound(Endpoint):
         flow, impl = self.flow, self.link._impl  # one FLOW event per client flow frame
         credit = pn_link_credit(impl)
         flow.set_credit(max(0, credit))
-        if credit > 0 and pn_link_get_drain(impl) and (flow.space <= 0 or not flow.active):
+        self._draining = credit > 0 and bool(pn_link_get_drain(impl))
+        if self._draining and (flow.space <= 0 or not flow.active):
             self._drained(flow)
 
     def _on_empty(self) -> None:
@@ -418,6 +425,7 @@ class Outbound(Endpoint):
 
     def _drained(self, flow: Flow) -> None:
         """Hand the unused credit back (delivery-count advances, credit 0)."""
+        self._draining = False
         self.link.drained()
         flow.set_credit(0)
         self.host.wake()
