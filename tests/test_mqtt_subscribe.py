@@ -10,6 +10,7 @@ import contextlib
 import pytest
 
 from gateway.broker import Broker
+from gateway.config import Settings
 from gateway.engine.direct import DirectRelay
 from gateway.model import Message
 from protocols.mqtt.codec import (
@@ -24,8 +25,11 @@ from protocols.mqtt.codec import (
     encode,
 )
 from protocols.mqtt.listener import Listener
+from protocols.mqtt.listener import start as start_mqtt
 from tests import test_engine, test_mqtt_handover
+from tests.redis_proxy import CuttingProxy
 from tests.test_mqtt_protocol import Raw
+from tests.test_redis_outages import node, proxy  # noqa: F401
 
 second_node = test_engine.second_node  # fixtures: a second node and its MQTT listener
 mqtt2 = test_mqtt_handover.mqtt2
@@ -181,3 +185,35 @@ async def test_a_new_qos1_filter_costs_an_overlapping_qos0_one_nothing(
     await task
     assert subscribed.is_set() and sent
     assert sorted(set(sent) - got) == []
+
+
+async def test_subscribing_a_qos1_filter_again_keeps_its_messages_at_qos1(
+    node: Broker,  # noqa: F811
+    proxy: CuttingProxy,  # noqa: F811
+) -> None:
+    """Clients subscribe again on every reconnect. With an overlapping QoS 0 filter, the
+    messages of the resubscription's window went out direct at QoS 0 and their queued
+    QoS 1 copies were thrown away."""
+    listener = await start_mqtt(node, Settings(mqtt_port=0, host="127.0.0.1"))
+    try:
+        sub, _ = await Raw.connected(listener.port, 5, client_id="resub")
+        await sub.send(Subscribe(1, [("a/#", SubscriptionOptions(qos=0))]))
+        assert await sub.recv() == Suback(1, [0])
+        await sub.send(Subscribe(2, [("a/b", SubscriptionOptions(qos=1))]))
+        assert await sub.recv() == Suback(2, [1])
+        proxy.delay_on, proxy.delay = b"gw_subscription", 0.5  # a slow answer
+        await sub.send(Subscribe(3, [("a/b", SubscriptionOptions(qos=1))]))
+        await asyncio.sleep(0.1)
+        for i in range(5):
+            await node.publish(Message(destination="a/b", payload=b"%d" % i))
+            await asyncio.sleep(0.02)
+        got: list[Publish] = []
+        with contextlib.suppress(TimeoutError):
+            while packet := await sub.recv(1.5):
+                if isinstance(packet, Publish):
+                    got.append(packet)
+                    if packet.qos:
+                        await sub.send(Puback(packet.packet_id))
+        assert sorted(p.payload for p in got if p.qos == 1) == [b"%d" % i for i in range(5)]
+    finally:
+        await listener.close()

@@ -252,8 +252,7 @@ class Session:
         # while a filter moves between the direct and the queued route (it has both), the
         # ids of messages sent direct, so their queued copies are not sent again
         self._both_routes = 0
-        # new QoS 1/2 filters whose queue route is being added: until it holds, a direct
-        # copy that another (QoS 0) filter of the client matches still goes out
+        # new QoS 1/2 filters whose queue route is being added (see _subscribe)
         self._queuing: set[str] = set()
         self._sent_direct: dict[str, None] = {}
         self.topics = NO_DENIALS  # the topic ACL's denials for its user, once it logged in
@@ -1192,15 +1191,22 @@ class Session:
                 )
             return 0
         if pattern not in self._direct:
-            self._queuing.add(pattern)
+            # a new filter: until its queue route holds on every node, a message it matches
+            # may reach the client only through an overlapping QoS 0 filter's direct copy,
+            # which goes out; a queued copy goes out too, at its QoS (MQTT 5 §3.3.4 allows
+            # a copy per matching subscription). A QoS 1/2 filter subscribed again is
+            # queued already.
+            new = previous is None
+            if new:
+                self._queuing.add(pattern)
             state.set_subscription(pattern, options)  # a new version: the routes are redone
             try:
-                with self._both_routes_held():
-                    queue = await self._ensure_queue()
-                    await self.broker.subscribe_queue(queue, [pattern], MQTT, user=self.access_user)
+                queue = await self._ensure_queue()
+                await self.broker.subscribe_queue(queue, [pattern], MQTT, user=self.access_user)
             finally:
-                self._queuing.discard(pattern)
-                self._routes.clear()
+                if new:
+                    self._queuing.discard(pattern)
+                    self._routes.clear()
             return options.qos
         queue = await self._ensure_queue()  # it stays QoS 0 until the queue takes the topic
         with self._both_routes_held():
