@@ -500,8 +500,11 @@ PROPERTY_SETTINGS = settings(
 
 
 def stored_as(field: str, value: object) -> object:
-    """What a queue shows for an accepted value (an empty owner is no owner)."""
-    return None if field == "owner" and value == "" else value
+    """What a queue shows for an accepted value (an empty owner is no owner; an empty
+    permission is none given: the default, consume)."""
+    if value == "" and field in ("owner", "permission"):
+        return None if field == "owner" else "consume"
+    return value
 
 
 def call(admin: Admin, method: str, path: str, body: object = None) -> Reply:

@@ -403,6 +403,7 @@ async def test_keys_module_names_every_key(redis_url: str, broker: Broker) -> No
         keys.queue_flows("q"),
         keys.node_alive(broker.node_id),
         keys.node_queues(broker.node_id),
+        keys.node_queue_flows(broker.node_id),
         keys.spool_usage,
     }
     assert names == expected

@@ -411,9 +411,18 @@ end
 -- The node's index of the queues it has flows on (or owns) is for its reaper: the queue
 -- leaves it once the node has neither, or every temporary queue and every queue a flow of
 -- the node ever bound stayed there, and a reap walked them all in one call.
+-- A count of the node's flows on each queue (gw_bind adds one) tells when the last goes
+-- without reading the queue's flows (a reap of many flows on one queue would read them
+-- once a flow). A flow bound before the counts were kept goes below 0: then they are read.
 local function unindex_flow(q, n)
-  for _, other in ipairs(redis.call('ZRANGE', k_queue_flows(q), 0, -1)) do
-    if node_of(other) == n then return end
+  local counts = k_node_queue_flows(n)
+  local left = redis.call('HINCRBY', counts, q, -1)
+  if left > 0 then return end
+  redis.call('HDEL', counts, q)
+  if left < 0 then
+    for _, other in ipairs(redis.call('ZRANGE', k_queue_flows(q), 0, -1)) do
+      if node_of(other) == n then return end
+    end
   end
   if redis.call('HGET', k_queue_config(q), 'owner_node') ~= n then
     redis.call('SREM', k_node_queues(n), q)
@@ -445,7 +454,9 @@ local function release_flow(q, flow, no_rebalance, keep)
     end
   end
   redis.call('ZREM', k_queue_flows(q), flow)
-  unindex_flow(q, node_of(flow))
+  if redis.call('HEXISTS', k_queue_config(q), 'parent') == 0 then  -- a child is not indexed
+    unindex_flow(q, node_of(flow))
+  end
   local lease = k_queue_lease(q)
   if redis.call('HGET', lease, 'flow') == flow then
     redis.call('DEL', lease)
@@ -476,7 +487,9 @@ delete_queue = function(q)
   if redis.call('EXISTS', k_queue_config(q)) == 0 then return 0 end
   for _, child in ipairs(children(q)) do delete_queue(child) end
   for _, flow in ipairs(redis.call('ZRANGE', k_queue_flows(q), 0, -1)) do
-    redis.call('SREM', k_node_queues(node_of(flow)), q)
+    local n = node_of(flow)
+    redis.call('SREM', k_node_queues(n), q)
+    redis.call('HDEL', k_node_queue_flows(n), q)
   end
   local owner_node = redis.call('HGET', k_queue_config(q), 'owner_node')
   if owner_node then redis.call('SREM', k_node_queues(owner_node), q) end
@@ -558,7 +571,7 @@ local function reap_node(n)
   end
   release_partings(n)
   release_sessions(n)
-  redis.call('DEL', k_node_queues(n), k_node_alive(n))
+  redis.call('DEL', k_node_queues(n), k_node_queue_flows(n), k_node_alive(n))
   redis.call('SREM', K_NODES, n)
   if redis.call('SREM', K_DIRECT_NODES, n) == 1 then redis.call('PUBLISH', K_EVENTS, 'direct ' .. n) end
   return released
@@ -2152,6 +2165,7 @@ register_always('gw_bind', function(_, a)
   local seq = redis.call('INCR', K_SEQ)
   redis.call('ZADD', k_queue_flows(q), seq, flow)
   redis.call('SADD', k_node_queues(node), q)
+  redis.call('HINCRBY', k_node_queue_flows(node), q, 1)
   if prioritised then  -- it settles on the levels' streams
     for _, child in ipairs(children(q)) do redis.call('ZADD', k_queue_flows(child), seq, flow) end
   end

@@ -67,6 +67,7 @@ TEMPLATES: dict[str, str] = {
     "liveness": f"{PREFIX}:nodes:liveness",
     "liveness_grace": f"{PREFIX}:nodes:grace",  # while it lives, no node is presumed dead
     "node_queues": f"{PREFIX}:node:{{n}}:queues",
+    "node_queue_flows": f"{PREFIX}:node:{{n}}:qflows",  # queue -> the node's flows on it
     # parting messages (an MQTT will): the records a node's connections hold, and those
     # whose node died or whose connection ended, by the epoch ms they go (see parting.py)
     "node_parting": f"{PREFIX}:node:{{n}}:parting",
@@ -225,6 +226,10 @@ def priority_queue(parent: str, priority: int) -> str:
 
 def node_alive(n: str) -> str:
     return _node_key("node_alive", n)
+
+
+def node_queue_flows(n: str) -> str:
+    return _node_key("node_queue_flows", n)
 
 
 def node_queues(n: str) -> str:
