@@ -11,7 +11,18 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from gateway.config import AclRule
-from gateway.topics import MQTT, TopicError, pattern_matches
+from gateway.topics import (
+    LIT,
+    MQTT,
+    ONE,
+    ONE_OR_MORE,
+    PREFIX,
+    ZERO_OR_MORE,
+    Token,
+    TopicError,
+    parse_pattern,
+    pattern_matches,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +38,19 @@ class TopicAccess:
     def may_receive(self, topic: str) -> bool:
         """A message on `topic`, matched by a broader subscription the user may hold."""
         return not covered(self.deny_subscribe, topic)
+
+    def may_route(self, pattern: str, syntax: str) -> bool:
+        """A queue subscription (admin API): refused when some topic a denied pattern
+        covers could match it. A queue's messages are read by whoever may read the queue,
+        past any filter of the user's: a broader pattern would hand out denied topics."""
+        if not self.deny_subscribe:
+            return True
+        tokens = parse_pattern(pattern, syntax)
+        return not any(
+            _overlap(tokens, parse_pattern(denied, MQTT))
+            for denied in self.deny_subscribe
+            if _valid(denied)
+        )
 
     def may_subscribe(self, topic_filter: str) -> bool:
         """A filter is refused when a denied pattern covers it taken as a name (`a/#` covers
@@ -61,3 +85,36 @@ def covered(patterns: tuple[str, ...], topic: str) -> bool:
             if pattern == topic:
                 return True
     return False
+
+
+def _valid(pattern: str) -> bool:
+    try:
+        parse_pattern(pattern, MQTT)
+    except TopicError:
+        return False
+    return True
+
+
+def _overlap(a: tuple[Token, ...], b: tuple[Token, ...]) -> bool:
+    """Whether some topic matches both patterns (as parsed tokens)."""
+    if (a and a[0][0] == ZERO_OR_MORE) or (b and b[0][0] == ZERO_OR_MORE):
+        return True
+    if a and a[0][0] == ONE_OR_MORE:
+        return bool(b)
+    if b and b[0][0] == ONE_OR_MORE:
+        return bool(a)
+    if not a or not b:
+        return not a and not b
+    return _same_level(a[0], b[0]) and _overlap(a[1:], b[1:])
+
+
+def _same_level(x: Token, y: Token) -> bool:
+    """Whether one topic level can match both tokens."""
+    if x[0] == ONE or y[0] == ONE:
+        return True
+    if x[0] == LIT and y[0] == LIT:
+        return x[1] == y[1]
+    if x[0] == PREFIX and y[0] == PREFIX:
+        return x[1].startswith(y[1]) or y[1].startswith(x[1])
+    literal, prefix = (x, y) if x[0] == LIT else (y, x)
+    return literal[0] == LIT and prefix[0] == PREFIX and literal[1].startswith(prefix[1])

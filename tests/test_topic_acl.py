@@ -11,6 +11,7 @@ import pytest
 from proton import Message
 from proton.utils import BlockingConnection, LinkDetached, SendException
 
+from gateway.acl import topic_access
 from gateway.admin.api import AdminApi
 from gateway.admin.http import HttpServer
 from gateway.broker import Broker
@@ -125,6 +126,9 @@ async def test_the_admin_api_holds_a_user_to_the_topic_acl(broker: Broker, admin
     assert publish.status == 403, publish
     create = await bob("POST", "/api/v1/queues", {"name": "mine", "subscriptions": ["secret/>"]})
     assert create.status == 403, create
+    for broader in (">", "secre*/>", "*/plans"):  # a queue's reader gets past any filter
+        made = await bob("POST", "/api/v1/queues", {"name": "b", "subscriptions": [broader]})
+        assert made.status == 403, (broader, made)
     assert (await bob("POST", "/api/v1/queues", {"name": "mine"})).status == 201
     subscribe = await bob("POST", q("mine", "subscriptions"), {"pattern": "secret/#"})
     assert subscribe.status == 403, subscribe
@@ -133,3 +137,25 @@ async def test_the_admin_api_holds_a_user_to_the_topic_acl(broker: Broker, admin
     sent = await bob("POST", "/api/v1/messages", {"topic": "public/x", "payload": "x"})
     assert sent.status == 200, sent
     assert (await broker.queues.info("mine")).messages == 1
+
+
+@pytest.mark.parametrize(
+    ("pattern", "syntax", "allowed"),
+    [
+        ("public/>", "smf", True),
+        ("pub*/>", "smf", True),
+        ("public/+", "mqtt", True),
+        ("secretive/x", "smf", True),
+        ("secret", "mqtt", False),  # MQTT's "secret/#" covers "secret" itself
+        ("secre*", "smf", False),  # ... which this matches
+        (">", "smf", False),
+        ("#", "mqtt", False),
+        ("secre*/>", "smf", False),
+        ("+/plans", "mqtt", False),
+    ],
+)
+def test_which_queue_subscriptions_could_reach_a_denied_topic(
+    pattern: str, syntax: str, allowed: bool
+) -> None:
+    access = topic_access([AclRule(user="bob", deny_subscribe=["secret/#"])], "bob")
+    assert access.may_route(pattern, syntax) is allowed

@@ -106,11 +106,15 @@ class AdminApi:
         """The topic ACL binds every user but the operator (None), as on AMQP and MQTT."""
         return NO_DENIALS if user is None else topic_access(self.acl, user)
 
-    def _check_subscribe(self, patterns: Iterable[str], user: str | None) -> None:
+    def _check_subscribe(self, subscriptions: Iterable[tuple[str, str]], user: str | None) -> None:
         topics = self._topics(user)
-        for pattern in patterns:
-            if not topics.may_subscribe(pattern):
-                raise HttpError(403, f"may not subscribe to topic {pattern!r}")
+        for pattern, syntax in subscriptions:
+            try:
+                allowed = topics.may_route(pattern, syntax)
+            except TopicError as exc:
+                raise HttpError(400, f"invalid subscription {pattern!r}: {exc}") from None
+            if not allowed:
+                raise HttpError(403, f"{pattern!r} may match topics the user may not read")
 
     async def __call__(self, req: Request) -> Response:
         try:
@@ -211,7 +215,7 @@ class AdminApi:
 
     async def _create_queue(self, body: dict[str, Any], user: str | None) -> Response:
         subs = _subscriptions(body.get("subscriptions", []))
-        self._check_subscribe((pattern for pattern, _ in subs), user)
+        self._check_subscribe(subs, user)
         config = QueueConfig.from_json(body)
         created = await self.broker.declare_queue(config, subs, user=user)
         info = await self.broker.queues.info(config.name)
@@ -229,7 +233,7 @@ class AdminApi:
     async def _subscriptions(self, name: str, req: Request, user: str | None) -> Response:
         if req.method == "POST":
             [(pattern, syntax)] = _subscriptions([_object(req)])
-            self._check_subscribe([pattern], user)
+            self._check_subscribe([(pattern, syntax)], user)
             change = self.broker.subscribe_queue
         else:  # DELETE
             pattern = req.query.get("pattern", "")
