@@ -46,11 +46,7 @@ class TopicAccess:
         if not self.deny_subscribe:
             return True
         tokens = parse_pattern(pattern, syntax)
-        return not any(
-            _overlap(tokens, parse_pattern(denied, MQTT))
-            for denied in self.deny_subscribe
-            if _valid(denied)
-        )
+        return not any(_overlap(tokens, _denied(d), first=True) for d in self.deny_subscribe)
 
     def may_subscribe(self, topic_filter: str) -> bool:
         """A filter is refused when a denied pattern covers it taken as a name (`a/#` covers
@@ -87,16 +83,27 @@ def covered(patterns: tuple[str, ...], topic: str) -> bool:
     return False
 
 
-def _valid(pattern: str) -> bool:
+def _denied(pattern: str) -> tuple[Token, ...]:
+    """A deny pattern's tokens; one MQTT cannot parse is a topic name, as `covered` reads it."""
     try:
-        parse_pattern(pattern, MQTT)
+        return parse_pattern(pattern, MQTT)
     except TopicError:
+        return tuple((LIT, level) for level in pattern.split("/"))
+
+
+_WILD = (ONE, ONE_OR_MORE, ZERO_OR_MORE)  # whole-level wildcards
+
+
+def _overlap(a: tuple[Token, ...], b: tuple[Token, ...], first: bool = False) -> bool:
+    """Whether some topic matches both patterns (as parsed tokens). At the `first` level a
+    whole-level wildcard matches no topic starting with '$' (MQTT §4.7.2, topics.py)."""
+    if (
+        first
+        and a
+        and b
+        and ((_dollar(a[0]) and b[0][0] in _WILD) or (_dollar(b[0]) and a[0][0] in _WILD))
+    ):
         return False
-    return True
-
-
-def _overlap(a: tuple[Token, ...], b: tuple[Token, ...]) -> bool:
-    """Whether some topic matches both patterns (as parsed tokens)."""
     if (a and a[0][0] == ZERO_OR_MORE) or (b and b[0][0] == ZERO_OR_MORE):
         return True
     if a and a[0][0] == ONE_OR_MORE:
@@ -106,6 +113,11 @@ def _overlap(a: tuple[Token, ...], b: tuple[Token, ...]) -> bool:
     if not a or not b:
         return not a and not b
     return _same_level(a[0], b[0]) and _overlap(a[1:], b[1:])
+
+
+def _dollar(token: Token) -> bool:
+    """A literal or prefix level that only '$' topics can have."""
+    return token[0] in (LIT, PREFIX) and token[1].startswith("$")
 
 
 def _same_level(x: Token, y: Token) -> bool:

@@ -351,3 +351,26 @@ async def test_reaping_a_node_reads_its_flows_once_not_once_a_flow(broker: Broke
     assert (await broker.queues.info("many")).flows == []
     assert stats["cmdstat_zrange"]["calls"] < 10
     assert not await redis.exists(keys.node_queues("ndead"), keys.node_queue_flows("ndead"))
+
+
+async def test_a_nodes_flow_counts_hold_through_a_bind_run_twice_and_older_flows(
+    broker: Broker,
+) -> None:
+    """A bind run again after a lost reply counted its flow twice (the queue then stayed
+    in the index for good), and a flow bound before the counts were kept let the count
+    reach 0 under a newer flow, so a reap of the node missed that one."""
+    redis = broker.redis
+    await broker.queues.create(QueueConfig(name="twice"))
+    await broker.queues.create(QueueConfig(name="mixed"))
+    await redis.fcall("gw_node_up", 0, "nx", 1000)
+    await redis.fcall("gw_bind", 0, "twice", "nx.1", "nx", "", "")
+    await redis.fcall("gw_bind", 0, "twice", "nx.1", "nx", "", "")  # the retry
+    await redis.fcall("gw_unbind", 0, "twice", "nx.1")
+    await redis.fcall("gw_bind", 0, "mixed", "nx.old", "nx", "", "")
+    await redis.hdel(keys.node_queue_flows("nx"), "mixed")  # as bound before the counts
+    await redis.fcall("gw_bind", 0, "mixed", "nx.new", "nx", "", "")
+    await redis.fcall("gw_unbind", 0, "mixed", "nx.old")
+    assert await redis.smembers(keys.node_queues("nx")) == {b"mixed"}
+    await redis.delete(keys.node_alive("nx"))
+    assert await redis.fcall("gw_reap", 0) == 1  # nx.new, released
+    assert (await broker.queues.info("mixed")).flows == []

@@ -142,20 +142,24 @@ async def test_the_admin_api_holds_a_user_to_the_topic_acl(broker: Broker, admin
 @pytest.mark.parametrize(
     ("pattern", "syntax", "allowed"),
     [
-        ("public/>", "smf", True),
-        ("pub*/>", "smf", True),
-        ("public/+", "mqtt", True),
+        ("public/news", "smf", True),
+        ("pub*/news", "smf", True),
+        ("public/+/x", "mqtt", True),
         ("secretive/x", "smf", True),
+        ("$app/hidden", "mqtt", True),  # "+" matches no "$" topic (MQTT §4.7.2)
+        ("public/+", "mqtt", False),  # public/hidden
         ("secret", "mqtt", False),  # MQTT's "secret/#" covers "secret" itself
         ("secre*", "smf", False),  # ... which this matches
         (">", "smf", False),
         ("#", "mqtt", False),
         ("secre*/>", "smf", False),
-        ("+/plans", "mqtt", False),
+        ("a+b", "smf", False),  # a denied name that is no MQTT pattern: taken literally
+        ("a*", "smf", False),
     ],
 )
 def test_which_queue_subscriptions_could_reach_a_denied_topic(
     pattern: str, syntax: str, allowed: bool
 ) -> None:
-    access = topic_access([AclRule(user="bob", deny_subscribe=["secret/#"])], "bob")
+    denied = ["secret/#", "+/hidden", "a+b"]
+    access = topic_access([AclRule(user="bob", deny_subscribe=denied)], "bob")
     assert access.may_route(pattern, syntax) is allowed

@@ -411,9 +411,26 @@ end
 -- The node's index of the queues it has flows on (or owns) is for its reaper: the queue
 -- leaves it once the node has neither, or every temporary queue and every queue a flow of
 -- the node ever bound stayed there, and a reap walked them all in one call.
--- A count of the node's flows on each queue (gw_bind adds one) tells when the last goes
--- without reading the queue's flows (a reap of many flows on one queue would read them
--- once a flow). A flow bound before the counts were kept goes below 0: then they are read.
+-- A count of the node's flows on each queue (count_flow) tells when the last goes without
+-- reading the queue's flows (a reap of many flows on one queue would read them once a
+-- flow). Flows bound before the counts were kept, on a queue the node binds nothing on
+-- since, go below 0: then they are read.
+-- A flow bound (`added`: not bound already, as a bind run again after a lost reply is):
+-- the node's count of its flows on the queue starts from those there, so that flows bound
+-- before the counts were kept count too.
+local function count_flow(q, n, added)
+  local counts = k_node_queue_flows(n)
+  if redis.call('HEXISTS', counts, q) == 1 then
+    if added then redis.call('HINCRBY', counts, q, 1) end
+    return
+  end
+  local mine = 0
+  for _, other in ipairs(redis.call('ZRANGE', k_queue_flows(q), 0, -1)) do
+    if node_of(other) == n then mine = mine + 1 end
+  end
+  redis.call('HSET', counts, q, mine)
+end
+
 local function unindex_flow(q, n)
   local counts = k_node_queue_flows(n)
   local left = redis.call('HINCRBY', counts, q, -1)
@@ -2163,9 +2180,9 @@ register_always('gw_bind', function(_, a)
     end
   end
   local seq = redis.call('INCR', K_SEQ)
-  redis.call('ZADD', k_queue_flows(q), seq, flow)
+  local added = redis.call('ZADD', k_queue_flows(q), seq, flow) == 1
   redis.call('SADD', k_node_queues(node), q)
-  redis.call('HINCRBY', k_node_queue_flows(node), q, 1)
+  count_flow(q, node, added)
   if prioritised then  -- it settles on the levels' streams
     for _, child in ipairs(children(q)) do redis.call('ZADD', k_queue_flows(child), seq, flow) end
   end
