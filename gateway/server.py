@@ -77,7 +77,8 @@ async def run_node(
     broker = Broker(client, heartbeat=settings.heartbeat_s, node_ttl=settings.node_ttl_s)
     listeners: list[Listener] = []
     supervisor: asyncio.Task | None = None
-    admin = HttpServer(AdminApi(broker, settings.users, settings.acl))
+    api = AdminApi(broker, settings.users, settings.acl)
+    admin = HttpServer(api)
     spool = SpoolMonitor(client, broker.node_id, broker.events, SpoolLimits.from_settings(settings))
     try:
         await broker.start()
@@ -104,6 +105,7 @@ async def run_node(
             await on_ready(broker)
         await stop.wait()
         log.info("shutting down")
+        api.stopping = True  # the health probe says so while the listeners close
     finally:
         if supervisor is not None:
             supervisor.cancel()

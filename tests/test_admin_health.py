@@ -13,6 +13,10 @@ from gateway.admin import api
 from gateway.admin.api import AdminApi
 from gateway.admin.http import HttpServer
 from gateway.broker import Broker
+from gateway.config import Settings
+from gateway.server import run_node
+from protocols.mqtt.listener import Listener as MqttListener
+from tests.conftest import free_port
 from tests.redis_proxy import CuttingProxy
 from tests.test_admin_api import Admin, Reply
 from tests.test_redis_outages import node, proxy  # noqa: F401
@@ -63,3 +67,36 @@ async def _probe_until(health: Admin, status: int, timeout: float = 5.0) -> Repl
         assert asyncio.get_running_loop().time() < deadline, reply.raw
         await asyncio.sleep(0.05)
     return reply
+
+
+async def test_health_is_503_while_the_node_stops(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node shutting down closes its listeners (its MQTT sessions save, its wills go)
+    before its admin API: the probe answered 200 meanwhile, and a load balancer kept
+    sending it clients."""
+    closing = asyncio.Event()
+    close = MqttListener.close
+
+    async def slow_close(self: MqttListener) -> None:  # sessions that take a while to save
+        closing.set()
+        await asyncio.sleep(1.0)
+        await close(self)
+
+    monkeypatch.setattr(MqttListener, "close", slow_close)
+    port = free_port()
+    settings = Settings(host="127.0.0.1", mqtt_port=0, amqp_port=0, admin_port=port)
+    stop, ready = asyncio.Event(), asyncio.Event()
+
+    async def on_ready(_: Broker) -> None:
+        ready.set()
+
+    running = asyncio.create_task(run_node(settings, redis_url, stop=stop, on_ready=on_ready))
+    await asyncio.wait_for(ready.wait(), 10)
+    probe = Admin(port)
+    assert (await probe.get("/api/v1/health")).status == 200
+    stop.set()
+    await asyncio.wait_for(closing.wait(), 5)
+    reply = await probe.get("/api/v1/health")
+    assert reply.status == 503 and "stopping" in reply.body["reason"]
+    await asyncio.wait_for(running, 10)

@@ -101,6 +101,7 @@ class AdminApi:
         self.broker = broker
         self.auth = AdminAuth(users)
         self.acl = list(acl)
+        self.stopping = False  # the node shuts down: load balancers should send no more
 
     def _topics(self, user: str | None) -> TopicAccess:
         """The topic ACL binds every user but the operator (None), as on AMQP and MQTT."""
@@ -129,9 +130,13 @@ class AdminApi:
 
     async def _health(self) -> Response:
         """Open to all: load balancers and orchestrators probe without credentials. 503
-        (RFC 9110 §15.6.4) while the node cannot serve: Redis does not answer within
-        HEALTH_TIMEOUT_S, or the node's liveness lapsed, so other nodes take its flows."""
+        (RFC 9110 §15.6.4) while the node cannot serve: it is stopping, Redis does not
+        answer within HEALTH_TIMEOUT_S, or the node's liveness lapsed, so other nodes take
+        its flows."""
         node = self.broker.node_id
+        if self.stopping:
+            reason = "the node is stopping"
+            return Response.json({"status": "unavailable", "node": node, "reason": reason}, 503)
         try:
             async with asyncio.timeout(HEALTH_TIMEOUT_S):
                 await self.broker.redis.ping()
