@@ -217,3 +217,11 @@ async def test_subscribing_a_qos1_filter_again_keeps_its_messages_at_qos1(
         assert sorted(p.payload for p in got if p.qos == 1) == [b"%d" % i for i in range(5)]
     finally:
         await listener.close()
+
+
+async def test_unsubscribing_an_invalid_filter_says_so(mqtt: Listener) -> None:
+    """MQTT 5 §3.11.3: 0x8F for a filter that is not valid, 0x11 for a valid one the client
+    has no subscription to (an invalid one got 0x11 too)."""
+    client, _ = await Raw.connected(mqtt.port, 5, client_id="unsub-invalid")
+    await client.send(Unsubscribe(1, ["a/#/b", "never/subscribed", "$share//x", "x+/y"]))
+    assert await client.recv() == Unsuback(1, [0x8F, 0x11, 0x8F, 0x8F])

@@ -132,6 +132,18 @@ class Link(Protocol):
     def output_moved(self) -> bool: ...
 
 
+def _valid_filter(pattern: str) -> bool:
+    """A topic filter MQTT allows, shared ones (`$share/group/filter`) included."""
+    shared = shared_filter(pattern)
+    if shared is not None and (not shared[0] or any(c in shared[0] for c in "+#")):
+        return False
+    try:
+        parse_pattern(pattern if shared is None else shared[1], MQTT)
+    except TopicError:
+        return False
+    return True
+
+
 def _bad_response_topic(response_topic: str | None) -> bool:
     """A Response Topic is a topic name: MQTT 5 §3.3.2.3.5 forbids wildcards in it (a reply
     published to it would be refused), and a topic name has a character at least."""
@@ -1293,14 +1305,10 @@ class Session:
 
     def _check_filter(self, pattern: str) -> int | None:
         """None if `pattern` may be subscribed, else the SUBACK failure code."""
+        if not _valid_filter(pattern):
+            return ReasonCode.TOPIC_FILTER_INVALID
         shared = shared_filter(pattern)
         topic_filter = pattern if shared is None else shared[1]
-        if shared is not None and (not shared[0] or any(c in shared[0] for c in "+#")):
-            return ReasonCode.TOPIC_FILTER_INVALID
-        try:
-            parse_pattern(topic_filter, MQTT)
-        except TopicError:
-            return ReasonCode.TOPIC_FILTER_INVALID
         if not self.topics.may_subscribe(topic_filter):
             log.info("MQTT client %r may not subscribe to %r", self.client_id, pattern)
             return ReasonCode.NOT_AUTHORIZED
@@ -1323,8 +1331,11 @@ class Session:
         from_queue: list[str] = []
         for pattern in p.topic_filters:
             options = state.subscriptions.get(pattern)
-            if options is None:
-                codes.append(ReasonCode.NO_SUBSCRIPTION_EXISTED)
+            if options is None:  # MQTT 5 §3.11.3: an invalid filter says so
+                valid = _valid_filter(pattern)
+                codes.append(
+                    ReasonCode.NO_SUBSCRIPTION_EXISTED if valid else ReasonCode.TOPIC_FILTER_INVALID
+                )
                 continue
             codes.append(ReasonCode.SUCCESS)
             state.drop_subscription(pattern)
