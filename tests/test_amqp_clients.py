@@ -57,7 +57,7 @@ from protocols.amqp import connection
 from protocols.amqp.listener import Listener, start
 from protocols.amqp.outbound import Outbound
 from protocols.amqp.sasl import AMQP_HEADER, SASL_HEADER
-from tests.amqp_raw import Peer, sasl_init
+from tests.amqp_raw import Peer, frame, performative, sasl_init
 
 TIMEOUT = 5.0
 
@@ -1773,3 +1773,21 @@ async def test_a_topic_no_router_can_take_is_refused(broker: Broker, amqp: Liste
             conn.close()
 
     assert await asyncio.to_thread(scenario) != "accepted"
+
+
+async def test_sasl_plain_without_an_initial_response_gets_an_empty_challenge(
+    amqp: Listener,
+) -> None:
+    """RFC 4616 §2: a client may send PLAIN's message as the response to an empty
+    challenge; the init without it failed authentication."""
+    peer = await Peer.connect(amqp.port)
+    try:
+        peer.send(SASL_HEADER + sasl_init("PLAIN"))
+        assert await peer.read_header() == SASL_HEADER
+        await peer.read()  # the mechanisms
+        challenge = await peer.read()
+        assert challenge.code == 0x42 and challenge.fields == [b""]
+        peer.send(frame(performative(0x43, b"\x00alice\x00s3cret"), kind=1))
+        assert (await peer.read()).fields == [ubyte(0)]  # ok
+    finally:
+        peer.close()

@@ -24,6 +24,8 @@ TLS_PREFIX = b"AMQP\x02"  # protocol id 2: a TLS tunnel (amqps is TLS from the f
 SASL_FRAME = 1
 MECHANISMS = 0x40
 INIT = 0x41
+CHALLENGE = 0x42
+RESPONSE = 0x43
 OUTCOME = 0x44
 OK = 0
 AUTH = 1
@@ -51,6 +53,7 @@ class SaslServer:
         self.rest = b""
         self._buf = bytearray()
         self._header_seen = False
+        self._challenged = False  # a PLAIN init without its response: it must come next
 
     @property
     def mechanisms(self) -> list[str]:
@@ -119,20 +122,34 @@ class SaslServer:
         return Described(obj.descriptor, [_owned(v) for v in obj.value])
 
     def _handle(self, frame: Described) -> None:
+        if self._challenged:  # the PLAIN response the empty challenge asked for
+            if frame.descriptor != RESPONSE or not frame.value:
+                self._fail()
+                return
+            response = frame.value[0]
+            self._plain_outcome(response if isinstance(response, bytes) else b"")
+            return
         if frame.descriptor != INIT or not frame.value:
             self._fail()
             return
         mechanism = str(frame.value[0])
         response = frame.value[1] if len(frame.value) > 1 else None
+        if mechanism == "PLAIN" and response is None:  # RFC 4616 §2: an empty challenge
+            self._challenged = True
+            self.output += encode_frame(Described(ulong(CHALLENGE), [b""]))
+            return
         response = response if isinstance(response, bytes) else b""
         if mechanism == "ANONYMOUS" and self.allow_anonymous:
             self._succeed(None)
         elif mechanism == "PLAIN":
-            accepted, who = self._plain(response)
-            if accepted:
-                self._succeed(who)
-            else:
-                self._fail()
+            self._plain_outcome(response)
+        else:
+            self._fail()
+
+    def _plain_outcome(self, response: bytes) -> None:
+        accepted, who = self._plain(response)
+        if accepted:
+            self._succeed(who)
         else:
             self._fail()
 
