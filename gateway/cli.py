@@ -152,7 +152,7 @@ def serve(args: argparse.Namespace) -> int:
             run(settings, settings.redis_url)  # type: ignore[arg-type]
         else:
             run(settings, embedded.url, embedded.supervise)
-    except (RedisStartError, RedisUnsuitable) as exc:
+    except (RedisStartError, RedisUnsuitable, ConfigError) as exc:
         print(f"gateway: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:

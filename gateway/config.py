@@ -15,6 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gateway.engine.queues import (
+    DEAD_MESSAGE_QUEUE,
+    QueueConfig,
+    QueueError,
+    subscription_entry,
+)
 from gateway.engine.spool_usage import vpn_name_error
 
 APPENDFSYNC = ("everysec", "always")
@@ -246,15 +252,70 @@ def load_settings(
     except TypeError as exc:
         raise ConfigError(f"config file {config_path}: {exc}") from None
     settings.queues = list(provisioned.get("queues", []))
-    for user in settings.users:
-        if not (isinstance(user.name, str) and isinstance(user.password, str)):
-            raise ConfigError(f"config file {config_path}: user names and passwords are strings")
-        if not isinstance(user.admin, bool):
-            raise ConfigError(
-                f"config file {config_path}: admin of user {user.name!r} must be true or false"
-            )
+    try:
+        _check_provisioned(settings)
+    except ConfigError as exc:
+        raise ConfigError(f"config file {config_path}: {exc}") from None
     settings.validate()
     return settings
+
+
+def _check_provisioned(settings: Settings) -> None:
+    """The file's users, ACL rules and queues, checked before a node uses any: a string
+    where a list belongs was read character by character (`subscriptions = "a/>"`
+    subscribed the queue to `>`, every topic; a deny list as a string denied nothing)."""
+    names = set()
+    for user in settings.users:
+        if not (isinstance(user.name, str) and isinstance(user.password, str)):
+            raise ConfigError("user names and passwords are strings")
+        if not isinstance(user.admin, bool):
+            raise ConfigError(f"admin of user {user.name!r} must be true or false")
+        if user.name in names:  # which password counts would differ by protocol
+            raise ConfigError(f"user {user.name!r} is configured twice")
+        names.add(user.name)
+    for rule in settings.acl:
+        if not isinstance(rule.user, str):
+            raise ConfigError("an acl rule's user is a user name, '*' or 'anonymous'")
+        for name in ("deny_publish", "deny_subscribe"):
+            patterns = getattr(rule, name)
+            if not (isinstance(patterns, list) and all(isinstance(p, str) and p for p in patterns)):
+                raise ConfigError(
+                    f"acl: {name} of user {rule.user!r} must be a list of topic patterns"
+                )
+    for spec in settings.queues:
+        if not isinstance(spec, dict):
+            raise ConfigError("each [[queues]] entry is a table of queue properties")
+        try:
+            config = QueueConfig.from_json(spec)
+            config.validate(reserved_ok=config.name == DEAD_MESSAGE_QUEUE)
+            queue_subscriptions(spec)
+        except QueueError as exc:
+            raise ConfigError(f"queue {spec.get('name')!r}: {exc}") from None
+
+
+def queue_subscriptions(spec: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """A [[queues]] entry's subscriptions: a list of patterns (Solace syntax) or of
+    {pattern, syntax} tables; QueueError 'invalid' for anything else."""
+    items = spec.get("subscriptions", [])
+    if not isinstance(items, list):
+        raise QueueError("invalid", "subscriptions must be a list of patterns")
+    subs = []
+    for item in items:
+        if isinstance(item, str):
+            pattern, syntax = item, "smf"
+        elif isinstance(item, dict) and set(item) <= {"pattern", "syntax"}:
+            pattern, syntax = item.get("pattern"), item.get("syntax", "smf")
+        else:
+            raise QueueError(
+                "invalid", f"a subscription is a pattern or {{pattern, syntax}}: {item!r}"
+            )
+        if not (isinstance(pattern, str) and isinstance(syntax, str)):
+            raise QueueError(
+                "invalid", f"a subscription's pattern and syntax are strings: {item!r}"
+            )
+        subscription_entry(pattern, syntax)  # QueueError 'invalid' for a bad one
+        subs.append((pattern, syntax))
+    return subs
 
 
 def tls_server_context(cert: str, key: str) -> ssl.SSLContext:

@@ -22,9 +22,9 @@ from redis.exceptions import RedisError
 from gateway.admin.api import AdminApi
 from gateway.admin.http import HttpServer
 from gateway.broker import Broker
-from gateway.config import Settings
+from gateway.config import ConfigError, Settings, queue_subscriptions
 from gateway.engine import library
-from gateway.engine.queues import QueueConfig
+from gateway.engine.queues import RUNTIME_SETTINGS, QueueConfig, QueueError
 from gateway.engine.spool_usage import SpoolLimits, SpoolMonitor
 
 log = logging.getLogger("gateway")
@@ -40,14 +40,28 @@ class Listener(Protocol):
 
 
 async def provision(broker: Broker, settings: Settings) -> None:
-    """Create the queues of the config file (idempotent; differing ones are an error)."""
+    """Create the queues of the config file (idempotent). One that exists with other
+    properties is a ConfigError (the node does not start); its run-time settings (PATCH's
+    to change) stay as stored, and a warning names those the file would change."""
     for spec in settings.queues:
         config = QueueConfig.from_json(spec)
-        subs = [
-            (s, "smf") if isinstance(s, str) else (s["pattern"], s.get("syntax", "smf"))
-            for s in spec.get("subscriptions", [])
-        ]
-        await broker.declare_queue(config, subs)
+        try:
+            created = await broker.declare_queue(config, queue_subscriptions(spec))
+        except QueueError as exc:
+            raise ConfigError(f"queue {config.name!r} of the config file: {exc}") from None
+        if not created:
+            stored = (await broker.queues.info(config.name)).config
+            kept = [
+                f"{name}={getattr(stored, name)!r} (the file: {spec[name]!r})"
+                for name in sorted(RUNTIME_SETTINGS & spec.keys())
+                if getattr(stored, name) != getattr(config, name)
+            ]
+            if kept:
+                log.warning(
+                    "queue %s keeps its stored %s: change run-time settings with PATCH",
+                    config.name,
+                    ", ".join(kept),
+                )
         log.info("provisioned queue %s", config.name)
 
 

@@ -416,7 +416,6 @@ EQUIVALENCE_FIELDS = (
     "access_type",
     "durable",
     "auto_delete",
-    "partition_count",
     "partition_rebalance_delay_ms",
     "partition_handoff_timeout_ms",
     "message_groups",
