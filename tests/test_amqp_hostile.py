@@ -645,3 +645,23 @@ async def test_a_header_it_does_not_take_is_answered_with_the_sasl_header_then_c
     peer.send(sent)
     assert await peer.read_header() == SASL_HEADER
     assert await peer.eof()
+
+
+async def test_links_beyond_the_connections_limit_are_refused(
+    port: int, broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One connection attached 2,000 receivers to one queue, each a consumer in Redis."""
+    monkeypatch.setattr(connection, "MAX_LINKS", 5)
+    peer = await Peer.opened(port)
+    for handle in range(7):
+        peer.attach(f"r{handle}", handle, RECEIVER, QUEUE)
+    refused = []
+    while len(refused) < 2:
+        got = await peer.read()
+        assert got is not None
+        if got.code == DETACH:
+            refused.append(got.error())
+    assert refused == ["amqp:resource-limit-exceeded"] * 2
+    await asyncio.sleep(0.2)
+    assert len((await broker.queues.info(QUEUE)).flows) == 5
+    peer.close()

@@ -60,8 +60,8 @@ from proton import (
 from gateway.acl import NO_DENIALS, topic_access
 from gateway.broker import ANONYMOUS, QueueError, StoreError
 from gateway.model import Publisher
+from protocols.amqp.links import RESOURCE_LIMIT, Inbound
 from protocols.amqp.links import Endpoint as LinkEndpoint
-from protocols.amqp.links import Inbound
 from protocols.amqp.nodes import DynamicNodes
 from protocols.amqp.outbound import Outbound
 from protocols.amqp.sasl import SaslServer, State, encode_frame
@@ -78,6 +78,10 @@ HANDSHAKE_TIMEOUT = 10.0  # seconds a new socket has for the protocol headers, S
 # A client that does not read what it asked for (link credit) is dropped once this much
 # waits for it, as an MQTT client is: the node would buffer up to its credit's worth
 WRITE_BUFFER_CAP = 8 * 1024 * 1024
+# Links a connection may hold at once (Solace's default max egress and ingress flows of a
+# client are 1,000 each): each consuming link is a flow in Redis, each publishing one
+# has 500 publishes in flight
+MAX_LINKS = 1000
 AMQP_FRAME, CLOSE, ERROR = 0, 0x18, 0x1D  # frame type, close and error descriptors
 _connection_ids = itertools.count(1)
 _HANDLED = frozenset(
@@ -419,6 +423,9 @@ class AmqpConnection(asyncio.Protocol):
     def _attach(self, link: Link) -> None:
         endpoint: LinkEndpoint = Inbound(self, link) if link.is_receiver else Outbound(self, link)
         self.endpoints[link._impl] = endpoint
+        if len(self.endpoints) > MAX_LINKS:  # each a consumer in Redis, or 500 publishes
+            endpoint.refuse(RESOURCE_LIMIT, f"a connection has at most {MAX_LINKS} links")
+            return
         self.spawn(self._run_attach(endpoint))
 
     async def _run_attach(self, endpoint: Inbound | Outbound) -> None:
