@@ -92,6 +92,11 @@ MAX_PENDING_PUBLISHES = 1024  # publishes awaiting the spool before input is pau
 SHARED_WINDOW = 8
 MAX_CACHED_ROUTES = 4096  # topics whose delivery options a session keeps (see _deliver)
 MAX_SENT_DIRECT = 4096  # ids of messages sent direct while a filter changed QoS (_on_direct)
+# What waits for a client's receive maximum beyond its queue's window: retained messages a
+# SUBSCRIBE sends (each SUBSCRIBE sends them again) and QoS 0 messages held behind one of
+# their topic. Beyond this many they are dropped, as Mosquitto's max_queued_messages (1000)
+# drops: a client that acks nothing grew them without bound.
+MAX_WAITING = 1000
 # Topic filters one session may hold: each costs about 1.5 KB here and its share of the state
 # saved in Redis, and one 2 MiB SUBSCRIBE can carry 150 000 of them.
 MAX_SUBSCRIPTIONS = 10_000
@@ -810,6 +815,9 @@ class Session:
             self._held_out.append(routed)
             return
         if not qos and (self._held_out or self._retained_waiting) and self._behind(routed[0]):
+            if len(self._held_out) >= MAX_WAITING:  # QoS 0 may be dropped
+                self.registry.count("qos0_dropped")
+                return
             self._held_out.append(routed)
             return
         self._transmit(*routed)
@@ -1262,6 +1270,9 @@ class Session:
             qos = min(mapping.message_qos(msg), options.qos)
             sub_ids = [] if sub_id is None else [sub_id]
             if qos:
+                if len(self._retained_waiting) >= MAX_WAITING:
+                    self.registry.count("retained_dropped")
+                    continue
                 self._retained_waiting.append((msg, qos, sub_ids))
             else:
                 self._transmit(msg, None, None, 0, False, True, sub_ids)

@@ -1,0 +1,125 @@
+"""What waits for an MQTT client that acks nothing stays bounded: retained messages each
+SUBSCRIBE sends again, and QoS 0 messages held behind a waiting retained one of their
+topic (both grew without bound: +76 MiB for 60 SUBSCRIBEs of 500 retained messages).
+Real Redis, a raw client on a real socket; the session's queues are read directly."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+
+from gateway.broker import Broker
+from gateway.model import Message as GwMessage
+from protocols.mqtt.session import MAX_WAITING
+from tests.test_engine import wait_for
+
+RETAINED = 500
+SUBSCRIBES = 60
+
+
+def utf8(s: str) -> bytes:
+    return struct.pack(">H", len(s)) + s.encode()
+
+
+def packet(kind: int, body: bytes) -> bytes:
+    n, rl = len(body), b""
+    while True:
+        b, n = n % 128, n // 128
+        rl += bytes([b | (0x80 if n else 0)])
+        if not n:
+            break
+    return bytes([kind]) + rl + body
+
+
+async def drain(reader: asyncio.StreamReader, suback_ids: set[int], want: int) -> None:
+    """Read packets (never acking a PUBLISH) until `want` SUBACKs arrived."""
+    while len(suback_ids) < want:
+        head = await reader.readexactly(1)
+        size, mult = 0, 1
+        while True:
+            b = (await reader.readexactly(1))[0]
+            size += (b & 0x7F) * mult
+            mult *= 128
+            if not b & 0x80:
+                break
+        body = await reader.readexactly(size)
+        if head[0] & 0xF0 == 0x90:
+            suback_ids.add(struct.unpack(">H", body[:2])[0])
+
+
+async def test_resubscribing_client_retained_backlog_is_bounded(broker: Broker, mqtt) -> None:
+    payload = b"r" * 2048
+    outcomes = await asyncio.gather(
+        *(
+            broker.publish_nowait(GwMessage(destination=f"r/{i}", payload=payload, retain=True))
+            for i in range(RETAINED)
+        )
+    )
+    assert all(o.accepted for o in outcomes)
+
+    reader, writer = await asyncio.open_connection("127.0.0.1", mqtt.port)
+    writer.write(
+        packet(0x10, utf8("MQTT") + bytes([4, 0x02]) + struct.pack(">H", 60) + utf8("hog"))
+    )
+    assert (await asyncio.wait_for(reader.readexactly(4), 5))[0] == 0x20
+    session = mqtt.registry.sessions["hog"]
+    try:
+        got: set[int] = set()
+        for pid in range(1, SUBSCRIBES + 1):
+            writer.write(packet(0x82, struct.pack(">H", pid) + utf8("r/#") + b"\x01"))
+        async with asyncio.timeout(15):
+            await drain(reader, got, SUBSCRIBES)
+        await asyncio.sleep(0.2)
+        waiting = len(session._retained_waiting)
+        assert waiting <= MAX_WAITING, (
+            f"{waiting} retained messages held in memory for one client that acks nothing"
+        )
+    finally:
+        writer.close()
+
+
+async def test_qos0_held_behind_waiting_retained_is_bounded(broker: Broker, mqtt) -> None:
+    """A QoS 0 message whose topic has an older retained message waiting for the client's
+    receive maximum is held in `_held_out` (session.py `_send_or_hold`). A client that never
+    acks keeps that retained message waiting for ever, so every QoS 0 message on the topic
+    is kept in the node's memory, never sent and never dropped (QoS 0 may be dropped:
+    Mosquitto drops beyond max_queued_messages). Reached by a client that lowers its
+    subscription's QoS from 1 to 0 while retained QoS 1 messages wait for its window."""
+    outcomes = await asyncio.gather(
+        *(
+            broker.publish_nowait(GwMessage(destination=f"r/{i}", payload=b"v", retain=True))
+            for i in range(300)  # more than the v3.1.1 window of 256
+        )
+    )
+    assert all(o.accepted for o in outcomes)
+    reader, writer = await asyncio.open_connection("127.0.0.1", mqtt.port)
+    writer.write(
+        packet(0x10, utf8("MQTT") + bytes([4, 0x02]) + struct.pack(">H", 60) + utf8("hog0"))
+    )
+    assert (await asyncio.wait_for(reader.readexactly(4), 5))[0] == 0x20
+    session = mqtt.registry.sessions["hog0"]
+    writer.write(packet(0x82, struct.pack(">H", 1) + utf8("r/#") + b"\x01"))
+    async with asyncio.timeout(5):
+        await drain(reader, set(), 1)
+    await wait_for(lambda: len(session._retained_waiting) == 300 - 256, 5)
+    topic = session._retained_waiting[-1][0].destination
+    # the client lowers the subscription to QoS 0: its messages now go direct
+    writer.write(packet(0x82, struct.pack(">H", 2) + utf8("r/#") + b"\x00"))
+    async with asyncio.timeout(5):
+        await drain(reader, set(), 1)
+    try:
+        body = b"z" * 1024
+        for _ in range(20):
+            await asyncio.gather(
+                *(
+                    broker.publish_nowait(
+                        GwMessage(destination=topic, payload=body, persistent=False)
+                    )
+                    for _ in range(1000)
+                )
+            )
+        await asyncio.sleep(0.3)
+        held = len(session._held_out)
+        assert held <= MAX_WAITING, f"{held} QoS 0 messages held in memory, never sent or dropped"
+    finally:
+        writer.close()
