@@ -75,9 +75,6 @@ log = logging.getLogger(__name__)
 IDLE_TIMEOUT = 60.0  # seconds of silence from the client before proton closes the connection
 CLOSE_GRACE = 1.0
 HANDSHAKE_TIMEOUT = 10.0  # seconds a new socket has for the protocol headers, SASL and open
-# A client that does not read what it asked for (link credit) is dropped once this much
-# waits for it, as an MQTT client is: the node would buffer up to its credit's worth
-WRITE_BUFFER_CAP = 8 * 1024 * 1024
 # Links a connection may hold at once (Solace's default max egress and ingress flows of a
 # client are 1,000 each): each consuming link is a flow in Redis, each publishing one
 # has 500 publishes in flight
@@ -285,23 +282,7 @@ class AmqpConnection(asyncio.Protocol):
         """Nothing once the socket is shut for writing (`_close_socket`)."""
         socket = self.socket
         if data and self._shutdown is None and socket is not None and not socket.is_closing():
-            if socket.get_write_buffer_size() > WRITE_BUFFER_CAP:
-                log.warning(
-                    "AMQP client %r is not reading; disconnecting it", self.conn.remote_container
-                )
-                socket.abort()
-                return
             socket.write(data)
-
-    def pause_writing(self) -> None:
-        """The socket's write buffer is full: read nothing more (no new publishes, no
-        new credit) until the client takes what waits."""
-        if self.socket is not None and not self.socket.is_closing():
-            self.socket.pause_reading()
-
-    def resume_writing(self) -> None:
-        if self.socket is not None and not self.socket.is_closing():
-            self.socket.resume_reading()
 
     def _close_socket(self) -> None:
         """Close the socket after what was written. Where it can, only the sending side is
