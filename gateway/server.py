@@ -53,7 +53,7 @@ async def provision(broker: Broker, settings: Settings) -> None:
             stored = (await broker.queues.info(config.name)).config
             kept = [
                 f"{name}={getattr(stored, name)!r} (the file: {spec[name]!r})"
-                for name in sorted(RUNTIME_SETTINGS & spec.keys())
+                for name in sorted((RUNTIME_SETTINGS | {"partition_count"}) & spec.keys())
                 if getattr(stored, name) != getattr(config, name)
             ]
             if kept:

@@ -815,9 +815,14 @@ class Session:
             self._held_out.append(routed)
             return
         if not qos and (self._held_out or self._retained_waiting) and self._behind(routed[0]):
-            if len(self._held_out) >= MAX_WAITING:  # QoS 0 may be dropped
+            if len(self._held_out) >= MAX_WAITING:  # QoS 0 may be dropped: the oldest one,
+                # so that the client's last word on a topic is still its newest value
+                oldest = next((r for r in self._held_out if not r[3]), None)
+                if oldest is None:
+                    self.registry.count("qos0_dropped")
+                    return
+                self._held_out.remove(oldest)
                 self.registry.count("qos0_dropped")
-                return
             self._held_out.append(routed)
             return
         self._transmit(*routed)
