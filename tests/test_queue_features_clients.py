@@ -443,7 +443,8 @@ async def test_declared_auto_delete_queue_goes_with_its_last_amqp_consumer(
     def client() -> bytes:
         conn = ports.connect()
         try:
-            conn.create_sender("scratch").send(Message(body=b"x"))
+            sender = conn.create_sender("scratch")
+            sender.send(Message(body=b"x"))
             first = conn.create_receiver("scratch", name="a", credit=1)
             second = conn.create_receiver("scratch", name="b", credit=0)
             msg = first.receive(TIMEOUT)
@@ -452,6 +453,8 @@ async def test_declared_auto_delete_queue_goes_with_its_last_amqp_consumer(
             pump(conn, QUIET)
             late = conn.create_sender("scratch", name="late")  # one consumer left: still there
             assert send_outcome(conn, late, Message(body=b"y")) == (Disposition.ACCEPTED, None)
+            sender.close()  # the queue's deletion detaches senders still attached to it,
+            late.close()  # which the blocking client raises from whatever it waits for
             second.close()
             return bytes(msg.body)
         finally:
