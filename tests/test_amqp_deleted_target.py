@@ -189,8 +189,13 @@ async def test_an_auto_delete_queue_that_goes_with_its_consumer_detaches_its_sen
         conn = connect(amqp)
         try:
             rcv = conn.create_receiver("auto")
-            conn.create_sender("auto").send(Message(body=b"x"))
-            rcv.close()  # its last consumer: the queue goes
+            sender = conn.create_sender("auto")
+            sender.send(Message(body=b"x"))
+            try:
+                rcv.close()  # its last consumer: the queue goes
+            except LinkDetached as exc:  # the sender's detach came while the close waited
+                assert exc.link is sender.link
+                return exc.condition
             return detached_condition(conn)
         finally:
             conn.close()
