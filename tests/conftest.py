@@ -4,6 +4,7 @@ and AMQP listeners with default settings on free loopback ports, and all three f
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import socket
@@ -182,15 +183,21 @@ class Ports:
         return BlockingConnection(self.url, timeout=CLIENT_TIMEOUT, container_id=container_id)
 
 
-@pytest.fixture
-async def admin(broker: Broker) -> AsyncIterator[Admin]:
-    """The admin API on a free loopback port (no users: loopback is the operator)."""
+@contextlib.asynccontextmanager
+async def admin_of(broker: Broker) -> AsyncIterator[Admin]:
+    """`broker`'s admin API on a free loopback port (no users: loopback is the operator)."""
     server = HttpServer(AdminApi(broker))
     port = await server.start("127.0.0.1", 0)
     try:
         yield Admin(port)
     finally:
         await server.close()
+
+
+@pytest.fixture
+async def admin(broker: Broker) -> AsyncIterator[Admin]:
+    async with admin_of(broker) as served:
+        yield served
 
 
 @pytest.fixture

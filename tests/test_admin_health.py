@@ -10,13 +10,11 @@ from collections.abc import AsyncIterator
 import pytest
 
 from gateway.admin import api
-from gateway.admin.api import AdminApi
-from gateway.admin.http import HttpServer
 from gateway.broker import Broker
 from gateway.config import Settings
 from gateway.server import run_node
 from protocols.mqtt.listener import Listener as MqttListener
-from tests.conftest import free_port
+from tests.conftest import admin_of, free_port
 from tests.redis_proxy import CuttingProxy
 from tests.test_admin_api import Admin, Reply
 from tests.test_redis_outages import node, proxy  # noqa: F401
@@ -24,12 +22,8 @@ from tests.test_redis_outages import node, proxy  # noqa: F401
 
 @pytest.fixture
 async def health(node: Broker) -> AsyncIterator[Admin]:  # noqa: F811
-    server = HttpServer(AdminApi(node))
-    port = await server.start("127.0.0.1", 0)
-    try:
-        yield Admin(port)
-    finally:
-        await server.close()
+    async with admin_of(node) as served:
+        yield served
 
 
 async def test_health_is_503_while_redis_does_not_answer(

@@ -343,6 +343,42 @@ def test_bad_provisioned_tables(tmp_path: Path, table: str) -> None:
     assert path in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("table", "named"),
+    [
+        ('[[acl]]\nuser = "*"\ndeny_publish = "secret/x"\n', "deny_publish"),
+        ('[[acl]]\nuser = "*"\ndeny_subscribe = [42]\n', "deny_subscribe"),
+        ('[[acl]]\nuser = "*"\ndeny_subscribe = ["secret/#/x"]\n', "secret/#/x"),
+        ('[[acl]]\nuser = "*"\ndeny_publish = ["a+/b"]\n', "a+/b"),
+        ('[[users]]\nname = "alice"\npassword = "a"\n\n' * 2, "alice"),
+        ('[[queues]]\nname = "orders"\nsubscriptions = "orders/>"\n', "subscriptions"),
+        ('[[queues]]\nname = "orders"\nmax_spool_byte = 1000\n', "max_spool_byte"),
+        ('[[queues]]\nname = "bad name"\n', "bad name"),
+    ],
+    ids=[
+        "deny-list-as-a-string",
+        "deny-pattern-not-a-string",
+        "deny-pattern-hash-inside",
+        "deny-pattern-plus-in-a-level",
+        "user-twice",
+        "subscriptions-as-a-string",
+        "queue-unknown-field",
+        "queue-bad-name",
+    ],
+)
+def test_provisioned_entries_a_node_would_misread_are_refused(
+    tmp_path: Path, table: str, named: str
+) -> None:
+    """Each was taken before: a string where a list belongs read character by character
+    (`subscriptions = "orders/>"` subscribed the queue to `>`, every topic; a deny list as a
+    string denied nothing), a user given twice had either password by protocol, a deny
+    pattern MQTT cannot read denied only itself, literally."""
+    path = write(tmp_path, table)
+    with pytest.raises(ConfigError) as info:
+        load_settings(env={}, config_path=path)
+    assert path in str(info.value) and named in str(info.value), info.value
+
+
 def test_config_error_is_a_value_error() -> None:
     assert issubclass(ConfigError, ValueError)
 

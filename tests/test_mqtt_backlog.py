@@ -10,7 +10,7 @@ import struct
 
 from gateway.broker import Broker
 from gateway.model import Message as GwMessage
-from protocols.mqtt.session import MAX_WAITING
+from protocols.mqtt.session import MAX_WAITING, Session
 from tests.test_engine import wait_for
 
 RETAINED = 500
@@ -47,22 +47,28 @@ async def drain(reader: asyncio.StreamReader, suback_ids: set[int], want: int) -
             suback_ids.add(struct.unpack(">H", body[:2])[0])
 
 
-async def test_resubscribing_client_retained_backlog_is_bounded(broker: Broker, mqtt) -> None:
-    payload = b"r" * 2048
+async def hog_with_retained(
+    broker: Broker, mqtt, client_id: str, retained: int, payload: bytes
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, Session]:
+    """`retained` retained messages on r/0, r/1, ...; then a v3.1.1 client `client_id`
+    connected (clean session) on a raw socket, with its node-side session."""
     outcomes = await asyncio.gather(
         *(
             broker.publish_nowait(GwMessage(destination=f"r/{i}", payload=payload, retain=True))
-            for i in range(RETAINED)
+            for i in range(retained)
         )
     )
     assert all(o.accepted for o in outcomes)
-
     reader, writer = await asyncio.open_connection("127.0.0.1", mqtt.port)
     writer.write(
-        packet(0x10, utf8("MQTT") + bytes([4, 0x02]) + struct.pack(">H", 60) + utf8("hog"))
+        packet(0x10, utf8("MQTT") + bytes([4, 0x02]) + struct.pack(">H", 60) + utf8(client_id))
     )
     assert (await asyncio.wait_for(reader.readexactly(4), 5))[0] == 0x20
-    session = mqtt.registry.sessions["hog"]
+    return reader, writer, mqtt.registry.sessions[client_id]
+
+
+async def test_resubscribing_client_retained_backlog_is_bounded(broker: Broker, mqtt) -> None:
+    reader, writer, session = await hog_with_retained(broker, mqtt, "hog", RETAINED, b"r" * 2048)
     try:
         got: set[int] = set()
         for pid in range(1, SUBSCRIBES + 1):
@@ -85,19 +91,8 @@ async def test_qos0_held_behind_waiting_retained_is_bounded(broker: Broker, mqtt
     is kept in the node's memory, never sent and never dropped (QoS 0 may be dropped:
     Mosquitto drops beyond max_queued_messages). Reached by a client that lowers its
     subscription's QoS from 1 to 0 while retained QoS 1 messages wait for its window."""
-    outcomes = await asyncio.gather(
-        *(
-            broker.publish_nowait(GwMessage(destination=f"r/{i}", payload=b"v", retain=True))
-            for i in range(300)  # more than the v3.1.1 window of 256
-        )
-    )
-    assert all(o.accepted for o in outcomes)
-    reader, writer = await asyncio.open_connection("127.0.0.1", mqtt.port)
-    writer.write(
-        packet(0x10, utf8("MQTT") + bytes([4, 0x02]) + struct.pack(">H", 60) + utf8("hog0"))
-    )
-    assert (await asyncio.wait_for(reader.readexactly(4), 5))[0] == 0x20
-    session = mqtt.registry.sessions["hog0"]
+    # more retained messages than the v3.1.1 window of 256
+    reader, writer, session = await hog_with_retained(broker, mqtt, "hog0", 300, b"v")
     writer.write(packet(0x82, struct.pack(">H", 1) + utf8("r/#") + b"\x01"))
     async with asyncio.timeout(5):
         await drain(reader, set(), 1)
