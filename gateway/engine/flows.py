@@ -199,6 +199,12 @@ class Flow:
         free = min(self.window, self.limit) - len(self.unacked)
         return free if self.credit is None else min(free, self.credit)
 
+    @property
+    def full(self) -> bool:
+        """Holding the queue's max_delivered_unacked_msgs_per_flow: no more until it
+        settles some, whatever its own window and credit."""
+        return len(self.unacked) >= self.limit
+
     def ack(self, entry_id: str) -> None:
         """The consumer processed the message: delete it from the queue."""
         self._settle("ack", entry_id)

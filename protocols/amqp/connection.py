@@ -129,6 +129,7 @@ class AmqpConnection(asyncio.Protocol):
         self._handshake: asyncio.TimerHandle | None = None
         self._detaching: dict[str, asyncio.Future[None]] = {}  # link name -> its close
         self._write_watchers: set[Outbound] = set()  # see watch_writes
+        self.writable = True  # see pause_writing
 
     # -- asyncio.Protocol ------------------------------------------------------------------
 
@@ -159,6 +160,21 @@ class AmqpConnection(asyncio.Protocol):
             data = self.sasl.rest
         self._input = self._input + data if self._input else data
         self._pump()
+
+    def pause_writing(self) -> None:
+        """The socket's buffer passed its high-water mark (the client reads slowly, or not
+        at all): its links take no more messages until it drains. Else a link's whole
+        credit of them (up to the queue's per-flow limit) would wait in this node's memory,
+        kept from every other consumer."""
+        self._set_writable(False)
+
+    def resume_writing(self) -> None:
+        self._set_writable(True)
+
+    def _set_writable(self, writable: bool) -> None:
+        self.writable = writable
+        for endpoint in self.endpoints.values():
+            endpoint.set_writable(writable)
 
     def eof_received(self) -> bool:
         if not self.closed and self.sasl.state is State.DONE:

@@ -116,6 +116,7 @@ class Host(Protocol):
     topics: TopicAccess  # the topic ACL's denials for that user
     connection_id: str  # for exclusive queues
     nodes: DynamicNodes
+    writable: bool  # False while the socket's buffer is past its high-water mark
 
     def wake(self) -> None: ...
 
@@ -146,6 +147,9 @@ class Endpoint:
 
     def on_flow(self) -> None:
         """LINK_FLOW event: the client's flow frame changed this link's credit."""
+
+    def set_writable(self, writable: bool) -> None:
+        """The connection's socket backed up (False) or drained (True)."""
 
     def discard(self, dlv: Any) -> None:
         """DELIVERY event after we closed the link, before the client detached: settled, or

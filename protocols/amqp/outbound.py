@@ -146,7 +146,7 @@ class Outbound(Endpoint):
             flow = await broker.bind(
                 queue,
                 self._on_deliver,
-                window=WINDOW,
+                window=WINDOW if self.host.writable else 0,
                 credit=0,
                 on_closed=self._on_flow_closed,
                 selector=selector.text if selector and not spool_selected else None,
@@ -356,8 +356,8 @@ class Outbound(Endpoint):
             self._presettled.append(delivery.entry_id)
         else:
             self.unsettled[dlv] = (delivery.entry_id, tag)
-        if self._draining and flow.space <= 0:  # its window (the queue's per-flow limit)
-            self._drained(flow)  # is full: no more to send for this drain
+        if self._draining and (flow.full or not flow.credit):  # no more for this drain
+            self._drained(flow)
         self.host.wake()
 
     def written(self) -> bool:
@@ -406,17 +406,23 @@ class Outbound(Endpoint):
         except sections.Unsupported:  # proton encodes into a bytearray
             return bytes(mapping.from_delivery(delivery).encode())
 
+    def set_writable(self, writable: bool) -> None:
+        """No fetching while the socket is backed up (AmqpConnection.pause_writing): the
+        flow's window shuts, its credit stays the client's."""
+        if self.flow is not None:
+            self.flow.set_window(WINDOW if writable else 0)
+
     def on_flow(self) -> None:
         """FLOW event: the link credit is the flow's credit. A drain is answered when the
-        flow finds nothing more, or at once when it cannot fetch at all (window full,
-        exclusive standby)."""
+        flow finds nothing more, or at once when it cannot fetch at all (the queue's
+        per-flow limit full, exclusive standby); not for a socket backed up for a while."""
         if not self.live or self.flow is None:
             return
         flow, impl = self.flow, self.link._impl  # one FLOW event per client flow frame
         credit = pn_link_credit(impl)
         flow.set_credit(max(0, credit))
         self._draining = credit > 0 and bool(pn_link_get_drain(impl))
-        if self._draining and (flow.space <= 0 or not flow.active):
+        if self._draining and (flow.full or not flow.active):
             self._drained(flow)
 
     def _on_empty(self) -> None:
