@@ -183,8 +183,8 @@ def from_delivery(delivery: Delivery) -> AmqpMessage:
     amqp.annotations = annotations
     if msg.partition_key is not None:
         amqp.group_id = msg.partition_key
-    if msg.content_type is not None:
-        amqp.content_type = msg.content_type
+    if (content_type := sections.content_type_out(msg.content_type)) is not None:
+        amqp.content_type = content_type
     if msg.correlation_id is not None:
         amqp.correlation_id = sections.correlation_out(msg.correlation_id)
     if msg.reply_to is not None:

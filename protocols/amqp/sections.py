@@ -574,21 +574,28 @@ def encode(delivery: Delivery, now_ms: int | None = None) -> bytes:
     return b"".join(parts)
 
 
+def content_type_out(content_type: str | None) -> str | None:
+    """AMQP's content-type is a symbol, ASCII only (§3.2.4, §1.6.20): an MQTT 5 publisher's
+    content type past ASCII is left out, as RabbitMQ does."""
+    return content_type if content_type is not None and content_type.isascii() else None
+
+
 def application_properties(msg: Message) -> list[tuple[str, PropertyValue]]:
     """`msg`'s user properties but an MQTT publisher's for the group and the priority:
     AMQP carries what they set in group-id and header.priority (another publisher's
-    properties of those names are its own)."""
+    properties of those names are its own). Of a key an MQTT publisher repeated, the
+    first value: the one selectors read (engine/selection.py), as RabbitMQ keeps."""
     props, publisher = msg.user_properties, msg.publisher
     if publisher is None or publisher.protocol != "mqtt":
         return props
-    if not any(k in (GROUP_PROPERTY, PRIORITY_PROPERTY) for k, _ in props):
-        return props
-    return [
-        (k, v)
-        for k, v in props
-        if not (k == GROUP_PROPERTY and v == msg.partition_key)
-        and not (k == PRIORITY_PROPERTY and priority_of(v) == msg.priority)
-    ]
+    first: dict[str, PropertyValue] = {}
+    for k, v in props:
+        if (k == GROUP_PROPERTY and v == msg.partition_key) or (
+            k == PRIORITY_PROPERTY and priority_of(v) == msg.priority
+        ):
+            continue
+        first.setdefault(k, v)
+    return list(first.items())
 
 
 def keep_bare(msg: Message, bare: bytes) -> None:
@@ -642,7 +649,7 @@ def _properties(msg: Message, expiry: bytes) -> bytes:
         _NULL if msg.subject is None else _str(msg.subject),
         _NULL if msg.reply_to is None else _str(msg.reply_to),
         _NULL if msg.correlation_id is None else _msgid(correlation_out(msg.correlation_id)),
-        _NULL if msg.content_type is None else _sym(msg.content_type),
+        _NULL if (ctype := content_type_out(msg.content_type)) is None else _sym(ctype),
         _NULL,  # content-encoding
         expiry,
         _NULL if msg.timestamp is None else b"\x83" + _pack_q(msg.timestamp),  # creation-time
