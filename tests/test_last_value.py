@@ -57,6 +57,16 @@ async def test_qpid_lvq_keeps_the_last_message_per_key(broker: Broker) -> None:
     assert (await broker.queues.info("ticks")).messages == 3
 
 
+async def test_a_key_is_its_string_value_whatever_its_type(broker: Broker) -> None:
+    """MQTT 5 user properties are all strings: an MQTT publisher's "7" shares the key of an
+    AMQP publisher's integer 7 (Qpid, keying on Java objects, keeps two; README)."""
+    await broker.declare_queue(QueueConfig(name="ticks", lvq_key="symbol"), [("prices/>", "smf")])
+    await broker.publish(msg("int", symbol=7))
+    await broker.publish(msg("bytes", symbol=b"7"))
+    await broker.publish(msg("str", symbol="7"))
+    assert await browse_all(broker, "ticks") == [b"str"]
+
+
 async def test_a_partitioned_queue_is_never_a_last_value_queue(broker: Broker) -> None:
     """Each partition is a stream of its own, so a key's values (a Solace last value
     queue's one value) would live in several, one per partition: refused when declared,
