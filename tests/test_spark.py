@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -43,6 +44,7 @@ from gateway.model import Delivery, Message, Outcome, decode, encode  # noqa: E4
 from gateway.spark import jobs, sink  # noqa: E402
 from gateway.spark.session import activate, build_session  # noqa: E402
 from gateway.spark.sink import RowMapper, SinkCommit, SinkOptions  # noqa: E402
+from gateway.spark.source import DataLossError, Options, StreamReader  # noqa: E402
 from protocols.amqp.listener import start as start_amqp  # noqa: E402
 from tests.test_engine import wait_for  # noqa: E402
 
@@ -114,8 +116,74 @@ async def test_batch_read_of_partitioned_queue_returns_every_message_once(
     row = next(r for r in rows if r.payload == b"m9")
     assert (row.queue, row.topic, row.partition_key) == ("p", "p", "k9")
     assert row.properties["n"] == "9" and row.properties["even"] == "false"
-    assert row.properties["content_type"] == "text/plain" and row.properties["priority"] == "4"
+    assert (row.content_type, row.priority, row.persistent) == ("text/plain", 4, True)
+    assert set(row.properties) == {"n", "even"}  # the headers have their columns
     assert row.ingest_ts.year >= 2024
+
+
+async def test_a_queue_copied_through_source_and_sink_keeps_its_messages_headers(
+    spark: SparkSession, broker: Broker, redis_url: str
+) -> None:
+    """The README has a source's DataFrame written to the sink as it is. Headers travelled
+    as strings in `properties`, which the sink republished as user properties: the copy
+    lost its priority, TTL, correlation-id and reply-to, and gained properties named
+    after them. Property values stay strings: the source's map has one value type."""
+    for name in ("orig", "copy"):
+        await broker.declare_queue(QueueConfig(name=name))
+    amqp = await start_amqp(broker, Settings(amqp_port=0, host="127.0.0.1"))
+    url = f"amqp://127.0.0.1:{amqp.port}"
+    sent = AmqpMessage(
+        body=b"\x00\x01binary",
+        priority=7,
+        durable=True,
+        ttl=3600,
+        content_type="application/octet-stream",
+        correlation_id="corr-1",
+        subject="orders.new",
+        reply_to="replies",
+        group_id="g1",
+        properties={"n": 5, "flag": True},
+    )
+
+    def send() -> None:
+        conn = BlockingConnection(url, timeout=10)
+        try:
+            conn.create_sender("orig").send(sent)
+        finally:
+            conn.close()
+
+    def copy() -> None:
+        activate(spark)
+        writer = read(spark, redis_url, "orig").write.format("gateway").mode("append")
+        writer.option("redis_url", redis_url).option("queue", "copy").save()
+
+    def receive(queue: str) -> AmqpMessage:
+        conn = BlockingConnection(url, timeout=10)
+        try:
+            receiver = conn.create_receiver(queue, credit=1)
+            msg = receiver.receive(timeout=10)
+            receiver.accept()
+            return msg
+        finally:
+            conn.close()
+
+    def view(m: AmqpMessage) -> tuple:
+        expires = m.expiry_time or (time.time() + m.ttl if m.ttl else 0)
+        return (
+            bytes(m.body), m.priority, m.durable, m.content_type, m.correlation_id,
+            m.subject, m.reply_to, m.group_id, 3500 < expires - time.time() <= 3600,
+        )  # fmt: skip
+
+    try:
+        await asyncio.to_thread(send)
+        await asyncio.to_thread(copy)
+        original = await asyncio.to_thread(receive, "orig")
+        copied = await asyncio.to_thread(receive, "copy")
+    finally:
+        await amqp.close()
+    assert view(copied) == view(original)
+    assert view(original)[-1], "the original's expiry is an hour away"
+    assert dict(copied.properties) == {"n": "5", "flag": "true"}
 
 
 async def test_sink_publishes_through_the_spool_and_replays_idempotently(
@@ -405,6 +473,70 @@ async def test_unnamed_reader_from_earliest_is_only_failed_by_holes_made_after_i
         await stream_available_now(
             spark, redis_url, "u", tmp_path / "b", hook, maxEntriesPerBatch="3"
         )
+
+
+async def test_unnamed_reader_is_failed_by_entries_that_went_between_planning_and_reading(
+    spark: SparkSession, broker: Broker, redis_url: str, tmp_path: Path
+) -> None:
+    """Loss was checked only when a batch was planned, and never for a range from the
+    stream's start: an entry acked out of order, or three taken in order by a consumer (the
+    engine trims them), while the first batch ran were skipped without a word. The task
+    that reads a range now checks what went since its planning."""
+    await broker.declare_queue(QueueConfig(name="first"))
+    await publish_to(broker, "first", [f"x{i}".encode() for i in range(10)])
+    ids = [e[0] for e in await broker.redis.xrange(keys.queue_stream("first"))]
+    hook = xdel_at(redis_url, "first", ids[1], 0)
+    with pytest.raises(Exception, match=r"data loss in queue 'first'.*deleted before it was read"):
+        await stream_available_now(spark, redis_url, "first", tmp_path / "a", hook)
+
+    await broker.declare_queue(QueueConfig(name="taken"))
+    await publish_to(broker, "taken", [f"x{i}".encode() for i in range(10)])
+    loop = asyncio.get_running_loop()
+
+    async def consume_three() -> None:
+        got: list[Delivery] = []
+        flow = await broker.bind("taken", got.append, window=3)
+        await wait_for(lambda: len(got) == 3)
+        for delivery in got:
+            flow.ack(delivery.entry_id)
+        await flow.close()  # its acks go first
+        assert await broker.redis.xlen(keys.queue_stream("taken")) == 7
+
+    def take_three(batch_id: int) -> None:
+        if batch_id == 0:
+            asyncio.run_coroutine_threadsafe(consume_three(), loop).result(20)
+
+    with pytest.raises(Exception, match=r"data loss in queue 'taken'.*went unread"):
+        await stream_available_now(spark, redis_url, "taken", tmp_path / "b", take_three)
+
+
+async def test_a_query_from_earliest_is_failed_by_holes_made_before_its_first_plan(
+    broker: Broker, redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Between the query's start (initialOffset) and its first batch's planning: a range
+    from the stream's start was not checked at all. The driver's calls, in Spark's order."""
+    await broker.declare_queue(QueueConfig(name="early"))
+    await publish_to(broker, "early", [f"x{i}".encode() for i in range(5)])
+    ids = [e[0] for e in await broker.redis.xrange(keys.queue_stream("early"))]
+    reader = StreamReader(Options.parse({"redis_url": redis_url, "queue": "early"}))
+    start = reader.initialOffset()
+    end = reader.latestOffset(start, reader.getDefaultReadLimit())
+    assert len(reader.partitions(start, end)) == 1  # nothing went yet
+    await broker.redis.xdel(keys.queue_stream("early"), ids[1])
+    with pytest.raises(DataLossError, match="deleted after the query began"):
+        reader.partitions(start, end)
+    await broker.redis.xtrim(
+        keys.queue_stream("early"), minid=ids[3], approximate=False
+    )  # in-order acks
+    tolerant = StreamReader(
+        Options.parse({"redis_url": redis_url, "queue": "early", "failOnDataLoss": "false"})
+    )
+    start = tolerant.initialOffset()
+    end = tolerant.latestOffset(start, tolerant.getDefaultReadLimit())
+    await broker.redis.xtrim(keys.queue_stream("early"), minid=ids[4], approximate=False)
+    with caplog.at_level(logging.WARNING, logger="gateway.spark.source"):
+        assert len(tolerant.partitions(start, end)) == 1  # warned; what is left is read
+    assert f"stream was trimmed past {ids[3].decode()}" in caplog.text
 
 
 async def test_archive_and_dmq_report(

@@ -20,7 +20,8 @@ Row columns: ``payload`` (binary or string, required); optional ``partition_key`
 ``priority`` (0-9, clamped as an AMQP priority is), ``expiration`` (a timestamp: the
 message expires then), ``persistent``, ``subject`` and ``reply_to``. A column of a type a
 message cannot carry (COLUMN_TYPES) is refused when the write is planned; other columns
-are not read, so a source's DataFrame (queue, entry_id, ...) can be written as it is.
+are not read, so a source's DataFrame (queue, entry_id, ...) can be written as it is: its
+header columns are these.
 """
 
 from __future__ import annotations

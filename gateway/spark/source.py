@@ -40,20 +40,33 @@ from gateway.spark.sink import BatchWriter, SinkOptions, StreamWriter
 
 log = logging.getLogger(__name__)
 
+# The header columns after `payload` are the sink's (sink.COLUMN_TYPES): a source's
+# DataFrame written to the sink as it is keeps its messages' headers
 SCHEMA = (
     "queue string, partition int, entry_id string, ingest_ts timestamp, topic string, "
-    "partition_key string, properties map<string,string>, payload binary"
+    "partition_key string, properties map<string,string>, payload binary, "
+    "content_type string, correlation_id string, message_id string, priority int, "
+    "expiration timestamp, persistent boolean, subject string, reply_to string"
 )
+_UTC_TIMESTAMP = pa.timestamp("us", tz="UTC")
 ARROW_SCHEMA = pa.schema(
     [
         ("queue", pa.string()),
         ("partition", pa.int32()),
         ("entry_id", pa.string()),
-        ("ingest_ts", pa.timestamp("us", tz="UTC")),
+        ("ingest_ts", _UTC_TIMESTAMP),
         ("topic", pa.string()),
         ("partition_key", pa.string()),
         ("properties", pa.map_(pa.string(), pa.string())),
         ("payload", pa.binary()),
+        ("content_type", pa.string()),
+        ("correlation_id", pa.string()),
+        ("message_id", pa.string()),
+        ("priority", pa.int32()),
+        ("expiration", _UTC_TIMESTAMP),
+        ("persistent", pa.bool_()),
+        ("subject", pa.string()),
+        ("reply_to", pa.string()),
     ]
 )
 PAGE = 5000  # XRANGE COUNT per round trip
@@ -127,6 +140,13 @@ class StreamInfo:
             raw = client.execute_command("XINFO", "STREAM", keys.queue_stream(queue))
         except redis.ResponseError:  # no stream (queue deleted): nothing to read
             return cls(0, (0, 0), (0, 0), (0, 0))
+        return cls.parse(raw)
+
+    @classmethod
+    def parse(cls, raw: Any) -> StreamInfo:
+        """From an XINFO STREAM reply (an error reply: no stream)."""
+        if isinstance(raw, redis.ResponseError):
+            return cls(0, (0, 0), (0, 0), (0, 0))
         if isinstance(raw, list):
             raw = dict(zip(raw[::2], raw[1::2], strict=False))
         info = {(k.decode() if isinstance(k, bytes) else k): v for k, v in raw.items()}
@@ -140,7 +160,11 @@ class StreamInfo:
 
 
 def lost_range(
-    client: redis.Redis, queue: str, start: StreamId, baseline: StreamId = (0, 0)
+    client: redis.Redis,
+    queue: str,
+    start: StreamId,
+    baseline: StreamId = (0, 0),
+    began: StreamInfo | None = None,
 ) -> str | None:
     """Why entries after `start` are gone, or None when nothing a reader needed was removed.
 
@@ -149,9 +173,11 @@ def lost_range(
     stream is empty although entries after `start` were added. `baseline` is the
     `max-deleted-entry-id` when the reader began: holes made before then (say, entries acked
     out of order) were never its to read, so a max-deleted id up to it is no loss.
+    A range from the stream's start (0-0) has no entry to hold on to: what the stream was
+    when the query began (`began`, None when unknown) tells.
     """
     if start == (0, 0):
-        return None
+        return None if began is None else _lost_since(client, queue, began)
     info = StreamInfo.fetch(client, queue)
     at = format_id(start)
     if info.max_deleted > start and info.max_deleted > baseline:
@@ -170,13 +196,35 @@ def lost_range(
     return None
 
 
+def _lost_since(client: redis.Redis, queue: str, began: StreamInfo) -> str | None:
+    """Why entries of a stream read from its start are gone since the query began (it was
+    then `began`), or None."""
+    info = StreamInfo.fetch(client, queue)
+    if info.max_deleted > began.max_deleted:
+        deleted = format_id(info.max_deleted)
+        return f"entries were deleted after the query began (max-deleted-entry-id {deleted})"
+    if began.length and (info.length == 0 or info.first > began.first):
+        first = format_id(began.first)
+        return f"stream was trimmed past {first}, its first entry when the query began"
+    return None
+
+
 def check_loss(
-    client: redis.Redis, opts: Options, queue: str, start: StreamId, baseline: StreamId = (0, 0)
+    client: redis.Redis,
+    opts: Options,
+    queue: str,
+    start: StreamId,
+    baseline: StreamId = (0, 0),
+    began: StreamInfo | None = None,
 ) -> None:
     """Raise (failOnDataLoss) or warn when the range after `start` lost entries."""
-    reason = lost_range(client, queue, start, baseline)
-    if reason is None:
-        return
+    reason = lost_range(client, queue, start, baseline, began)
+    if reason is not None:
+        report_loss(opts, queue, reason)
+
+
+def report_loss(opts: Options, queue: str, reason: str) -> None:
+    """Raise (failOnDataLoss) or warn."""
     message = f"data loss in queue {opts.queue!r} stream {queue!r}: {reason}"
     if opts.fail_on_data_loss:
         raise DataLossError(f"{message}; set failOnDataLoss=false to skip the missing range")
@@ -194,18 +242,13 @@ def _text(value: PropertyValue) -> str | None:
 
 
 def properties(msg: Message) -> dict[str, str | None]:
-    """Headers, then annotations, then user properties (a later name wins), as strings."""
-    out: dict[str, str | None] = {"priority": str(msg.priority)}
-    for name in ("content_type", "correlation_id", "reply_to", "message_id", "subject"):
-        value = getattr(msg, name)
-        if value is not None:
-            out[name] = _text(value)
-    if msg.expiration is not None:
-        out["expiration"] = str(msg.expiration)
-    for name, value in msg.annotations.items():
-        out[str(name)] = _text(value)
+    """The user properties as strings (of a repeated name, the first: as selectors and
+    AMQP consumers read it), and a dead message's origin and reason. Headers have columns
+    of their own: in this map, a copy through the sink would make them user properties."""
+    out: dict[str, str | None] = {}
     for name, value in msg.user_properties:
-        out[name] = _text(value)
+        if name not in out:
+            out[name] = _text(value)
     for name in (ORIGIN_QUEUE, DEAD_LETTER_REASON):  # the engine's word, not a publisher's
         if name in msg.annotations:
             out[name] = _text(msg.annotations[name])
@@ -252,19 +295,55 @@ def to_batch(parent: str, partition: int | None, queue: str, page: list) -> pa.R
             [list(properties(m).items()) for m in msgs], ARROW_SCHEMA.field("properties").type
         ),
         pa.array([m.payload for m in msgs], pa.binary()),
+        pa.array([m.content_type for m in msgs], pa.string()),
+        pa.array([_text(m.correlation_id) for m in msgs], pa.string()),
+        pa.array([_text(m.message_id) for m in msgs], pa.string()),
+        pa.array([m.priority for m in msgs], pa.int32()),
+        pa.array(
+            [None if m.expiration is None else m.expiration * 1000 for m in msgs], _UTC_TIMESTAMP
+        ),
+        pa.array([m.persistent for m in msgs], pa.bool_()),
+        pa.array([m.subject for m in msgs], pa.string()),
+        pa.array([m.reply_to for m in msgs], pa.string()),
     ]
     return pa.RecordBatch.from_arrays(columns, schema=ARROW_SCHEMA)
 
 
-class StreamRange(InputPartition):
-    """One stream's id range (start exclusive, end inclusive): one Spark task."""
+@dataclass(frozen=True, slots=True)
+class Planned:
+    """A range's stream when its batch was planned: its max-deleted id, and the range's
+    first entry then ("" for none). The task that reads the range tells by them what went
+    between planning and reading (see read_range)."""
 
-    def __init__(self, partition: int | None, queue: str, start: str, end: str) -> None:
+    max_deleted: str
+    first: str
+
+    @classmethod
+    def now(cls, client: redis.Redis, queue: str, start: str, end: str) -> Planned:
+        low = "-" if start == ZERO else "(" + start
+        first = client.xrange(keys.queue_stream(queue), low, end, count=1)
+        info = StreamInfo.fetch(client, queue)
+        return cls(format_id(info.max_deleted), first[0][0].decode() if first else "")
+
+
+class StreamRange(InputPartition):
+    """One stream's id range (start exclusive, end inclusive): one Spark task. `planned`:
+    what the range was at planning, where loss is checked (None: it is not)."""
+
+    def __init__(
+        self,
+        partition: int | None,
+        queue: str,
+        start: str,
+        end: str,
+        planned: Planned | None = None,
+    ) -> None:
         super().__init__((partition, queue, start, end))
         self.partition = partition
         self.queue = queue
         self.start = start
         self.end = end
+        self.planned = planned
 
 
 def read_range(opts: Options, part: InputPartition) -> Iterator[pa.RecordBatch]:
@@ -280,8 +359,16 @@ def read_range(opts: Options, part: InputPartition) -> Iterator[pa.RecordBatch]:
         key = keys.queue_stream(part.queue)
         low = "-" if part.start == ZERO else "(" + part.start
         end = parse_id(part.end)
+        watch = None if part.planned is None else _Watch(opts, part)
         while True:
-            page = client.xrange(key, low, part.end, count=PAGE)
+            if watch is None:
+                page = client.xrange(key, low, part.end, count=PAGE)
+            else:  # the stream right after the page: what went before it was read
+                pipe = client.pipeline(transaction=False)
+                pipe.xrange(key, low, part.end, count=PAGE)
+                pipe.execute_command("XINFO", "STREAM", key)
+                page, info = pipe.execute(raise_on_error=False)
+                watch.check(page, StreamInfo.parse(info))
             if page:
                 yield to_batch(opts.queue, part.partition, part.queue, page)
             if len(page) < PAGE or parse_id(page[-1][0]) >= end:
@@ -289,6 +376,39 @@ def read_range(opts: Options, part: InputPartition) -> Iterator[pa.RecordBatch]:
             low = "(" + page[-1][0].decode()
     finally:
         client.close()
+
+
+class _Watch:
+    """Entries of a range deleted after its batch was planned, before its task read them:
+    no reader holds them (readerName does), so consumers may settle them meanwhile. Each
+    page is followed by XINFO: a max-deleted id that moved into the range is lost unless
+    the page holds it or the pages before passed it, and a first page that does not start
+    with the range's planned first entry means that one was trimmed."""
+
+    def __init__(self, opts: Options, part: StreamRange) -> None:
+        assert part.planned is not None
+        self.opts, self.part = opts, part
+        self.start, self.end = parse_id(part.start), parse_id(part.end)
+        self.max_deleted = parse_id(part.planned.max_deleted)
+        self.first: str | None = part.planned.first or None  # until the first page is read
+        self.read_up_to = self.start
+
+    def check(self, page: list, info: StreamInfo) -> None:
+        if self.first is not None:
+            got = page[0][0].decode() if page else None
+            if got != self.first:
+                report_loss(self.opts, self.part.queue, f"entry {self.first} went unread")
+            self.first = None
+        deleted = info.max_deleted
+        if deleted > self.max_deleted:
+            self.max_deleted = deleted
+            if self.read_up_to < deleted <= self.end:
+                at = format_id(deleted).encode()
+                if not any(entry[0] == at for entry in page):
+                    reason = f"entry {format_id(deleted)} was deleted before it was read"
+                    report_loss(self.opts, self.part.queue, reason)
+        if page:
+            self.read_up_to = parse_id(page[-1][0])
 
 
 def queue_streams(client: redis.Redis, queue: str) -> list[tuple[int | None, str]]:
@@ -387,7 +507,9 @@ class BatchReader(DataSourceReader):
                     continue
                 if explicit:
                     check_loss(client, self.opts, queue, start, baselines.get(queue, (0, 0)))
-                out.append(StreamRange(partition, queue, format_id(start), format_id(end)))
+                first, last = format_id(start), format_id(end)
+                planned = Planned.now(client, queue, first, last) if explicit else None
+                out.append(StreamRange(partition, queue, first, last, planned))
             return out
         finally:
             client.close()
@@ -408,6 +530,7 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         # each stream's max-deleted id then: holes made before it began are not its loss
         self._initial: dict[str, str] = {}
         self._baselines: dict[str, StreamId] = {}
+        self._began: dict[str, StreamInfo] = {}  # each stream then, for ranges from 0-0
 
     def __getstate__(self) -> dict[str, Any]:
         """Executors get the options only; the driver's client stays behind."""
@@ -426,11 +549,12 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         """Where the query begins (not called on a restart from a checkpoint). Chosen here
         (earliest or latest), the max-deleted ids taken first say which holes predate it."""
         streams = [q for _, q in queue_streams(self.client, self.opts.queue)]
-        deleted = {q: StreamInfo.fetch(self.client, q).max_deleted for q in streams}
+        began = {q: StreamInfo.fetch(self.client, q) for q in streams}
         offsets, explicit = starting_offsets(self.client, self.opts)
         if not explicit:
             self._initial = offsets
-            self._baselines = deleted
+            self._baselines = {q: info.max_deleted for q, info in began.items()}
+            self._began = began
         return offsets
 
     def getDefaultReadLimit(self) -> ReadLimit:
@@ -483,8 +607,11 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             if parse_id(last) <= low or queue not in streams:
                 continue
             baseline = max(self._baselines.get(queue, (0, 0)), persisted.get(queue, (0, 0)))
-            check_loss(self.client, self.opts, queue, low, baseline)
-            out.append(StreamRange(streams[queue], queue, format_id(low), last))
+            began = self._began.get(queue)
+            check_loss(self.client, self.opts, queue, low, baseline, began)
+            first = format_id(low)
+            planned = Planned.now(self.client, queue, first, last)
+            out.append(StreamRange(streams[queue], queue, first, last, planned))
         return out
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
