@@ -9,8 +9,10 @@ import asyncio
 import struct
 
 from gateway.broker import Broker
+from gateway.engine.flows import FETCH_BATCH
 from gateway.model import Message as GwMessage
-from protocols.mqtt.session import MAX_WAITING, Session
+from protocols.mqtt.session import MAX_WAITING, MAX_WINDOW, Session
+from tests.test_amqp_slow_reader import socket_buffers
 from tests.test_engine import wait_for
 
 RETAINED = 500
@@ -116,5 +118,56 @@ async def test_qos0_held_behind_waiting_retained_is_bounded(broker: Broker, mqtt
         await asyncio.sleep(0.3)
         held = len(session._held_out)
         assert held <= MAX_WAITING, f"{held} QoS 0 messages held in memory, never sent or dropped"
+    finally:
+        writer.close()
+
+
+async def test_a_client_that_reads_nothing_stops_taking_queued_messages(
+    broker: Broker, mqtt
+) -> None:
+    """A v5 client's receive maximum (up to MAX_WINDOW) let its subscription take that many
+    messages, of any size, for its socket while the client read none of them: past 8 MiB
+    (WRITE_BUFFER_CAP) the node cut it off, and a slow reader of a backlog of big messages
+    was cut off again at each reconnect. Its flows now wait while its socket is backed up,
+    and the messages go out once it reads again."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", mqtt.port)
+    receive_maximum = b"\x03\x21" + struct.pack(">H", 65535)  # properties: length, 0x21
+    writer.write(
+        packet(0x10, utf8("MQTT") + bytes([5, 0x02]) + struct.pack(">H", 60)
+               + receive_maximum + utf8("slow"))
+    )  # fmt: skip
+    head = await asyncio.wait_for(reader.readexactly(2), 5)
+    assert head[0] == 0x20
+    await reader.readexactly(head[1])
+    session = mqtt.registry.sessions["slow"]
+    writer.write(packet(0x82, struct.pack(">H", 1) + b"\x00" + utf8("big/#") + b"\x01"))
+    async with asyncio.timeout(5):
+        await drain(reader, set(), 1)
+    body = b"z" * 65536
+    messages = MAX_WINDOW + 100  # 70 MiB: far more than the sockets' buffers take
+    outcomes = await asyncio.gather(
+        *(
+            broker.publish_nowait(GwMessage(destination="big/x", payload=body))
+            for _ in range(messages)
+        )
+    )
+    assert all(o.accepted for o in outcomes)
+    try:
+        await asyncio.sleep(2.0)
+        assert not session.closing, "cut off"
+        held = sum(len(flow.unacked) for flow in session._flows.values())
+        # what the sockets took, and a fetch or two: not the client's whole window
+        bound = socket_buffers() // len(body) + 2 * FETCH_BATCH
+        assert bound < MAX_WINDOW  # else this machine's buffers would hide the difference
+        assert 0 < held <= bound, (held, bound)
+        got = 0
+        async with asyncio.timeout(10):
+            while got < MAX_WINDOW:  # reading again (acking none): its window's worth come
+                first = (await reader.readexactly(1))[0]
+                size, mult = 0, 1
+                while (b := (await reader.readexactly(1))[0]) & 0x80:
+                    size, mult = size + (b & 0x7F) * mult, mult * 128
+                await reader.readexactly(size + (b & 0x7F) * mult)
+                got += first & 0xF0 == 0x30
     finally:
         writer.close()

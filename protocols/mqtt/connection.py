@@ -3,10 +3,12 @@
 Output is gathered per event-loop turn and written once (one send per turn, not one per
 packet: on uvloop each write is a syscall). Flow control lives here because it is about
 sockets: reading pauses while the session is busy or the spool is behind (several reasons
-may hold it at once) and while the peer's receive side is full; a peer that stops reading is
-cut off once WRITE_BUFFER_CAP bytes are queued for it, so a slow subscriber cannot make the
-gateway's memory grow without bound, and by keep alive once it has taken none of its output
-for a keep alive period (its pings wait unread behind the paused input).
+may hold it at once) and while the peer's receive side is full. While it is, the session's
+flows take no more queued messages; a peer that stops reading is cut off once
+WRITE_BUFFER_CAP bytes (of direct QoS 0 messages, say) are queued for it, so a slow
+subscriber cannot make the gateway's memory grow without bound, and by keep alive once it
+has taken none of its output for a keep alive period (its pings wait unread behind the
+paused input).
 """
 
 from __future__ import annotations
@@ -157,8 +159,19 @@ class MqttConnection(asyncio.Protocol):
         if not self._paused and self.transport is not None and not self.transport.is_closing():
             self.transport.resume_reading()
 
+    @property
+    def writable(self) -> bool:
+        return "writing" not in self._paused
+
     def pause_writing(self) -> None:
+        """The socket's buffer passed its high-water mark: nothing more is read, and the
+        session's flows take no more messages until it drains (else each would fill its
+        window, up to MAX_WINDOW messages of any size, in the node's memory)."""
         self.pause_input("writing")
+        if self.session is not None:
+            self.session.writable_changed()
 
     def resume_writing(self) -> None:
         self.resume_input("writing")
+        if self.session is not None:
+            self.session.writable_changed()

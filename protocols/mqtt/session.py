@@ -129,6 +129,7 @@ class Link(Protocol):
 
     protocol_level: int | None  # fixed by the decoder from the CONNECT header
     input_paused: bool
+    writable: bool  # False while the socket's buffer is past its high-water mark
 
     def send(self, data: bytes) -> None: ...
     def close(self) -> None: ...
@@ -501,7 +502,10 @@ class Session:
 
     def _flow_window(self, queue: str) -> int:
         """The client's receive maximum less what else it counts: PUBREL-pending QoS 2
-        deliveries and retained messages in flight or waiting to go first."""
+        deliveries and retained messages in flight or waiting to go first; none while the
+        socket is backed up."""
+        if not self.link.writable:
+            return 0  # see writable_changed
         pending = len(self.state.pubrel_out) if self.state is not None else 0
         retained = self._retained_out + len(self._retained_waiting)
         window = max(0, self._window - pending - retained)
@@ -1098,6 +1102,10 @@ class Session:
         persistent session resends its PUBRELs after a restart."""
         self._resize_windows()
         self.registry.save_soon(self)
+
+    def writable_changed(self) -> None:
+        """The socket backed up, or drained: the flows' windows shut, or open again."""
+        self._resize_windows()
 
     def _resize_windows(self) -> None:
         if self.closing:  # they stay shut (see _closing)
