@@ -86,6 +86,9 @@ class Settings:
     users: list[User] = field(default_factory=list)
     acl: list[AclRule] = field(default_factory=list)
     queues: list[dict[str, Any]] = field(default_factory=list)
+    # the settings the file, the environment or a flag gave: one given as its default (a
+    # spool quota of 0, to lift one stored) is not one left out (see SpoolLimits)
+    given: frozenset[str] = frozenset()
 
     def validate(self) -> None:
         for name in ("mqtt_port", "amqp_port", "admin_port", "mqtt_tls_port", "amqp_tls_port"):
@@ -161,7 +164,7 @@ _MAPPINGS = ("vpn_spool_quotas",)  # name -> bytes tables
 _SCALARS = {
     f.name: f.type
     for f in dataclasses.fields(Settings)
-    if f.name not in ("users", "acl", "queues", *_MAPPINGS)
+    if f.name not in ("users", "acl", "queues", "given", *_MAPPINGS)
 }
 
 
@@ -246,7 +249,7 @@ def load_settings(
     for name, value in (overrides or {}).items():
         if value is not None:
             values[name] = value
-    settings = Settings(**{k: _coerce(k, v) for k, v in values.items()})
+    settings = Settings(**{k: _coerce(k, v) for k, v in values.items()}, given=frozenset(values))
     try:
         settings.users = [User(**u) for u in provisioned.get("users", [])]
         settings.acl = [AclRule(**a) for a in provisioned.get("acl", [])]

@@ -9,6 +9,7 @@ import logging
 import pytest
 
 from gateway.broker import Broker
+from gateway.config import load_settings
 from gateway.engine import keys
 from gateway.engine.flows import ROUND_MESSAGES
 from gateway.engine.queues import QueueConfig, QueueError
@@ -155,6 +156,27 @@ async def test_a_node_without_quota_settings_keeps_the_stored_ones(
     await third.start()
     await third.stop()
     assert await stored_limits(broker.redis) == SpoolLimits(broker_bytes=9), "explicit wins"
+
+
+@pytest.mark.parametrize(
+    "given",
+    [{"spool_quota_bytes": 0}, {"vpn_spool_quotas": {}}],
+    ids=["quota-0", "no-vpn-quotas"],
+)
+async def test_a_node_given_the_default_quotas_lifts_the_stored_ones(
+    broker: Broker, given: dict
+) -> None:
+    """`--spool-quota-bytes 0` is "0: none" (the CLI's help, README): a node started with it
+    kept the quota stored before, which nothing else could then lift."""
+    stored = SpoolLimits(broker_bytes=2000, vpn_bytes={"red": 500})
+    first = SpoolMonitor(broker.redis, "n1", broker.events, stored)
+    await first.start()
+    await first.stop()
+    limits = SpoolLimits.from_settings(load_settings(overrides=given, env={}))
+    second = SpoolMonitor(broker.redis, "n2", broker.events, limits)
+    await second.start()
+    await second.stop()
+    assert await stored_limits(broker.redis) == SpoolLimits()
 
 
 async def raised(broker: Broker, scope: str) -> bool:

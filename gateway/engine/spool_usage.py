@@ -44,6 +44,16 @@ def vpn_name_error(name: object) -> str | None:
     return None
 
 
+SPOOL_SETTINGS = frozenset(
+    {
+        "spool_quota_bytes",
+        "vpn_spool_quotas",
+        "spool_threshold_set_percent",
+        "spool_threshold_clear_percent",
+    }
+)
+
+
 @dataclass(frozen=True, slots=True)
 class SpoolLimits:
     """The quotas (bytes, 0: unlimited) and threshold percents every node enforces."""
@@ -52,6 +62,9 @@ class SpoolLimits:
     vpn_bytes: Mapping[str, int] = field(default_factory=dict)
     set_percent: int = 80
     clear_percent: int = 60
+    # some were set (a file, the environment, a flag), if only to their defaults: they
+    # replace the stored ones (a quota of 0 lifts one)
+    configured: bool = field(default=False, compare=False)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> SpoolLimits:
@@ -60,6 +73,7 @@ class SpoolLimits:
             vpn_bytes=dict(settings.vpn_spool_quotas),
             set_percent=settings.spool_threshold_set_percent,
             clear_percent=settings.spool_threshold_clear_percent,
+            configured=bool(SPOOL_SETTINGS & settings.given),
         )
 
 
@@ -217,12 +231,12 @@ class SpoolMonitor:
         self._again = False
 
     async def start(self) -> None:
-        """Store this node's limits, unless it has none configured (all defaults) and some
-        are stored: then the stored ones stay (the last node started with explicit
-        settings wins). A difference is logged either way."""
+        """Store this node's limits, unless it has none configured (all defaults, none
+        given) and some are stored: then the stored ones stay (the last node started with
+        explicit settings wins). A difference is logged either way."""
         stored = await stored_limits(self._redis)
         if stored is not None and stored != self.limits:
-            keep = self.limits == SpoolLimits()
+            keep = self.limits == SpoolLimits() and not self.limits.configured
             log.warning(
                 "spool limits of this node differ from those stored (%s): %s",
                 stored,
