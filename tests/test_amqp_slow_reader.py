@@ -9,12 +9,17 @@ import asyncio
 from pathlib import Path
 
 from gateway.broker import Broker, QueueConfig
+from gateway.config import Settings
 from gateway.engine.flows import FETCH_BATCH
 from gateway.model import Message
 from protocols.amqp.listener import Listener
+from protocols.amqp.listener import start as start_amqp
 from protocols.amqp.outbound import Outbound
-from tests.amqp_raw import ATTACH, RECEIVER, Peer, flow
+from tests.amqp_raw import ATTACH, RECEIVER, TRANSFER, Peer, flow
+from tests.redis_proxy import CuttingProxy
 from tests.test_amqp_competing import transfers
+from tests.test_engine import wait_for
+from tests.test_redis_outages import node, proxy  # noqa: F401
 
 MESSAGES = 2000
 PAYLOAD = b"p" * 8192  # 16 MiB in all: far more than the sockets' buffers take
@@ -70,3 +75,39 @@ async def test_a_consumer_that_reads_nothing_stops_taking_messages(
     assert await transfers(stuck, 3.0) == taken
     reader.close()
     stuck.close()
+
+
+async def test_a_link_bound_while_the_socket_drained_gets_its_messages(
+    proxy: CuttingProxy,  # noqa: F811
+    node: Broker,  # noqa: F811
+) -> None:
+    """A link attached while the socket was backed up kept the shut window it was bound
+    with when the socket drained before the bind's answer came (Redis a few hops away, or
+    busy): it never got a message. (Found by a review of the change.)"""
+    amqp = await start_amqp(node, Settings(amqp_port=0, host="127.0.0.1"))
+    try:
+        await node.queues.create(QueueConfig(name="big"))
+        await node.queues.create(QueueConfig(name="replies"))
+        backlog = 1000  # 8 MiB: more than the sockets take, so the node's socket backs up
+        await asyncio.gather(
+            *[node.publish(Message("big", PAYLOAD, to_queue=True)) for _ in range(backlog)]
+        )
+        for i in range(3):
+            await node.publish(Message("replies", b"reply %d" % i, to_queue=True))
+        peer = await Peer.opened(amqp.port, window=100_000)
+        peer.attach("backlog", 0, RECEIVER, "big")
+        await peer.expect(ATTACH)
+        peer.send(flow(0, backlog, window=100_000))  # then reads nothing for a while
+        (conn,) = amqp.registry.connections
+        await wait_for(lambda: not conn.writable)
+
+        proxy.delay_on, proxy.delay = b"gw_bind", 0.5  # the next bind's answer comes late
+        peer.attach("replies", 1, RECEIVER, "replies")
+        peer.send(flow(1, 10, window=100_000))
+        await wait_for(lambda: proxy.delay_on is None)  # the bind went, its answer waits
+        frames = await peer.frames_for(3.0)  # reading again: the socket drains meanwhile
+        handles = [f.fields[0] for f in frames if f.code == TRANSFER]
+        assert (handles.count(0), handles.count(1)) == (backlog, 3)
+        peer.close()
+    finally:
+        await amqp.close()

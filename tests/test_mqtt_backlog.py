@@ -9,11 +9,17 @@ import asyncio
 import struct
 
 from gateway.broker import Broker
+from gateway.config import Settings
 from gateway.engine.flows import FETCH_BATCH
 from gateway.model import Message as GwMessage
+from protocols.mqtt.codec import Puback, Publish, Suback, Subscribe, SubscriptionOptions, encode
+from protocols.mqtt.listener import start as start_mqtt
 from protocols.mqtt.session import MAX_WAITING, MAX_WINDOW, Session
+from tests.redis_proxy import CuttingProxy
 from tests.test_amqp_slow_reader import socket_buffers
 from tests.test_engine import wait_for
+from tests.test_mqtt_protocol import Raw
+from tests.test_redis_outages import node, proxy  # noqa: F401
 
 RETAINED = 500
 SUBSCRIBES = 60
@@ -171,3 +177,52 @@ async def test_a_client_that_reads_nothing_stops_taking_queued_messages(
                 got += first & 0xF0 == 0x30
     finally:
         writer.close()
+
+
+async def test_a_subscription_bound_while_the_socket_drained_gets_its_messages(
+    proxy: CuttingProxy,  # noqa: F811
+    node: Broker,  # noqa: F811
+) -> None:
+    """Two SUBSCRIBEs in one write, as clients send them on connect: the first one's
+    retained messages back the socket up, the second one's QoS 1 filter binds the session's
+    queue. The client read everything while the bind's answer came late (Redis a few hops
+    away, or busy), and the flow kept the shut window it was bound with: a QoS 1 message
+    then never came. (Found by a review of the change.)"""
+    mqtt = await start_mqtt(node, Settings(mqtt_port=0, host="127.0.0.1"))
+    try:
+        retained = 100  # 6.4 MiB: the node's socket backs up
+        outcomes = await asyncio.gather(
+            *(
+                node.publish_nowait(
+                    GwMessage(destination=f"r/{i}", payload=b"r" * 65536, retain=True)
+                )
+                for i in range(retained)
+            )
+        )
+        assert all(o.accepted for o in outcomes)
+        sub, _ = await Raw.connected(mqtt.port, 4, client_id="sub", keep_alive=60)
+        (conn,) = [c for c in mqtt.registry.connections if c.session.client_id == "sub"]
+        proxy.delay_on, proxy.delay = b"gw_bind", 0.5  # the next bind's answer comes late
+        sub.writer.write(
+            encode(Subscribe(1, [("r/#", SubscriptionOptions(qos=0))]), 4)
+            + encode(Subscribe(2, [("q/#", SubscriptionOptions(qos=1))]), 4)
+        )
+        await wait_for(lambda: proxy.delay_on is None)  # the bind went, its answer waits
+        assert not conn.writable
+        got_retained = subacks = 0
+        async with asyncio.timeout(5):  # reading all it was sent, while the bind waits
+            while got_retained < retained or subacks < 2:
+                packet_in = await sub.recv()
+                got_retained += isinstance(packet_in, Publish)
+                subacks += isinstance(packet_in, Suback)
+        await wait_for(lambda: conn.writable and conn.session.state.queue in conn.session._flows)
+
+        pub, _ = await Raw.connected(mqtt.port, 4, client_id="pub")
+        await pub.send(Publish("q/x", b"hello", qos=1, packet_id=1))
+        assert isinstance(await pub.recv(), Puback)
+        got = await sub.recv(3.0)
+        assert isinstance(got, Publish) and got.payload == b"hello"
+        sub.writer.close()
+        pub.writer.close()
+    finally:
+        await mqtt.close()

@@ -163,6 +163,7 @@ class Outbound(Endpoint):
             return
         self.flow = flow
         flow.on_empty = self._on_empty
+        self.set_writable(self.host.writable)  # it may have changed during the bind
         if not self.live:
             return  # the caller's close() unbinds it
         applied = [f for f in (selector, replay if flow.browse else None) if f is not None]
@@ -409,8 +410,9 @@ class Outbound(Endpoint):
     def set_writable(self, writable: bool) -> None:
         """No fetching while the socket is backed up (AmqpConnection.pause_writing): the
         flow's window shuts, its credit stays the client's."""
-        if self.flow is not None:
-            self.flow.set_window(WINDOW if writable else 0)
+        window = WINDOW if writable else 0
+        if self.flow is not None and self.flow.window != window:
+            self.flow.set_window(window)
 
     def on_flow(self) -> None:
         """FLOW event: the link credit is the flow's credit. A drain is answered when the

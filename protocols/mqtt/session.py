@@ -498,6 +498,9 @@ class Session:
             await flow.close()
             return False
         self._flows[queue] = flow
+        window = self._flow_window(queue)  # the socket may have drained during the bind,
+        if flow.window != window:  # or acks freed room: _resize_windows did not see it
+            flow.set_window(window)
         return True
 
     def _flow_window(self, queue: str) -> int:
