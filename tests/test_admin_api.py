@@ -21,7 +21,7 @@ import pytest
 
 from gateway.admin import http as admin_http
 from gateway.broker import Broker
-from gateway.engine.queues import QueueConfig
+from gateway.engine.queues import DEAD_MESSAGE_QUEUE, QueueConfig
 from gateway.model import Message, Outcome
 
 # urllib honours *_proxy variables; this client and the CLI must talk to loopback directly
@@ -438,6 +438,9 @@ async def test_publish_and_get_fields(admin: Admin) -> None:
         partition_key="dev-1",
         priority=9,
         user_properties={"k": "v", "n": 2},
+        content_type="application/x-raw",
+        correlation_id="corr-1",
+        reply_to="replies",
     )
     assert sent.status == 200
     assert sent.body["outcome"] == "ok"
@@ -449,9 +452,24 @@ async def test_publish_and_get_fields(admin: Admin) -> None:
     assert first["payload_base64"] == "AP8=" and first["payload"] is None  # not UTF-8
     assert first["partition_key"] == "dev-1" and first["priority"] == 9
     assert first["user_properties"] == {"k": "v", "n": 2}
+    headers = ("content_type", "correlation_id", "reply_to", "expiration", "annotations")
+    assert [first[h] for h in headers] == ["application/x-raw", "corr-1", "replies", None, {}]
     assert second["payload"] == "héllo" and second["priority"] == 4
     assert first["delivery_count"] == 1 and first["redelivered"] is False
     assert await admin.depth("q1") == 0
+
+
+async def test_a_dead_message_got_shows_where_from_and_why(admin: Admin) -> None:
+    """An operator reading the dead message queue could not tell a rejected message from
+    an expired or redelivered one: the annotations were not shown (RabbitMQ's management
+    get shows x-death)."""
+    await admin.create(DEAD_MESSAGE_QUEUE)
+    await admin.create("orders", dmq_eligible_default=True)
+    assert (await admin.publish("orders", "bad order")).status == 200
+    assert len(await admin.take("orders", ackmode="reject")) == 1
+    [dead] = await admin.take(DEAD_MESSAGE_QUEUE)
+    assert dead["payload"] == "bad order"
+    assert dead["annotations"] == {"x-origin-queue": "orders", "x-dmq-reason": "rejected"}
 
 
 async def test_publish_to_unknown_queue_is_404(admin: Admin) -> None:

@@ -1,7 +1,8 @@
 """What waits for an MQTT client that acks nothing stays bounded: retained messages each
 SUBSCRIBE sends again, and QoS 0 messages held behind a waiting retained one of their
-topic (both grew without bound: +76 MiB for 60 SUBSCRIBEs of 500 retained messages).
-Real Redis, a raw client on a real socket; the session's queues are read directly."""
+topic (both grew without bound: +76 MiB for 60 SUBSCRIBEs of 500 retained messages), and
+queued messages while its socket is backed up. Real Redis, a raw client on a real socket;
+the session's queues are read directly."""
 
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ from gateway.broker import BindError, Broker
 from gateway.config import AclRule, User
 from gateway.engine.queues import QueueConfig, QueueError
 from gateway.engine.spool_usage import read_usage
-from gateway.model import Delivery, Message, Outcome, PropertyValue, Publisher
+from gateway.model import Delivery, Message, Outcome, Publisher
 from gateway.topics import TopicError, validate_topic
 
 OUTCOME_STATUS = {
@@ -433,12 +433,21 @@ def _delivery_json(d: Delivery) -> dict[str, Any]:
         "payload_base64": base64.b64encode(m.payload).decode(),
         "partition_key": m.partition_key,
         "priority": m.priority,
+        "content_type": m.content_type,
+        "correlation_id": _json_value(m.correlation_id),
+        "reply_to": m.reply_to,
+        "expiration": m.expiration,  # epoch ms
         "user_properties": {k: _json_value(v) for k, v in m.user_properties},
+        # a dead message's x-origin-queue and x-dmq-reason, an AMQP publisher's own
+        "annotations": {str(k): _json_value(v) for k, v in m.annotations.items()},
     }
 
 
-def _json_value(value: PropertyValue) -> Any:
-    """A user property as JSON: binary (from AMQP) as {"base64": ...}, not as text."""
+def _json_value(value: Any) -> Any:
+    """A property as JSON: binary (from AMQP) as {"base64": ...}, not as text; a type JSON
+    lacks (an AMQP uuid, say) as its text."""
     if isinstance(value, bytes):
         return {"base64": base64.b64encode(value).decode()}
-    return value
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    return str(value)
