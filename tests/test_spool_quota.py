@@ -128,6 +128,29 @@ async def test_vpn_quotas_are_separate(broker: Broker) -> None:
     assert await broker.publish(to_queue("s", 11)) is Outcome.OK, "room again after the ack"
 
 
+@pytest.mark.parametrize("overflow", ["reject", "ring"])
+async def test_a_full_quota_takes_a_last_value_that_replaces_a_waiting_one(
+    broker: Broker, overflow: str
+) -> None:
+    """A replacement does not grow the spool: a full queue takes it (Qpid's LVQ), and so
+    must a full VPN or broker quota. Those refused it: a backlog elsewhere in the VPN
+    stopped every status update."""
+    await broker.declare_queue(
+        QueueConfig(name="status", lvq_key="device", vpn="red", overflow=overflow)
+    )
+
+    def value(n: int, device: str = "d1") -> Message:
+        return to_queue("status", n, user_properties=[("device", device)])
+
+    assert await broker.publish(value(1)) is Outcome.OK
+    used = (await usage(broker))["vpn:red"]
+    await apply_limits(broker.redis, SpoolLimits(broker_bytes=used, vpn_bytes={"red": used}))
+    assert await broker.publish(value(2)) is Outcome.OK, "it replaces the waiting value"
+    assert await broker.publish(value(3, "d2")) is Outcome.QUOTA_EXCEEDED, "a new key grows it"
+    assert (await broker.queues.info("status")).messages == 1
+    assert await consistent(broker) == used
+
+
 async def test_totals_return_to_zero(broker: Broker) -> None:
     """Acks, rejects to the DMQ, expiry, ring drops, last-value replacement, repartition
     and queue deletion all keep the totals equal to the queues' own counters."""

@@ -991,13 +991,34 @@ local function spool_quotas()
   return { limits = limits, base = {}, added = {}, any = any }
 end
 
+-- What storing `size` bytes in target t adds to the spool: less what its ring plan drops
+-- for it, and the waiting value it replaces in a last value queue (`t.frees`, set per
+-- message by frees_for).
+local function net_added(t, size)
+  local plan = t.plan
+  if not plan then return size - (t.frees or 0) end
+  -- a ring plan that drops the replaced value counts it in its bytes already
+  return size - plan.bytes - (plan.replaced and 0 or (t.frees or 0))
+end
+
+-- Each last value target's `frees` for the message with `props`: the size of the waiting
+-- value it replaces (a replacement does not grow the spool, so a full quota takes it).
+local function frees_for(targets, nt, props)
+  for i = 1, nt do
+    local t = targets[i]
+    local _, size = nil, nil
+    if t.lvq then _, size = replaced_value(t, props) end
+    t.frees = size or 0
+  end
+end
+
 -- True when storing `size` more bytes in each of `targets` would pass the broker's quota or
 -- the quota of one of their VPNs; `nt`: the number of targets.
 local function over_spool_quota(sq, targets, nt, size)
   local limits, need, any = sq.limits, {}, false
-  for i = 1, nt do  -- what the message adds, less what its ring queues would drop for it
+  for i = 1, nt do  -- what the message adds, less what it drops or replaces
     local t = targets[i]
-    local n = size - (t.plan and t.plan.bytes or 0)
+    local n = net_added(t, size)
     if (limits.broker or 0) > 0 then
       need.broker, any = (need.broker or 0) + n, true
     end
@@ -1479,7 +1500,10 @@ redis.register_function('gw_spool', function(_, a)
       end
       if code == OK and nt > 0 then  -- the broker's and the VPNs' quotas: all or none
         sq = sq or spool_quotas()
-        if sq.any and over_spool_quota(sq, targets, nt, bytes) then code = QUOTA_EXCEEDED end
+        if sq.any then
+          frees_for(targets, nt, props)
+          if over_spool_quota(sq, targets, nt, bytes) then code = QUOTA_EXCEEDED end
+        end
       end
       if code == OK then
         if nt == 0 then
@@ -1488,7 +1512,7 @@ redis.register_function('gw_spool', function(_, a)
           local plain = key == '' and expires == 0 and not_before == 0
           for i = 1, nt do
             local q = targets[i]
-            if sq.any then spool_added(sq, q, bytes - (q.plan and q.plan.bytes or 0)) end
+            if sq.any then spool_added(sq, q, net_added(q, bytes)) end
             commit_drop(q)
             local id
             local sk = q.sort_key and property_value(props, q.sort_key)
