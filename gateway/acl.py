@@ -71,6 +71,20 @@ def topic_access(rules: Iterable[AclRule], user: str) -> TopicAccess:
     return TopicAccess(tuple(deny_publish), tuple(deny_subscribe))
 
 
+def literal_denials(rules: Iterable[AclRule]) -> list[tuple[str, str]]:
+    """(user, pattern) of the deny patterns MQTT cannot read as filters (`a/#/b`, `c++`):
+    each denies that one topic name, as it is written. An AMQP topic may hold `+` or `#`,
+    so such a rule can be meant; a start-up warning tells it from a mistyped filter."""
+    found = []
+    for rule in rules:
+        for pattern in (*rule.deny_publish, *rule.deny_subscribe):
+            try:
+                parse_pattern(pattern, MQTT)
+            except TopicError:
+                found.append((rule.user, pattern))
+    return found
+
+
 def covered(patterns: tuple[str, ...], topic: str) -> bool:
     """Whether one of `patterns` matches `topic` (a name, or a filter taken literally)."""
     for pattern in patterns:

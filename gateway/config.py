@@ -22,7 +22,6 @@ from gateway.engine.queues import (
     subscription_entry,
 )
 from gateway.engine.spool_usage import vpn_name_error
-from gateway.topics import MQTT, TopicError, parse_pattern
 
 APPENDFSYNC = ("everysec", "always")
 
@@ -267,8 +266,7 @@ def load_settings(
 def _check_provisioned(settings: Settings) -> None:
     """The file's users, ACL rules and queues, checked before a node uses any: a string
     where a list belongs was read character by character (`subscriptions = "a/>"`
-    subscribed the queue to `>`, every topic; a deny list as a string denied nothing), and
-    a deny pattern MQTT cannot read (`a/#/b`) denied no topic but itself."""
+    subscribed the queue to `>`, every topic; a deny list as a string denied nothing)."""
     names = set()
     for user in settings.users:
         if not (isinstance(user.name, str) and isinstance(user.password, str)):
@@ -287,11 +285,6 @@ def _check_provisioned(settings: Settings) -> None:
                 raise ConfigError(
                     f"acl: {name} of user {rule.user!r} must be a list of topic patterns"
                 )
-            for pattern in patterns:  # one MQTT cannot read would deny only itself, literally
-                try:
-                    parse_pattern(pattern, MQTT)
-                except TopicError as exc:
-                    raise ConfigError(f"acl: {name} of user {rule.user!r}: {exc}") from None
     for spec in settings.queues:
         if not isinstance(spec, dict):
             raise ConfigError("each [[queues]] entry is a table of queue properties")

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from redis.exceptions import RedisError
 
+from gateway.acl import literal_denials
 from gateway.admin.api import AdminApi
 from gateway.admin.http import HttpServer
 from gateway.broker import Broker
@@ -37,6 +38,14 @@ class Listener(Protocol):
     port: int  # the plain listener; `extra_ports` (optional) names others, e.g. mqtt_tls_port
 
     async def close(self) -> None: ...
+
+
+def warn_literal_denials(settings: Settings) -> None:
+    """A deny pattern MQTT cannot read is a topic name: said, should a filter be meant."""
+    for user, pattern in literal_denials(settings.acl):
+        log.warning(
+            "acl: %r of user %r is no MQTT filter: it denies that topic name only", pattern, user
+        )
 
 
 async def provision(broker: Broker, settings: Settings) -> None:
@@ -98,6 +107,7 @@ async def run_node(
         await broker.start()
         await spool.start()
         await provision(broker, settings)
+        warn_literal_denials(settings)
         admin_port = await admin.start(settings.host, settings.admin_port)
         for ep in sorted(entry_points(group=PROTOCOL_GROUP), key=lambda e: e.name):
             listener = await ep.load()(broker, settings)

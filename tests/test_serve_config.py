@@ -111,6 +111,24 @@ async def test_a_run_time_setting_changed_in_the_file_is_kept_as_stored_and_name
     assert warning in gw.log.read_text(errors="replace"), gw.stderr_tail(5)
 
 
+async def test_a_deny_pattern_mqtt_cannot_read_is_a_topic_name_and_said_so(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """An AMQP topic may hold '+' or '#' (`c++/releases`): a rule denying it is valid, and
+    denies that name only. The node starts, and says so, should a filter have been meant."""
+    config = tmp_path / "g.toml"
+    config.write_text('[[acl]]\nuser = "bob"\ndeny_publish = ["c++/releases", "a/#"]\n')
+    gw = await Proc.start(serve(config, redis_url))
+    try:
+        ready = await ready_or_exit(gw)
+    finally:
+        await gw.stop()
+    assert isinstance(ready, dict), gw.stderr_tail()
+    log = gw.log.read_text(errors="replace")
+    assert "'c++/releases' of user 'bob' is no MQTT filter" in log, gw.stderr_tail(5)
+    assert "'a/#'" not in log
+
+
 async def test_a_node_starts_again_after_its_provisioned_queue_was_repartitioned(
     tmp_path: Path, redis_url: str
 ) -> None:

@@ -8,6 +8,7 @@ end inclusive); one Spark input partition reads one stream. Writes go to `sink.p
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Iterator, Mapping, Sequence
@@ -106,6 +107,18 @@ class Options:
     max_entries: int | None
     fail_on_data_loss: bool
     reader_name: str | None
+    # the columns a schema the job gave names, in its order (empty: all of SCHEMA): a job
+    # that set the source's schema before it had the header columns still reads
+    columns: tuple[str, ...] = ()
+
+    def for_schema(self, schema: StructType) -> Options:
+        names = tuple(schema.fieldNames())
+        if names == tuple(ARROW_SCHEMA.names):
+            return self
+        unknown = sorted(set(names) - set(ARROW_SCHEMA.names))
+        if unknown:
+            raise ValueError(f"the gateway source has no column {', '.join(unknown)}")
+        return dataclasses.replace(self, columns=names)
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> Options:
@@ -370,7 +383,8 @@ def read_range(opts: Options, part: InputPartition) -> Iterator[pa.RecordBatch]:
                 page, info = pipe.execute(raise_on_error=False)
                 watch.check(page, StreamInfo.parse(info))
             if page:
-                yield to_batch(opts.queue, part.partition, part.queue, page)
+                batch = to_batch(opts.queue, part.partition, part.queue, page)
+                yield batch.select(list(opts.columns)) if opts.columns else batch
             if len(page) < PAGE or parse_id(page[-1][0]) >= end:
                 return
             low = "(" + page[-1][0].decode()
@@ -472,10 +486,10 @@ class GatewayDataSource(DataSource):
         return SCHEMA
 
     def reader(self, schema: StructType) -> DataSourceReader:
-        return BatchReader(Options.parse(self.options))
+        return BatchReader(Options.parse(self.options).for_schema(schema))
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
-        return StreamReader(Options.parse(self.options))
+        return StreamReader(Options.parse(self.options).for_schema(schema))
 
     def writer(self, schema: StructType, overwrite: bool) -> DataSourceWriter:
         if overwrite:  # published messages cannot be taken back
@@ -531,6 +545,7 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._initial: dict[str, str] = {}
         self._baselines: dict[str, StreamId] = {}
         self._began: dict[str, StreamInfo] = {}  # each stream then, for ranges from 0-0
+        self._start: dict[str, str] | None = None  # initialOffset's first answer
 
     def __getstate__(self) -> dict[str, Any]:
         """Executors get the options only; the driver's client stays behind."""
@@ -546,8 +561,14 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return self._client
 
     def initialOffset(self) -> dict:
-        """Where the query begins (not called on a restart from a checkpoint). Chosen here
-        (earliest or latest), the max-deleted ids taken first say which holes predate it."""
+        """Where the query begins. Chosen here (earliest or latest), the stream as it was
+        first (max-deleted ids, first entries) says which holes predate it. Spark asks again
+        before it plans the first batch: the first answer stands, or what went in between
+        would be no loss, and a start at `latest` would skip what came in between. (A
+        restart before the first batch committed asks a new reader: the stream as it is
+        then.)"""
+        if self._start is not None:
+            return self._start
         streams = [q for _, q in queue_streams(self.client, self.opts.queue)]
         began = {q: StreamInfo.fetch(self.client, q) for q in streams}
         offsets, explicit = starting_offsets(self.client, self.opts)
@@ -555,6 +576,7 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             self._initial = offsets
             self._baselines = {q: info.max_deleted for q, info in began.items()}
             self._began = began
+        self._start = offsets
         return offsets
 
     def getDefaultReadLimit(self) -> ReadLimit:
