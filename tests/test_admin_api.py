@@ -472,6 +472,25 @@ async def test_a_dead_message_got_shows_where_from_and_why(admin: Admin) -> None
     assert dead["annotations"] == {"x-origin-queue": "orders", "x-dmq-reason": "rejected"}
 
 
+async def test_a_double_that_is_nan_or_infinite_is_got_as_strict_json(
+    admin: Admin, broker: Broker
+) -> None:
+    """An AMQP publisher's NaN (a JMS setDoubleProperty) came out as `NaN`, which no strict
+    JSON parser reads (RFC 8259): the whole answer was lost to a web UI, and the messages
+    it took with it."""
+    await admin.create("readings")
+    props = [("reading", float("nan")), ("peak", float("inf")), ("low", -1.5)]
+    msg = Message("readings", b"x", to_queue=True, user_properties=props)
+    assert await broker.publish(msg) is Outcome.OK
+    reply = await admin.post(q("readings", "get"), {"count": 1})
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"not JSON: {constant}")
+
+    [got] = json.loads(reply.raw, parse_constant=refuse)
+    assert got["user_properties"] == {"reading": "nan", "peak": "inf", "low": -1.5}
+
+
 async def test_publish_to_unknown_queue_is_404(admin: Admin) -> None:
     reply = await admin.publish("nope", "x")
     assert reply.status == 404

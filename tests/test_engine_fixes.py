@@ -7,6 +7,7 @@ import asyncio
 import logging
 
 import pytest
+import redis.asyncio as aioredis
 
 from gateway.broker import Broker
 from gateway.config import load_settings
@@ -155,20 +156,34 @@ async def test_a_node_without_quota_settings_keeps_the_stored_ones(
     third = SpoolMonitor(broker.redis, "n3", broker.events, SpoolLimits(broker_bytes=9))
     await third.start()
     await third.stop()
-    assert await stored_limits(broker.redis) == SpoolLimits(broker_bytes=9), "explicit wins"
+    assert await stored_limits(broker.redis) == SpoolLimits(  # what it sets wins, the rest
+        broker_bytes=9,
+        vpn_bytes={"red": 500},
+        set_percent=70,  # stays
+    )
+    assert third.limits == await stored_limits(broker.redis)  # what it enforces
 
 
 @pytest.mark.parametrize(
-    "given",
-    [{"spool_quota_bytes": 0}, {"vpn_spool_quotas": {}}],
-    ids=["quota-0", "no-vpn-quotas"],
+    ("given", "left"),
+    [
+        ({"spool_quota_bytes": 0}, SpoolLimits(vpn_bytes={"red": 500}, set_percent=70)),
+        ({"vpn_spool_quotas": {}}, SpoolLimits(broker_bytes=2000, set_percent=70)),
+        (  # the defaults, in the README's sample file: the quotas stay
+            {"spool_threshold_set_percent": 80},
+            SpoolLimits(broker_bytes=2000, vpn_bytes={"red": 500}),
+        ),
+    ],
+    ids=["quota-0", "no-vpn-quotas", "thresholds"],
 )
-async def test_a_node_given_the_default_quotas_lifts_the_stored_ones(
-    broker: Broker, given: dict
+async def test_a_node_given_a_default_sets_that_part_of_the_stored_limits(
+    broker: Broker, given: dict, left: SpoolLimits
 ) -> None:
     """`--spool-quota-bytes 0` is "0: none" (the CLI's help, README): a node started with it
-    kept the quota stored before, which nothing else could then lift."""
-    stored = SpoolLimits(broker_bytes=2000, vpn_bytes={"red": 500})
+    kept the quota stored before, which nothing else could then lift. It sets what it is
+    given; the rest stays as stored (a review found my first version lifted every quota of a
+    node given only a threshold percent)."""
+    stored = SpoolLimits(broker_bytes=2000, vpn_bytes={"red": 500}, set_percent=70)
     first = SpoolMonitor(broker.redis, "n1", broker.events, stored)
     await first.start()
     await first.stop()
@@ -176,7 +191,30 @@ async def test_a_node_given_the_default_quotas_lifts_the_stored_ones(
     second = SpoolMonitor(broker.redis, "n2", broker.events, limits)
     await second.start()
     await second.stop()
-    assert await stored_limits(broker.redis) == SpoolLimits()
+    assert await stored_limits(broker.redis) == left
+
+
+async def test_nodes_starting_together_keep_what_each_set(redis_url: str) -> None:
+    """One node's quota and another's threshold percents, stored at once: each node read
+    the stored limits and wrote its own in separate calls, so one lost the other's (a
+    review showed a quota lost in 9 of 10 joint starts)."""
+    clients = [aioredis.Redis.from_url(redis_url) for _ in range(2)]
+    try:
+        for attempt in range(10):
+            await clients[0].delete(keys.spool_limits)
+            with_quota = SpoolLimits(broker_bytes=5000)
+            with_percents = SpoolLimits(set_percent=90, clear_percent=50)
+            await asyncio.gather(
+                *(
+                    apply_limits(client, limits, limits.parts_set())
+                    for client, limits in zip(clients, (with_quota, with_percents), strict=True)
+                )
+            )
+            both = SpoolLimits(broker_bytes=5000, set_percent=90, clear_percent=50)
+            assert await stored_limits(clients[0]) == both, attempt
+    finally:
+        for client in clients:
+            await client.aclose()
 
 
 async def raised(broker: Broker, scope: str) -> bool:

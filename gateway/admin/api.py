@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import math
 from collections.abc import Collection, Iterable
 from typing import Any
 
@@ -438,16 +439,20 @@ def _delivery_json(d: Delivery) -> dict[str, Any]:
         "reply_to": m.reply_to,
         "expiration": m.expiration,  # epoch ms
         "user_properties": {k: _json_value(v) for k, v in m.user_properties},
-        # a dead message's x-origin-queue and x-dmq-reason, an AMQP publisher's own
+        # the gateway's: a dead message's x-origin-queue and x-dmq-reason (an AMQP
+        # publisher's own travel as the section it sent, for AMQP consumers)
         "annotations": {str(k): _json_value(v) for k, v in m.annotations.items()},
     }
 
 
 def _json_value(value: Any) -> Any:
-    """A property as JSON: binary (from AMQP) as {"base64": ...}, not as text; a type JSON
-    lacks (an AMQP uuid, say) as its text."""
+    """A property as JSON: binary (from AMQP) as {"base64": ...}, not as text; what JSON
+    lacks (an AMQP uuid, a double's NaN or infinity: strict parsers refuse the whole
+    answer) as its text."""
     if isinstance(value, bytes):
         return {"base64": base64.b64encode(value).decode()}
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
     if value is None or isinstance(value, str | int | float | bool):
         return value
     return str(value)

@@ -2989,11 +2989,38 @@ register_always('gw_spool_rebuild', function()
   return 1
 end)
 
+-- Args: the parts set ('b' the broker quota, 'v' the VPN quotas, 't' the threshold
+-- percents), the broker quota, set and clear percents, then VPN name / quota pairs. A part
+-- not set keeps its stored value (all take the given ones when none are stored), read and
+-- written in this one call: nodes starting together each keep what the other set.
 register_always('gw_spool_limits', function(_, a)
+  local parts = a[1]
+  local raw_limits = redis.call('HGETALL', K_SPOOL_LIMITS)
+  local fresh = #raw_limits == 0
+  local function sets(p) return fresh or string.find(parts, p, 1, true) ~= nil end
+  local old, old_vpns = {}, {}
+  for i = 1, #raw_limits, 2 do
+    local f, v = raw_limits[i], raw_limits[i + 1]
+    old[f] = v
+    if string.sub(f, 1, 2) == 'v:' then
+      old_vpns[#old_vpns + 1] = string.sub(f, 3)
+      old_vpns[#old_vpns + 1] = v
+    end
+  end
+  local broker = sets('b') and a[2] or old.broker or '0'
+  local set, clear = a[3], a[4]
+  if not sets('t') then set, clear = old.set or '80', old.clear or '60' end
+  local vpn_quotas = old_vpns
+  if sets('v') then
+    vpn_quotas = {}
+    for i = 5, #a do vpn_quotas[#vpn_quotas + 1] = a[i] end
+  end
   redis.call('DEL', K_SPOOL_LIMITS)
-  redis.call('HSET', K_SPOOL_LIMITS, 'broker', a[1], 'set', a[2], 'clear', a[3])
-  for i = 4, #a - 1, 2 do redis.call('HSET', K_SPOOL_LIMITS, 'v:' .. a[i], a[i + 1]) end
-  local set_pct, clear_pct = tonumber(a[2]), tonumber(a[3])
+  redis.call('HSET', K_SPOOL_LIMITS, 'broker', broker, 'set', set, 'clear', clear)
+  for i = 1, #vpn_quotas - 1, 2 do
+    redis.call('HSET', K_SPOOL_LIMITS, 'v:' .. vpn_quotas[i], vpn_quotas[i + 1])
+  end
+  local set_pct, clear_pct = tonumber(set), tonumber(clear)
   local usage, vpns, seen = {}, {}, {}
   local function vpn(name)
     if not seen[name] then
@@ -3006,14 +3033,14 @@ register_always('gw_spool_limits', function(_, a)
     usage[raw[i]] = tonumber(raw[i + 1]) or 0
     if string.sub(raw[i], 1, 2) == 'v:' then vpn(string.sub(raw[i], 3)) end
   end
-  for i = 4, #a - 1, 2 do vpn(a[i]) end
+  for i = 1, #vpn_quotas - 1, 2 do vpn(vpn_quotas[i]) end
   local alarms = {}
   raw = redis.call('HGETALL', K_SPOOL_ALARMS)
   for i = 1, #raw, 2 do
     alarms[raw[i]] = true
     if string.sub(raw[i], 1, 4) == 'vpn:' then vpn(string.sub(raw[i], 5)) end
   end
-  spool_threshold('broker', usage.broker or 0, tonumber(a[1]) or 0, set_pct, clear_pct,
+  spool_threshold('broker', usage.broker or 0, tonumber(broker) or 0, set_pct, clear_pct,
     alarms.broker)
   for _, name in ipairs(vpns) do
     local _, quota = spool_limits(name)

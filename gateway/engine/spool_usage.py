@@ -44,14 +44,15 @@ def vpn_name_error(name: object) -> str | None:
     return None
 
 
-SPOOL_SETTINGS = frozenset(
-    {
-        "spool_quota_bytes",
-        "vpn_spool_quotas",
-        "spool_threshold_set_percent",
-        "spool_threshold_clear_percent",
-    }
-)
+# The settings of the limits, by the part of them they set (gw_spool_limits's mask letters:
+# the broker quota, the VPN quotas, the threshold percents, which go together)
+SPOOL_SETTINGS = {
+    "spool_quota_bytes": "b",
+    "vpn_spool_quotas": "v",
+    "spool_threshold_set_percent": "t",
+    "spool_threshold_clear_percent": "t",
+}
+ALL_PARTS = "bvt"
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,25 +63,40 @@ class SpoolLimits:
     vpn_bytes: Mapping[str, int] = field(default_factory=dict)
     set_percent: int = 80
     clear_percent: int = 60
-    # some were set (a file, the environment, a flag), if only to their defaults: they
-    # replace the stored ones (a quota of 0 lifts one)
-    configured: bool = field(default=False, compare=False)
+    # the parts (ALL_PARTS' letters) set by a file, the environment or a flag, if only to
+    # their defaults: they replace the stored ones (a quota of 0 lifts one)
+    given: str = field(default="", compare=False)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> SpoolLimits:
+        given = settings.given
         return cls(
             broker_bytes=settings.spool_quota_bytes,
             vpn_bytes=dict(settings.vpn_spool_quotas),
             set_percent=settings.spool_threshold_set_percent,
             clear_percent=settings.spool_threshold_clear_percent,
-            configured=bool(SPOOL_SETTINGS & settings.given),
+            given="".join(sorted({part for n, part in SPOOL_SETTINGS.items() if n in given})),
         )
 
+    def parts_set(self) -> str:
+        """The parts this node sets: those given, and those other than the defaults (limits
+        made in code have no settings)."""
+        default = SpoolLimits()
+        differ = {
+            "b": self.broker_bytes != default.broker_bytes,
+            "v": self.vpn_bytes != default.vpn_bytes,
+            "t": (self.set_percent, self.clear_percent)
+            != (default.set_percent, default.clear_percent),
+        }
+        return "".join(p for p in ALL_PARTS if p in self.given or differ[p])
 
-async def apply_limits(redis: aioredis.Redis, limits: SpoolLimits) -> None:
-    """Store the limits for every node on this Redis (the last node started sets them), and
-    raise or clear the alarms they decide. Totals missing (a Redis written by an earlier
-    version, or lost) are first rebuilt from the queues' own counters."""
+
+async def apply_limits(redis: aioredis.Redis, limits: SpoolLimits, parts: str = ALL_PARTS) -> None:
+    """Store the `parts` of the limits for every node on this Redis (the last node started
+    sets them; the other parts stay as stored, or take `limits`' when none are), and raise
+    or clear the alarms they decide, in one call: nodes starting together each keep what
+    the other set. Totals missing (a Redis written by an earlier version, or lost) are first
+    rebuilt from the queues' own counters."""
     await redis.fcall("gw_spool_rebuild", 0)
     pairs: list[Any] = []
     for vpn, quota in sorted(limits.vpn_bytes.items()):
@@ -88,6 +104,7 @@ async def apply_limits(redis: aioredis.Redis, limits: SpoolLimits) -> None:
     await redis.fcall(
         "gw_spool_limits",
         0,
+        parts or "-",  # an empty argument is the same to Lua, but clearer in MONITOR
         limits.broker_bytes,
         limits.set_percent,
         limits.clear_percent,
@@ -231,20 +248,20 @@ class SpoolMonitor:
         self._again = False
 
     async def start(self) -> None:
-        """Store this node's limits, unless it has none configured (all defaults, none
-        given) and some are stored: then the stored ones stay (the last node started with
-        explicit settings wins). A difference is logged either way."""
+        """Store the parts of the limits this node sets (given, or other than the
+        defaults); the stored ones of the other parts stay (the last node started with a
+        setting sets it). A difference is logged."""
         stored = await stored_limits(self._redis)
-        if stored is not None and stored != self.limits:
-            keep = self.limits == SpoolLimits() and not self.limits.configured
+        parts = self.limits.parts_set()
+        await apply_limits(self._redis, self.limits, parts)
+        now = await stored_limits(self._redis)
+        if now is not None and now != self.limits:
             log.warning(
                 "spool limits of this node differ from those stored (%s): %s",
                 stored,
-                "keeping the stored ones" if keep else "replacing them",
+                f"now {now}" if parts else "keeping the stored ones",
             )
-            if keep:
-                self.limits = stored
-        await apply_limits(self._redis, self.limits)
+            self.limits = now
         await self._events.watch_channel(keys.spool_notify, self._notified)
         await self._drain()  # events raised while no node was listening
 
