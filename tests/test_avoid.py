@@ -1,18 +1,24 @@
 """A consumer that says it cannot take a message (AMQP modified with undeliverable-here,
 §3.4.5) does not get it again; the queue's other consumers do. Every way a queue hands
-out returned messages honours it: plain, message groups, sorted, selector consumers."""
+out returned messages honours it: plain, message groups, sorted, selector consumers. Where
+no other consumer may take it (exclusive and partitioned queues), it is rejected."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
+from proton import Message as AmqpMessage
+from proton import Timeout
+from proton.utils import BlockingConnection
 
 from gateway.broker import Broker
 from gateway.engine import keys
-from gateway.engine.queues import QueueConfig
+from gateway.engine.queues import DEAD_MESSAGE_QUEUE, QueueConfig
 from gateway.model import Delivery, Message
+from protocols.amqp.listener import Listener
 from tests.test_engine import wait_for
 
 CASES = {
@@ -230,3 +236,59 @@ async def test_a_group_stays_while_its_consumer_holds_one_behind_many(broker: Br
     await wait_for(lambda: [d.message.payload for d in got_b] == [b"a2"], timeout=5)
     await a.close()
     await b.close()
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        QueueConfig(name="one", access_type="exclusive", dmq_eligible_default=True),
+        QueueConfig(
+            name="one", partition_count=2, partition_rebalance_delay_ms=0, dmq_eligible_default=True
+        ),
+    ],
+    ids=["exclusive", "partitioned"],
+)
+async def test_undeliverable_here_where_no_other_consumer_may_take_it_is_rejected(
+    broker: Broker, amqp: Listener, config: QueueConfig
+) -> None:
+    """Only the link that holds an exclusive queue, or a message's partition, may take it:
+    an avoided message waited there while its successors overtook it, for as long as that
+    link stayed (a partition's order per key broken). It is rejected, as RabbitMQ answers
+    undeliverable-here, and dead-lettered here. Real proton clients."""
+    await broker.declare_queue(QueueConfig(name=DEAD_MESSAGE_QUEUE))
+    await broker.declare_queue(config)
+
+    def client() -> list[bytes]:
+        conn = BlockingConnection(f"amqp://127.0.0.1:{amqp.port}", timeout=5)
+        try:
+            receivers = [conn.create_receiver("one", credit=5, name=n) for n in "ab"]
+            time.sleep(0.5)  # the active one chosen, or the partitions shared
+            sender = conn.create_sender("one")
+            for i in range(1, 5):
+                sender.send(AmqpMessage(body=b"m%d" % i, group_id="K"))
+            got: list[bytes] = []
+            deadline = time.monotonic() + 3
+            while time.monotonic() < deadline and len(got) < 4:
+                for receiver in receivers:
+                    with contextlib.suppress(Timeout):
+                        received = receiver.receive(0.1)
+                        body = bytes(received.body)
+                        got.append(body)
+                        if body == b"m1":
+                            receiver.fetcher.unsettled[0].local.undeliverable = True
+                            receiver.release()  # modified, undeliverable-here
+                        else:
+                            receiver.accept()
+            return got
+        finally:
+            conn.close()
+
+    assert await asyncio.to_thread(client) == [b"m1", b"m2", b"m3", b"m4"]  # m1 once
+    dead: list[Delivery] = []
+    flow = await broker.bind(DEAD_MESSAGE_QUEUE, dead.append)
+    await wait_for(lambda: len(dead) == 1)
+    assert (dead[0].message.payload, dead[0].message.annotations["x-dmq-reason"]) == (
+        b"m1",
+        "rejected",
+    )
+    await flow.close()

@@ -456,7 +456,7 @@ class Outbound(Endpoint):
                 remote = pn_delivery_remote(dlv)
                 failed = pn_disposition_is_failed(remote)
                 if pn_disposition_is_undeliverable(remote):  # not to this link again
-                    self.flow.avoid(entry_id, failed)
+                    self._undeliverable_here(entry_id, failed)
                 elif failed:
                     self.flow.requeue(entry_id)
                 else:
@@ -466,6 +466,18 @@ class Outbound(Endpoint):
             else:  # settled with no outcome
                 self.flow.ack(entry_id)
         pn_delivery_settle(dlv)
+
+    def _undeliverable_here(self, entry_id: str, failed: bool) -> None:
+        """Not to this link again (§3.4.5): another consumer gets it. But no other one may
+        take an exclusive queue's messages, or a partition's, while this link holds it:
+        kept back, it waited while its successors overtook it. It is rejected then (to the
+        DMQ, if eligible), as RabbitMQ answers undeliverable-here on every queue."""
+        flow = self.flow
+        assert flow is not None
+        if flow.exclusive or flow.partitioned:
+            flow.reject(entry_id)
+        else:
+            flow.avoid(entry_id, failed)
 
     async def close(self, ended: bool = False) -> None:
         self.closed = True
