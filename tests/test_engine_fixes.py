@@ -194,6 +194,16 @@ async def test_a_node_given_a_default_sets_that_part_of_the_stored_limits(
     assert await stored_limits(broker.redis) == left
 
 
+async def test_a_node_of_the_release_before_still_stores_its_limits(broker: Broker) -> None:
+    """During a rolling upgrade a node of the release before calls gw_spool_limits with its
+    layout (no parts first): under the same name, a new layout read its quota as the parts
+    and its percents as quotas (a review found an 80-byte broker quota that way)."""
+    await apply_limits(broker.redis, SpoolLimits(broker_bytes=7, set_percent=70))
+    await broker.redis.fcall("gw_spool_limits", 0, 5000, 80, 60, "red", 1000)
+    stored = SpoolLimits(broker_bytes=5000, vpn_bytes={"red": 1000})
+    assert await stored_limits(broker.redis) == stored  # all of it set, as it was
+
+
 async def test_nodes_starting_together_keep_what_each_set(redis_url: str) -> None:
     """One node's quota and another's threshold percents, stored at once: each node read
     the stored limits and wrote its own in separate calls, so one lost the other's (a

@@ -2989,12 +2989,12 @@ register_always('gw_spool_rebuild', function()
   return 1
 end)
 
--- Args: the parts set ('b' the broker quota, 'v' the VPN quotas, 't' the threshold
--- percents), the broker quota, set and clear percents, then VPN name / quota pairs. A part
--- not set keeps its stored value (all take the given ones when none are stored), read and
--- written in this one call: nodes starting together each keep what the other set.
-register_always('gw_spool_limits', function(_, a)
-  local parts = a[1]
+-- Store the spool limits and raise or clear the alarms they decide. `parts`: those set ('b'
+-- the broker quota, 'v' the VPN quotas, 't' the threshold percents); a: the broker quota,
+-- set and clear percents, then VPN name / quota pairs, from a[first]. A part not set keeps
+-- its stored value (all take the given ones when none are stored), read and written in
+-- this one call: nodes starting together each keep what the other set.
+local function store_spool_limits(parts, a, first)
   local raw_limits = redis.call('HGETALL', K_SPOOL_LIMITS)
   local fresh = #raw_limits == 0
   local function sets(p) return fresh or string.find(parts, p, 1, true) ~= nil end
@@ -3007,13 +3007,13 @@ register_always('gw_spool_limits', function(_, a)
       old_vpns[#old_vpns + 1] = v
     end
   end
-  local broker = sets('b') and a[2] or old.broker or '0'
-  local set, clear = a[3], a[4]
+  local broker = sets('b') and a[first] or old.broker or '0'
+  local set, clear = a[first + 1], a[first + 2]
   if not sets('t') then set, clear = old.set or '80', old.clear or '60' end
   local vpn_quotas = old_vpns
   if sets('v') then
     vpn_quotas = {}
-    for i = 5, #a do vpn_quotas[#vpn_quotas + 1] = a[i] end
+    for i = first + 3, #a do vpn_quotas[#vpn_quotas + 1] = a[i] end
   end
   redis.call('DEL', K_SPOOL_LIMITS)
   redis.call('HSET', K_SPOOL_LIMITS, 'broker', broker, 'set', set, 'clear', clear)
@@ -3049,4 +3049,16 @@ register_always('gw_spool_limits', function(_, a)
   end
   for _, q in ipairs(redis.call('SMEMBERS', K_QUEUES)) do queue_alarms(q) end
   return 1
+end
+
+-- Args: parts (see store_spool_limits), the broker quota, set and clear percents, VPN
+-- name / quota pairs.
+register_always('gw_spool_merge_limits', function(_, a)
+  return store_spool_limits(a[1], a, 2)
+end)
+
+-- The earlier layout, without the parts (all set), for a node of the release before during
+-- a rolling upgrade: the same name with another layout would misread its arguments.
+register_always('gw_spool_limits', function(_, a)
+  return store_spool_limits('bvt', a, 1)
 end)

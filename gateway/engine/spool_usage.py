@@ -102,7 +102,7 @@ async def apply_limits(redis: aioredis.Redis, limits: SpoolLimits, parts: str = 
     for vpn, quota in sorted(limits.vpn_bytes.items()):
         pairs += [vpn, quota]
     await redis.fcall(
-        "gw_spool_limits",
+        "gw_spool_merge_limits",
         0,
         parts or "-",  # an empty argument is the same to Lua, but clearer in MONITOR
         limits.broker_bytes,
