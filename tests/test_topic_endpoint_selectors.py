@@ -8,12 +8,14 @@ proton and paho clients.
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 import pytest
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from proton import Described, Timeout, symbol
-from proton.reactor import DurableSubscription, Selector
+from proton import Message as AmqpMessage
+from proton.reactor import Copy, DurableSubscription, Selector
 from proton.utils import BlockingConnection, LinkDetached
 
 from gateway.broker import Broker, QueueConfig, QueueError
@@ -217,3 +219,75 @@ async def test_admin_api_declares_a_selector(broker: Broker, ports: Ports) -> No
         assert reply.status in (200, 201, 202), reply
     shown = await ports.admin.get(q("hot"))
     assert shown.body["messages"] == 1
+
+
+def _drained(receiver, quiet: float = 0.5) -> list[tuple[bytes, int]]:
+    """(body, AMQP delivery-count) of what arrives until `quiet` passes without any."""
+    out = []
+    while True:
+        try:
+            msg = receiver.receive(quiet)
+        except Timeout:
+            return out
+        receiver.accept()
+        out.append((bytes(msg.body), msg.delivery_count))
+
+
+async def test_a_subscription_selector_on_the_delivery_count_holds_for_redeliveries(
+    broker: Broker, ports: Ports
+) -> None:
+    """A durable subscriber selecting JMSXDeliveryCount = 1 (a guard against poison
+    messages) got a message again with JMSXDeliveryCount 2: the subscription's selector was
+    applied once, when the message was spooled, as a first delivery. A queue consumer's is
+    applied at each delivery. (Found by a review.)"""
+
+    def attach(conn: BlockingConnection):
+        options = [DurableSubscription(), Selector("JMSXDeliveryCount = 1")]
+        return conn.create_receiver("topic://t/x", name="s1", credit=10, options=options)
+
+    def client() -> tuple[int, list[tuple[bytes, int]]]:
+        first_conn = ports.connect(container_id="dcsub")
+        receiver = attach(first_conn)
+        first_conn.create_sender("topic://t/x").send(AmqpMessage(body=b"m"))
+        first = receiver.receive(5).delivery_count
+        receiver.link.detach()  # unsettled: back on the subscription, counted
+        first_conn.close()
+        again = ports.connect(container_id="dcsub")
+        try:
+            return first, _drained(attach(again), 1.0)
+        finally:
+            again.close()
+
+    assert await asyncio.to_thread(client) == (0, [])
+
+
+async def test_a_uuid_reads_alike_as_message_id_and_correlation_id(
+    broker: Broker, ports: Ports
+) -> None:
+    """A reply carries its request's uuid message-id as its correlation-id: a selector
+    JMSCorrelationID = '<the JMSMessageID>' found nothing, the correlation-id reading as
+    'urn:uuid:...'. (Found by a review.)"""
+    request_id = uuid.UUID("12345678-1234-5678-1234-567812345678")
+    await broker.queues.create(QueueConfig(name="rr"))
+
+    def client() -> list[list[tuple[bytes, int]]]:
+        conn = ports.connect()
+        try:
+            sender = conn.create_sender("rr")
+            sender.send(AmqpMessage(body=b"request", id=request_id))
+            sender.send(AmqpMessage(body=b"reply", correlation_id=request_id))
+            return [
+                _drained(
+                    conn.create_receiver(
+                        "rr", name=name, credit=10, options=[Copy(), Selector(text)]
+                    )
+                )
+                for name, text in (
+                    ("i", f"JMSMessageID = '{request_id}'"),
+                    ("c", f"JMSCorrelationID = '{request_id}'"),
+                )
+            ]
+        finally:
+            conn.close()
+
+    assert await asyncio.to_thread(client) == [[(b"request", 0)], [(b"reply", 0)]]

@@ -54,6 +54,7 @@ from proton import Link, Terminus
 
 from gateway.acl import TopicAccess
 from gateway.broker import BindError, Flow, QueueConfig, QueueError, QueueInfo
+from gateway.engine.selection import decided_at_delivery
 from gateway.model import Delivery as GatewayDelivery
 from protocols.amqp import mapping, nodes, sections, terminus
 from protocols.amqp.links import (
@@ -140,8 +141,11 @@ class Outbound(Endpoint):
         queue, browse, topic = source
         if topic is not None and self.host.topics.deny_subscribe:
             self._acl = self.host.topics
-        # a topic subscription's queue applies the selector itself, at spool time
+        # a topic subscription's queue applies the selector itself, at spool time; the flow
+        # too, if it names what a redelivery changes
         spool_selected = topic is not None and bool(remote.address)
+        if spool_selected and selector is not None and decided_at_delivery(selector.text):
+            spool_selected = False
         try:
             flow = await broker.bind(
                 queue,
