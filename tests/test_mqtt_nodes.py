@@ -15,6 +15,8 @@ import pytest
 
 from protocols.listening import Listener
 from protocols.mqtt.codec import (
+    Connack,
+    Connect,
     Disconnect,
     Properties,
     Puback,
@@ -312,3 +314,43 @@ async def test_messages_delivered_while_a_subscription_waits_for_a_stalled_node_
     assert sent and all(p.properties.subscription_identifiers == [9] for p in sent), [
         (p.payload, p.properties) for p in sent if not p.properties.subscription_identifiers
     ][:3]
+
+
+@pytest.mark.parametrize("level", [4, 5])
+async def test_a_resumed_qos0_subscription_holds_once_the_connack_is_out(
+    redis_url: str, level: int
+) -> None:
+    """A session-present CONNACK says the client's subscriptions hold (MQTT-3.2.2-2): its
+    QoS 0 filters went live on the other nodes only after it, so a reply published on
+    another node the moment the client was back was lost when the client was its node's
+    only QoS 0 subscriber. (Found by a review.)"""
+    props = Properties(session_expiry_interval=300) if level == 5 else None
+    async with (
+        serve("--redis-url", redis_url) as (_, port_a),
+        serve("--redis-url", redis_url) as (_, port_b),
+    ):
+        sub, _ = await Raw.connected(
+            port_a, level, client_id="resumer", clean_start=False, properties=props
+        )
+        await sub.send(Subscribe(1, [("rq/#", SubscriptionOptions(qos=0))]))
+        assert await sub.recv() == Suback(1, [0])
+        await sub.send(Disconnect())
+        await sub.closed()
+        pub, _ = await Raw.connected(port_b, 4, client_id="responder")
+        got = []
+        for attempt in range(5):
+            sub = await Raw.open(port_a, level)
+            await sub.send(
+                Connect(protocol_level=level, client_id="resumer", clean_start=False,
+                        properties=props)
+            )  # fmt: skip
+            ack = await sub.recv()
+            assert isinstance(ack, Connack) and ack.session_present
+            await pub.send(Publish("rq/reply", b"reply %d" % attempt))  # now the reply
+            with contextlib.suppress(TimeoutError):
+                reply = await sub.recv(timeout=2)
+                got.append(reply.payload if isinstance(reply, Publish) else reply)
+            await sub.send(Disconnect())
+            await sub.closed()
+        pub.close()
+        assert got == [b"reply %d" % attempt for attempt in range(5)]

@@ -18,6 +18,7 @@ Retained messages go out after the SUBACK, as retain handling asks.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import logging
@@ -267,6 +268,8 @@ class Session:
         self._routes_of: SessionState | None = None
         self._routes_version = 0
         self._last_direct = ""
+        # QoS 0 messages of a resumed session's filters that came before its CONNACK went
+        self._early_direct: collections.deque[Message] = collections.deque(maxlen=MAX_WAITING)
         # while a filter moves between the direct and the queued route (it has both), the
         # ids of messages sent direct, so their queued copies are not sent again
         self._both_routes = 0
@@ -401,6 +404,12 @@ class Session:
         self.state, present = attached
         if self.closing:  # the client went away while we waited
             return
+        # a resumed session's QoS 0 filters are live on every node before the CONNACK says
+        # it is present (as a SUBACK waits for its route): a reply published on another
+        # node the moment the client is back was lost
+        await self._resume_direct()
+        if self.closing:
+            return
         ack_props = None
         if self.level == 5:
             ack_props = Properties(
@@ -423,6 +432,8 @@ class Session:
         self.link.send(data)
         self.connected = True
         self._start_keep_alive(keep_alive)
+        while self._early_direct:
+            self._deliver(self._early_direct.popleft(), None, None, False)
         await self._resume()
 
     def _authenticate(self, p: Connect) -> int | None:
@@ -451,20 +462,26 @@ class Session:
         self._send(Connack(False, rc))
         self.close()
 
+    async def _resume_direct(self) -> None:
+        """A resumed session's QoS 0 filters, before its CONNACK (see _on_connect)."""
+        state = self.state
+        assert state is not None
+        for pattern, options in list(state.subscriptions.items()):
+            if options.qos == 0 and shared_filter(pattern) is None and not self.closing:
+                await self._subscribe_direct(pattern)
+
     async def _resume(self) -> None:
-        """Re-establish a (possibly resumed) session's deliveries after CONNACK."""
+        """Re-establish a (possibly resumed) session's other deliveries after CONNACK."""
         state = self.state
         assert state is not None
         self._reserved = set(state.resend_ids.values())
-        for pattern, options in list(state.subscriptions.items()):
+        for pattern in list(state.subscriptions):
             shared = shared_filter(pattern)
             if shared is not None:
                 try:
                     await self._bind_shared(pattern, *shared)
                 except (QueueError, BindError) as exc:
                     log.warning("MQTT client %r: %s not resumed: %s", self.client_id, pattern, exc)
-            elif options.qos == 0:
-                await self._subscribe_direct(pattern)
         for pid in state.pubrel_out:
             self._send(Pubrel(pid))
         if state.queue is not None:
@@ -741,6 +758,9 @@ class Session:
         if self.closing or msg.id == self._last_direct:
             return
         self._last_direct = msg.id
+        if not self.connected:  # a resumed session's filter, live before its CONNACK went
+            self._early_direct.append(msg)
+            return
         self._deliver(msg, None, None, False)
 
     def _on_delivery(self, delivery: Delivery) -> None:
