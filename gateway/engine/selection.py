@@ -5,8 +5,6 @@ from __future__ import annotations
 from gateway.model import Message
 from gateway.selectors import Selector, compile_selector, make_lookup
 
-UUID_PREFIX = "urn:uuid:"  # how the model keeps an AMQP uuid correlation-id (sections.py)
-
 
 def _text(value: object) -> str | None:
     if value is None:
@@ -16,26 +14,19 @@ def _text(value: object) -> str | None:
     return str(value)
 
 
-def _id_text(value: object) -> str | None:
-    """A uuid correlation-id as its uuid, as a uuid message-id reads: a reply selected by
-    JMSCorrelationID = '<the request's JMSMessageID>' matches."""
-    if isinstance(value, str) and value.startswith(UUID_PREFIX):
-        return value[len(UUID_PREFIX) :]
-    return _text(value)
-
-
-def decided_at_delivery(selector_text: str) -> bool:
-    """Whether the selector names what only a delivery tells (JMSXDeliveryCount): a topic
+def redelivery_selector(selector_text: str) -> Selector | None:
+    """The selector, if it names what only a delivery tells (JMSXDeliveryCount): a topic
     subscription's spool-time check saw a first delivery, and a redelivery must be checked
     again."""
-    return "JMSXDeliveryCount" in compile_selector(selector_text).identifiers
+    selector = compile_selector(selector_text)
+    return selector if "JMSXDeliveryCount" in selector.identifiers else None
 
 
 def matches(selector: Selector, msg: Message, delivery_count: int) -> bool:
     """Whether `msg` is selected; header fields map as Qpid JMS maps them onto AMQP."""
     headers = {
         "JMSPriority": msg.priority,
-        "JMSCorrelationID": _id_text(msg.correlation_id),
+        "JMSCorrelationID": _text(msg.correlation_id),
         "JMSMessageID": _text(msg.message_id),
         "JMSType": msg.subject,
         "JMSDeliveryMode": "PERSISTENT" if msg.persistent else "NON_PERSISTENT",

@@ -54,8 +54,9 @@ from proton import Link, Terminus
 
 from gateway.acl import TopicAccess
 from gateway.broker import BindError, Flow, QueueConfig, QueueError, QueueInfo
-from gateway.engine.selection import decided_at_delivery
+from gateway.engine.selection import matches, redelivery_selector
 from gateway.model import Delivery as GatewayDelivery
+from gateway.selectors import Selector
 from protocols.amqp import mapping, nodes, sections, terminus
 from protocols.amqp.links import (
     INVALID_FIELD,
@@ -119,6 +120,8 @@ class Outbound(Endpoint):
         # may match: their messages are consumed unseen
         self._acl: TopicAccess | None = None
         self._draining = False  # the client asked for a drain not answered yet
+        # a topic subscription's selector naming JMSXDeliveryCount, checked at delivery too
+        self._recheck: Selector | None = None
 
     async def attach(self) -> None:
         link, broker = self.link, self.host.broker
@@ -141,11 +144,11 @@ class Outbound(Endpoint):
         queue, browse, topic = source
         if topic is not None and self.host.topics.deny_subscribe:
             self._acl = self.host.topics
-        # a topic subscription's queue applies the selector itself, at spool time; the flow
-        # too, if it names what a redelivery changes
+        # a topic subscription's queue applies the selector itself, at spool time; this link
+        # again at each delivery if it names what a redelivery changes (see _on_deliver)
         spool_selected = topic is not None and bool(remote.address)
-        if spool_selected and selector is not None and decided_at_delivery(selector.text):
-            spool_selected = False
+        if spool_selected and selector is not None:
+            self._recheck = redelivery_selector(selector.text)
         try:
             flow = await broker.bind(
                 queue,
@@ -329,9 +332,13 @@ class Outbound(Endpoint):
             flow.credit += 1
             flow.unsend(delivery.entry_id)
             return
-        acl = self._acl
-        if acl is not None and not acl.may_receive(delivery.message.destination):
-            flow.ack(delivery.entry_id)  # as MQTT's subscriptions skip a denied topic
+        acl, recheck = self._acl, self._recheck
+        if (acl is not None and not acl.may_receive(delivery.message.destination)) or (
+            recheck is not None and not matches(recheck, delivery.message, delivery.delivery_count)
+        ):
+            # consumed unseen: as MQTT's subscriptions skip a denied topic, and as the
+            # subscription holds only what its selector selects (a redelivery, say)
+            flow.ack(delivery.entry_id)
             if flow.credit is not None:
                 flow.set_credit(flow.credit + 1)  # the client's credit was not spent
             return
