@@ -43,6 +43,19 @@ def mqtt5_client(port: int, client_id: str) -> paho.Client:
     return client
 
 
+def receive_one(amqp_port: int, queue: str, selector: str | None = None) -> AmqpMessage:
+    """One message of `queue`, accepted, through a stock proton receiver."""
+    conn = BlockingConnection(f"amqp://127.0.0.1:{amqp_port}")
+    try:
+        options = Selector(selector) if selector is not None else None
+        receiver = conn.create_receiver(queue, options=options)
+        msg = receiver.receive(timeout=TIMEOUT)
+        receiver.accept()
+        return msg
+    finally:
+        conn.close()
+
+
 async def test_mqtt5_publish_reaches_amqp_receiver_mapped(
     broker: Broker, ports: tuple[int, int]
 ) -> None:
@@ -68,18 +81,8 @@ async def test_mqtt5_publish_reaches_amqp_receiver_mapped(
 
     await asyncio.to_thread(publish)
 
-    def receive() -> AmqpMessage:
-        conn = BlockingConnection(f"amqp://127.0.0.1:{amqp_port}")
-        try:
-            # the selector reads the first of a repeated key, as the message shows it
-            receiver = conn.create_receiver("devices", options=Selector("site = 'north'"))
-            msg = receiver.receive(timeout=TIMEOUT)
-            receiver.accept()
-            return msg
-        finally:
-            conn.close()
-
-    msg = await asyncio.to_thread(receive)
+    # the selector reads the first of a repeated key, as the message shows it
+    msg = await asyncio.to_thread(receive_one, amqp_port, "devices", "site = 'north'")
     assert bytes(msg.body) == b'{"t": 21.5}'
     assert msg.group_id == "dev-7"
     assert bytes(msg.correlation_id) == b"corr-42"
@@ -110,17 +113,7 @@ async def test_an_mqtt5_content_type_past_ascii_is_left_out_for_amqp(
 
     await asyncio.to_thread(publish)
 
-    def receive() -> AmqpMessage:
-        conn = BlockingConnection(f"amqp://127.0.0.1:{amqp_port}")
-        try:
-            receiver = conn.create_receiver("typed")
-            msg = receiver.receive(timeout=TIMEOUT)
-            receiver.accept()
-            return msg
-        finally:
-            conn.close()
-
-    msg = await asyncio.to_thread(receive)
+    msg = await asyncio.to_thread(receive_one, amqp_port, "typed")
     absent = AmqpMessage().content_type  # how proton shows no content-type
     assert (bytes(msg.body), msg.content_type) == (b"x", absent)
 
