@@ -467,3 +467,21 @@ async def test_the_handshake_takes_what_rfc_6455_allows(mqtt: Listener) -> None:
     absolute = f"GET http://127.0.0.1:{port}/mqtt HTTP/1.1"
     head = await upgrade_answer(mqtt, absolute, Connection="keep-alive, Upgrade")
     assert head.startswith(b"HTTP/1.1 101 ")
+
+
+@pytest.mark.parametrize(
+    "first",
+    [b"\x16\x03\x01\x02\x00\x01", b"\x10\x0c\x00\x04MQTT\x04\x02"],
+    ids=["tls-client-hello", "mqtt-connect"],
+)
+async def test_bytes_no_http_request_starts_with_are_refused_at_once(
+    mqtt: Listener, first: bytes
+) -> None:
+    """A wss:// client, or a plain MQTT client, given the WebSocket port waited the whole
+    handshake timeout (10 s) for an answer: bytes an HTTP GET cannot start with get a 400
+    at once, as nginx answers. (Found by a review.)"""
+    reader, writer = await asyncio.open_connection("127.0.0.1", mqtt.extra_ports["mqtt_ws_port"])
+    writer.write(first)
+    answer = await asyncio.wait_for(reader.read(), 2)
+    writer.close()
+    assert answer.startswith(b"HTTP/1.1 400 "), answer

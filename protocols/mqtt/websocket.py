@@ -224,6 +224,10 @@ class WebSocketConnection(asyncio.Protocol):
     # -- upgrade ---------------------------------------------------------------------------
 
     def _handshake(self) -> None:
+        start = bytes(self._buf[:4])
+        if not b"GET ".startswith(start):  # a TLS ClientHello, an MQTT CONNECT: refused at
+            self._refuse(400, "Bad Request")  # once, not after the handshake timeout
+            return
         end = self._buf.find(b"\r\n\r\n")
         if end < 0:
             if len(self._buf) > MAX_REQUEST:
