@@ -467,6 +467,9 @@ async def test_the_handshake_takes_what_rfc_6455_allows(mqtt: Listener) -> None:
     absolute = f"GET http://127.0.0.1:{port}/mqtt HTTP/1.1"
     head = await upgrade_answer(mqtt, absolute, Connection="keep-alive, Upgrade")
     assert head.startswith(b"HTTP/1.1 101 ")
+    # an empty line before the request-line is ignored (RFC 7230 §3.5)
+    head = await upgrade_answer(mqtt, "\r\nGET /mqtt HTTP/1.1")
+    assert head.startswith(b"HTTP/1.1 101 ")
 
 
 @pytest.mark.parametrize(

@@ -224,6 +224,8 @@ class WebSocketConnection(asyncio.Protocol):
     # -- upgrade ---------------------------------------------------------------------------
 
     def _handshake(self) -> None:
+        while self._buf[:2] == b"\r\n":  # empty lines before the request-line are ignored
+            del self._buf[:2]  # (RFC 7230 §3.5)
         start = bytes(self._buf[:4])
         if not b"GET ".startswith(start):  # a TLS ClientHello, an MQTT CONNECT: refused at
             self._refuse(400, "Bad Request")  # once, not after the handshake timeout
