@@ -44,7 +44,7 @@ def vpn_name_error(name: object) -> str | None:
     return None
 
 
-# The settings of the limits, by the part of them they set (gw_spool_limits's mask letters:
+# The settings of the limits, by the part of them they set (gw_spool_merge_limits's letters:
 # the broker quota, the VPN quotas, the threshold percents, which go together)
 SPOOL_SETTINGS = {
     "spool_quota_bytes": "b",

@@ -150,14 +150,14 @@ class StreamInfo:
     @classmethod
     def fetch(cls, client: redis.Redis, queue: str) -> StreamInfo:
         try:
-            raw = client.execute_command("XINFO", "STREAM", keys.queue_stream(queue))
-        except redis.ResponseError:  # no stream (queue deleted): nothing to read
-            return cls(0, (0, 0), (0, 0), (0, 0))
-        return cls.parse(raw)
+            return cls.parse(client.execute_command("XINFO", "STREAM", keys.queue_stream(queue)))
+        except redis.ResponseError as exc:
+            return cls.parse(exc)
 
     @classmethod
     def parse(cls, raw: Any) -> StreamInfo:
-        """From an XINFO STREAM reply (an error reply: no stream)."""
+        """From an XINFO STREAM reply; an error reply is no stream (the queue was deleted):
+        nothing to read."""
         if isinstance(raw, redis.ResponseError):
             return cls(0, (0, 0), (0, 0), (0, 0))
         if isinstance(raw, list):
