@@ -195,6 +195,7 @@ class Broker:
         self._tasks: set[asyncio.Task] = set()
         self._undeleted: set[str] = set()  # temporary queues whose deletion Redis refused
         self.published = 0
+        self.counters: dict[str, int] = {}  # the protocol adapters' events, by name
         self._heartbeat = heartbeat
         self._partings: asyncio.Task | None = None
 
@@ -819,4 +820,9 @@ class Broker:
             "flows": sum(len(f) for f in self.dispatcher.flows.values()),
             "reaped_flows": self.liveness.reaped,
             **{f"refused_{k}": v for k, v in self.spooler.refused.items()},
+            **self.counters,
         }
+
+    def count(self, name: str) -> None:
+        """An adapter's event (a dropped QoS 0 message, say), shown in the metrics."""
+        self.counters[name] = self.counters.get(name, 0) + 1

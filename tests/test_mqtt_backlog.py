@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import struct
 
+from gateway.admin.metrics import render_metrics
 from gateway.broker import Broker
 from gateway.config import Settings
 from gateway.engine.flows import FETCH_BATCH
@@ -125,6 +126,10 @@ async def test_qos0_held_behind_waiting_retained_is_bounded(broker: Broker, mqtt
         await asyncio.sleep(0.3)
         held = len(session._held_out)
         assert held <= MAX_WAITING, f"{held} QoS 0 messages held in memory, never sent or dropped"
+        # what was dropped is counted where an operator sees it (it was counted in a dict
+        # nothing read)
+        metrics = await render_metrics(broker)
+        assert f'gateway_mqtt_qos0_dropped{{node="{broker.node_id}"}} {20_000 - held}' in metrics
     finally:
         writer.close()
 

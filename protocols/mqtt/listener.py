@@ -115,7 +115,6 @@ class Registry:
         self._user_names = {user.name for user in settings.users} | {ANONYMOUS}
         self.connections: set[MqttConnection] = set()
         self.closing = False  # connections made from now on are dropped
-        self.counters: dict[str, int] = {}
         self._locks: dict[str, list[Any]] = {}  # client id -> [lock, users]
         # client id -> its delayed will: the timer, and its connection's claim (Redis keeps
         # the will by that claim)
@@ -131,7 +130,7 @@ class Registry:
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep_often())
 
     def count(self, name: str) -> None:
-        self.counters[name] = self.counters.get(name, 0) + 1
+        self.broker.count(f"mqtt_{name}")
 
     # -- attach / detach -------------------------------------------------------------------
 

@@ -759,6 +759,8 @@ class Session:
             return
         self._last_direct = msg.id
         if not self.connected:  # a resumed session's filter, live before its CONNACK went
+            if len(self._early_direct) == MAX_WAITING:  # the deque drops its oldest
+                self.registry.count("qos0_dropped")
             self._early_direct.append(msg)
             return
         self._deliver(msg, None, None, False)
