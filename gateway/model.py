@@ -157,6 +157,17 @@ def priority_of(value: PropertyValue) -> int | None:
     return int(value) if ok and int(value) <= MAX_PRIORITY else None
 
 
+def property_text(value: PropertyValue) -> str:
+    """A property's value as text, where keys and columns compare values of both protocols:
+    booleans as JMS, JSON and MQTT egress spell them, binary (AMQP) that is not UTF-8 as its
+    escaped text."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "backslashreplace")
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
 def new_message_id() -> str:
     """Cheap unique id: per-process random tag plus a counter (no uuid4 on the hot path)."""
     return f"{_node_tag}-{next(_counter):x}"

@@ -19,7 +19,7 @@ import redis.asyncio as aioredis
 
 from gateway.engine.queues import parse_subscription_entry
 from gateway.engine.selection import matches
-from gateway.model import Message
+from gateway.model import Message, property_text
 from gateway.selectors import Selector, SelectorError, compile_selector
 from gateway.topics import SubscriptionTrie
 
@@ -100,12 +100,7 @@ class Router:
         found: dict[str, str] = {}
         for name, value in msg.user_properties:
             if name in self.keyed_properties and name not in found and value is not None:
-                # a binary value (AMQP) that is not UTF-8 keys as its escaped text
-                found[name] = (
-                    value.decode("utf-8", "backslashreplace")
-                    if isinstance(value, bytes)
-                    else str(value)
-                )
+                found[name] = property_text(value)  # AMQP true and MQTT "true" are one key
         if not found:
             return ""
         return "\0" + "".join(f"{k}\0{len(v.encode())}\0{v}" for k, v in found.items())

@@ -82,6 +82,22 @@ async def test_string_comparison_not_numeric(broker: Broker) -> None:
     assert payloads(got) == [b"10", b"100", b"2", b"9"]
 
 
+async def test_booleans_sort_as_their_text_in_both_protocols(broker: Broker) -> None:
+    """An AMQP boolean keys as "true" / "false" (Broker-J's toString, and the text MQTT 5
+    publishers and subscribers see): it keyed as "True" / "False", which sort before all
+    lower-case text, so an AMQP true overtook an MQTT "false". (Found by a review.)"""
+    await sorted_queue(broker)
+    for payload, value in [("amqp-true", True), ("amqp-false", False), ("mqtt-true", "true"),
+                           ("mqtt-false", "false")]:  # fmt: skip
+        msg = keyed(payload, None)
+        msg.user_properties = [("k", value)]
+        await broker.publish(msg)
+    got: list[Delivery] = []
+    await broker.bind("sq", got.append)
+    await wait_for(lambda: len(got) == 4)
+    assert payloads(got) == [b"amqp-false", b"mqtt-false", b"amqp-true", b"mqtt-true"]
+
+
 async def test_requeued_message_returns_to_its_sorted_place(broker: Broker) -> None:
     await sorted_queue(broker)
     await broker.publish(keyed("b", "b"))

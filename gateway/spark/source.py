@@ -35,7 +35,14 @@ from pyspark.sql.types import StructType
 
 from gateway.engine import keys
 from gateway.engine.queues import stream_queues
-from gateway.model import DEAD_LETTER_REASON, ORIGIN_QUEUE, Message, PropertyValue, decode
+from gateway.model import (
+    DEAD_LETTER_REASON,
+    ORIGIN_QUEUE,
+    Message,
+    PropertyValue,
+    decode,
+    property_text,
+)
 from gateway.spark import DEFAULT_REDIS_URL
 from gateway.spark.sink import BatchWriter, SinkOptions, StreamWriter
 
@@ -245,13 +252,7 @@ def report_loss(opts: Options, queue: str, reason: str) -> None:
 
 
 def _text(value: PropertyValue) -> str | None:
-    if value is None:
-        return None
-    if isinstance(value, bytes):
-        return value.decode("utf-8", "backslashreplace")
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(value)
+    return None if value is None else property_text(value)
 
 
 def properties(msg: Message) -> dict[str, str | None]:
