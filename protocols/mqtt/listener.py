@@ -347,9 +347,11 @@ class Registry:
         (idempotently) after the membership is recorded."""
         name = shared_queue_name(group, topic_filter)
         await self.broker.queues.join(name, state.client_id, membership_until(state, True))
-        # any user's member may bind it; only the operator (this adapter) changes or deletes it
+        # only the operator (this adapter) binds it, for members whose subscription the
+        # topic ACL allowed: another user's AMQP link or admin get would read what the ACL
+        # denies them
         config = QueueConfig(
-            name=name, durable=True, access_type="non-exclusive", permission="consume"
+            name=name, durable=True, access_type="non-exclusive", permission="none"
         )
         await self.broker.queues.create(config, reserved_ok=True, as_it_is=True)
         await self.broker.subscribe_queue(name, [topic_filter], MQTT)

@@ -503,7 +503,8 @@ class Session:
                 self._on_delivery,
                 window=self._flow_window(queue),
                 on_closed=lambda reason: self._flow_closed(queue, reason),
-                user=self.access_user,
+                # a group's queue is the adapter's: SUBSCRIBE checked the member's ACL
+                user=None if queue in self._shared else self.access_user,
                 connection=self.connection_id,
             )
         except BindError as exc:
@@ -539,6 +540,20 @@ class Session:
             self.state.queue = None
             if reason == QUEUE_DELETED:
                 self._end_session()
+        elif reason == QUEUE_DELETED and queue in self._shared and not self.closing:
+            self.registry.spawn(self._rejoin(self._shared[queue]))
+
+    async def _rejoin(self, pattern: str) -> None:
+        """A group's queue was deleted (by an operator, to drop its backlog): the member's
+        subscription holds, so the group starts again, empty."""
+        shared = shared_filter(pattern)
+        if self.closing or self.state is None or pattern not in self.state.subscriptions:
+            return
+        assert shared is not None
+        try:
+            await self._bind_shared(pattern, *shared)
+        except (QueueError, BindError) as exc:
+            log.warning("MQTT client %r: %s not rejoined: %s", self.client_id, pattern, exc)
 
     def _end_session(self) -> None:
         """The session's queue was deleted (by an operator) and its subscriptions with it:
@@ -814,7 +829,10 @@ class Session:
                     self._routes.clear()
                 self._routes[key] = route
         if route is None:
-            self._settle(queue, entry_id)
+            if shared is not None and not self.topics.may_receive(msg.destination):
+                self._avoid(queue, entry_id)  # another member may take it (its ACL allows)
+            else:
+                self._settle(queue, entry_id)
             return
         max_qos, retain_as_published, sub_ids = route
         qos = min(mapping.message_qos(msg), max_qos)
@@ -1022,6 +1040,12 @@ class Session:
         flow = self._flows.get(queue) if queue is not None else None
         if flow is not None and entry_id is not None:
             flow.release(entry_id)
+
+    def _avoid(self, queue: str | None, entry_id: str | None) -> None:
+        """A group's message this member may not have: never to this flow again."""
+        flow = self._flows.get(queue) if queue is not None else None
+        if flow is not None and entry_id is not None:
+            flow.avoid(entry_id, False)
 
     def _settle(self, queue: str | None, entry_id: str | None) -> None:
         if queue is None or entry_id is None:
