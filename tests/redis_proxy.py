@@ -57,6 +57,10 @@ class CuttingProxy:
         self.delay_reply_on: bytes | None = None
         self.delay = 0.0  # seconds
         self.loading_on: bytes | None = None
+        # from the first command holding all of these on, the connection's commands reach
+        # Redis no more: what a process killed then had not written
+        self.drop_from: list[bytes] | None = None
+        self.dropped = 0
         self.cuts = 0
         self.ran = 0  # cut commands that reached Redis
         self.refused = 0
@@ -94,7 +98,7 @@ class CuttingProxy:
     async def _client(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
         ur, uw = await asyncio.open_connection("127.0.0.1", self.upstream_port)
         self._writers += [cw, uw]
-        state = {"blackhole": False, "held_until": 0.0}
+        state = {"blackhole": False, "held_until": 0.0, "dropping": False}
         loop = asyncio.get_running_loop()
 
         async def cut(command: bytes) -> None:
@@ -115,6 +119,11 @@ class CuttingProxy:
                 while data := await cr.read(65536):
                     commands, rest = split_commands(rest + data)
                     for command in commands:
+                        if self.drop_from and all(m in command for m in self.drop_from):
+                            state["dropping"] = True
+                        if state["dropping"]:
+                            self.dropped += 1
+                            continue
                         if self._cuts(command):
                             await cut(command)
                             return

@@ -30,7 +30,10 @@ from protocols.mqtt.codec import (
     encode,
 )
 from tests.processes import GATEWAY, Proc, node_env
+from tests.redis_proxy import CuttingProxy
+from tests.test_engine import wait_for
 from tests.test_mqtt_protocol import Raw
+from tests.test_redis_outages import proxy  # noqa: F401
 
 KEEP = Properties(session_expiry_interval=300)
 
@@ -254,6 +257,50 @@ async def test_a_qos2_message_in_flight_on_a_node_presumed_dead_a_while_is_not_s
         assert await sub.recv() == Pubrel(first.packet_id)
         await sub.send(Pubcomp(first.packet_id))
         pub.close()
+        sub.close()
+
+
+async def test_a_qos2_message_pubreced_just_before_a_crash_is_released_or_sent_again(
+    proxy: CuttingProxy,  # noqa: F811
+    redis_url: str,
+) -> None:
+    """After the subscriber's PUBREC the server keeps the packet id until PUBCOMP and sends
+    PUBREL again on a resumed session (MQTT-4.4.0-1). The message was settled in the
+    session's queue at PUBREC and the PUBREL id saved after: a node killed between the two
+    writes left neither, and a client that hands a QoS 2 message on at PUBREL (paho) lost
+    it. The settlement now waits for the save. (Found by a review.)"""
+    argv = [*GATEWAY, "serve", "--redis-url", proxy.url, "--mqtt-port", "0", "--admin-port",
+            "0", "--amqp-port", "0"]  # fmt: skip
+    crashing = await Proc.start(argv, node_env())
+    try:
+        port = (await crashing.wait_event("ready", timeout=30))["mqtt_port"]
+        sub, _ = await Raw.connected(port, 5, client_id="q2-sub", clean_start=False,
+                                     properties=KEEP)  # fmt: skip
+        await sub.send(Subscribe(1, [("q2/#", SubscriptionOptions(qos=2))]))
+        assert await sub.recv() == Suback(1, [2])
+        pub, _ = await Raw.connected(port, 5, client_id="q2-pub")
+        await pub.send(Publish("q2/t", b"must arrive", qos=2, packet_id=1))
+        assert await pub.recv() == Pubrec(1)
+        await pub.send(Pubrel(1))
+        assert await pub.recv() == Pubcomp(1)
+        sent = await sub.recv()
+        assert isinstance(sent, Publish) and sent.payload == b"must arrive"
+        await asyncio.sleep(0.3)  # the subscription's own saves are in
+        proxy.drop_from = [b"gw_client_save", b'"pubrel":[%d]' % sent.packet_id]
+        await sub.send(Pubrec(sent.packet_id))
+        assert await sub.recv() == Pubrel(sent.packet_id)
+        await wait_for(lambda: proxy.dropped > 0, 5)
+        await asyncio.sleep(0.2)  # what the node does next (it did settle) is not written
+        crashing.kill()
+        await crashing.proc.wait()
+    finally:
+        crashing.kill()
+    async with serve("--redis-url", redis_url) as (_, port):
+        sub, ack = await Raw.connected(port, 5, client_id="q2-sub", clean_start=False,
+                                       properties=KEEP)  # fmt: skip
+        assert ack.session_present
+        again = await sub.recv(timeout=5)
+        assert isinstance(again, Publish | Pubrel), again
         sub.close()
 
 

@@ -234,8 +234,15 @@ class Registry:
         a connection that took it over has loaded it."""
         self._unsaved.discard(session)
         state, claim = session.state, session.claim
-        if state is not None and state.persistent and claim is not None:
-            await self.broker.clients.save(session.client_id, state.dumps(), _lease(state), claim)
+        settles = session.saving()
+        try:
+            if state is not None and state.persistent and claim is not None:
+                blob = state.dumps()
+                await self.broker.clients.save(session.client_id, blob, _lease(state), claim)
+        except BaseException:
+            session.unsaved(settles)  # the next save settles them
+            raise
+        session.saved(settles)
 
     async def _hold(self, session: Session, state: SessionState) -> None:
         """Stop the expiry clock of a connected session, and its queue's, up to its lease."""

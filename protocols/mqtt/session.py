@@ -244,6 +244,9 @@ class Session:
         # and its subscription ids: a retained one, or a shared group's QoS 2 one (only this
         # client may get it, §4.8.2)
         self._kept: dict[int, tuple[Message, list[int]]] = {}
+        # QoS 2 deliveries PUBRECed, settled in their queue once the session state holding
+        # their PUBREL ids is stored (a crash between the two lost the message)
+        self._settle_when_saved: list[tuple[str | None, str | None]] = []
         # packet id -> message id of one in flight whose route the session state notes
         # (resend_retained, resend_shared): forgotten once acknowledged
         self._routed: dict[int, str] = {}
@@ -1118,7 +1121,10 @@ class Session:
             if item[2] != 2:  # the QoS 1 flow answered as QoS 2
                 self._wrong_ack(item[2])
                 return
-            self._settle(item[0], item[1])
+            if p.reason_code < 0x80 and state.persistent:
+                self._settle_when_saved.append((item[0], item[1]))
+            else:
+                self._settle(item[0], item[1])
             if p.reason_code < 0x80:
                 state.pubrel_out[p.packet_id] = None
                 self._pubrel_changed()
@@ -1131,6 +1137,19 @@ class Session:
             self._send(Pubrel(p.packet_id))
         elif self.level == 5:
             self._send(Pubrel(p.packet_id, ReasonCode.PACKET_IDENTIFIER_NOT_FOUND))
+
+    def saving(self) -> list[tuple[str | None, str | None]]:
+        """The PUBRECed deliveries whose PUBREL ids the save now starting stores."""
+        settles, self._settle_when_saved = self._settle_when_saved, []
+        return settles
+
+    def unsaved(self, settles: list[tuple[str | None, str | None]]) -> None:
+        self._settle_when_saved[:0] = settles
+
+    def saved(self, settles: list[tuple[str | None, str | None]]) -> None:
+        """The save `saving` went with is in: the client owns those messages now."""
+        for queue, entry_id in settles:
+            self._settle(queue, entry_id)
 
     def _wrong_ack(self, qos: int) -> None:
         """A PUBACK for a QoS 2 delivery or a PUBREC for a QoS 1 one: a protocol error (as
@@ -1505,6 +1524,9 @@ class Session:
                 self.broker.unsubscribe_direct(token)
             self._direct.clear()
             await self._keep_in_flight()
+            if self._settle_when_saved:  # their PUBREL ids stored, then settled
+                with contextlib.suppress(StoreError):  # else they come back: no loss
+                    await self.registry.save(self)
             for queue, flow in list(self._flows.items()):
                 await self._close_flow(queue, flow)
             if self.state is not None:
