@@ -280,6 +280,7 @@ class Broker:
         its queue, else the created_ms of the queues as the routes that matched its topic
         knew them (Router.created, one object per load): stored only in those queues, not
         in one made again under a name since."""
+        once = msg.exactly_once
         return self.spooler.submit(
             queues,
             routed_by,
@@ -291,6 +292,7 @@ class Broker:
             msg.not_before,
             encode(msg),
             done,
+            None if once is None else (keys.client_received(once[0]), str(once[1])),
         )
 
     def _retain_after(

@@ -19,7 +19,18 @@ from gateway.broker import Broker
 from gateway.engine import keys, library, roll_call
 from gateway.engine.queues import QueueConfig
 from gateway.model import Delivery, Message, Outcome
-from protocols.mqtt.codec import Connack, Connect
+from protocols.mqtt.codec import (
+    Connack,
+    Connect,
+    Properties,
+    Pubcomp,
+    Publish,
+    Pubrec,
+    Pubrel,
+    Suback,
+    Subscribe,
+    SubscriptionOptions,
+)
 from protocols.mqtt.listener import start
 from tests.redis_proxy import CuttingProxy
 from tests.test_engine import second_node, to_queue, wait_for  # noqa: F401
@@ -542,3 +553,47 @@ async def test_an_exclusive_flow_released_again_while_it_binds_again_still_fetch
     await broker.publish(to_queue("ex", b"after"))
     await wait_for(lambda: got.count(b"after") == 1, timeout=5)
     assert b"during" in got
+
+
+async def test_a_qos2_publish_resent_after_its_spool_answer_was_lost_is_delivered_once(
+    proxy: CuttingProxy, node: Broker
+) -> None:
+    """The spool ran in Redis and its answer was lost with the connection (a network blip,
+    a failover): no PUBREC, so the client resends on its resumed session (DUP). The packet
+    id was recorded in a second call after the spool's answer, so the resend was stored
+    again and the subscriber got the message twice (MQTT-4.3.3). The spool records it in
+    the same step now; and what the lost call stored reaches its subscriber (no answer
+    woke its flow). (Found by two reviews.)"""
+    mqtt = await start(node, settings())
+    assert mqtt is not None
+    keep = Properties(session_expiry_interval=300)
+    try:
+        sub, _ = await Raw.connected(mqtt.port, 5, client_id="eo-sub", properties=keep)
+        await sub.send(Subscribe(1, [("eo/#", SubscriptionOptions(qos=2))]))
+        assert await sub.recv() == Suback(1, [2])
+        pub, _ = await Raw.connected(mqtt.port, 5, client_id="eo-pub", properties=keep)
+        proxy.cut_on = [b"gw_spool", b"exactly once"]
+        await pub.send(Publish("eo/t", b"exactly once", qos=2, packet_id=7))
+        assert not any(isinstance(p, Pubrec) for p in await pub.closed(timeout=5))
+        assert proxy.ran == 1
+        pub, ack = await Raw.connected(mqtt.port, 5, client_id="eo-pub", clean_start=False,
+                                       properties=keep)  # fmt: skip
+        assert ack.session_present
+        await pub.send(Publish("eo/t", b"exactly once", qos=2, packet_id=7, dup=True))
+        assert await pub.recv() == Pubrec(7)
+        await pub.send(Pubrel(7))
+        assert await pub.recv() == Pubcomp(7)
+        got = []
+        with contextlib.suppress(TimeoutError):
+            while True:
+                p = await sub.recv(timeout=1.5)
+                if isinstance(p, Publish):
+                    got.append(p.payload)
+                    await sub.send(Pubrec(p.packet_id))
+                elif isinstance(p, Pubrel):
+                    await sub.send(Pubcomp(p.packet_id))
+        assert got == [b"exactly once"]
+        pub.close()
+        sub.close()
+    finally:
+        await mqtt.close()

@@ -89,3 +89,33 @@ async def test_short_form_fans_out_to_several_queues(client: aioredis.Redis) -> 
     assert await entries(client, "a") == [{b"m": BLOB}, {b"m": BLOB + b"x"}]
     assert await entries(client, "b") == [{b"m": BLOB}, {b"m": BLOB + b"x"}]
     assert await entries(client, "c") == [{b"m": BLOB}, {b"m": BLOB + b"x"}]
+
+
+async def test_a_marked_message_is_stored_once_however_often_it_comes(
+    client: aioredis.Redis,
+) -> None:
+    """gw_spool_marked records a marked message's member in its set in the step that
+    stores it; a message whose member is there is answered OK and not stored again, while
+    unmarked ones of the same call are stored as gw_spool stores them."""
+    await declare(client, QueueConfig(name="q"))
+    body = [*short(1, 0, BLOB), *full(1, 0, BLOB + b"m"), *short(1, 0, BLOB + b"u")]
+    call = ["gw_spool_marked", 1, "seen", "2 7", "n1", 1, "q", *body]
+    assert await client.fcall(*call) == [0, 0, 0]
+    assert await client.smembers("seen") == {b"7"}
+    assert await client.fcall(*call) == [0, 0, 0]  # resent: its marked message is known
+    stored = [e[b"m"] for e in await entries(client, "q")]
+    assert stored == [BLOB, BLOB + b"m", BLOB + b"u", BLOB, BLOB + b"u"]
+    assert await client.hget(keys.queue_stats("q"), "msgs") == b"5"
+    refused = [
+        "gw_spool_marked",
+        1,
+        "seen",
+        "1 8",
+        "n1",
+        1,
+        "nosuch",
+        short_head([1], True, 1, 0, 4),
+        BLOB,
+    ]
+    assert await client.fcall(*refused) == [2]  # NOT_FOUND: not recorded, a resend may go
+    assert await client.smembers("seen") == {b"7"}

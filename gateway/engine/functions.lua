@@ -1383,7 +1383,9 @@ local function spool_plainly(q, sq, size, blob)
   return true
 end
 
-redis.register_function('gw_spool', function(_, a)
+-- `marks` (gw_spool_marked): by a message's place in the call, the set and member that
+-- say it was stored before (an MQTT QoS 2 publish: its client's received ids).
+local function spool(a, marks)
   local nq = tonumber(a[2])
   local retry = nq < 0
   if retry then nq = -nq end
@@ -1424,7 +1426,8 @@ redis.register_function('gw_spool', function(_, a)
       k, one, direct, size, lo, priority = unpack_head('>I4I4BI4I4B', head, 2)
       sq = sq or spool_quotas()
     end
-    if one and spool_plainly(target(named[one]), sq, size, a[pos + 1]) then
+    local mark = marks and marks[nout + 1]
+    if one and not mark and spool_plainly(target(named[one]), sq, size, a[pos + 1]) then
       pos = pos + 2
       nout = nout + 1
       out[nout] = OK
@@ -1459,6 +1462,9 @@ redis.register_function('gw_spool', function(_, a)
       local bytes = #blob
       local code, shut = OK, false
       nt = 0
+      -- a resend of a message stored before: stored once (its queues count as none)
+      local resent = mark and redis.call('SISMEMBER', mark[1], mark[2]) == 1
+      if resent then k = 0 end
       for j = 1, k do
         local q = target(names[j])
         if q.hidden then q = NAMED_HIDDEN end  -- a partition or level named by a message
@@ -1530,6 +1536,11 @@ redis.register_function('gw_spool', function(_, a)
           end
         end
       end
+      if resent then
+        code = OK
+      elseif mark and (code == OK or code == NO_SUBSCRIBERS) then
+        redis.call('SADD', mark[1], mark[2])
+      end
       nout = nout + 1
       out[nout] = code
     end
@@ -1551,6 +1562,22 @@ redis.register_function('gw_spool', function(_, a)
     end
   end
   return out
+end
+
+redis.register_function('gw_spool', function(_, a) return spool(a) end)
+
+-- KEYS: a set per marked message. ARGV: the marked messages' places in the call, each
+-- with its member ("1 17 4 230": message 1, member 17; message 4, member 230), then
+-- gw_spool's arguments. A marked message is recorded in its set in the same step as it is
+-- stored, and one already recorded is not stored again: a publisher's resend after a lost
+-- answer is no duplicate.
+redis.register_function('gw_spool_marked', function(k, a)
+  local marks, i = {}, 0
+  for place, member in string.gmatch(table.remove(a, 1), '(%d+) (%S+)') do
+    i = i + 1
+    marks[tonumber(place)] = { k[i], member }
+  end
+  return spool(a, marks)
 end)
 
 -- ARGV: queue, flow, count, fence. Returns {'ok', dead-lettered, then per entry: id,

@@ -58,8 +58,8 @@ _OUTCOMES = tuple(Outcome)  # by code: indexing costs a tenth of Outcome(code)
 
 
 # One message waiting for the next batch: the arguments of `Spooler.submit`, then its future
-# (None when it has a callback) and its callback (None when it has a future). A plain tuple:
-# a dataclass instance per message costs measurably more on the publish path.
+# (None when it has a callback), its callback (None when it has a future) and its mark. A
+# plain tuple: a dataclass instance per message costs measurably more on the publish path.
 _Pending = tuple[
     Collection[str],
     "Mapping[str, str] | None",
@@ -72,9 +72,10 @@ _Pending = tuple[
     bytes,
     "asyncio.Future | None",
     "Done | None",
+    "tuple[str, str] | None",
 ]
 Done = Callable[["Outcome | BaseException"], None]
-_BLOB, _FUTURE, _DONE = 8, 9, 10
+_BLOB, _FUTURE, _DONE, _MARK = 8, 9, 10, 11
 
 
 class Pacing(Protocol):
@@ -110,6 +111,7 @@ class Spooler:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.flow_controlled = 0
         self.redis_full = False  # the last batch was refused: Redis is over its maxmemory
+        self._marked = 0  # marked messages pending or held: batches look for them
 
     def submit(
         self,
@@ -123,6 +125,7 @@ class Spooler:
         not_before: int | None,
         blob: bytes,
         done: Done | None = None,
+        mark: tuple[str, str] | None = None,
     ) -> asyncio.Future[Outcome] | None:
         """Queue one message for the next batch; the future carries its Outcome, or, when
         `done` is given, no future is made and `done(outcome)` (or `done(exception)` when
@@ -131,14 +134,19 @@ class Spooler:
         (epoch ms) is when it may no longer be delivered; `props` carries the properties
         last value and sorted queues key on (Router.spool_properties); `priority` (0-9)
         picks the level of a priority queue; `not_before` (epoch ms) holds it invisible
-        until then."""
+        until then; `mark` (a set's key, a member) is recorded in the same step as the
+        message is stored, and a message whose mark is recorded already is not stored
+        again (an MQTT QoS 2 publish resent after its answer was lost)."""
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
         fut: asyncio.Future[Outcome] | None = None if done is not None else loop.create_future()
         self._pending.append(
-            (queues, routed_by, size, key, expires, props, priority, not_before, blob, fut, done)
-        )
+            (queues, routed_by, size, key, expires, props, priority, not_before, blob, fut, done,
+             mark)
+        )  # fmt: skip
+        if mark is not None:
+            self._marked += 1
         if self._task is None:
             self._task = loop.create_task(self._run())
         return fut
@@ -167,8 +175,7 @@ class Spooler:
                 await self._calls.send(
                     lambda reply, batch=batch: self._answered(batch, reply),
                     "FCALL",
-                    "gw_spool",
-                    *self._arguments(batch, retry=retried > 0),
+                    *self._call(batch, retry=retried > 0),
                     in_place=long_bytes >= IN_PLACE_BATCH_BYTES,
                 )
         finally:
@@ -216,6 +223,19 @@ class Spooler:
                 return i + 1, long_bytes
         return len(self._pending), long_bytes
 
+    def _call(self, batch: list[_Pending], retry: bool) -> list[object]:
+        """The function for the batch and its arguments: gw_spool_marked when a message
+        of it has a mark (its set a key, its place and member an argument before the rest)."""
+        args = self._arguments(batch, retry)
+        if not self._marked:
+            return ["gw_spool", *args]
+        marks = [(place, p[_MARK]) for place, p in enumerate(batch, 1) if p[_MARK] is not None]
+        if not marks:
+            return ["gw_spool", *args]
+        self._marked -= len(marks)
+        places = " ".join(f"{place} {member}" for place, (_, member) in marks)
+        return ["gw_spool_marked", len(marks), *(key for _, (key, _) in marks), places, *args[1:]]
+
     def _arguments(self, batch: list[_Pending], retry: bool) -> list[object]:
         """gw_spool's arguments for the batch (numkeys first); a retry batch, which starts
         with held messages, says so with a negative queue count."""
@@ -226,7 +246,7 @@ class Spooler:
         names: list[str] = []
         body: list[object] = []
         append, extend = body.append, body.extend
-        for queues, routed_by, size, key, expires, props, priority, not_before, blob, _, _ in batch:
+        for queues, routed_by, size, key, expires, props, priority, not_before, blob, *_ in batch:
             direct = routed_by is None
             if direct:
                 index = named
@@ -273,6 +293,8 @@ class Spooler:
             self.refused["redis_error"] = self.refused.get("redis_error", 0) + len(batch)
             for p in batch:
                 _resolve(p, reply)
+            if self._on_spooled is not None:  # it may have run, its answer lost: what it
+                self._on_spooled({q for p in batch for q in p[0]})  # stored is delivered
             return
         self.batches += 1
         if self.redis_full:
@@ -303,6 +325,8 @@ class Spooler:
             outcome = _OUTCOMES[code]
             if outcome is Outcome.FLOW_CONTROLLED:
                 held.append(p)  # the publisher's ack waits until the queue drains
+                if p[_MARK] is not None:
+                    self._marked += 1
                 continue
             if outcome is Outcome.OK:
                 stored.update(p[0])

@@ -650,6 +650,7 @@ class Session:
             self.broker.publish_nowait(msg, self._spooled)
             return
         state.qos2_in.add(pid)
+        msg.exactly_once = (self.client_id, pid)
         self._unresolved += 1
         ack = _Ack(self, 2, pid, ReasonCode.SUCCESS, None)
         self._acks.append(ack)
@@ -659,14 +660,15 @@ class Session:
         fut.add_done_callback(lambda _: self._storing.pop(pid, None))
 
     async def _mark_received(self, spooled: asyncio.Future[Outcome], pid: int) -> Outcome:
-        """QoS 2: record the id in Redis once the message is stored, before the PUBREC, so a
-        resend after a reconnect (on any node, after a restart) is not stored again. A crash
-        between the two stores a resend twice: never lost, at worst duplicated."""
+        """QoS 2: the id is recorded in Redis before the PUBREC, so a resend after a
+        reconnect (on any node, after a restart) is not stored again: by the spool, in the
+        same step as the message (`exactly_once`: an answer lost on the way, or Redis
+        restarted, stored a resend twice), here for a message no queue took."""
         try:
             outcome = await spooled
         finally:
             self._spooled()
-        if outcome.accepted:
+        if outcome is Outcome.NO_SUBSCRIBERS:
             await self.broker.clients.mark_received(self.client_id, pid)
         return outcome
 
