@@ -110,6 +110,7 @@ class Outbound(Endpoint):
         self.max_message_size = 0  # the client's, from its attach (0: no limit)
         self.durable: str | None = None  # durable subscription queue, deleted on link close
         self.shared = False  # a shared subscription's: deleted once no other link consumes
+        self.sole_consumer = False  # its queue is its own topic subscription's, named to no one
         # C delivery -> (stream entry id, its tag) (cffi pointers hash by address; proton
         # reuses a delivery's memory only once it is settled, and then it has left this dict)
         self.unsettled: dict[Any, tuple[str, _Tag]] = {}
@@ -216,6 +217,7 @@ class Outbound(Endpoint):
             subscriptions=[(address.name, "smf")],
             selector=selector.text if selector else "",
         )
+        self.sole_consumer = True
         return self.temporary, False, address.name
 
     async def _existing_subscription(self) -> tuple[str, bool, str | None] | None:
@@ -349,11 +351,11 @@ class Outbound(Endpoint):
             flow.reject(delivery.entry_id)
             return
         limit = self.max_message_size
-        if limit and len(body) > limit:
-            log.warning(
-                "message %s exceeds the client's max-message-size; rejected", delivery.entry_id
-            )
-            flow.reject(delivery.entry_id)
+        if limit and len(body) > limit:  # never sent (§2.7.3): as if undeliverable here
+            log.info("message %s exceeds the client's max-message-size", delivery.entry_id)
+            self._undeliverable_here(delivery.entry_id, False)
+            if flow.credit is not None:
+                flow.set_credit(flow.credit + 1)  # the client's credit was not spent
             return
         impl = self.link._impl  # cffi calls: proton's wrappers cost more than the send
         tag = self._free_tags.pop() if self._free_tags else self._new_tag()
@@ -479,13 +481,15 @@ class Outbound(Endpoint):
         pn_delivery_settle(dlv)
 
     def _undeliverable_here(self, entry_id: str, failed: bool) -> None:
-        """Not to this link again (§3.4.5): another consumer gets it. But no other one may
-        take an exclusive queue's messages, or a partition's, while this link holds it:
-        kept back, it waited while its successors overtook it. It is rejected then (to the
-        DMQ, if eligible), as RabbitMQ answers undeliverable-here on every queue."""
+        """Not to this link again (§3.4.5): another consumer gets it (this link's fetches
+        look past it meanwhile). But no other one may take an exclusive queue's messages,
+        or a partition's, while this link holds it, nor those of a non-durable unshared
+        topic subscription's queue: kept back, it waited while its successors overtook it
+        (or piled up). It is rejected then (to the DMQ, if eligible), as RabbitMQ answers
+        undeliverable-here on every queue."""
         flow = self.flow
         assert flow is not None
-        if flow.exclusive or flow.partitioned:
+        if flow.exclusive or flow.partitioned or self.sole_consumer:
             flow.reject(entry_id)
         else:
             flow.avoid(entry_id, failed)
