@@ -30,6 +30,7 @@ from tests.amqp_raw import (
     performative,
 )
 from tests.redis_proxy import CuttingProxy
+from tests.test_engine import wait_for
 from tests.test_redis_outages import node, proxy  # noqa: F401
 
 UNSETTLED, SETTLED = 0, 1  # snd-settle-mode
@@ -74,6 +75,34 @@ async def test_a_sending_clients_settle_mode_is_echoed(
     peer.attach("s", 0, SENDER, "in", snd_mode=mode)
     answer = await peer.expect(ATTACH)
     assert answer.fields[6] is not None and int(answer.fields[3]) == mode
+    peer.close()
+
+
+async def test_a_sending_clients_rcv_settle_mode_second_is_echoed_and_kept(
+    broker: Broker, amqp: Listener
+) -> None:
+    """Found by a review: a sender's rcv-settle-mode second was answered with first, and
+    go-amqp refuses such a link. It is echoed now, and kept (§2.6.12): the gateway's
+    outcome comes unsettled once the message is spooled, and the gateway settles the
+    delivery only after the client has (it settled it with the outcome)."""
+    await broker.queues.create(QueueConfig(name="in"))
+    peer = await Peer.opened(amqp.port)
+    peer.attach("s", 0, SENDER, "in", snd_mode=UNSETTLED, rcv_mode=SECOND)
+    answer = await peer.expect(ATTACH)
+    assert answer.fields[6] is not None and int(answer.fields[4]) == SECOND
+    await peer.expect(FLOW)
+    peer.transfer(0, 0, performative(0x77, "m"))  # an amqp-value body
+    outcome = await peer.expect(DISPOSITION)  # once the message is spooled
+    assert not outcome.fields[3] and outcome.outcome() == (ACCEPTED, None)  # unsettled
+    assert (await broker.queues.info("in")).messages == 1
+    assert not [f for f in await peer.frames_for(0.3) if f.code == DISPOSITION]
+    ((endpoint,),) = [list(c.endpoints.values()) for c in amqp.registry.connections]
+    assert endpoint.link.unsettled == 1, "settled before the client"
+    accepted = Described(ulong(ACCEPTED), [])
+    peer.send(frame(performative(DISPOSITION, SENDER, uint(0), None, True, accepted)))
+    # then the gateway settles it too (no frame: the client has forgotten it, §2.6.12)
+    await wait_for(lambda: endpoint.link.unsettled == 0)
+    assert (await broker.queues.info("in")).messages == 1  # stored once
     peer.close()
 
 

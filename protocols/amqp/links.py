@@ -203,6 +203,10 @@ class Inbound(Endpoint):
         self.deleted = ""  # why the link ends, once its queue was deleted
         self._buffer: Any = ffi.NULL  # see _receive_buffer
         self._buffer_size = 0
+        # rcv-settle-mode second (§2.6.12): outcomes go unsettled, and each delivery is
+        # settled once the client settles it; the C deliveries answered until then
+        self.second = False
+        self._answered: set[Any] = set()
 
     async def attach(self) -> None:
         link, broker = self.link, self.host.broker
@@ -237,6 +241,8 @@ class Inbound(Endpoint):
             link.target.address = self.temporary
         link.max_message_size = MAX_MESSAGE_SIZE
         link.snd_settle_mode = link.remote_snd_settle_mode  # the client's, echoed (§2.7.3)
+        link.rcv_settle_mode = link.remote_rcv_settle_mode
+        self.second = link.remote_rcv_settle_mode == Link.RCV_SECOND
         link.open()
         self.attached = True
         self._top_up()
@@ -246,6 +252,11 @@ class Inbound(Endpoint):
         """DELIVERY event on the C delivery `dlv` (read with cffi calls: proton's Delivery
         wrapper cost more than the rest of a publish): act once the delivery is complete (it
         may span many frames)."""
+        if self._answered and dlv in self._answered:  # mode second: settled after the client
+            if pn_delivery_settled(dlv):
+                self._answered.discard(dlv)
+                pn_delivery_settle(dlv)
+            return
         if pn_delivery_aborted(dlv):
             pn_delivery_settle(dlv)
             self._top_up()
@@ -275,6 +286,10 @@ class Inbound(Endpoint):
 
     def discard(self, dlv: Any) -> None:
         """Refused with the error the link was closed with: not stored (see Endpoint)."""
+        if dlv in self._answered:  # its outcome stands
+            self._answered.discard(dlv)
+            pn_delivery_settle(dlv)
+            return
         condition = self.link.condition
         if condition is None:
             condition = Condition("amqp:illegal-state", "the link is closed")
@@ -344,7 +359,7 @@ class Inbound(Endpoint):
                 self._settle(dlv, Disposition.RELEASED)
             elif outcome.accepted:
                 pn_delivery_update(dlv, PN_ACCEPTED)
-                pn_delivery_settle(dlv)
+                self._settled(dlv)
             else:
                 self._settle(dlv, Disposition.REJECTED, REFUSALS[outcome], outcome.name)
         if self.deleted and not self.inflight:
@@ -361,8 +376,7 @@ class Inbound(Endpoint):
             if not self.inflight:
                 self.fail(RESOURCE_DELETED, self.deleted)
 
-    @staticmethod
-    def _settle(dlv: Any, state: int, condition: str = "", text: str = "") -> None:
+    def _settle(self, dlv: Any, state: int, condition: str = "", text: str = "") -> None:
         """Settle the C delivery `dlv` with `state` (a refusal's condition goes through
         proton's wrapper: rare, and it owns the condition's encoding)."""
         if condition:
@@ -371,7 +385,15 @@ class Inbound(Endpoint):
             wrapper.update(state)
         else:
             pn_delivery_update(dlv, state)
-        pn_delivery_settle(dlv)
+        self._settled(dlv)
+
+    def _settled(self, dlv: Any) -> None:
+        """Settle `dlv`, whose outcome is set: at once, or in rcv-settle-mode second once
+        the client has settled it (on_delivery), which may already be the case."""
+        if self.second and not pn_delivery_settled(dlv):
+            self._answered.add(dlv)
+        else:
+            pn_delivery_settle(dlv)
 
     def _top_up(self) -> None:
         """Keep the client's credit near CREDIT minus the publishes still in flight."""
