@@ -12,14 +12,29 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 import pytest
-from proton import Described, Message, symbol, ulong
+from proton import Described, Message, symbol, ubyte, uint, ulong
+from proton import Message as AmqpMessage
 from proton.reactor import Copy, DurableSubscription, LinkOption
 from proton.utils import BlockingConnection, LinkDetached
 
 from gateway.broker import ANONYMOUS, Broker, QueueConfig, QueueError
 from gateway.config import Settings, User
+from gateway.model import Message as GatewayMessage
 from protocols.listening import Listener
 from protocols.mqtt.listener import queue_name
+from tests.amqp_raw import (
+    ATTACH,
+    DETACH,
+    END,
+    RECEIVER,
+    SOURCE,
+    TARGET,
+    TRANSFER,
+    Peer,
+    flow,
+    frame,
+    performative,
+)
 from tests.test_mqtt_paho import V5, V311, Client
 
 TIMEOUT = 5.0
@@ -124,6 +139,89 @@ async def test_dynamic_node_lifetime_policies(broker: Broker, amqp: Listener) ->
     }
     assert after_connection == dict.fromkeys(after_link, False)  # ... until the connection ends
     assert kept.startswith("#tmp/")
+
+
+async def dynamic_receiver(peer: Peer, name: str) -> str:
+    """Attach link `name` (handle 0) with a dynamic source, delete-on-close by default;
+    the address of its node."""
+    source = Described(ulong(SOURCE), [None, None, None, None, True])  # dynamic
+    target = Described(ulong(TARGET), [None])
+    modes = ubyte(0), ubyte(0)
+    peer.send(frame(performative(ATTACH, name, uint(0), RECEIVER, *modes, source, target)))
+    return str((await peer.expect(ATTACH)).fields[5].value[0])
+
+
+async def detach(peer: Peer, closed: bool) -> None:
+    peer.send(frame(performative(DETACH, uint(0), closed)))
+    await peer.expect(DETACH)
+    await asyncio.sleep(0.3)  # the link's broker state is released after its detach
+
+
+async def gone(broker: Broker, name: str) -> bool:
+    for _ in range(100):
+        if not await broker.queues.exists(name):
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+async def test_a_delete_on_close_node_outlives_a_detach_without_close(
+    broker: Broker, amqp: Listener
+) -> None:
+    """Found by a review: a detach with closed=false deleted a delete-on-close node, and
+    the messages it held, though the link may be resumed (§3.5.10: the node goes when the
+    link ceases to exist). The link's resumption takes it on, and its close deletes it."""
+    peer = await Peer.opened(amqp.port)
+    node = await dynamic_receiver(peer, "replies")
+    await detach(peer, closed=False)
+    assert await broker.queues.exists(node), "deleted by a detach without close"
+    await broker.publish(GatewayMessage(node, b"reply", to_queue=True))
+    peer.attach("replies", 0, RECEIVER, node)  # resumed
+    assert (await peer.expect(ATTACH)).fields[5] is not None, "refused"
+    peer.send(flow(0, 1))
+    message = AmqpMessage()
+    message.decode((await peer.expect(TRANSFER)).payload)
+    assert message.body == b"reply"
+    await detach(peer, closed=True)
+    assert await gone(broker, node), "kept after the resumed link was closed"
+    peer.close()
+
+
+@pytest.mark.parametrize("end", ["session", "connection"])
+async def test_a_suspended_links_delete_on_close_node_goes_with_its_session(
+    broker: Broker, amqp: Listener, end: str
+) -> None:
+    """A link detached without close ceases to exist when its session or connection ends,
+    and its delete-on-close node with it."""
+    peer = await Peer.opened(amqp.port)
+    node = await dynamic_receiver(peer, "replies")
+    await detach(peer, closed=False)
+    assert await broker.queues.exists(node)
+    if end == "session":
+        peer.send(frame(performative(END)))
+        await peer.expect(END)
+    else:
+        peer.close()
+    assert await gone(broker, node), f"kept after its {end} ended"
+    peer.close()
+
+
+async def test_a_topic_subscribers_queue_goes_with_a_detach_without_close(
+    broker: Broker, amqp: Listener
+) -> None:
+    """No attach can resume a non-durable topic subscription's queue (it is named to no
+    one): it goes with the link's detach, closed or not, not with its session."""
+
+    async def temporary() -> list[str]:
+        return [n for n in await broker.queues.names() if n.startswith("#tmp/")]
+
+    peer = await Peer.opened(amqp.port)
+    peer.attach("sub", 0, RECEIVER, "topic://news")
+    await peer.expect(ATTACH)
+    assert len(await temporary()) == 1
+    await detach(peer, closed=False)
+    assert await temporary() == []
+    peer.close()
 
 
 async def test_admin_exclusive_queue_refuses_other_connections(

@@ -364,7 +364,7 @@ class AmqpConnection(asyncio.Protocol):
         elif kind == Event.LINK_REMOTE_CLOSE:
             self._detach(event.link, ended=True)
         elif kind == Event.LINK_REMOTE_DETACH:
-            self._detach(event.link)
+            self._detach(event.link, suspended=True)
         elif kind == Event.SESSION_REMOTE_OPEN:
             if self.conn.state & Endpoint.REMOTE_UNINIT:  # §2.4.1: the open comes first
                 self._close_with("amqp:not-allowed", "a begin before the connection's open")
@@ -375,6 +375,7 @@ class AmqpConnection(asyncio.Protocol):
             for endpoint in list(self.endpoints.values()):
                 if endpoint.link.session == session:
                     self._detach(endpoint.link)
+            self.spawn(self.nodes.end_session(session))
             session.close()
         elif kind == Event.CONNECTION_REMOTE_OPEN:
             self.publisher.client_id = self.conn.remote_container or ""
@@ -451,16 +452,19 @@ class AmqpConnection(asyncio.Protocol):
         if not endpoint.live:
             await endpoint.close()
 
-    def _detach(self, link: Link, ended: bool = False) -> None:
-        """The client detached the link (`ended`: closed it, so its durable state goes too);
-        session and connection ends only detach. Answered in kind, then the link is freed at
-        once: proton would hand a detached (not closed) link object to a re-attach of the
-        same name, and churn would leak."""
+    def _detach(self, link: Link, ended: bool = False, suspended: bool = False) -> None:
+        """The client detached the link (`ended`: closed it, so its durable state goes too;
+        `suspended`: detached only it, to resume it maybe); session and connection ends only
+        detach. Answered in kind, then the link is freed at once: proton would hand a
+        detached (not closed) link object to a re-attach of the same name, and churn would
+        leak."""
         endpoint = self.endpoints.pop(link._impl, None)
         if endpoint is None:
             return  # released already: its session or connection ended first
         endpoint.closed = True  # from now on nothing may be sent on it
         endpoint.detached()
+        if suspended:
+            endpoint.suspend()
         name = link.name
         if not link.state & Endpoint.LOCAL_CLOSED:
             if ended:

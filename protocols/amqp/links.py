@@ -134,6 +134,7 @@ class Endpoint:
         self.closed = False
         self.temporary: str | None = None  # queue created for this link
         self.lifetime = Lifetime.LINK  # of `temporary`: deleted with the link, or later
+        self.dynamic = False  # `temporary` is a dynamic node (not a topic subscription's)
 
     @property
     def live(self) -> bool:
@@ -176,6 +177,20 @@ class Endpoint:
             self.link.close()
             self.host.wake()
 
+    def suspend(self) -> None:
+        """The client detached the link without closing it (it may resume it, §2.6.3): its
+        delete-on-close node waits for that, or for the end of its session or connection
+        (§3.5.10: the node goes once the link ceases to exist)."""
+        if self.temporary is not None and self.dynamic and self.lifetime is Lifetime.LINK:
+            self.host.nodes.suspend(self.temporary, self.link.name, self.link.session)
+            self.temporary = None
+
+    def resume(self, address: str) -> None:
+        """An attach to `address`: if it resumes the suspended link that made the node at
+        that address, the node is this link's again."""
+        if self.host.nodes.resume(address, self.link.name):
+            self.temporary, self.lifetime, self.dynamic = address, Lifetime.LINK, True
+
     async def close(self, ended: bool = False) -> None:
         """Release what the link holds in the broker (the proton link is closed by the caller).
         `ended`: the client closed the link rather than detached it (durable state goes)."""
@@ -215,7 +230,7 @@ class Inbound(Endpoint):
             self.refuse(NOT_IMPLEMENTED, "transactions are not supported")
             return
         if remote.dynamic:
-            self.lifetime = lifetime(remote)
+            self.lifetime, self.dynamic = lifetime(remote), True
             self.temporary = await self.host.nodes.create(self.lifetime)
             self.address = Address(self.temporary, True)
         else:
@@ -223,6 +238,8 @@ class Inbound(Endpoint):
             if remote.address and self.address is None:
                 self.refuse(NOT_FOUND, f"invalid address {remote.address!r}")
                 return
+            if self.address is not None and self.address.is_queue:
+                self.resume(self.address.name)
         queue = self.address.name if self.address and self.address.is_queue else None
         if self.address and queue is None and not self.host.topics.may_publish(self.address.name):
             self.refuse(UNAUTHORIZED, f"may not publish to topic {self.address.name!r}")

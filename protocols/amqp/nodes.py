@@ -7,7 +7,7 @@ Its ``lifetime-policy`` (dynamic-node-properties) is mapped to what the queue en
 
 | lifetime-policy | here |
 |---|---|
-| delete-on-close (the default) | deleted when the link that created it goes |
+| delete-on-close (the default) | deleted once its link is closed, or its session ends |
 | delete-on-no-links | auto-delete: deleted when its last consumer goes |
 | delete-on-no-links-or-messages | as delete-on-no-links (emptiness is not watched) |
 | delete-on-no-messages | kept until the connection ends (emptiness is not watched) |
@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable
 from enum import Enum
+from typing import Any
 
 from proton import Described, Terminus, symbol, ulong
 
@@ -73,6 +74,9 @@ class DynamicNodes:
         self.user = user
         self.connection = connection
         self.names: set[str] = set()
+        # delete-on-close nodes of links detached without closing (§3.5.10: the node goes
+        # when the link ceases to exist): node -> (link name, session)
+        self.suspended: dict[str, tuple[str, Any]] = {}
         self.ended = False  # the connection is gone: a node created now goes at once
 
     async def create(
@@ -90,8 +94,27 @@ class DynamicNodes:
             await self.delete(name)
         return name
 
+    def suspend(self, name: str, link: str, session: Any) -> None:
+        """Keep the node of link `link`, detached without closing, for its resumption."""
+        self.suspended[name] = (link, session)
+
+    def resume(self, name: str, link: str) -> bool:
+        """Whether `link` resumes the suspended link that made node `name`: it is then the
+        link's again, deleted when it is closed."""
+        if self.suspended.get(name, ("",))[0] != link:
+            return False
+        del self.suspended[name]
+        return True
+
+    async def end_session(self, session: Any) -> None:
+        """The session ended: the links suspended on it are gone, and so are their nodes."""
+        for name, (_, held) in list(self.suspended.items()):
+            if held == session:
+                await self.delete(name)
+
     async def delete(self, name: str) -> None:
         self.names.discard(name)
+        self.suspended.pop(name, None)
         with contextlib.suppress(QueueError):  # gone already (auto-delete)
             await self.broker.delete_temporary_queue(name, user=self.user)
 

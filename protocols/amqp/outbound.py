@@ -190,7 +190,7 @@ class Outbound(Endpoint):
     ) -> tuple[str, bool, str | None] | None:
         """(queue, browse, topic subscribed) for the client's source; None when refused."""
         if remote.dynamic:
-            self.lifetime = nodes.lifetime(remote)
+            self.lifetime, self.dynamic = nodes.lifetime(remote), True
             self.temporary = await self.host.nodes.create(self.lifetime)
             return self.temporary, False, None
         if not remote.address:
@@ -200,6 +200,7 @@ class Outbound(Endpoint):
             self.refuse(NOT_FOUND, f"invalid source address {remote.address!r}")
             return None
         if address.is_queue:
+            self.resume(address.name)
             return address.name, remote.distribution_mode == Terminus.DIST_MODE_COPY, None
         if not self.host.topics.may_subscribe(address.name):
             self.refuse(UNAUTHORIZED, f"may not subscribe to topic {address.name!r}")
