@@ -117,6 +117,7 @@ from gateway.engine.queues import (
     QueueInfo,
     QueueStore,
     temporary_queue_name,
+    validate_queue_name,
 )
 from gateway.engine.roll_call import RollCall
 from gateway.engine.spool import Done, Spooler
@@ -642,6 +643,11 @@ class Broker:
             owner = (await self.queues.config(queue)).owner
             if user != owner or "owner" in changes:
                 raise QueueError("unauthorized", f"user {user!r} may not change queue {queue!r}")
+            if "dead_message_queue" in changes:  # as when it declares one (QueueConfig)
+                try:
+                    validate_queue_name(changes["dead_message_queue"])
+                except QueueError as exc:
+                    raise QueueError("invalid", f"dead_message_queue: {exc}") from None
         await self.queues.changed(queue, changes, repartition=True)  # all or nothing
         deleted = 0
         if "partition_count" in changes:

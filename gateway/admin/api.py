@@ -29,7 +29,8 @@ from gateway.admin.http import HttpError, Request, Response
 from gateway.admin.metrics import render_metrics
 from gateway.broker import BindError, Broker
 from gateway.config import AclRule, User
-from gateway.engine.queues import QueueConfig, QueueError
+from gateway.engine.permissions import BROWSE, allowed
+from gateway.engine.queues import QueueConfig, QueueError, subscription_queue
 from gateway.engine.spool_usage import read_usage
 from gateway.model import Delivery, Message, Outcome, Publisher
 from gateway.topics import TopicError, validate_topic
@@ -167,13 +168,16 @@ class AdminApi:
             return Response.json((await read_usage(self.broker.redis)).to_json())
         if rest == ["queues"]:
             if m == "GET":
-                return Response.json(await self._list_queues())
+                return Response.json(await self._list_queues(user))
             if m == "POST":
                 return await self._create_queue(_object(req), user)
         if len(rest) == 2 and rest[0] == "queues":
             name = rest[1]
             if m == "GET":
-                return Response.json((await self.broker.queues.info(name)).to_json())
+                info = await self.broker.queues.info(name)
+                if not _visible(info.config, user):
+                    raise HttpError(404, f"no queue {name!r}")
+                return Response.json(info.to_json())
             if m == "PATCH":
                 return await self._update_queue(name, _object(req), user)
             if m == "DELETE":
@@ -200,13 +204,15 @@ class AdminApi:
             return await self._publish(_object(req), req, user)
         raise not_routed(p, m)
 
-    async def _list_queues(self) -> list[dict[str, Any]]:
+    async def _list_queues(self, user: str | None) -> list[dict[str, Any]]:
         out = []
         for name in await self.broker.queues.names():
             try:
                 info = await self.broker.queues.info(name)
             except QueueError:
                 continue  # deleted meanwhile
+            if not _visible(info.config, user):
+                continue
             out.append(
                 {
                     "name": name,
@@ -254,6 +260,8 @@ class AdminApi:
         msg = _message(body)
         if not msg.to_queue and not self._topics(user).may_publish(msg.destination):
             raise HttpError(403, f"may not publish to topic {msg.destination!r}")
+        if msg.to_queue and user is not None and subscription_queue(msg.destination):
+            raise HttpError(403, f"{msg.destination!r} is filled by its subscriptions alone")
         msg.publisher.user = user
         # Solace REST messaging headers: user properties, JMSXGroupID as the partition key
         for name in req.headers:
@@ -284,6 +292,8 @@ class AdminApi:
             raise HttpError(400, "ackmode must be ack, requeue or reject")
         if browse and mode != "ack":
             raise HttpError(400, "a browse takes nothing: ackmode does not apply")
+        if user is not None and subscription_queue(name):  # its adapter applies the ACL
+            raise HttpError(403, f"{name!r} is read by its subscriber alone")
         got: list[Delivery] = []
         enough = asyncio.Event()
 
@@ -311,6 +321,12 @@ class AdminApi:
         finally:
             await flow.close()
         return Response.json([_delivery_json(d) for d in got])
+
+
+def _visible(config: QueueConfig, user: str | None) -> bool:
+    """A user sees the queues it may browse at least (a private one's name tells its owner's
+    client id, subscriptions and selector); an admin sees every queue."""
+    return allowed(config.owner, config.permission, user, BROWSE)
 
 
 def _object(req: Request) -> dict[str, Any]:

@@ -28,6 +28,20 @@ MAX_CONFIG_INT = 2**53 - 1  # the Redis functions count in doubles, exact up to 
 DEAD_MESSAGE_QUEUE = "#DEAD_MSG_QUEUE"
 TEMPORARY_PREFIX = "#tmp/"
 RESERVED_PREFIXES = ("#", "amq.")
+# Queues an adapter keeps for its clients' topic subscriptions: an MQTT session's, an MQTT
+# shared group's, an AMQP durable or shared non-durable subscription's. Only their
+# subscriptions fill them and only their adapter reads them, holding each reader to the
+# topic ACL: no client names them (an AMQP address, the admin API's calls of a user).
+MQTT_SESSION_PREFIX = "#mqtt/"
+MQTT_SHARED_PREFIX = "#share/"
+DURABLE_SUBSCRIPTION_PREFIX = "#dts/"
+VOLATILE_SUBSCRIPTION_PREFIX = "#vts/"
+SUBSCRIPTION_PREFIXES = (
+    MQTT_SESSION_PREFIX,
+    MQTT_SHARED_PREFIX,
+    DURABLE_SUBSCRIPTION_PREFIX,
+    VOLATILE_SUBSCRIPTION_PREFIX,
+)
 ACCESS_TYPES = ("exclusive", "non-exclusive")
 GROUP_MODES = ("", "default", "shared")
 OVERFLOW_POLICIES = ("reject", "ring", "flow_control")
@@ -79,6 +93,11 @@ def validate_queue_name(name: str, *, reserved_ok: bool = False) -> None:
             "invalid",
             f"queue name {name!r} uses a reserved prefix ({', '.join(RESERVED_PREFIXES)})",
         )
+
+
+def subscription_queue(name: str) -> bool:
+    """Whether `name` is an adapter's subscription queue (SUBSCRIPTION_PREFIXES)."""
+    return name.startswith(SUBSCRIPTION_PREFIXES)
 
 
 def _config_int(value: object) -> bool:
@@ -227,7 +246,8 @@ class QueueConfig:
         if self.access_type not in ACCESS_TYPES:
             raise QueueError("invalid", f"access_type must be one of {', '.join(ACCESS_TYPES)}")
         try:
-            validate_queue_name(self.dead_message_queue, reserved_ok=True)
+            # a client's queue may not dead-letter into an adapter's or another's private one
+            validate_queue_name(self.dead_message_queue, reserved_ok=reserved_ok)
         except QueueError as exc:
             raise QueueError("invalid", f"dead_message_queue: {exc}") from None
         if self.partition_count and self.access_type != "non-exclusive":

@@ -34,6 +34,7 @@ from proton import Condition, Delivery, Disposition, Link, Terminus
 
 from gateway.acl import TopicAccess
 from gateway.broker import Broker, DeletionWatch, Outcome, QueueError
+from gateway.engine.queues import subscription_queue
 from gateway.model import Publisher
 from gateway.topics import TopicError, validate_topic
 from protocols.amqp import mapping, sections
@@ -244,6 +245,9 @@ class Inbound(Endpoint):
         if self.address and queue is None and not self.host.topics.may_publish(self.address.name):
             self.refuse(UNAUTHORIZED, f"may not publish to topic {self.address.name!r}")
             return
+        if queue is not None and subscription_queue(queue):
+            self.refuse(UNAUTHORIZED, f"{queue!r} is filled by its subscriptions alone")
+            return
         if queue is not None:
             try:
                 self.watch = await broker.watch_deletion(queue, partial(self._deleted, queue))
@@ -346,6 +350,10 @@ class Inbound(Endpoint):
                 return False
             if not address.is_queue and not self.host.topics.may_publish(address.name):
                 why = f"may not publish to topic {address.name!r}"
+                self._settle(dlv, Disposition.REJECTED, UNAUTHORIZED, why)
+                return False
+            if address.is_queue and subscription_queue(address.name):
+                why = f"{address.name!r} is filled by its subscriptions alone"
                 self._settle(dlv, Disposition.REJECTED, UNAUTHORIZED, why)
                 return False
         msg = ingress.message

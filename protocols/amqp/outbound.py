@@ -54,6 +54,7 @@ from proton import Link, Terminus
 
 from gateway.acl import TopicAccess
 from gateway.broker import BindError, Flow, QueueConfig, QueueError, QueueInfo
+from gateway.engine.queues import subscription_queue
 from gateway.engine.selection import matches, redelivery_selector
 from gateway.model import Delivery as GatewayDelivery
 from gateway.selectors import Selector
@@ -200,6 +201,9 @@ class Outbound(Endpoint):
             self.refuse(NOT_FOUND, f"invalid source address {remote.address!r}")
             return None
         if address.is_queue:
+            if subscription_queue(address.name):  # its adapter holds readers to the ACL
+                self.refuse(UNAUTHORIZED, f"{address.name!r} is read by its subscriber alone")
+                return None
             self.resume(address.name)
             return address.name, remote.distribution_mode == Terminus.DIST_MODE_COPY, None
         if not self.host.topics.may_subscribe(address.name):

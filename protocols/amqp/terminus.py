@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 from proton import Data, Described, Terminus, symbol, ulong
 
+from gateway.engine.queues import DURABLE_SUBSCRIPTION_PREFIX, VOLATILE_SUBSCRIPTION_PREFIX
+
 SELECTOR_SYMBOL = symbol("apache.org:selector-filter:string")
 SELECTOR_CODE = ulong(0x0000468C00000004)
 REPLAY_SYMBOL = symbol("gateway:replay-period")
-DURABLE_PREFIX = "#dts/"  # reserved: clients cannot create or name such queues themselves
-VOLATILE_PREFIX = "#vts/"  # shared non-durable subscriptions' queues
 SHARED, GLOBAL = "shared", "global"  # source capabilities of JMS 2.0 shared subscriptions
 GLOBAL_SUFFIX = "|global"
 MAX_QUEUE_NAME = 255
@@ -114,10 +114,12 @@ def is_durable(terminus: Terminus) -> bool:
     )
 
 
-def durable_queue_name(container_id: str, link_name: str, prefix: str = DURABLE_PREFIX) -> str:
+def durable_queue_name(
+    container_id: str, link_name: str, prefix: str = DURABLE_SUBSCRIPTION_PREFIX
+) -> str:
     """The queue of a durable subscription: one per container id + link name, reversible
-    (hex) while it fits a queue name, else a digest of both. `prefix`: VOLATILE_PREFIX for
-    a shared non-durable subscription's."""
+    (hex) while it fits a queue name, else a digest of both. `prefix`:
+    VOLATILE_SUBSCRIPTION_PREFIX for a shared non-durable subscription's."""
     name = f"{prefix}{container_id.encode().hex()}/{link_name.encode().hex()}"
     if len(name) <= MAX_QUEUE_NAME:
         return name
@@ -137,7 +139,7 @@ class Subscription:
     shared: bool
 
     def queue(self, durable: bool) -> str:
-        prefix = DURABLE_PREFIX if durable else VOLATILE_PREFIX
+        prefix = DURABLE_SUBSCRIPTION_PREFIX if durable else VOLATILE_SUBSCRIPTION_PREFIX
         return durable_queue_name(self.container_id, self.name, prefix)
 
 

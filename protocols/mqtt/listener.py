@@ -43,6 +43,7 @@ from typing import Any
 from gateway.broker import ANONYMOUS, Broker, QueueConfig, QueueError
 from gateway.config import Settings
 from gateway.engine.parting import Due, pack
+from gateway.engine.queues import MQTT_SESSION_PREFIX, MQTT_SHARED_PREFIX
 from gateway.model import Publisher
 from gateway.topics import MQTT
 from protocols.listening import BackgroundTasks, Listener, Plan
@@ -50,7 +51,6 @@ from protocols.mqtt import mapping
 from protocols.mqtt.connection import MqttConnection
 from protocols.mqtt.session import CONNECT_TIMEOUT, NEVER_EXPIRES, Session
 from protocols.mqtt.state import (
-    SHARED_QUEUE_PREFIX,
     SessionState,
     shared_filter,
     shared_queue_name,
@@ -60,7 +60,6 @@ from protocols.tls import tls_context
 
 log = logging.getLogger(__name__)
 
-QUEUE_PREFIX = "#mqtt/"
 CLOSE_TIMEOUT = 5.0
 # the longest a connection taken over takes to end (its publishes in flight land first)
 HANDOVER_TIMEOUT = CONNECT_TIMEOUT + CLOSE_TIMEOUT
@@ -101,7 +100,7 @@ def queue_name(client_id: str) -> str:
     """Deterministic durable queue name for a client id (hashed when hex would not fit)."""
     raw = client_id.encode()
     tail = raw.hex() if len(raw) <= 120 else "h" + hashlib.sha256(raw).hexdigest()
-    return QUEUE_PREFIX + tail
+    return MQTT_SESSION_PREFIX + tail
 
 
 class Registry:
@@ -402,9 +401,9 @@ class Registry:
         (their node crashed before they left) goes, or is rechecked while flows hold it; a
         session queue goes once its session expired unwatched."""
         for name in await self.broker.queues.names():
-            if name.startswith(SHARED_QUEUE_PREFIX) and name not in self._rechecks:
+            if name.startswith(MQTT_SHARED_PREFIX) and name not in self._rechecks:
                 await self._check_group(name, SHARED_RECHECK_S / 2)
-            elif name.startswith(QUEUE_PREFIX):
+            elif name.startswith(MQTT_SESSION_PREFIX):
                 await self.broker.queues.lapse(name)
 
     async def _end_queue(self, state: SessionState) -> None:

@@ -15,11 +15,11 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.engine.queues import MQTT_SHARED_PREFIX
 from gateway.topics import MQTT, SubscriptionTrie
 from protocols.mqtt.codec import SubscriptionOptions
 
 SHARE_PREFIX = "$share/"
-SHARED_QUEUE_PREFIX = "#share/"
 STATE_VERSION = 1
 
 
@@ -34,10 +34,10 @@ def shared_filter(pattern: str) -> tuple[str, str] | None:
 def shared_queue_name(group: str, topic_filter: str) -> str:
     """The group's queue: hex parts keep queue-name rules; hashed if that would not fit."""
     tail = f"{group.encode().hex()}/{topic_filter.encode().hex()}"
-    if len(SHARED_QUEUE_PREFIX) + len(tail) > 255:
+    if len(MQTT_SHARED_PREFIX) + len(tail) > 255:
         digest = hashlib.sha256(f"{group}\0{topic_filter}".encode()).hexdigest()
         tail = f"{group.encode().hex()[:64]}/h{digest}"
-    return SHARED_QUEUE_PREFIX + tail
+    return MQTT_SHARED_PREFIX + tail
 
 
 @dataclass(slots=True)
