@@ -162,3 +162,24 @@ async def test_an_expiry_past_what_mqtt_5_can_say_is_its_longest(
         assert (got.payload, got.properties.MessageExpiryInterval) == (b"far", 0xFFFF_FFFF)
     finally:
         await asyncio.to_thread(sub.close)
+
+
+@pytest.mark.parametrize("qos", [0, 1, 2])
+async def test_a_message_expiry_interval_of_0_is_no_expiry(mqtt: Listener, qos: int) -> None:
+    """mqtt.js and `mosquitto_pub -D publish message-expiry-interval 0` send it: the message
+    was acked and expired on arrival, given to no subscriber. Mosquitto reads it as none, as
+    the gateway reads an AMQP ttl of 0. (Found by a review.)"""
+
+    def scenario() -> list[tuple[bytes, object]]:
+        sub = Client(mqtt.port, V5, "exp0-sub")
+        pub = Client(mqtt.port, V5, "exp0-pub")
+        try:
+            sub.subscribe("exp0/#", qos)
+            pub.publish("exp0/t", b"zero", qos, publish_props(expiry=0))
+            return [(m.payload, getattr(m.properties, "MessageExpiryInterval", None))
+                    for m in sub.receive(1)]  # fmt: skip
+        finally:
+            sub.close()
+            pub.close()
+
+    assert await asyncio.to_thread(scenario) == [(b"zero", None)]

@@ -92,7 +92,8 @@ def to_message(publish: Publish | Will, publisher: Publisher, level: int) -> Mes
 
 
 def _apply_properties(msg: Message, props: Properties) -> None:
-    if props.message_expiry_interval is not None:
+    if props.message_expiry_interval:  # 0: none, as Mosquitto reads it (and an AMQP ttl 0);
+        # it expired the message on arrival, acked and given to no subscriber
         msg.expiration = now_ms() + props.message_expiry_interval * 1000
     msg.content_type = props.content_type
     if props.response_topic is not None:  # an address: a bare name would be a queue
