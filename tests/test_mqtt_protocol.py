@@ -307,6 +307,36 @@ async def test_outbound_topic_aliases(mqtt: Listener) -> None:
     raw.close()
 
 
+async def test_a_qos_2_delivery_names_its_topic_in_full(mqtt: Listener) -> None:
+    """mqtt.js hands a QoS 2 message on at PUBREL, from the packet it stored before it read
+    the alias: a topic the alias stood for reached its application as "". A QoS 2 PUBLISH
+    names the topic (and sets the alias again); QoS 1 ones still leave it out. (Found by a
+    review.)"""
+    raw, _ = await Raw.connected(
+        mqtt.port, 5, client_id="aliased2", properties=Properties(topic_alias_maximum=2)
+    )
+    await raw.send(Subscribe(1, [("q2a/#", SubscriptionOptions(qos=2))]))
+    await raw.recv()
+    pub, _ = await Raw.connected(mqtt.port, 5, client_id="aliaser2")
+    for qos in (2, 2, 1, 2):
+        await pub.send(Publish("q2a/t", b"%d" % qos, qos=qos, packet_id=1))
+        await pub.recv()  # PUBREC / PUBACK
+        if qos == 2:
+            await pub.send(Pubrel(1))
+            await pub.recv()
+    seen = []
+    while len(seen) < 4:
+        p = await raw.recv()
+        if isinstance(p, Pubrel):
+            await raw.send(Pubcomp(p.packet_id))
+            continue
+        seen.append((p.qos, p.topic, p.properties.topic_alias))
+        await raw.send(Pubrec(p.packet_id) if p.qos == 2 else Puback(p.packet_id))
+    assert seen == [(2, "q2a/t", 1), (2, "q2a/t", 1), (1, "", 1), (2, "q2a/t", 1)]
+    pub.close()
+    raw.close()
+
+
 async def test_slow_reader_is_disconnected(mqtt: Listener) -> None:
     slow = await Raw.open(mqtt.port, 4, rcvbuf=4096)
     await slow.send(Connect(protocol_level=4, client_id="slow"))

@@ -989,6 +989,9 @@ class Session:
                 flow.release(entry_id)
             return
         alias = self._alias_for(msg.destination) if self._out_alias_max else None
+        if alias is not None and qos == 2:  # its topic in full, the alias set again: mqtt.js
+            alias = (alias[0], False)  # hands a QoS 2 message on at PUBREL with the topic
+            # of the stored packet, left out ("") where the alias stood for it
         try:
             data = mapping.encode_delivery(
                 msg,
