@@ -356,9 +356,13 @@ class Outbound(Endpoint):
             flow.reject(delivery.entry_id)
             return
         limit = self.max_message_size
-        if limit and len(body) > limit:  # never sent (§2.7.3): as if undeliverable here
-            log.info("message %s exceeds the client's max-message-size", delivery.entry_id)
-            self._undeliverable_here(delivery.entry_id, False)
+        if limit and len(body) > limit:  # never sent (§2.7.3). Kept for another consumer,
+            # each fetch of this link would look past it again (and a selector's window
+            # fill with them): a single consumer with a small limit slowed all of Redis
+            log.warning(
+                "message %s exceeds the client's max-message-size; rejected", delivery.entry_id
+            )
+            flow.reject(delivery.entry_id)
             if flow.credit is not None:
                 flow.set_credit(flow.credit + 1)  # the client's credit was not spent
             return
