@@ -281,7 +281,6 @@ class Broker:
         its queue, else the created_ms of the queues as the routes that matched its topic
         knew them (Router.created, one object per load): stored only in those queues, not
         in one made again under a name since."""
-        once = msg.exactly_once
         return self.spooler.submit(
             queues,
             routed_by,
@@ -293,7 +292,7 @@ class Broker:
             msg.not_before,
             encode(msg),
             done,
-            None if once is None else (keys.client_received(once[0]), str(once[1])),
+            _spool_mark(msg.exactly_once),
         )
 
     def _retain_after(
@@ -834,3 +833,11 @@ class Broker:
     def count(self, name: str) -> None:
         """An adapter's event (a dropped QoS 0 message, say), shown in the metrics."""
         self.counters[name] = self.counters.get(name, 0) + 1
+
+
+def _spool_mark(once: tuple[str, int, int] | None) -> tuple[str, str, str, int] | None:
+    """Spooler.submit's mark of an exactly-once publish (Message.exactly_once)."""
+    if once is None:
+        return None
+    client_id, packet_id, claim = once
+    return keys.client_received(client_id), str(packet_id), keys.client_claims(client_id), claim

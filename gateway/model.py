@@ -93,9 +93,10 @@ class Message:
     # in, such as x-opt-jms-dest); None when it sent none.
     amqp_annotations: bytes | None = None
     timestamp: int | None = None  # epoch ms its publisher made it (AMQP creation-time)
-    # An exactly-once publish (MQTT QoS 2): its publisher's client id and packet id, which
-    # the spool records with it in one step, so a resend is not stored again. Not stored.
-    exactly_once: tuple[str, int] | None = None
+    # An exactly-once publish (MQTT QoS 2): its publisher's client id, packet id and
+    # connection's claim; the spool records the id with it in one step, so a resend is not
+    # stored again. Not stored.
+    exactly_once: tuple[str, int, int] | None = None
 
 
 class Outcome(IntEnum):

@@ -1384,7 +1384,8 @@ local function spool_plainly(q, sq, size, blob)
 end
 
 -- `marks` (gw_spool_marked): by a message's place in the call, the set and member that
--- say it was stored before (an MQTT QoS 2 publish: its client's received ids).
+-- say it was stored before (an MQTT QoS 2 publish: its client's received ids), and the
+-- claims hash and claim of the connection that sent it.
 local function spool(a, marks)
   local nq = tonumber(a[2])
   local retry = nq < 0
@@ -1427,6 +1428,10 @@ local function spool(a, marks)
       sq = sq or spool_quotas()
     end
     local mark = marks and marks[nout + 1]
+    if mark and redis.call('HGET', mark[3], 'last') ~= mark[4] then
+      mark = nil  -- a newer connection holds the client (a clean start cleared its ids):
+      -- stored as it would be unmarked, so it swallows none of the newer one's messages
+    end
     if one and not mark and spool_plainly(target(named[one]), sq, size, a[pos + 1]) then
       pos = pos + 2
       nout = nout + 1
@@ -1566,16 +1571,17 @@ end
 
 redis.register_function('gw_spool', function(_, a) return spool(a) end)
 
--- KEYS: a set per marked message. ARGV: the marked messages' places in the call, each
--- with its member ("1 17 4 230": message 1, member 17; message 4, member 230), then
--- gw_spool's arguments. A marked message is recorded in its set in the same step as it is
--- stored, and one already recorded is not stored again: a publisher's resend after a lost
--- answer is no duplicate.
+-- KEYS: per marked message, a set and its client's claims hash. ARGV: the marked
+-- messages' places in the call, each with its member and its connection's claim ("1 17 5
+-- 4 230 5": message 1, member 17; message 4, member 230; both of claim 5), then gw_spool's
+-- arguments. A marked message is recorded in its set in the same step as it is stored, and
+-- one already recorded is not stored again: a publisher's resend after a lost answer is no
+-- duplicate. Marks count while their connection is the client's latest.
 redis.register_function('gw_spool_marked', function(k, a)
   local marks, i = {}, 0
-  for place, member in string.gmatch(table.remove(a, 1), '(%d+) (%S+)') do
-    i = i + 1
-    marks[tonumber(place)] = { k[i], member }
+  for place, member, claim in string.gmatch(table.remove(a, 1), '(%d+) (%S+) (%d+)') do
+    marks[tonumber(place)] = { k[i + 1], member, k[i + 2], claim }
+    i = i + 2
   end
   return spool(a, marks)
 end)

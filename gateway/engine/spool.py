@@ -72,7 +72,7 @@ _Pending = tuple[
     bytes,
     "asyncio.Future | None",
     "Done | None",
-    "tuple[str, str] | None",
+    "tuple[str, str, str, int] | None",
 ]
 Done = Callable[["Outcome | BaseException"], None]
 _BLOB, _FUTURE, _DONE, _MARK = 8, 9, 10, 11
@@ -125,7 +125,7 @@ class Spooler:
         not_before: int | None,
         blob: bytes,
         done: Done | None = None,
-        mark: tuple[str, str] | None = None,
+        mark: tuple[str, str, str, int] | None = None,
     ) -> asyncio.Future[Outcome] | None:
         """Queue one message for the next batch; the future carries its Outcome, or, when
         `done` is given, no future is made and `done(outcome)` (or `done(exception)` when
@@ -134,9 +134,10 @@ class Spooler:
         (epoch ms) is when it may no longer be delivered; `props` carries the properties
         last value and sorted queues key on (Router.spool_properties); `priority` (0-9)
         picks the level of a priority queue; `not_before` (epoch ms) holds it invisible
-        until then; `mark` (a set's key, a member) is recorded in the same step as the
-        message is stored, and a message whose mark is recorded already is not stored
-        again (an MQTT QoS 2 publish resent after its answer was lost)."""
+        until then; `mark` (a set's key, a member, the client's claims key, the sending
+        connection's claim) is recorded in the same step as the message is stored, and a
+        message whose mark is recorded already is not stored again (an MQTT QoS 2 publish
+        resent after its answer was lost), while that connection is the client's latest."""
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
@@ -233,8 +234,9 @@ class Spooler:
         if not marks:
             return ["gw_spool", *args]
         self._marked -= len(marks)
-        places = " ".join(f"{place} {member}" for place, (_, member) in marks)
-        return ["gw_spool_marked", len(marks), *(key for _, (key, _) in marks), places, *args[1:]]
+        keys = [key for _, (ids, _, claims, _) in marks for key in (ids, claims)]
+        places = " ".join(f"{place} {member} {claim}" for place, (_, member, _, claim) in marks)
+        return ["gw_spool_marked", len(keys), *keys, places, *args[1:]]
 
     def _arguments(self, batch: list[_Pending], retry: bool) -> list[object]:
         """gw_spool's arguments for the batch (numkeys first); a retry batch, which starts

@@ -228,20 +228,28 @@ class Registry:
         if raw is not None:
             await self._leave_groups(client_id, shared_queues(SessionState.loads(client_id, raw)))
 
-    async def save(self, session: Session) -> None:
+    async def save(self, session: Session) -> bool:
         """Store a persistent session's state (with its lease while it is connected), unless
-        a connection that took it over has loaded it."""
+        a connection that took it over has loaded it (False then); the QoS 2 deliveries
+        whose PUBREL ids it holds are settled once it is in."""
         self._unsaved.discard(session)
         state, claim = session.state, session.claim
         settles = session.saving()
+        stored = True
         try:
             if state is not None and state.persistent and claim is not None:
                 blob = state.dumps()
-                await self.broker.clients.save(session.client_id, blob, _lease(state), claim)
+                stored = await self.broker.clients.save(
+                    session.client_id, blob, _lease(state), claim
+                )
         except BaseException:
             session.unsaved(settles)  # the next save settles them
             raise
-        session.saved(settles)
+        if stored:
+            session.saved(settles)
+        else:  # a newer connection loaded the session without their PUBREL ids: left
+            session.unsaved(settles)  # unsettled, they go to it again
+        return stored
 
     async def _hold(self, session: Session, state: SessionState) -> None:
         """Stop the expiry clock of a connected session, and its queue's, up to its lease."""

@@ -24,7 +24,7 @@ import itertools
 import logging
 import os
 from collections import deque
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterable, Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -98,6 +98,7 @@ MAX_SENT_DIRECT = 4096  # ids of messages sent direct while a filter changed QoS
 # their topic. Beyond this many they are dropped, as Mosquitto's max_queued_messages (1000)
 # drops: a client that acks nothing grew them without bound.
 MAX_WAITING = 1000
+SAVE_RETRY_S = 1.0  # a failed save of PUBREL ids is tried again after this
 # Topic filters one session may hold: each costs about 1.5 KB here and its share of the state
 # saved in Redis, and one 2 MiB SUBSCRIBE can carry 150 000 of them.
 MAX_SUBSCRIPTIONS = 10_000
@@ -247,6 +248,7 @@ class Session:
         # QoS 2 deliveries PUBRECed, settled in their queue once the session state holding
         # their PUBREL ids is stored (a crash between the two lost the message)
         self._settle_when_saved: list[tuple[str | None, str | None]] = []
+        self._saving: set[tuple[str | None, str | None]] = set()  # theirs, in a save under way
         # packet id -> message id of one in flight whose route the session state notes
         # (resend_retained, resend_shared): forgotten once acknowledged
         self._routed: dict[int, str] = {}
@@ -650,7 +652,8 @@ class Session:
             self.broker.publish_nowait(msg, self._spooled)
             return
         state.qos2_in.add(pid)
-        msg.exactly_once = (self.client_id, pid)
+        assert self.claim is not None  # connected
+        msg.exactly_once = (self.client_id, pid, self.claim)
         self._unresolved += 1
         ack = _Ack(self, 2, pid, ReasonCode.SUCCESS, None)
         self._acks.append(ack)
@@ -834,10 +837,7 @@ class Session:
                     self._routes.clear()
                 self._routes[key] = route
         if route is None:
-            if shared is not None and not self.topics.may_receive(msg.destination):
-                self._avoid(queue, entry_id)  # another member may take it (its ACL allows)
-            else:
-                self._settle(queue, entry_id)
+            self._settle(queue, entry_id)
             return
         max_qos, retain_as_published, sub_ids = route
         qos = min(mapping.message_qos(msg), max_qos)
@@ -1049,12 +1049,6 @@ class Session:
         if flow is not None and entry_id is not None:
             flow.release(entry_id)
 
-    def _avoid(self, queue: str | None, entry_id: str | None) -> None:
-        """A group's message this member may not have: never to this flow again."""
-        flow = self._flows.get(queue) if queue is not None else None
-        if flow is not None and entry_id is not None:
-            flow.avoid(entry_id, False)
-
     def _settle(self, queue: str | None, entry_id: str | None) -> None:
         if queue is None or entry_id is None:
             return
@@ -1146,15 +1140,22 @@ class Session:
     def saving(self) -> list[tuple[str | None, str | None]]:
         """The PUBRECed deliveries whose PUBREL ids the save now starting stores."""
         settles, self._settle_when_saved = self._settle_when_saved, []
+        self._saving.update(settles)
         return settles
 
     def unsaved(self, settles: list[tuple[str | None, str | None]]) -> None:
+        """The save `saving` went with failed: they wait for the next, tried soon (their
+        place in the client's receive maximum is taken until then)."""
+        self._saving.difference_update(settles)
         self._settle_when_saved[:0] = settles
+        if settles and not self.closing:
+            self.loop.call_later(SAVE_RETRY_S, self.registry.save_soon, self)
 
-    def saved(self, settles: list[tuple[str | None, str | None]]) -> None:
+    def saved(self, settles: Iterable[tuple[str | None, str | None]]) -> None:
         """The save `saving` went with is in: the client owns those messages now."""
-        for queue, entry_id in settles:
-            self._settle(queue, entry_id)
+        for settle in settles:
+            self._saving.discard(settle)
+            self._settle(*settle)
 
     def _wrong_ack(self, qos: int) -> None:
         """A PUBACK for a QoS 2 delivery or a PUBREC for a QoS 1 one: a protocol error (as
@@ -1406,7 +1407,11 @@ class Session:
             return ReasonCode.TOPIC_FILTER_INVALID
         shared = shared_filter(pattern)
         topic_filter = pattern if shared is None else shared[1]
-        if not self.topics.may_subscribe(topic_filter):
+        if not self.topics.may_subscribe(topic_filter) or (
+            # a group's member takes its share of every topic the filter matches: one the
+            # ACL denies it would be lost to the group, or wait on its queue for good
+            shared is not None and not self.topics.may_route(topic_filter, MQTT)
+        ):
             log.info("MQTT client %r may not subscribe to %r", self.client_id, pattern)
             return ReasonCode.NOT_AUTHORIZED
         return None
@@ -1529,9 +1534,11 @@ class Session:
                 self.broker.unsubscribe_direct(token)
             self._direct.clear()
             await self._keep_in_flight()
-            if self._settle_when_saved:  # their PUBREL ids stored, then settled
+            if self._settle_when_saved or self._saving:  # their PUBREL ids stored, then
+                # settled, before the flows close (which would give them back to the queue)
                 with contextlib.suppress(StoreError):  # else they come back: no loss
-                    await self.registry.save(self)
+                    if await self.registry.save(self):  # and a save still under way: this
+                        self.saved(list(self._saving))  # one stored their ids too
             for queue, flow in list(self._flows.items()):
                 await self._close_flow(queue, flow)
             if self.state is not None:
