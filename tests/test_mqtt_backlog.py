@@ -94,6 +94,14 @@ async def test_resubscribing_client_retained_backlog_is_bounded(broker: Broker, 
         writer.close()
 
 
+async def test_the_mqtt_counters_are_exported_from_the_start(broker: Broker, mqtt) -> None:
+    """A counter missing until its first event hides that event from a rate (Prometheus:
+    avoid missing metrics). (Found by a review.)"""
+    metrics = await render_metrics(broker)
+    for name in ("qos0_dropped", "retained_dropped", "publish_denied", "wills"):
+        assert f'gateway_mqtt_{name}{{node="{broker.node_id}"}} 0' in metrics, name
+
+
 async def test_qos0_held_behind_waiting_retained_is_bounded(broker: Broker, mqtt) -> None:
     """A QoS 0 message whose topic has an older retained message waiting for the client's
     receive maximum is held in `_held_out` (session.py `_send_or_hold`). A client that never

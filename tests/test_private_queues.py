@@ -202,13 +202,18 @@ async def test_a_user_sees_only_the_queues_it_may_browse(
     broker: Broker, amqp: Listener, admin_port: int
 ) -> None:
     """The admin API listed and showed bob every queue: alice's private ones too, named
-    after her container id and subscription, with their topic subscriptions."""
+    after her container id and subscription, with their topic subscriptions; its other
+    routes answered 403 for them (404 for no queue), the metrics named them."""
     await asyncio.to_thread(door_subscription, amqp)
     [dts] = await durable_queues(broker, 1)
     bob = Client(admin_port, basic("bob", "b-pw"))
     assert (await bob.call("POST", "/api/v1/queues", {"name": "open"})).status == 201
     names = [row["name"] for row in (await bob.call("GET", "/api/v1/queues")).body]
     assert "open" in names and dts not in names, names
-    assert (await bob.call("GET", q(dts))).status == 404
+    for method, body in (("GET", None), ("PATCH", {"max_messages": 9}), ("DELETE", None)):
+        reply = await bob.call(method, q(dts), body)  # as if it were not there
+        assert reply.status == 404, (method, reply)
+    metrics = (await bob.call("GET", "/metrics")).body.decode()
+    assert 'queue="open"' in metrics and dts not in metrics
     root = Client(admin_port, basic("root", "r-pw"))
     assert dts in [row["name"] for row in (await root.call("GET", "/api/v1/queues")).body]

@@ -26,7 +26,7 @@ from redis.exceptions import RedisError
 from gateway.acl import NO_DENIALS, TopicAccess, topic_access
 from gateway.admin.auth import AdminAuth
 from gateway.admin.http import HttpError, Request, Response
-from gateway.admin.metrics import render_metrics
+from gateway.admin.metrics import hide_queues, render_metrics
 from gateway.broker import BindError, Broker
 from gateway.config import AclRule, User
 from gateway.engine.permissions import BROWSE, allowed
@@ -162,22 +162,24 @@ class AdminApi:
             # true} deleted the queue with its messages
             _known(_object(req), (), m)
         if p == ["metrics"] and m == "GET":
-            text = await render_metrics(self.broker)
+            text = await render_metrics(self.broker, lambda config: _visible(config, user))
             return Response(200, text.encode(), [("Content-Type", "text/plain; version=0.0.4")])
         if rest == ["spool"] and m == "GET":
-            return Response.json((await read_usage(self.broker.redis)).to_json())
+            report = await read_usage(self.broker.redis)
+            if user is not None:
+                report = hide_queues(report, await self._hidden(user))
+            return Response.json(report.to_json())
         if rest == ["queues"]:
             if m == "GET":
                 return Response.json(await self._list_queues(user))
             if m == "POST":
                 return await self._create_queue(_object(req), user)
+        if len(rest) >= 2 and rest[0] == "queues" and user is not None and rest[2:] != ["messages"]:
+            await self._check_visible(rest[1], user)  # a publish is answered as AMQP's
         if len(rest) == 2 and rest[0] == "queues":
             name = rest[1]
             if m == "GET":
-                info = await self.broker.queues.info(name)
-                if not _visible(info.config, user):
-                    raise HttpError(404, f"no queue {name!r}")
-                return Response.json(info.to_json())
+                return Response.json((await self.broker.queues.info(name)).to_json())
             if m == "PATCH":
                 return await self._update_queue(name, _object(req), user)
             if m == "DELETE":
@@ -203,6 +205,25 @@ class AdminApi:
         if rest == ["messages"] and m == "POST":
             return await self._publish(_object(req), req, user)
         raise not_routed(p, m)
+
+    async def _check_visible(self, name: str, user: str) -> None:
+        """A queue `user` may not browse is answered as one that does not exist: a 403
+        told its name (an owner's client id and subscription) was taken."""
+        try:
+            config = await self.broker.queues.config(name)
+        except QueueError:
+            return  # answered by the route
+        if not _visible(config, user):
+            raise HttpError(404, f"no queue {name!r}")
+
+    async def _hidden(self, user: str) -> set[str]:
+        """The queues `user` may not browse."""
+        hidden = set()
+        for name in await self.broker.queues.names():
+            with contextlib.suppress(QueueError):  # deleted meanwhile
+                if not _visible(await self.broker.queues.config(name), user):
+                    hidden.add(name)
+        return hidden
 
     async def _list_queues(self, user: str | None) -> list[dict[str, Any]]:
         out = []

@@ -3,8 +3,10 @@ memory against its maxmemory."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
+
 from gateway.broker import Broker
-from gateway.engine.queues import QueueError
+from gateway.engine.queues import QueueConfig, QueueError
 from gateway.engine.spool_usage import SpoolReport, read_usage
 
 
@@ -12,7 +14,11 @@ def _label(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
-async def render_metrics(broker: Broker) -> str:
+async def render_metrics(
+    broker: Broker, visible: Callable[[QueueConfig], bool] = lambda _: True
+) -> str:
+    """`visible`: the queues whose lines the caller sees (their names tell a private
+    queue's owner's client id and subscription)."""
     node = _label(broker.node_id)
     lines = []
     for name, value in broker.stats().items():
@@ -20,10 +26,14 @@ async def render_metrics(broker: Broker) -> str:
         lines.append(f"# TYPE {metric} {'gauge' if name == 'flows' else 'counter'}")
         lines.append(f'{metric}{{node="{node}"}} {value}')
     queue_lines: dict[str, list[str]] = {}
+    hidden = set()
     for name in await broker.queues.names():
         try:
             info = await broker.queues.info(name)
         except QueueError:
+            continue
+        if not visible(info.config):
+            hidden.add(name)
             continue
         q = _label(name)
         queue_lines.setdefault("gateway_queue_messages", []).append(
@@ -50,7 +60,7 @@ async def render_metrics(broker: Broker) -> str:
         kind = "counter" if metric.endswith("_total") else "gauge"
         lines.append(f"# TYPE {metric} {kind}")
         lines.extend(rows)
-    lines += _spool_lines(await read_usage(broker.redis))
+    lines += _spool_lines(hide_queues(await read_usage(broker.redis), hidden))
     memory = await broker.redis.info("memory")  # how close Redis is to refusing messages
     for name in ("used_memory", "maxmemory"):
         lines += [
@@ -58,6 +68,13 @@ async def render_metrics(broker: Broker) -> str:
             f"gateway_redis_{name}_bytes {memory[name]}",
         ]
     return "\n".join(lines) + "\n"
+
+
+def hide_queues(report: SpoolReport, hidden: Collection[str]) -> SpoolReport:
+    """`report` without the queue scopes of `hidden`."""
+    if hidden:
+        report.scopes = [s for s in report.scopes if s.scope != "queue" or s.name not in hidden]
+    return report
 
 
 def _spool_lines(report: SpoolReport) -> list[str]:

@@ -110,6 +110,9 @@ class Registry:
         self.broker = broker
         self.settings = settings
         self.sessions: dict[str, Session] = {}  # client id -> its attached session here
+        for name in ("qos0_dropped", "retained_dropped", "publish_denied", "wills"):
+            # exported from the start: a rate needs the counter before its first event
+            broker.counters.setdefault(f"mqtt_{name}", 0)
         # user names (a session queue owned by one of them is theirs, never a legacy owner)
         self._user_names = {user.name for user in settings.users} | {ANONYMOUS}
         self.connections: set[MqttConnection] = set()
