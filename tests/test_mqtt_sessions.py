@@ -16,8 +16,10 @@ from gateway.model import Message
 from protocols.mqtt import listener
 from protocols.mqtt.codec import (
     Connack,
+    Connect,
     Disconnect,
     Properties,
+    Puback,
     Pubcomp,
     Publish,
     Pubrec,
@@ -395,4 +397,67 @@ async def test_a_session_save_that_failed_is_tried_again(mqtt: Listener, broker:
     second = await sub.recv(timeout=5)
     assert isinstance(second, Publish) and second.payload == b"m2", second
     sub.close()
+    pub.close()
+
+
+async def test_a_qos2_publish_held_across_its_clients_reconnect_is_stored_once(
+    mqtt: Listener, broker: Broker
+) -> None:
+    """A QoS 2 PUBLISH waits (producer flow control) as the client reconnects, resuming
+    its session: the old connection's teardown lets it be stored, no PUBREC reached the
+    client, so it resends it (DUP). Its packet id must count as received: a mark made only
+    while its connection was the client's latest left it out, and the resend was stored
+    again. (Found by a review.)"""
+    await broker.declare_queue(QueueConfig(name="fc", max_messages=1, overflow="flow_control"))
+    await broker.subscribe_queue("fc", ["fc/#"], "mqtt")
+    keep = Properties(session_expiry_interval=300)
+    old, _ = await Raw.connected(mqtt.port, 5, client_id="q2in", properties=keep)
+    await old.send(Publish("fc/1", b"filler", qos=1, packet_id=1))
+    assert await old.recv() == Puback(1)
+    await old.send(Publish("fc/2", b"once", qos=2, packet_id=7))  # held: the queue is full
+    await asyncio.sleep(0.3)
+    new = await Raw.open(mqtt.port, 5)
+    await new.send(Connect(protocol_level=5, client_id="q2in", clean_start=False,
+                           properties=keep))  # fmt: skip
+    await asyncio.sleep(0.5)
+    await broker.update_queue("fc", {"max_messages": 100})  # room again: the old one lands
+    ack = await new.recv(timeout=15)
+    assert isinstance(ack, Connack) and ack.session_present
+    await new.send(Publish("fc/2", b"once", qos=2, packet_id=7, dup=True))
+    assert await new.recv(timeout=5) == Pubrec(7)
+    await asyncio.sleep(0.3)
+    assert (await broker.queues.info("fc")).messages == 2  # the filler, and "once" once
+    new.close()
+    old.close()
+
+
+async def test_a_save_tried_again_after_the_connection_ended_stores_nothing(
+    mqtt: Listener, broker: Broker
+) -> None:
+    """A save that failed is tried again a second later: it stored the session again after
+    the client had disconnected with a 2 s expiry, with a connected session's lease, and
+    the session was resumed past its expiry (MQTT 5 §3.1.2.11.2). (Found by a review.)"""
+    props = Properties(session_expiry_interval=2)
+    sub, _ = await Raw.connected(mqtt.port, 5, client_id="rt", properties=props)
+    await sub.send(Subscribe(1, [("rt/#", SubscriptionOptions(qos=2))]))
+    assert await sub.recv() == Suback(1, [2])
+    pub, _ = await Raw.connected(mqtt.port, 5, client_id="rt-pub")
+    await pub.send(Publish("rt/t", b"m1", qos=2, packet_id=1))
+    assert await pub.recv() == Pubrec(1)
+    first = await sub.recv()
+    assert isinstance(first, Publish) and first.payload == b"m1"
+    await broker.redis.config_set("min-replicas-to-write", 1)
+    try:
+        await sub.send(Pubrec(first.packet_id))
+        assert await sub.recv() == Pubrel(first.packet_id)
+        await asyncio.sleep(0.2)
+    finally:
+        await broker.redis.config_set("min-replicas-to-write", 0)
+    await sub.send(Disconnect())
+    await sub.closed()
+    await asyncio.sleep(3.5)  # past the 2 s expiry, and the retry's second
+    again, ack = await Raw.connected(mqtt.port, 5, client_id="rt", clean_start=False,
+                                     properties=props)  # fmt: skip
+    assert not ack.session_present
+    again.close()
     pub.close()

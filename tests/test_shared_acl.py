@@ -162,3 +162,42 @@ async def test_a_group_whose_queue_an_operator_deleted_starts_again(
     assert reply.status == 200, reply
     got = await sub.recv(timeout=3.0)
     assert isinstance(got, Publish) and got.payload == b"after", got
+
+
+async def test_a_member_the_acl_came_to_deny_a_topic_leaves_the_group(broker: Broker) -> None:
+    """mallory's persistent session joined `$share/g/#` while the ACL allowed it; then it
+    denied her `secret/#` and the gateway restarted. Her resumed session took its share of
+    the secret messages and dropped them unsent: lost to the group, though alice may have
+    them. A resumed member the ACL now refuses leaves the group. (Found by a review.)"""
+    allowed = Settings(mqtt_port=0, host="127.0.0.1", users=USERS)
+    before = await start(broker, allowed)
+    assert before is not None
+    try:
+        (await member(before.port, "mallory", "mal-1", "$share/g/#", clean_start=False)).close()
+        await asyncio.sleep(0.3)
+    finally:
+        await before.close()
+    mqtt = await start(broker, SETTINGS)  # restarted, with the ACL that denies her
+    assert mqtt is not None
+    try:
+        alice = await member(mqtt.port, "alice", "alice-1", "$share/g/#")
+        mallory, ack = await Raw.connected(mqtt.port, 4, client_id="mal-1", username="mallory",
+                                           password=b"m-pw", clean_start=False)  # fmt: skip
+        assert ack.session_present
+        pub, _ = await Raw.connected(mqtt.port, 4, client_id="pub-1", username="alice",
+                                     password=b"a-pw")  # fmt: skip
+        for i in range(1, 21):
+            await pub.send(Publish(f"secret/{i}", b"s", qos=1, packet_id=i))
+            assert await pub.recv() == Puback(i)
+        got: list[str] = []
+        with contextlib.suppress(TimeoutError):
+            while len(got) < 20:
+                p = await alice.recv(timeout=2.0)
+                if isinstance(p, Publish):
+                    got.append(p.topic)
+                    await alice.send(Puback(p.packet_id))
+        assert len(got) == 20, f"alice got {len(got)} of 20"
+        for raw in (alice, mallory, pub):
+            raw.close()
+    finally:
+        await mqtt.close()

@@ -96,10 +96,10 @@ async def test_a_marked_message_is_stored_once_however_often_it_comes(
 ) -> None:
     """gw_spool_marked records a marked message's member in its set in the step that
     stores it; a message whose member is there is answered OK and not stored again, while
-    unmarked ones of the same call are stored as gw_spool stores them. A mark counts while
-    its connection's claim is the client's latest."""
+    unmarked ones of the same call are stored as gw_spool stores them. A mark counts until
+    a later connection starts the session afresh."""
     await declare(client, QueueConfig(name="q"))
-    await client.hset("claims", mapping={"last": 5})
+    await client.hset("claims", mapping={"last": 6})  # a later connection resumed it
     body = [*short(1, 0, BLOB), *full(1, 0, BLOB + b"m"), *short(1, 0, BLOB + b"u")]
     call = ["gw_spool_marked", 2, "seen", "claims", "2 7 5", "n1", 1, "q", *body]
     assert await client.fcall(*call) == [0, 0, 0]
@@ -111,7 +111,7 @@ async def test_a_marked_message_is_stored_once_however_often_it_comes(
     missing = short_head([1], True, 1, 0, 4)
     refused = ["gw_spool_marked", 2, "seen", "claims", "1 8 5", "n1", 1, "nosuch", missing, BLOB]
     assert await client.fcall(*refused) == [2]  # NOT_FOUND: not recorded, a resend may go
-    await client.hset("claims", "last", 6)  # a newer connection (a clean start cleared ids)
+    await client.hset("claims", "fresh", 7)  # a clean start, which cleared the ids
     await client.delete("seen")
     stale = ["gw_spool_marked", 2, "seen", "claims", "1 9 5", "n1", 1, "q", *short(1, 0, BLOB)]
     assert await client.fcall(*stale) == [0]  # stored, unmarked: 9 is the newer one's to use

@@ -482,7 +482,13 @@ class Session:
         self._reserved = set(state.resend_ids.values())
         for pattern in list(state.subscriptions):
             shared = shared_filter(pattern)
-            if shared is not None:
+            if shared is not None and self._check_filter(pattern) is not None:
+                # the ACL came to deny it a topic of the group's since it joined: its share
+                # of those would be lost to the group (see _check_filter)
+                log.warning("MQTT client %r: %s left, as the topic ACL now denies it",
+                            self.client_id, pattern)  # fmt: skip
+                await self.registry.leave_shared(shared_queue_name(*shared), self.client_id)
+            elif shared is not None:
                 try:
                     await self._bind_shared(pattern, *shared)
                 except (QueueError, BindError) as exc:
@@ -1149,7 +1155,11 @@ class Session:
         self._saving.difference_update(settles)
         self._settle_when_saved[:0] = settles
         if settles and not self.closing:
-            self.loop.call_later(SAVE_RETRY_S, self.registry.save_soon, self)
+            self.loop.call_later(SAVE_RETRY_S, self._save_again)
+
+    def _save_again(self) -> None:
+        if not self.closing:  # else the teardown saved (a later save would outlive the
+            self.registry.save_soon(self)  # session: an expiry 0 one stored again)
 
     def saved(self, settles: Iterable[tuple[str | None, str | None]]) -> None:
         """The save `saving` went with is in: the client owns those messages now."""
