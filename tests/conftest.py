@@ -10,7 +10,7 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +22,7 @@ from proton.utils import BlockingConnection
 from gateway.admin.api import AdminApi
 from gateway.admin.http import HttpServer
 from gateway.broker import Broker
-from gateway.config import Settings
+from gateway.config import AclRule, Settings, User
 from gateway.engine import library
 from gateway.redis_server import repair_aof
 from protocols.amqp.listener import Listener as AmqpListener
@@ -184,14 +184,22 @@ class Ports:
 
 
 @contextlib.asynccontextmanager
-async def admin_of(broker: Broker) -> AsyncIterator[Admin]:
-    """`broker`'s admin API on a free loopback port (no users: loopback is the operator)."""
-    server = HttpServer(AdminApi(broker))
-    port = await server.start("127.0.0.1", 0)
+async def admin_port_of(
+    broker: Broker, users: Iterable[User] = (), acl: Iterable[AclRule] = ()
+) -> AsyncIterator[int]:
+    """`broker`'s admin API (with `users` and `acl`) on a free loopback port: its port."""
+    server = HttpServer(AdminApi(broker, users, acl))
     try:
-        yield Admin(port)
+        yield await server.start("127.0.0.1", 0)
     finally:
         await server.close()
+
+
+@contextlib.asynccontextmanager
+async def admin_of(broker: Broker) -> AsyncIterator[Admin]:
+    """`broker`'s admin API on a free loopback port (no users: loopback is the operator)."""
+    async with admin_port_of(broker) as port:
+        yield Admin(port)
 
 
 @pytest.fixture

@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 from proton import Described, Message, symbol, ubyte, uint, ulong
-from proton import Message as AmqpMessage
 from proton.reactor import Copy, DurableSubscription, LinkOption
 from proton.utils import BlockingConnection, LinkDetached
 
@@ -179,7 +178,7 @@ async def test_a_delete_on_close_node_outlives_a_detach_without_close(
     peer.attach("replies", 0, RECEIVER, node)  # resumed
     assert (await peer.expect(ATTACH)).fields[5] is not None, "refused"
     peer.send(flow(0, 1))
-    message = AmqpMessage()
+    message = Message()
     message.decode((await peer.expect(TRANSFER)).payload)
     assert message.body == b"reply"
     await detach(peer, closed=True)

@@ -370,6 +370,21 @@ async def test_a_pubrec_right_before_a_disconnect_is_released_not_sent_again(
     pub.close()
 
 
+async def complete_as_redis_refuses_writes(broker: Broker, sub: Raw) -> None:
+    """`sub` gets the QoS 2 message m1 and completes it while Redis refuses writes a
+    moment (as a primary that lost its replica does): the session's saves fail."""
+    first = await sub.recv()
+    assert isinstance(first, Publish) and first.payload == b"m1"
+    await broker.redis.config_set("min-replicas-to-write", 1)
+    try:
+        await sub.send(Pubrec(first.packet_id))
+        assert await sub.recv() == Pubrel(first.packet_id)
+        await sub.send(Pubcomp(first.packet_id))
+        await asyncio.sleep(0.3)
+    finally:
+        await broker.redis.config_set("min-replicas-to-write", 0)
+
+
 async def test_a_session_save_that_failed_is_tried_again(mqtt: Listener, broker: Broker) -> None:
     """Redis refused writes a moment (as a primary that lost its replica does) as a v5
     subscriber with a receive maximum of 1 answered a QoS 2 delivery: the delivery waited
@@ -384,16 +399,7 @@ async def test_a_session_save_that_failed_is_tried_again(mqtt: Listener, broker:
     for pid, payload in ((1, b"m1"), (2, b"m2")):
         await pub.send(Publish("rm/t", payload, qos=2, packet_id=pid))
         assert await pub.recv() == Pubrec(pid)
-    first = await sub.recv()
-    assert isinstance(first, Publish) and first.payload == b"m1"
-    await broker.redis.config_set("min-replicas-to-write", 1)
-    try:
-        await sub.send(Pubrec(first.packet_id))
-        assert await sub.recv() == Pubrel(first.packet_id)
-        await sub.send(Pubcomp(first.packet_id))
-        await asyncio.sleep(0.3)
-    finally:
-        await broker.redis.config_set("min-replicas-to-write", 0)
+    await complete_as_redis_refuses_writes(broker, sub)
     second = await sub.recv(timeout=5)
     assert isinstance(second, Publish) and second.payload == b"m2", second
     sub.close()
@@ -444,15 +450,7 @@ async def test_a_save_tried_again_after_the_connection_ended_stores_nothing(
     pub, _ = await Raw.connected(mqtt.port, 5, client_id="rt-pub")
     await pub.send(Publish("rt/t", b"m1", qos=2, packet_id=1))
     assert await pub.recv() == Pubrec(1)
-    first = await sub.recv()
-    assert isinstance(first, Publish) and first.payload == b"m1"
-    await broker.redis.config_set("min-replicas-to-write", 1)
-    try:
-        await sub.send(Pubrec(first.packet_id))
-        assert await sub.recv() == Pubrel(first.packet_id)
-        await asyncio.sleep(0.2)
-    finally:
-        await broker.redis.config_set("min-replicas-to-write", 0)
+    await complete_as_redis_refuses_writes(broker, sub)
     await sub.send(Disconnect())
     await sub.closed()
     await asyncio.sleep(3.5)  # past the 2 s expiry, and the retry's second

@@ -16,8 +16,6 @@ from proton import Message
 from proton.reactor import DurableSubscription
 from proton.utils import BlockingConnection, LinkDetached, SendException
 
-from gateway.admin.api import AdminApi
-from gateway.admin.http import HttpServer
 from gateway.broker import Broker
 from gateway.config import AclRule, Settings, User
 from protocols.amqp.listener import Listener, start
@@ -25,13 +23,18 @@ from protocols.mqtt.codec import Suback, Subscribe, SubscriptionOptions
 from protocols.mqtt.listener import queue_name
 from protocols.mqtt.listener import start as start_mqtt
 from protocols.mqtt.state import shared_queue_name
+from tests.conftest import admin_port_of
 from tests.test_admin_auth import Client, basic, q
 from tests.test_amqp_clients import TIMEOUT, durable_queues, url
 from tests.test_mqtt_protocol import Raw
 
-USERS = [User("alice", "a-pw"), User("bob", "b-pw"), User("root", "r-pw", admin=True)]
-# only alice's door controller may open doors; bob may not read secrets
-ACL = [AclRule(user="bob", deny_publish=["control/#"], deny_subscribe=["secret/#"])]
+USERS = [User(name, f"{name[0]}-pw") for name in ("alice", "bob", "mallory")]
+USERS.append(User("root", "r-pw", admin=True))
+# only alice's door controller may open doors; bob and mallory may not read secrets
+ACL = [
+    AclRule(user="bob", deny_publish=["control/#"], deny_subscribe=["secret/#"]),
+    AclRule(user="mallory", deny_subscribe=["secret/#"]),
+]
 SETTINGS = Settings(
     amqp_port=0, mqtt_port=0, host="127.0.0.1", users=USERS, acl=ACL, allow_anonymous=False
 )
@@ -47,11 +50,8 @@ async def amqp(broker: Broker) -> AsyncIterator[Listener]:
 
 @pytest.fixture
 async def admin_port(broker: Broker) -> AsyncIterator[int]:
-    server = HttpServer(AdminApi(broker, USERS, ACL))
-    try:
-        yield await server.start("127.0.0.1", 0)
-    finally:
-        await server.close()
+    async with admin_port_of(broker, USERS, ACL) as port:
+        yield port
 
 
 def connect(amqp: Listener, user: str, **kw) -> BlockingConnection:

@@ -13,10 +13,8 @@ from collections.abc import AsyncIterator
 import pytest
 from proton.utils import BlockingConnection, LinkDetached
 
-from gateway.admin.api import AdminApi
-from gateway.admin.http import HttpServer
 from gateway.broker import Broker
-from gateway.config import AclRule, Settings, User
+from gateway.config import Settings
 from protocols.amqp.listener import start as start_amqp
 from protocols.mqtt.codec import (
     Puback,
@@ -28,12 +26,11 @@ from protocols.mqtt.codec import (
 )
 from protocols.mqtt.listener import Listener, start
 from protocols.mqtt.state import shared_queue_name
+from tests.conftest import admin_port_of
 from tests.test_admin_auth import Client, basic, q
 from tests.test_mqtt_protocol import Raw
+from tests.test_private_queues import ACL, SETTINGS, USERS
 
-USERS = [User("alice", "a-pw"), User("mallory", "m-pw"), User("root", "r-pw", admin=True)]
-ACL = [AclRule(user="mallory", deny_subscribe=["secret/#"])]
-SETTINGS = Settings(amqp_port=0, mqtt_port=0, host="127.0.0.1", users=USERS, acl=ACL)
 SECRET_GROUP = shared_queue_name("g", "secret/#")
 
 
@@ -47,11 +44,8 @@ async def mqtt(broker: Broker) -> AsyncIterator[Listener]:
 
 @pytest.fixture
 async def admin_port(broker: Broker) -> AsyncIterator[int]:
-    server = HttpServer(AdminApi(broker, USERS, ACL))
-    try:
-        yield await server.start("127.0.0.1", 0)
-    finally:
-        await server.close()
+    async with admin_port_of(broker, USERS, ACL) as port:
+        yield port
 
 
 async def member(port: int, user: str, client_id: str, pattern: str, **kw: bool) -> Raw:
@@ -64,6 +58,24 @@ async def member(port: int, user: str, client_id: str, pattern: str, **kw: bool)
     ack = await raw.recv()
     assert isinstance(ack, Suback) and ack.reason_codes == [1], ack
     return raw
+
+
+async def secrets_reach(alice: Raw, port: int) -> list[str]:
+    """20 QoS 1 messages on secret/1..20 from alice's publisher: the topics `alice` (a
+    group member) gets of them."""
+    pub, _ = await Raw.connected(port, 4, client_id="pub-1", username="alice", password=b"a-pw")
+    for i in range(1, 21):
+        await pub.send(Publish(f"secret/{i}", b"s", qos=1, packet_id=i))
+        assert await pub.recv() == Puback(i)
+    got: list[str] = []
+    with contextlib.suppress(TimeoutError):
+        while len(got) < 20:
+            p = await alice.recv(timeout=2.0)
+            if isinstance(p, Publish):
+                got.append(p.topic)
+                await alice.send(Puback(p.packet_id))
+    pub.close()
+    return got
 
 
 async def a_secret_waits_for_offline_alice(mqtt: Listener, admin_port: int) -> None:
@@ -129,18 +141,7 @@ async def test_a_user_denied_a_topic_of_the_filter_does_not_join_the_group(
     assert await mallory.recv() == Suback(1, [ReasonCode.NOT_AUTHORIZED])
     await mallory.send(Subscribe(2, [("$share/g/public/#", SubscriptionOptions(qos=1))]))
     assert await mallory.recv() == Suback(2, [1])  # a filter clear of the denied topics
-    pub, _ = await Raw.connected(mqtt.port, 4, client_id="pub-1", username="alice",
-                                 password=b"a-pw")  # fmt: skip
-    for i in range(1, 21):
-        await pub.send(Publish(f"secret/{i}", b"s", qos=1, packet_id=i))
-        assert isinstance(await pub.recv(), Puback)
-    got: list[str] = []
-    with contextlib.suppress(TimeoutError):
-        while len(got) < 20:
-            p = await alice.recv(timeout=2.0)
-            if isinstance(p, Publish):
-                got.append(p.topic)
-                await alice.send(Puback(p.packet_id))
+    got = await secrets_reach(alice, mqtt.port)
     assert sorted(got) == sorted(f"secret/{i}" for i in range(1, 21))
 
 
@@ -184,20 +185,9 @@ async def test_a_member_the_acl_came_to_deny_a_topic_leaves_the_group(broker: Br
         mallory, ack = await Raw.connected(mqtt.port, 4, client_id="mal-1", username="mallory",
                                            password=b"m-pw", clean_start=False)  # fmt: skip
         assert ack.session_present
-        pub, _ = await Raw.connected(mqtt.port, 4, client_id="pub-1", username="alice",
-                                     password=b"a-pw")  # fmt: skip
-        for i in range(1, 21):
-            await pub.send(Publish(f"secret/{i}", b"s", qos=1, packet_id=i))
-            assert await pub.recv() == Puback(i)
-        got: list[str] = []
-        with contextlib.suppress(TimeoutError):
-            while len(got) < 20:
-                p = await alice.recv(timeout=2.0)
-                if isinstance(p, Publish):
-                    got.append(p.topic)
-                    await alice.send(Puback(p.packet_id))
+        got = await secrets_reach(alice, mqtt.port)
         assert len(got) == 20, f"alice got {len(got)} of 20"
-        for raw in (alice, mallory, pub):
+        for raw in (alice, mallory):
             raw.close()
     finally:
         await mqtt.close()

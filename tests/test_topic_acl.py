@@ -12,12 +12,11 @@ from proton import Message
 from proton.utils import BlockingConnection, LinkDetached, SendException
 
 from gateway.acl import topic_access
-from gateway.admin.api import AdminApi
-from gateway.admin.http import HttpServer
 from gateway.broker import Broker
 from gateway.config import AclRule, Settings, User
 from gateway.engine.queues import QueueConfig
 from protocols.amqp.listener import Listener, start
+from tests.conftest import admin_port_of
 from tests.test_admin_auth import Client, basic, q
 from tests.test_amqp_clients import TIMEOUT, queued, url
 
@@ -113,11 +112,8 @@ async def test_a_denied_topic_cannot_be_subscribed_nor_read_through_a_broader_fi
 
 @pytest.fixture
 async def admin_port(broker: Broker) -> AsyncIterator[int]:
-    server = HttpServer(AdminApi(broker, USERS, ACL))
-    try:
-        yield await server.start("127.0.0.1", 0)
-    finally:
-        await server.close()
+    async with admin_port_of(broker, USERS, ACL) as port:
+        yield port
 
 
 async def test_the_admin_api_holds_a_user_to_the_topic_acl(broker: Broker, admin_port: int) -> None:
