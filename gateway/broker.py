@@ -376,8 +376,7 @@ class Broker:
         ("node claim") for `handed_over`. `user`: the one the connection acts as
         (`client_user` on other nodes)."""
         claims, hex_id = keys.client_claims(client_id), keys.client_hex(client_id)
-        fresh = "1" if ends_session else ""
-        reply = await self.redis.fcall("gw_claim", 1, claims, self.node_id, hex_id, user, fresh)
+        reply = await self.redis.fcall("gw_claim", 1, claims, self.node_id, hex_id, user)
         claim, before = int(reply[0]), reply[1].decode() if reply[1] else None
         if before is not None:  # waiting before the announcement: no release is missed
             self._handovers[client_id] = asyncio.get_running_loop().create_future()

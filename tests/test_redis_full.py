@@ -155,6 +155,7 @@ async def test_only_storing_messages_is_refused_when_full(redis_url: str) -> Non
         fields = dict(zip(function[::2], function[1::2], strict=True))
         flags[fields[b"name"].decode()] = {f.decode() for f in fields[b"flags"]}
     assert flags.pop("gw_spool") == set()
+    assert flags.pop("gw_spool_marked") == set()  # an MQTT QoS 2 publish
     assert flags.pop("gw_retain_new") == set()  # a retained message no queue took: new data
     assert flags.pop("gw_node_alive") == {"allow-oom", "no-writes"}
     assert flags and all(f == {"allow-oom"} for f in flags.values()), flags

@@ -111,8 +111,9 @@ async def test_a_marked_message_is_stored_once_however_often_it_comes(
     missing = short_head([1], True, 1, 0, 4)
     refused = ["gw_spool_marked", 2, "seen", "claims", "1 8 5", "n1", 1, "nosuch", missing, BLOB]
     assert await client.fcall(*refused) == [2]  # NOT_FOUND: not recorded, a resend may go
-    await client.hset("claims", "fresh", 7)  # a clean start, which cleared the ids
-    await client.delete("seen")
+    # a new session (a clean start, or none stored), which clears what the last one left
+    assert await client.fcall("gw_client_fresh", 3, "state", "seen", "claims", 7) is None
+    assert await client.hget("claims", "fresh") == b"7"
     stale = ["gw_spool_marked", 2, "seen", "claims", "1 9 5", "n1", 1, "q", *short(1, 0, BLOB)]
     assert await client.fcall(*stale) == [0]  # stored, unmarked: 9 is the newer one's to use
     assert await client.smembers("seen") == set()

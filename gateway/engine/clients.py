@@ -79,6 +79,18 @@ class ClientStore:
     async def delete(self, client_id: str) -> None:
         await self._redis.delete(keys.client_state(client_id), keys.client_received(client_id))
 
+    async def start_afresh(self, client_id: str, claim: int) -> None:
+        """The connection of `claim` starts a new session: `delete`, and the marks of older
+        connections' QoS 2 publishes still on their way count no more (gw_spool_marked)."""
+        await self._redis.fcall(
+            "gw_client_fresh",
+            3,
+            keys.client_state(client_id),
+            keys.client_received(client_id),
+            keys.client_claims(client_id),
+            claim,
+        )
+
     async def forget(self, client_id: str, claim: int) -> bool:
         """Delete what the session of the connection of `claim` left, as `delete`, unless a
         newer connection already loaded it: False then."""

@@ -1429,8 +1429,8 @@ local function spool(a, marks)
     end
     local mark = marks and marks[nout + 1]
     if mark and tonumber(mark[4]) < tonumber(redis.call('HGET', mark[3], 'fresh') or 0) then
-      mark = nil  -- a newer connection started the session afresh (its ids cleared): stored
-      -- as it would be unmarked, so it swallows none of the newer session's messages
+      mark = nil  -- a newer connection started a new session (its ids cleared): stored as
+      -- it would be unmarked, so it swallows none of the new session's messages
     end
     if one and not mark and spool_plainly(target(named[one]), sq, size, a[pos + 1]) then
       pos = pos + 2
@@ -1576,7 +1576,7 @@ redis.register_function('gw_spool', function(_, a) return spool(a) end)
 -- 4 230 5": message 1, member 17; message 4, member 230; both of claim 5), then gw_spool's
 -- arguments. A marked message is recorded in its set in the same step as it is stored, and
 -- one already recorded is not stored again: a publisher's resend after a lost answer is no
--- duplicate. Marks count while no later connection started the session afresh.
+-- duplicate. Marks count until a later connection starts a new session (gw_client_fresh).
 redis.register_function('gw_spool_marked', function(k, a)
   local marks, i = {}, 0
   for place, member, claim in string.gmatch(table.remove(a, 1), '(%d+) (%S+) (%d+)') do
@@ -2353,9 +2353,7 @@ end)
 
 -- Claims are numbers from the node-wide counter, so they are ordered.
 -- KEYS: a client's claims hash. ARGV: node, client id (hex), the user the connection acts
--- as, "1" when it starts the session afresh (its claim is kept as 'fresh': marks of older
--- connections no longer count, see gw_spool_marked). A connection claims its client id:
--- returns
+-- as. A connection claims its client id: returns
 -- {claim, the holder before it ("node claim") when that was a connection on another live
 -- node, else false}. The new connection waits for that one's teardown, which saves what
 -- the session needs next, before it reads the state (gw_client_load).
@@ -2365,7 +2363,6 @@ register_always('gw_claim', function(k, a)
   local claim = redis.call('INCR', K_SEQ)
   local before = redis.call('HGET', k[1], 'holder')
   redis.call('HSET', k[1], 'holder', a[1] .. ' ' .. claim, 'last', claim, 'user', a[3] or '')
-  if a[4] == '1' then redis.call('HSET', k[1], 'fresh', claim) end
   redis.call('EXPIRE', k[1], CLAIMS_TTL)
   if before then
     local node = string.match(before, '^(%S+) ')
@@ -2529,6 +2526,17 @@ register_always('gw_client_forget', function(k, a)
   if (tonumber(redis.call('HGET', k[3], 'loaded')) or 0) > tonumber(a[1]) then return 0 end
   redis.call('DEL', k[1], k[2])
   return 1
+end)
+
+-- KEYS: a client's state and received-ids keys, its claims hash. ARGV: the claim of a
+-- connection that starts a new session (none was stored, or a clean start): what an
+-- ended one left goes, and the claim is kept as 'fresh', so that the marks of older
+-- connections' publishes no longer count (gw_spool_marked).
+register_always('gw_client_fresh', function(k, a)
+  redis.call('DEL', k[1], k[2])
+  if tonumber(a[1]) > (tonumber(redis.call('HGET', k[3], 'fresh')) or 0) then
+    redis.call('HSET', k[3], 'fresh', a[1])
+  end
 end)
 
 -- KEYS: a client's state key, its claims hash. ARGV: state, expiry in seconds (0: none),

@@ -137,7 +137,7 @@ class Spooler:
         until then; `mark` (a set's key, a member, the client's claims key, the sending
         connection's claim) is recorded in the same step as the message is stored, and a
         message whose mark is recorded already is not stored again (an MQTT QoS 2 publish
-        resent after its answer was lost), until a later connection starts the session afresh."""
+        resent after its answer was lost), until a later connection starts a new session."""
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()

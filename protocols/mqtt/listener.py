@@ -224,7 +224,7 @@ class Registry:
         """No session to resume: drop what an ended or expired one left in Redis (a clean
         start ends the stored session: it leaves its shared subscription groups)."""
         raw = await self.broker.clients.load(client_id, claim) if clean_start else None
-        await self.broker.clients.delete(client_id)
+        await self.broker.clients.start_afresh(client_id, claim)
         name = queue_name(client_id)
         if await self.broker.queues.exists(name):
             await self._delete_queue(name)

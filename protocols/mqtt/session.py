@@ -484,10 +484,13 @@ class Session:
             shared = shared_filter(pattern)
             if shared is not None and self._check_filter(pattern) is not None:
                 # the ACL came to deny it a topic of the group's since it joined: its share
-                # of those would be lost to the group (see _check_filter)
-                log.warning("MQTT client %r: %s left, as the topic ACL now denies it",
+                # of those would be lost to the group (see _check_filter). Dropped, as a
+                # refused SUBSCRIBE is: its offline session would join the group again
+                log.warning("MQTT client %r: %s dropped, as the topic ACL now denies it",
                             self.client_id, pattern)  # fmt: skip
+                state.drop_subscription(pattern)
                 await self.registry.leave_shared(shared_queue_name(*shared), self.client_id)
+                self.registry.save_soon(self)
             elif shared is not None:
                 try:
                     await self._bind_shared(pattern, *shared)
