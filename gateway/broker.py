@@ -835,9 +835,10 @@ class Broker:
         self.counters[name] = self.counters.get(name, 0) + 1
 
 
-def _spool_mark(once: tuple[str, int, int] | None) -> tuple[str, str, str, int] | None:
+def _spool_mark(once: tuple[str, int, int] | None) -> tuple[str, str, str, int, str] | None:
     """Spooler.submit's mark of an exactly-once publish (Message.exactly_once)."""
     if once is None:
         return None
     client_id, packet_id, claim = once
-    return keys.client_received(client_id), str(packet_id), keys.client_claims(client_id), claim
+    received, claims = keys.client_received(client_id), keys.client_claims(client_id)
+    return received, str(packet_id), claims, claim, keys.client_state(client_id)

@@ -97,24 +97,28 @@ async def test_a_marked_message_is_stored_once_however_often_it_comes(
     """gw_spool_marked records a marked message's member in its set in the step that
     stores it; a message whose member is there is answered OK and not stored again, while
     unmarked ones of the same call are stored as gw_spool stores them. A mark counts until
-    a later connection starts the session afresh."""
+    a later connection starts a new session, and is recorded while the session lasts."""
     await declare(client, QueueConfig(name="q"))
-    await client.hset("claims", mapping={"last": 6})  # a later connection resumed it
+    await client.hset("claims", mapping={"holder": "n1 6", "last": 6})  # a later one resumed
     body = [*short(1, 0, BLOB), *full(1, 0, BLOB + b"m"), *short(1, 0, BLOB + b"u")]
-    call = ["gw_spool_marked", 2, "seen", "claims", "2 7 5", "n1", 1, "q", *body]
+    call = ["gw_spool_marked", 3, "seen", "claims", "state", "2 7 5", "n1", 1, "q", *body]
     assert await client.fcall(*call) == [0, 0, 0]
     assert await client.smembers("seen") == {b"7"}
     assert await client.fcall(*call) == [0, 0, 0]  # resent: its marked message is known
     stored = [e[b"m"] for e in await entries(client, "q")]
     assert stored == [BLOB, BLOB + b"m", BLOB + b"u", BLOB, BLOB + b"u"]
     assert await client.hget(keys.queue_stats("q"), "msgs") == b"5"
-    missing = short_head([1], True, 1, 0, 4)
-    refused = ["gw_spool_marked", 2, "seen", "claims", "1 8 5", "n1", 1, "nosuch", missing, BLOB]
-    assert await client.fcall(*refused) == [2]  # NOT_FOUND: not recorded, a resend may go
+    marked = ["gw_spool_marked", 3, "seen", "claims", "state"]
+    missing = [short_head([1], True, 1, 0, 4), BLOB]
+    assert await client.fcall(*marked, "1 8 5", "n1", 1, "nosuch", *missing) == [2]
+    assert await client.smembers("seen") == {b"7"}  # NOT_FOUND: unrecorded, may come again
     # a new session (a clean start, or none stored), which clears what the last one left
     assert await client.fcall("gw_client_fresh", 3, "state", "seen", "claims", 7) is None
     assert await client.hget("claims", "fresh") == b"7"
-    stale = ["gw_spool_marked", 2, "seen", "claims", "1 9 5", "n1", 1, "q", *short(1, 0, BLOB)]
-    assert await client.fcall(*stale) == [0]  # stored, unmarked: 9 is the newer one's to use
-    assert await client.smembers("seen") == set()
-    assert len(await entries(client, "q")) == 6
+    one = short(1, 0, BLOB)
+    assert await client.fcall(*marked, "1 9 5", "n1", 1, "q", *one) == [0]  # an older one's
+    assert await client.smembers("seen") == set()  # stored unmarked: 9 is the new session's
+    await client.hdel("claims", "holder")  # the new session ended with its connection
+    assert await client.fcall(*marked, "1 9 7", "n1", 1, "q", *one) == [0]
+    assert not await client.exists("seen")  # not made again, for good, for a session gone
+    assert len(await entries(client, "q")) == 7

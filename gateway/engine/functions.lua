@@ -1543,8 +1543,9 @@ local function spool(a, marks)
       end
       if resent then
         code = OK
-      elseif mark and (code == OK or code == NO_SUBSCRIBERS) then
-        redis.call('SADD', mark[1], mark[2])
+      elseif mark and (code == OK or code == NO_SUBSCRIBERS) and (
+          redis.call('HEXISTS', mark[3], 'holder') == 1 or redis.call('EXISTS', mark[5]) == 1) then
+        redis.call('SADD', mark[1], mark[2])  -- while the session lasts: held or stored
       end
       nout = nout + 1
       out[nout] = code
@@ -1571,7 +1572,7 @@ end
 
 redis.register_function('gw_spool', function(_, a) return spool(a) end)
 
--- KEYS: per marked message, a set and its client's claims hash. ARGV: the marked
+-- KEYS: per marked message, a set, its client's claims hash and state. ARGV: the marked
 -- messages' places in the call, each with its member and its connection's claim ("1 17 5
 -- 4 230 5": message 1, member 17; message 4, member 230; both of claim 5), then gw_spool's
 -- arguments. A marked message is recorded in its set in the same step as it is stored, and
@@ -1580,8 +1581,8 @@ redis.register_function('gw_spool', function(_, a) return spool(a) end)
 redis.register_function('gw_spool_marked', function(k, a)
   local marks, i = {}, 0
   for place, member, claim in string.gmatch(table.remove(a, 1), '(%d+) (%S+) (%d+)') do
-    marks[tonumber(place)] = { k[i + 1], member, k[i + 2], claim }
-    i = i + 2
+    marks[tonumber(place)] = { k[i + 1], member, k[i + 2], claim, k[i + 3] }
+    i = i + 3
   end
   return spool(a, marks)
 end)
@@ -2362,6 +2363,9 @@ local CLAIMS_TTL = 86400  -- renewed with a connected session's lease (gw_client
 register_always('gw_claim', function(k, a)
   local claim = redis.call('INCR', K_SEQ)
   local before = redis.call('HGET', k[1], 'holder')
+  if redis.call('EXISTS', k[1]) == 0 then  -- none for UNCLAIMED_TTL: what older connections
+    redis.call('HSET', k[1], 'fresh', claim)  -- still hold marks nothing (gw_spool_marked)
+  end
   redis.call('HSET', k[1], 'holder', a[1] .. ' ' .. claim, 'last', claim, 'user', a[3] or '')
   redis.call('EXPIRE', k[1], CLAIMS_TTL)
   if before then

@@ -72,7 +72,7 @@ _Pending = tuple[
     bytes,
     "asyncio.Future | None",
     "Done | None",
-    "tuple[str, str, str, int] | None",
+    "tuple[str, str, str, int, str] | None",
 ]
 Done = Callable[["Outcome | BaseException"], None]
 _BLOB, _FUTURE, _DONE, _MARK = 8, 9, 10, 11
@@ -125,7 +125,7 @@ class Spooler:
         not_before: int | None,
         blob: bytes,
         done: Done | None = None,
-        mark: tuple[str, str, str, int] | None = None,
+        mark: tuple[str, str, str, int, str] | None = None,
     ) -> asyncio.Future[Outcome] | None:
         """Queue one message for the next batch; the future carries its Outcome, or, when
         `done` is given, no future is made and `done(outcome)` (or `done(exception)` when
@@ -135,9 +135,10 @@ class Spooler:
         last value and sorted queues key on (Router.spool_properties); `priority` (0-9)
         picks the level of a priority queue; `not_before` (epoch ms) holds it invisible
         until then; `mark` (a set's key, a member, the client's claims key, the sending
-        connection's claim) is recorded in the same step as the message is stored, and a
-        message whose mark is recorded already is not stored again (an MQTT QoS 2 publish
-        resent after its answer was lost), until a later connection starts a new session."""
+        connection's claim, the client's state key) is recorded in the same step as the
+        message is stored, and a message whose mark is recorded already is not stored again
+        (an MQTT QoS 2 publish resent after its answer was lost), until a later connection
+        starts a new session."""
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
@@ -234,8 +235,8 @@ class Spooler:
         if not marks:
             return ["gw_spool", *args]
         self._marked -= len(marks)
-        keys = [key for _, (ids, _, claims, _) in marks for key in (ids, claims)]
-        places = " ".join(f"{place} {member} {claim}" for place, (_, member, _, claim) in marks)
+        keys = [key for _, (ids, _, claims, _, state) in marks for key in (ids, claims, state)]
+        places = " ".join(f"{place} {member} {claim}" for place, (_, member, _, claim, _) in marks)
         return ["gw_spool_marked", len(keys), *keys, places, *args[1:]]
 
     def _arguments(self, batch: list[_Pending], retry: bool) -> list[object]:
