@@ -26,10 +26,9 @@ from protocols.mqtt.codec import (
 )
 from protocols.mqtt.listener import Listener, start
 from protocols.mqtt.state import shared_queue_name
-from tests.conftest import admin_port_of
 from tests.test_admin_auth import Client, basic, q
 from tests.test_mqtt_protocol import Raw
-from tests.test_private_queues import ACL, SETTINGS, USERS
+from tests.test_private_queues import SETTINGS, USERS, admin_port  # noqa: F401
 
 SECRET_GROUP = shared_queue_name("g", "secret/#")
 
@@ -40,12 +39,6 @@ async def mqtt(broker: Broker) -> AsyncIterator[Listener]:
     assert listener is not None
     yield listener
     await listener.close()
-
-
-@pytest.fixture
-async def admin_port(broker: Broker) -> AsyncIterator[int]:
-    async with admin_port_of(broker, USERS, ACL) as port:
-        yield port
 
 
 async def member(port: int, user: str, client_id: str, pattern: str, **kw: bool) -> Raw:
@@ -78,18 +71,19 @@ async def secrets_reach(alice: Raw, port: int) -> list[str]:
     return got
 
 
-async def a_secret_waits_for_offline_alice(mqtt: Listener, admin_port: int) -> None:
+async def a_secret_waits_for_offline_alice(mqtt: Listener, admin: int) -> None:
     """alice's persistent session is the secret group's only member, offline, and a message
     waits in the group's queue."""
     alice = await member(mqtt.port, "alice", "alice-1", "$share/g/secret/#", clean_start=False)
     alice.close()
-    root = Client(admin_port, basic("root", "r-pw"))
+    root = Client(admin, basic("root", "r-pw"))
     reply = await root.call("POST", "/api/v1/messages", {"topic": "secret/plan", "payload": "s"})
     assert reply.status == 200, reply
 
 
 async def test_a_user_denied_the_topics_cannot_read_the_groups_queue_through_the_admin_api(
-    mqtt: Listener, admin_port: int
+    mqtt: Listener,
+    admin_port: int,  # noqa: F811
 ) -> None:
     """The group's queue let every user consume it: mallory, whom the ACL denies
     `secret/#` (her SUBSCRIBE to the group is refused), took alice's secret message."""
@@ -102,7 +96,9 @@ async def test_a_user_denied_the_topics_cannot_read_the_groups_queue_through_the
 
 
 async def test_a_user_denied_the_topics_cannot_read_the_groups_queue_over_amqp(
-    broker: Broker, mqtt: Listener, admin_port: int
+    broker: Broker,
+    mqtt: Listener,
+    admin_port: int,  # noqa: F811
 ) -> None:
     await a_secret_waits_for_offline_alice(mqtt, admin_port)
     amqp = await start_amqp(broker, SETTINGS)
@@ -146,7 +142,8 @@ async def test_a_user_denied_a_topic_of_the_filter_does_not_join_the_group(
 
 
 async def test_a_group_whose_queue_an_operator_deleted_starts_again(
-    mqtt: Listener, admin_port: int
+    mqtt: Listener,
+    admin_port: int,  # noqa: F811
 ) -> None:
     """The session's own queue deleted ends the session (the client is told); a group's
     queue deleted (to drop its backlog: there is no purge) left its members subscribed,
