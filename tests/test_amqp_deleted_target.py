@@ -194,7 +194,7 @@ async def test_an_auto_delete_queue_that_goes_with_its_consumer_detaches_its_sen
             try:
                 rcv.close()  # its last consumer: the queue goes
             except LinkDetached as exc:  # the sender's detach came while the close waited
-                assert exc.link is sender.link
+                assert exc.link.name == sender.link.name  # (proton wraps it anew)
                 return exc.condition
             return detached_condition(conn)
         finally:
