@@ -658,6 +658,20 @@ async def test_get_from_unknown_queue_is_404(admin: Admin) -> None:
     assert "nope" in reply.error
 
 
+async def test_a_get_waiting_on_a_queue_deleted_meanwhile_is_404(admin: Admin) -> None:
+    """It answered 200 [] once its timeout passed, as if the queue were there and empty."""
+    await admin.create("q1")
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    waiting = asyncio.create_task(admin.post(q("q1", "get"), {"timeout_ms": 20_000}))
+    await asyncio.sleep(0.3)
+    assert (await admin.request("DELETE", q("q1"))).status in (200, 204)
+    reply = await waiting
+    assert reply.status == 404, reply
+    assert "q1" in reply.error
+    assert loop.time() - started < 10  # at the delete, not at the timeout
+
+
 # -- metrics ----------------------------------------------------------------------------------
 
 

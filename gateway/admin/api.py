@@ -317,14 +317,25 @@ class AdminApi:
             raise HttpError(403, f"{name!r} is read by its subscriber alone")
         got: list[Delivery] = []
         enough = asyncio.Event()
+        ended: list[str] = []
 
         def on_deliver(delivery: Delivery) -> None:
             got.append(delivery)
             if len(got) >= count:
                 enough.set()
 
+        def on_closed(reason: str) -> None:  # the queue went while the get waited
+            ended.append(reason)
+            enough.set()
+
         flow = await self.broker.bind(
-            name, on_deliver, window=count, browse=browse, user=user, get=True
+            name,
+            on_deliver,
+            window=count,
+            browse=browse,
+            user=user,
+            get=True,
+            on_closed=on_closed,
         )
         try:
             if not timeout:  # what waits now: until a fetch finds no more (a partitioned
@@ -336,6 +347,8 @@ class AdminApi:
                     timeout += config.partition_rebalance_delay_ms / 1000
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(enough.wait(), timeout)
+            if ended and not got:
+                raise HttpError(404, f"queue {name!r} was deleted while the get waited")
             settle = {"ack": flow.ack, "requeue": flow.requeue, "reject": flow.reject}[mode]
             for d in got:
                 settle(d.entry_id)
