@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import queue
 import time
 
@@ -435,6 +436,43 @@ async def test_a_qos2_publish_held_across_its_clients_reconnect_is_stored_once(
     assert (await broker.queues.info("fc")).messages == 2  # the filler, and "once" once
     new.close()
     old.close()
+
+
+async def test_a_pubrel_redis_refuses_disconnects_without_a_traceback_and_is_resumed(
+    mqtt: Listener, broker: Broker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A PUBREL whose release Redis refuses (writes refused a moment) ends the connection,
+    logged as a warning: it logged a traceback at ERROR, as for a bug. The resumed session
+    takes the PUBREL again, and the message was stored once."""
+    caplog.set_level(logging.WARNING)
+    props = Properties(session_expiry_interval=300)
+    sub, _ = await Raw.connected(mqtt.port, 5, client_id="pr-sub")
+    await sub.send(Subscribe(1, [("pr/#", SubscriptionOptions(qos=1))]))
+    assert await sub.recv() == Suback(1, [1])
+    pub, _ = await Raw.connected(mqtt.port, 5, client_id="pr", properties=props)
+    await pub.send(Publish("pr/t", b"once", qos=2, packet_id=4))
+    assert await pub.recv() == Pubrec(4)
+    await broker.redis.config_set("min-replicas-to-write", 1)
+    try:
+        await pub.send(Pubrel(4))
+        assert await pub.recv() == Disconnect(0x80)
+        await pub.closed()
+    finally:
+        await broker.redis.config_set("min-replicas-to-write", 0)
+    again, ack = await Raw.connected(mqtt.port, 5, client_id="pr", clean_start=False,
+                                     properties=props)  # fmt: skip
+    assert ack.session_present
+    await again.send(Pubrel(4))
+    assert await again.recv() == Pubcomp(4)
+    got = await sub.recv()
+    assert isinstance(got, Publish) and got.payload == b"once"
+    await sub.send(Puback(got.packet_id))
+    with pytest.raises(TimeoutError):
+        await sub.recv(timeout=0.5)  # stored once
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+    assert not errors, [r.getMessage() for r in errors]
+    again.close()
+    sub.close()
 
 
 async def test_a_save_tried_again_after_the_connection_ended_stores_nothing(

@@ -319,8 +319,12 @@ class Session:
 
     def _busy_done(self, task: asyncio.Task) -> None:
         self._busy = None
-        if not task.cancelled() and task.exception() is not None:
-            log.error("MQTT client %r: request failed", self.client_id, exc_info=task.exception())
+        exc = None if task.cancelled() else task.exception()
+        if isinstance(exc, StoreError):  # Redis down or refusing writes: not a bug
+            log.warning("MQTT client %r: request failed, Redis: %s", self.client_id, exc)
+            self.fail(ReasonCode.UNSPECIFIED_ERROR)
+        elif exc is not None:
+            log.error("MQTT client %r: request failed", self.client_id, exc_info=exc)
             self.fail(ReasonCode.UNSPECIFIED_ERROR)
         self.link.resume_input("busy")
         self._drain()
