@@ -509,12 +509,30 @@ async def test_client_state_and_exactly_once_receipt(broker: Broker) -> None:
     assert not await clients.save("dev:1", b"older", None, claim=2)  # taken over: refused
     assert await clients.save("dev:1", b"newer", None, claim=3)
     assert await clients.load("dev:1") == b"newer"
-    assert await clients.mark_received("dev:1", 7) is True
-    assert await clients.mark_received("dev:1", 7) is False  # duplicate
+    assert await clients.mark_received("dev:1", 7, claim=3) is True
+    assert await clients.mark_received("dev:1", 7, claim=3) is False  # duplicate
     await clients.release_received("dev:1", 7)
-    assert await clients.mark_received("dev:1", 7) is True
+    assert await clients.mark_received("dev:1", 7, claim=3) is True
     await clients.expire("dev:1", 0)
     assert await clients.load("dev:1") is None and await clients.received("dev:1") == set()
+
+
+async def test_a_late_mark_counts_only_while_its_session_lasts(broker: Broker) -> None:
+    """The id of a QoS 2 publish no queue took is marked after its answer: one resolved late
+    (held in the routing hold) marked an id of a session a newer connection started afresh,
+    swallowing that session's message with the id, or made an ended session's received-ids
+    key again, with no expiry. (Found by a review.)"""
+    clients = broker.clients
+    old, _ = await broker.claim_client("dev:2", lambda: None)
+    new, _ = await broker.claim_client("dev:2", lambda: None)
+    await clients.start_afresh("dev:2", new)
+    assert await clients.mark_received("dev:2", 5, claim=old) is False
+    assert await clients.received("dev:2") == set()
+    assert await clients.mark_received("dev:2", 5, claim=new) is True
+    await clients.forget("dev:2", new)  # a clean session ended, nothing holds it
+    await broker.release_client("dev:2", new)
+    assert await clients.mark_received("dev:2", 6, claim=new) is False
+    assert not await broker.redis.exists(keys.client_received("dev:2"))
 
 
 async def test_client_takeover_across_nodes(broker: Broker, second_node: Broker) -> None:

@@ -105,11 +105,18 @@ class ClientStore:
             )
         )
 
-    async def mark_received(self, client_id: str, message_id: int | str) -> bool:
-        """Record an inbound message id; False if it was already recorded (a duplicate)."""
+    async def mark_received(self, client_id: str, message_id: int | str, claim: int) -> bool:
+        """Record an inbound message id of the connection of `claim`; False if it was
+        already recorded (a duplicate), or its session ended or was started afresh since."""
         return bool(
             await self._redis.fcall(
-                "gw_client_mark", 1, keys.client_received(client_id), message_id
+                "gw_client_mark",
+                3,
+                keys.client_received(client_id),
+                keys.client_claims(client_id),
+                keys.client_state(client_id),
+                message_id,
+                claim,
             )
         )
 

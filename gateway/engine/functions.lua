@@ -2637,8 +2637,16 @@ register_always('gw_retained', function(k, a)
   return redis.call('HGET', k[1], a[1])
 end)
 
--- KEYS: a client's received-ids key. ARGV: a message id. 1 if it was new, 0 if recorded.
+-- KEYS: a client's received-ids key; its claims hash and state key. ARGV: a message id;
+-- the claim of the connection that sent it. 1 if it was new, 0 if recorded or not marked:
+-- as gw_spool_marked marks, only while the session lasts (held or stored) and no newer
+-- connection started a new session (a publish resolved late swallows none of its ids).
+-- An older node's call names the received-ids key alone: marked as it was.
 register_always('gw_client_mark', function(k, a)
+  if k[2] and (tonumber(a[2]) < (tonumber(redis.call('HGET', k[2], 'fresh')) or 0) or (
+      redis.call('HEXISTS', k[2], 'holder') == 0 and redis.call('EXISTS', k[3]) == 0)) then
+    return 0
+  end
   return redis.call('SADD', k[1], a[1])
 end)
 

@@ -670,12 +670,15 @@ class Session:
         self._unresolved += 1
         ack = _Ack(self, 2, pid, ReasonCode.SUCCESS, None)
         self._acks.append(ack)
-        fut = asyncio.ensure_future(self._mark_received(self.broker.publish_nowait(msg), pid))
+        spooled = self.broker.publish_nowait(msg)
+        fut = asyncio.ensure_future(self._mark_received(spooled, pid, self.claim))
         fut.add_done_callback(ack.from_future)
         self._storing[pid] = fut
         fut.add_done_callback(lambda _: self._storing.pop(pid, None))
 
-    async def _mark_received(self, spooled: asyncio.Future[Outcome], pid: int) -> Outcome:
+    async def _mark_received(
+        self, spooled: asyncio.Future[Outcome], pid: int, claim: int
+    ) -> Outcome:
         """QoS 2: the id is recorded in Redis before the PUBREC, so a resend after a
         reconnect (on any node, after a restart) is not stored again: by the spool, in the
         same step as the message (`exactly_once`: an answer lost on the way, or Redis
@@ -685,7 +688,7 @@ class Session:
         finally:
             self._spooled()
         if outcome is Outcome.NO_SUBSCRIBERS:
-            await self.broker.clients.mark_received(self.client_id, pid)
+            await self.broker.clients.mark_received(self.client_id, pid, claim)
         return outcome
 
     def _check_v5_publish(self, p: Publish) -> bool:
