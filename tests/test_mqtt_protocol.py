@@ -337,6 +337,33 @@ async def test_a_qos_2_delivery_names_its_topic_in_full(mqtt: Listener) -> None:
     raw.close()
 
 
+async def test_a_qos_2_delivery_that_fits_only_with_its_alias_is_sent_with_it(
+    mqtt: Listener,
+) -> None:
+    """A QoS 2 delivery names its topic in full (for mqtt.js, above): one that fitted the
+    client's maximum packet size only with the topic left out was dropped as over it."""
+    topic = "long/" + "t" * 200
+    props = Properties(topic_alias_maximum=2, maximum_packet_size=400)
+    raw, _ = await Raw.connected(mqtt.port, 5, client_id="fits2", properties=props)
+    await raw.send(Subscribe(1, [("long/#", SubscriptionOptions(qos=2))]))
+    await raw.recv()
+    pub, _ = await Raw.connected(mqtt.port, 5, client_id="fits2-pub")
+    for pid, payload in ((1, b"small"), (2, b"x" * 250)):  # 250 B: fits with no topic
+        await pub.send(Publish(topic, payload, qos=2, packet_id=pid))
+        assert await pub.recv() == Pubrec(pid)
+    seen = []
+    while len(seen) < 2:
+        p = await raw.recv()
+        if isinstance(p, Pubrel):
+            await raw.send(Pubcomp(p.packet_id))
+            continue
+        seen.append((p.topic, len(p.payload), p.properties.topic_alias))
+        await raw.send(Pubrec(p.packet_id))
+    assert seen == [(topic, 5, 1), ("", 250, 1)]
+    pub.close()
+    raw.close()
+
+
 async def test_slow_reader_is_disconnected(mqtt: Listener) -> None:
     slow = await Raw.open(mqtt.port, 4, rcvbuf=4096)
     await slow.send(Connect(protocol_level=4, client_id="slow"))

@@ -217,7 +217,6 @@ def _says_priority(props: list[tuple[str, PropertyValue]], priority: int) -> boo
 
 def encode_delivery(
     msg: Message,
-    *,
     qos: int,
     packet_id: int | None,
     dup: bool,

@@ -1005,21 +1005,20 @@ class Session:
                 flow.release(entry_id)
             return
         alias = self._alias_for(msg.destination) if self._out_alias_max else None
-        if alias is not None and qos == 2:  # its topic in full, the alias set again: mqtt.js
-            alias = (alias[0], False)  # hands a QoS 2 message on at PUBREL with the topic
-            # of the stored packet, left out ("") where the alias stood for it
+        named = alias is not None and qos == 2 and alias[1]
+        if named:  # its topic in full, the alias set again: mqtt.js hands a QoS 2 message
+            alias = (alias[0], False)  # on at PUBREL with the topic of the stored packet,
+            # left out ("") where the alias stood for it
+        dup = (dup or resent) and qos > 0
         try:
             data = mapping.encode_delivery(
-                msg,
-                qos=qos,
-                packet_id=pid,
-                dup=(dup or resent) and qos > 0,
-                retain=retain,
-                subscription_ids=sub_ids,
-                expiry=expiry,
-                level=self.level,
-                alias=alias,
+                msg, qos, pid, dup, retain, sub_ids, expiry, self.level, alias
             )
+            if named and self._max_out is not None and len(data) > self._max_out:
+                alias = (alias[0], True)  # fits only with the topic left out: sent so
+                data = mapping.encode_delivery(
+                    msg, qos, pid, dup, retain, sub_ids, expiry, self.level, alias
+                )
         except ValueError as exc:  # a string over 65,535 bytes (from AMQP): dropped, as a
             # packet over the client's maximum is (MQTT-3.1.2-25), not left to hold its place
             log.info("MQTT client %r: a message MQTT cannot carry is not sent: %s",
