@@ -50,6 +50,39 @@ async def test_ring_drops_the_oldest_undelivered(broker: Broker) -> None:
     assert [d.message.payload for d in seen] == [b"0", b"4", b"5"]
 
 
+async def test_ring_takes_a_message_when_only_delivered_ones_are_left(broker: Broker) -> None:
+    """A ring never refuses a publisher: with every message of the queue delivered and not
+    settled yet (a prefetch as large as the limit), the next one was refused (queue full).
+    It is taken over the limit, which then bounds the waiting ones (RabbitMQ's drop-head
+    counts only ready messages). (Found by a review.)"""
+    await broker.declare_queue(QueueConfig(name="q", max_messages=3, overflow="ring"))
+    for i in range(3):
+        await broker.publish(msg(f"{i}"))
+    got: list[Delivery] = []
+    flow = await broker.bind("q", got.append, window=3)
+    await wait_for(lambda: len(got) == 3)
+    assert [await broker.publish(msg(f"{i}")) for i in (3, 4)] == [Outcome.OK, Outcome.OK]
+    info = await broker.queues.info("q")
+    assert info.messages == 4 and info.counters["dropped"] == 1  # "3" made room for "4"
+    for d in got:
+        flow.ack(d.entry_id)
+    await wait_for(lambda: len(got) == 4)
+    assert [d.message.payload for d in got] == [b"0", b"1", b"2", b"4"]
+
+
+async def test_a_message_larger_than_a_queues_byte_quota_is_refused_at_once(
+    broker: Broker,
+) -> None:
+    """It can never fit, even in the empty queue: under flow_control it was held for good,
+    and held back every later message of the node to the queue. (Found by a review.)"""
+    await broker.declare_queue(QueueConfig(name="q", max_spool_bytes=2000, overflow="flow_control"))
+    big = broker.publish_nowait(msg("x" * 5000))
+    assert await asyncio.wait_for(big, 2) is Outcome.QUOTA_EXCEEDED
+    assert await asyncio.wait_for(broker.publish(msg("small")), 2) is Outcome.OK
+    info = await broker.queues.info("q")
+    assert info.messages == 1 and not info.blocked
+
+
 @pytest.mark.parametrize(
     "kind",
     [{"message_groups": "default"}, {"selector": "rank IS NOT NULL"}],

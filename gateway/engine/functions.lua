@@ -1097,7 +1097,9 @@ end
 
 -- First step: the waiting messages that would have to go for `size` more to fit in q,
 -- chosen without deleting anything (the message may still be refused by a later check).
--- Sets q.plan; false when only delivered (unsettled) messages are left to drop. The
+-- Sets q.plan. Delivered (unsettled) messages are not dropped: when only they are left, the
+-- message is taken over the limit (a ring never refuses a publisher; RabbitMQ's drop-head
+-- counts only ready messages), and the limit bounds the waiting ones until they settle. The
 -- limits of a partitioned or priority queue bound its family, so with `sibling` (gw_spool's
 -- spool target of another child) it drops from the family: a priority queue from its
 -- lowest level first, a partitioned one its oldest entries whatever their partition.
@@ -1124,7 +1126,7 @@ local function plan_drop(q, size, sibling, replaced, replaced_size)
       if id and (not best or id_less(id, best_id)) then best, best_id, best_source = m, id, source end
       if best and by_level then break end
     end
-    if not best then return false end
+    if not best then break end
     local n = add_to_drop(best, best_id, best_source)
     plan.bytes = plan.bytes + n
     if best_id ~= replaced then  -- that one was counted out above
@@ -1134,7 +1136,6 @@ local function plan_drop(q, size, sibling, replaced, replaced_size)
       plan.replaced = { m = best, bytes = n }
     end
   end
-  return true
 end
 
 -- Second step, once the message is stored: delete what plan_drop chose.
@@ -1180,10 +1181,14 @@ local function dmq_full(dmq, size, payload)
     return by_name[name]
   end
   local t = target(dmq)
-  if t.missing or not t.ingress or (t.maxsize > 0 and payload > t.maxsize) then return true end
+  if t.missing or not t.ingress or (t.maxsize > 0 and payload > t.maxsize)
+      or (t.maxbytes > 0 and size > t.maxbytes) then
+    return true
+  end
   local freed = 0
   if over_quota(t, size) then
-    if t.overflow ~= 'ring' or not plan_drop(t, size, target) then return true end
+    if t.overflow ~= 'ring' then return true end
+    plan_drop(t, size, target)
     freed = t.plan.bytes
   end
   local broker, in_vpn = spool_limits(t.vpn)
@@ -1492,9 +1497,12 @@ local function spool(a, marks)
             redis.call('HINCRBY', k_queue_stats(q.name), 'discarded_shut', 1)
           end
         elseif q.maxsize > 0 and size > q.maxsize then code = TOO_LARGE
+        elseif q.maxbytes > 0 and bytes > q.maxbytes then code = QUOTA_EXCEEDED  -- fits never:
+          -- held (flow_control), it held back the node's later messages to the queue for good
         elseif q.blocked or q.flow_held then code = hold_for_node(q)
         elseif over_quota(q, bytes) and not (q.lvq and fits_replacing(q, props, bytes)) then
-          if q.overflow == 'ring' and plan_drop(q, bytes, target, ring_replaced(q, props)) then
+          if q.overflow == 'ring' then
+            plan_drop(q, bytes, target, ring_replaced(q, props))
             nt = nt + 1
             targets[nt] = q
           elseif q.overflow == 'flow_control' then
