@@ -14,6 +14,7 @@ import pytest
 from gateway.broker import ANONYMOUS, Broker, QueueConfig
 from gateway.config import Settings, User
 from gateway.engine import library
+from gateway.model import Message
 from protocols.mqtt.codec import (
     Connack,
     Connect,
@@ -381,6 +382,38 @@ async def test_slow_reader_is_disconnected(mqtt: Listener) -> None:
             await asyncio.sleep(0.05)
     pub.close()
     slow.close()
+
+
+async def test_a_reader_that_keeps_up_is_not_cut_off_behind_one_large_message(
+    mqtt: Listener, broker: Broker
+) -> None:
+    """A subscriber reading steadily (about 13 MB/s) got a 15 MB message, then a small one:
+    the small one found the large one still in the write buffer, over the 8 MiB cap, and
+    the client was cut off as not reading, losing both. The cap counts what was queued
+    after the client stopped keeping up. (Found by a review.)"""
+    sub = await Raw.open(mqtt.port, 4, rcvbuf=65536)
+    await sub.send(Connect(protocol_level=4, client_id="bigsub"))
+    await sub.send(Subscribe(1, [("big/#", SubscriptionOptions())]))
+    assert isinstance(await sub.recv(), Connack) and isinstance(await sub.recv(), Suback)
+    body = random.randbytes(15_000_000)
+    await broker.publish(Message(destination="big/a", payload=body))  # QoS 0: no queue
+    got: list[Packet] = []
+
+    async def read_slowly() -> None:
+        while len(got) < 2:
+            data = await sub.reader.read(65536)
+            if not data:
+                return
+            got.extend(sub.decoder.feed(data))
+            await asyncio.sleep(0.005)
+
+    reading = asyncio.create_task(read_slowly())
+    await asyncio.sleep(0.15)
+    await broker.publish(Message(destination="big/b", payload=b"small"))
+    await asyncio.wait_for(reading, 30)
+    assert [(p.topic, p.payload == body) for p in got] == [("big/a", True), ("big/b", False)]
+    assert got[1].payload == b"small"
+    sub.close()
 
 
 async def test_persistent_session_survives_gateway_restart(redis_url: str) -> None:

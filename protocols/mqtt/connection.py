@@ -29,7 +29,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 WRITE_BUFFER_HIGH = 256 * 1024  # pause reading above this much unsent output
-WRITE_BUFFER_CAP = 8 * 1024 * 1024  # drop the client when this much is already queued
+# drop the client when this much more is queued than when it stopped keeping up (a large
+# message queued at once is no sign of a client that does not read)
+WRITE_BUFFER_CAP = 8 * 1024 * 1024
 CLOSE_GRACE = 1.0  # seconds a closing transport may take to flush before it is aborted
 
 
@@ -58,6 +60,7 @@ class MqttConnection(asyncio.Protocol):
         self._dead = False
         self._out: list[bytes] | None = None  # this turn's output, written by _flush
         self._written = 0  # bytes handed to the transport so far
+        self._cap = WRITE_BUFFER_CAP  # unsent output beyond which the client is dropped
         self._acked_seen = 0  # output the client's TCP acknowledged, when last asked
 
     @property
@@ -127,7 +130,7 @@ class MqttConnection(asyncio.Protocol):
         transport = self.transport
         if not out or transport is None or transport.is_closing():
             return
-        if transport.get_write_buffer_size() > WRITE_BUFFER_CAP:
+        if transport.get_write_buffer_size() > self._cap:
             log.warning(
                 "MQTT client %r is not reading; disconnecting it",
                 self.session.client_id if self.session else "?",
@@ -168,10 +171,13 @@ class MqttConnection(asyncio.Protocol):
         session's flows take no more messages until it drains (else each would fill its
         window, up to MAX_WINDOW messages of any size, in the node's memory)."""
         self.pause_input("writing")
+        if self.transport is not None:
+            self._cap = self.transport.get_write_buffer_size() + WRITE_BUFFER_CAP
         if self.session is not None:
             self.session.writable_changed()
 
     def resume_writing(self) -> None:
+        self._cap = WRITE_BUFFER_CAP
         self.resume_input("writing")
         if self.session is not None:
             self.session.writable_changed()
