@@ -133,17 +133,66 @@ async def test_dynamic_node_lifetime_policies(broker: Broker, amqp: Listener) ->
     after_link, after_connection, kept = await asyncio.to_thread(scenario)
     assert after_link == {
         "delete-on-close": False,
-        "delete-on-no-links": False,  # its last consumer went
+        "delete-on-no-links": False,  # its last link went
         "delete-on-no-messages": True,  # emptiness is not watched: kept ...
     }
     assert after_connection == dict.fromkeys(after_link, False)  # ... until the connection ends
     assert kept.startswith("#tmp/")
 
 
-async def dynamic_receiver(peer: Peer, name: str) -> str:
-    """Attach link `name` (handle 0) with a dynamic source, delete-on-close by default;
-    the address of its node."""
-    source = Described(ulong(SOURCE), [None, None, None, None, True])  # dynamic
+class DynamicTarget(LinkOption):
+    """A sender's dynamic target, delete-on-no-links."""
+
+    def apply(self, link) -> None:
+        link.target.dynamic = True
+        policy = Described(ulong(0x2C), [])
+        link.target.properties.put_dict({symbol("lifetime-policy"): policy})
+
+
+async def test_a_delete_on_no_links_node_goes_with_the_last_link_to_or_from_it(
+    broker: Broker, amqp: Listener
+) -> None:
+    """§3.5.10: the node lives while links to or from it exist. A dynamic target's node
+    (made by a sender link: no consumer ever) stayed until the connection ended; a dynamic
+    source's went with its receiver while a sender link of the connection still sent to it.
+    (Found by a review.)"""
+    loop = asyncio.get_running_loop()
+
+    def exists(name: str) -> bool:
+        return on_loop(loop, broker.queues.exists(name))
+
+    def scenario() -> list[bool]:
+        conn = connect(amqp)
+        try:
+            snd = conn.create_sender(None, options=DynamicTarget())
+            target = snd.link.remote_target.address
+            seen = [exists(target)]
+            snd.close()
+            time.sleep(0.3)
+            seen.append(exists(target))
+            rcv = conn.create_receiver(None, dynamic=True, options=LifetimePolicy(ulong(0x2C)))
+            source = rcv.link.remote_source.address
+            replies = conn.create_sender(source)
+            rcv.close()
+            time.sleep(0.3)
+            seen.append(exists(source))  # a link to it is left
+            replies.close()
+            time.sleep(0.3)
+            seen.append(exists(source))
+            return seen
+        finally:
+            conn.close()
+
+    assert await asyncio.to_thread(scenario) == [True, False, True, False]
+
+
+async def dynamic_receiver(peer: Peer, name: str, policy: int | None = None) -> str:
+    """Attach link `name` (handle 0) with a dynamic source, delete-on-close by default (else
+    the lifetime policy of descriptor `policy`); the address of its node."""
+    fields: list[object] = [None, None, None, None, True]  # dynamic
+    if policy is not None:
+        fields.append({symbol("lifetime-policy"): Described(ulong(policy), [])})
+    source = Described(ulong(SOURCE), fields)
     target = Described(ulong(TARGET), [None])
     modes = ubyte(0), ubyte(0)
     peer.send(frame(performative(ATTACH, name, uint(0), RECEIVER, *modes, source, target)))
@@ -164,14 +213,15 @@ async def gone(broker: Broker, name: str) -> bool:
     return False
 
 
+@pytest.mark.parametrize("policy", [None, 0x2C], ids=["delete-on-close", "delete-on-no-links"])
 async def test_a_delete_on_close_node_outlives_a_detach_without_close(
-    broker: Broker, amqp: Listener
+    broker: Broker, amqp: Listener, policy: int | None
 ) -> None:
     """Found by a review: a detach with closed=false deleted a delete-on-close node, and
     the messages it held, though the link may be resumed (§3.5.10: the node goes when the
     link ceases to exist). The link's resumption takes it on, and its close deletes it."""
     peer = await Peer.opened(amqp.port)
-    node = await dynamic_receiver(peer, "replies")
+    node = await dynamic_receiver(peer, "replies", policy)
     await detach(peer, closed=False)
     assert await broker.queues.exists(node), "deleted by a detach without close"
     await broker.publish(GatewayMessage(node, b"reply", to_queue=True))
@@ -186,14 +236,15 @@ async def test_a_delete_on_close_node_outlives_a_detach_without_close(
     peer.close()
 
 
+@pytest.mark.parametrize("policy", [None, 0x2C], ids=["delete-on-close", "delete-on-no-links"])
 @pytest.mark.parametrize("end", ["session", "connection"])
 async def test_a_suspended_links_delete_on_close_node_goes_with_its_session(
-    broker: Broker, amqp: Listener, end: str
+    broker: Broker, amqp: Listener, end: str, policy: int | None
 ) -> None:
     """A link detached without close ceases to exist when its session or connection ends,
-    and its delete-on-close node with it."""
+    and its delete-on-close (or delete-on-no-links) node with it."""
     peer = await Peer.opened(amqp.port)
-    node = await dynamic_receiver(peer, "replies")
+    node = await dynamic_receiver(peer, "replies", policy)
     await detach(peer, closed=False)
     assert await broker.queues.exists(node)
     if end == "session":

@@ -136,6 +136,7 @@ class Endpoint:
         self.temporary: str | None = None  # queue created for this link
         self.lifetime = Lifetime.LINK  # of `temporary`: deleted with the link, or later
         self.dynamic = False  # `temporary` is a dynamic node (not a topic subscription's)
+        self.counted: str | None = None  # delete-on-no-links node this link counts toward
 
     @property
     def live(self) -> bool:
@@ -185,12 +186,20 @@ class Endpoint:
         if self.temporary is not None and self.dynamic and self.lifetime is Lifetime.LINK:
             self.host.nodes.suspend(self.temporary, self.link.name, self.link.session)
             self.temporary = None
+        if self.counted is not None:
+            self.host.nodes.suspend_link(self.counted, self.link.name, self.link.session)
+            self.counted = None
 
     def resume(self, address: str) -> None:
         """An attach to `address`: if it resumes the suspended link that made the node at
-        that address, the node is this link's again."""
+        that address, the node is this link's again; a delete-on-no-links node counts it."""
         if self.host.nodes.resume(address, self.link.name):
             self.temporary, self.lifetime, self.dynamic = address, Lifetime.LINK, True
+        self.count_toward(address)
+
+    def count_toward(self, node: str) -> None:
+        if self.host.nodes.link(node, self.link.name):
+            self.counted = node
 
     async def close(self, ended: bool = False) -> None:
         """Release what the link holds in the broker (the proton link is closed by the caller).
@@ -198,8 +207,11 @@ class Endpoint:
         self.closed = True
         if self.temporary is not None:
             name, self.temporary = self.temporary, None
-            if self.lifetime is Lifetime.LINK:  # else it goes later, with the connection
+            if self.lifetime is Lifetime.LINK:  # else with its last link or the connection
                 await self.host.nodes.delete(name)
+        if self.counted is not None:
+            name, self.counted = self.counted, None
+            await self.host.nodes.unlink(name)
 
 
 class Inbound(Endpoint):
@@ -233,6 +245,7 @@ class Inbound(Endpoint):
         if remote.dynamic:
             self.lifetime, self.dynamic = lifetime(remote), True
             self.temporary = await self.host.nodes.create(self.lifetime)
+            self.count_toward(self.temporary)
             self.address = Address(self.temporary, True)
         else:
             self.address = parse_address(remote.address, capabilities(remote))

@@ -8,9 +8,12 @@ Its ``lifetime-policy`` (dynamic-node-properties) is mapped to what the queue en
 | lifetime-policy | here |
 |---|---|
 | delete-on-close (the default) | deleted once its link is closed, or its session ends |
-| delete-on-no-links | auto-delete: deleted when its last consumer goes |
+| delete-on-no-links | deleted once no link of its connection is attached to or from it |
 | delete-on-no-links-or-messages | as delete-on-no-links (emptiness is not watched) |
 | delete-on-no-messages | kept until the connection ends (emptiness is not watched) |
+
+A link detached without close counts until its session ends. Other connections' links,
+which may only send to it, do not count.
 
 Other dynamic-node-properties (supported-dist-modes...) are ignored.
 """
@@ -39,7 +42,7 @@ class Lifetime(Enum):
     NO_LINKS_OR_MESSAGES = "delete-on-no-links-or-messages"
 
     @property
-    def auto_delete(self) -> bool:
+    def no_links(self) -> bool:
         return self in (Lifetime.NO_LINKS, Lifetime.NO_LINKS_OR_MESSAGES)
 
 
@@ -77,6 +80,10 @@ class DynamicNodes:
         # delete-on-close nodes of links detached without closing (§3.5.10: the node goes
         # when the link ceases to exist): node -> (link name, session)
         self.suspended: dict[str, tuple[str, Any]] = {}
+        # delete-on-no-links nodes: how many of this connection's links are attached to or
+        # from each, and those detached without closing: (node, link name) -> session
+        self.links: dict[str, int] = {}
+        self.suspended_links: dict[tuple[str, str], Any] = {}
         self.ended = False  # the connection is gone: a node created now goes at once
 
     async def create(
@@ -86,10 +93,11 @@ class DynamicNodes:
             owner=self.user,
             subscriptions=subscriptions,
             connection=self.connection,
-            auto_delete=policy.auto_delete,
             selector=selector,
         )
         self.names.add(name)
+        if policy.no_links:
+            self.links[name] = 0
         if self.ended:  # it ended while the queue was being created: nothing will use it
             await self.delete(name)
         return name
@@ -106,15 +114,43 @@ class DynamicNodes:
         del self.suspended[name]
         return True
 
+    def link(self, name: str, link: str) -> bool:
+        """A link attached to or from node `name`: whether it counts toward the node's life
+        (delete-on-no-links); one resuming a link detached without close takes its place."""
+        if name not in self.links:
+            return False
+        if self.suspended_links.pop((name, link), None) is None:
+            self.links[name] += 1
+        return True
+
+    def suspend_link(self, name: str, link: str, session: Any) -> None:
+        """A counted link detached without close: it counts until its session ends."""
+        self.suspended_links[(name, link)] = session
+
+    async def unlink(self, name: str) -> None:
+        """A counted link closed: the node goes with the last."""
+        left = self.links.get(name)
+        if left is None:
+            return
+        if left <= 1:
+            await self.delete(name)
+        else:
+            self.links[name] = left - 1
+
     async def end_session(self, session: Any) -> None:
-        """The session ended: the links suspended on it are gone, and so are their nodes."""
+        """The session ended: the links suspended on it are gone, and so are their nodes
+        (delete-on-close), or their counts (delete-on-no-links)."""
         for name, (_, held) in list(self.suspended.items()):
             if held == session:
                 await self.delete(name)
+        for key, held in list(self.suspended_links.items()):
+            if held == session and self.suspended_links.pop(key, None) is not None:
+                await self.unlink(key[0])
 
     async def delete(self, name: str) -> None:
         self.names.discard(name)
         self.suspended.pop(name, None)
+        self.links.pop(name, None)
         with contextlib.suppress(QueueError):  # gone already (auto-delete)
             await self.broker.delete_temporary_queue(name, user=self.user)
 

@@ -193,6 +193,7 @@ class Outbound(Endpoint):
         if remote.dynamic:
             self.lifetime, self.dynamic = nodes.lifetime(remote), True
             self.temporary = await self.host.nodes.create(self.lifetime)
+            self.count_toward(self.temporary)
             return self.temporary, False, None
         if not remote.address:
             return await self._existing_subscription()
