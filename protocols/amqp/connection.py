@@ -130,6 +130,7 @@ class AmqpConnection(asyncio.Protocol):
         self._detaching: dict[str, asyncio.Future[None]] = {}  # link name -> its close
         self._write_watchers: set[Outbound] = set()  # see watch_writes
         self.writable = True  # see pause_writing
+        self.partial_bytes = 0  # see links.PARTIAL_BYTES_MAX
 
     # -- asyncio.Protocol ------------------------------------------------------------------
 

@@ -50,6 +50,11 @@ _TOPIC = frozenset({"topic"})
 
 CREDIT = 500  # credit granted to publishing clients
 MAX_MESSAGE_SIZE = 16 * 1024 * 1024  # advertised on inbound links
+# Bytes of unfinished (multi-frame) deliveries a connection's links may have proton hold
+# at once: two of the largest messages. The session window does not bound them (and
+# cannot: a delivery is read once complete), so the link whose delivery would pass this
+# is ended with amqp:resource-limit-exceeded
+PARTIAL_BYTES_MAX = 2 * MAX_MESSAGE_SIZE
 RECEIVE_BUFFER_MAX = 64 * 1024  # larger deliveries are read through a buffer of their own
 
 NOT_FOUND = "amqp:not-found"
@@ -118,6 +123,7 @@ class Host(Protocol):
     connection_id: str  # for exclusive queues
     nodes: DynamicNodes
     writable: bool  # False while the socket's buffer is past its high-water mark
+    partial_bytes: int  # in the links' unfinished deliveries (PARTIAL_BYTES_MAX)
 
     def wake(self) -> None: ...
 
@@ -235,6 +241,10 @@ class Inbound(Endpoint):
         # settled once the client settles it; the C deliveries answered until then
         self.second = False
         self._answered: set[Any] = set()
+        # the unfinished delivery the link receives (at most one: a link's transfers are
+        # of one delivery until it is complete), and its bytes in host.partial_bytes
+        self._partial: Any = None
+        self._partial_bytes = 0
 
     async def attach(self) -> None:
         link, broker = self.link, self.host.broker
@@ -292,6 +302,7 @@ class Inbound(Endpoint):
                 pn_delivery_settle(dlv)
             return
         if pn_delivery_aborted(dlv):
+            self._drop_partial()
             pn_delivery_settle(dlv)
             self._top_up()
             return
@@ -299,10 +310,18 @@ class Inbound(Endpoint):
             return
         size = pn_delivery_pending(dlv)
         if pn_delivery_partial(dlv):
+            host = self.host
+            host.partial_bytes += size - self._partial_bytes
+            self._partial, self._partial_bytes = dlv, size
             if size > MAX_MESSAGE_SIZE:  # a link error, as the spec asks
                 self.fail("amqp:link:message-size-exceeded", f"over {MAX_MESSAGE_SIZE} bytes")
-                self.discard(dlv)  # proton drops its bytes, and those still to come
+            elif host.partial_bytes > PARTIAL_BYTES_MAX:
+                why = f"the connection's unfinished deliveries passed {PARTIAL_BYTES_MAX} bytes"
+                self.fail(RESOURCE_LIMIT, why)
             return
+        if self._partial_bytes:  # the last frame of a multi-frame delivery
+            self.host.partial_bytes -= self._partial_bytes
+            self._partial, self._partial_bytes = None, 0
         impl = self.link._impl
         buffer = self._buffer if size <= self._buffer_size else self._receive_buffer(size)
         got = lib.pn_link_recv(impl, buffer, size) if size else 0
@@ -317,6 +336,34 @@ class Inbound(Endpoint):
         elif self._publish(dlv, data):
             return  # credit: the delivery used one, its publish holds one (see _top_up)
         self._top_up()
+
+    def refuse(self, name: str, description: str) -> None:
+        live = self.live
+        super().refuse(name, description)
+        self._drop_unfinished(live)
+
+    def fail(self, name: str, description: str | None = None) -> None:
+        live = self.live
+        super().fail(name, description)
+        self._drop_unfinished(live)
+
+    def _drop_unfinished(self, live: bool) -> None:
+        """The link was ended: its unfinished delivery, if any, is refused with its error,
+        and proton drops its bytes and those the client sends on (rather than keep them
+        until the client detaches)."""
+        dlv = self._partial
+        self._drop_partial()
+        if live and dlv is not None:
+            self.discard(dlv)
+
+    def detached(self) -> None:
+        self._drop_partial()  # freed with the link
+
+    def _drop_partial(self) -> None:
+        """The unfinished delivery leaves the connection's count (aborted, or dropped)."""
+        if self._partial_bytes:
+            self.host.partial_bytes -= self._partial_bytes
+        self._partial, self._partial_bytes = None, 0
 
     def discard(self, dlv: Any) -> None:
         """Refused with the error the link was closed with: not stored (see Endpoint)."""

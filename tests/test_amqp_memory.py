@@ -1,0 +1,145 @@
+"""What one AMQP connection may make the node hold: the bytes of deliveries it leaves
+unfinished are bounded per connection (the gateway's
+memory, measured with glibc's mallinfo2, in this process, where the gateway runs)."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import os
+
+import pytest
+from proton import Message, uint
+
+from gateway.broker import Broker, QueueConfig
+from protocols.amqp import links
+from protocols.amqp.listener import Listener
+from tests.amqp_raw import ACCEPTED, DETACH, DISPOSITION, Peer, frame, performative
+
+CHUNK = 32_000  # under the gateway's max-frame-size (32 KiB)
+MiB = 2**20
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+_libc = ctypes.CDLL("libc.so.6")
+_libc.mallinfo2.restype = _Mallinfo2
+
+
+def allocated() -> int:
+    """Bytes malloc has handed out and not had back (arena chunks and mmapped ones), so
+    memory an earlier test freed does not hide growth."""
+    info = _libc.mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
+class Peak:
+    """The most `allocated()` grew over its value at the start, sampled every 20 ms."""
+
+    def __init__(self) -> None:
+        self.base = self.peak = allocated()
+        self._task = asyncio.create_task(self._sample())
+
+    async def _sample(self) -> None:
+        while True:
+            self.peak = max(self.peak, allocated())
+            await asyncio.sleep(0.02)
+
+    def stop(self) -> int:
+        self._task.cancel()
+        self.peak = max(self.peak, allocated())
+        return self.peak - self.base
+
+
+async def send_multi(
+    peer: Peer, handle: int, delivery_id: int, data: bytes | memoryview, finish: bool = True
+) -> None:
+    """One delivery in frames of CHUNK bytes (more=true on all but the last, unless not
+    `finish`ed), waiting for the socket to drain now and then."""
+    view = memoryview(data)  # not copied: the test's own bytes would count as the node's
+    pieces = [view[i : i + CHUNK] for i in range(0, len(data), CHUNK)]
+    for i, piece in enumerate(pieces):
+        more = i < len(pieces) - 1 or not finish
+        tag = b"%d" % delivery_id if i == 0 else None
+        peer.transfer(handle, delivery_id if i == 0 else None, piece, more=more, tag=tag)
+        if i % 32 == 31:
+            await peer.writer.drain()
+    await peer.writer.drain()
+
+
+@pytest.fixture
+async def port(broker: Broker, amqp: Listener) -> int:
+    await broker.declare_queue(QueueConfig(name="big", max_message_size=16 * MiB))
+    return amqp.port
+
+
+async def test_unfinished_deliveries_are_bounded_per_connection(port: int) -> None:
+    """A client that starts large deliveries on many links and never finishes them cannot
+    make the node hold more than the connection's budget: the link whose delivery would
+    pass it is ended with resource-limit-exceeded (each delivery is under the 16 MiB
+    max-message-size), and the deliveries within it can still be finished and stored."""
+    peer = await Peer.opened(port)
+    count = 12
+    for handle in range(count):
+        await peer.sender(handle, "big")
+    body = os.urandom(15 * MiB)
+    data = bytes(Message(body=body).encode())
+    unfinished = memoryview(data)[: 15 * MiB - 1000]
+    await asyncio.sleep(0.2)
+    peak = Peak()
+    for handle in range(count):
+        await send_multi(peer, handle, handle, unfinished, finish=False)
+    await asyncio.sleep(0.5)
+    grown = peak.stop()
+    assert grown < 2 * links.PARTIAL_BYTES_MAX + 16 * MiB, f"grew {grown / MiB:.0f} MiB"
+    within = links.PARTIAL_BYTES_MAX // (15 * MiB)
+    detached = set()
+    while len(detached) < count - within:
+        got = await peer.expect(DETACH)
+        assert got.error() == links.RESOURCE_LIMIT
+        detached.add(got.fields[0])
+    assert detached == set(range(within, count))
+    for handle in range(within):  # the rest of each delivery: stored
+        rest = data[15 * MiB - 1000 :]
+        peer.transfer(handle, None, rest, tag=None)
+        assert (await peer.expect(DISPOSITION)).outcome()[0] == ACCEPTED
+    peer.close()
+
+
+async def test_a_finished_or_dropped_delivery_leaves_the_budget(port: int, amqp: Listener) -> None:
+    """Unfinished deliveries count only while they are: finished, aborted or on a link the
+    client detached, they leave room for the next ones."""
+    peer = await Peer.opened(port)
+    await peer.sender(0, "big")
+    await peer.sender(1, "big")
+    data = bytes(Message(body=os.urandom(12 * MiB)).encode())
+    for i in range(3):  # 3 x 24 MiB: past the budget, were they not let go
+        await send_multi(peer, 1, 2 * i, data[: 12 * MiB], finish=False)
+        peer.transfer(1, None, b"", aborted=True, tag=None)
+        await send_multi(peer, 0, 2 * i + 1, data)
+        assert (await peer.expect(DISPOSITION)).outcome()[0] == ACCEPTED
+    (conn,) = amqp.registry.connections
+    assert conn.partial_bytes == 0
+    for handle in range(2, 5):  # on links detached with their delivery unfinished
+        await peer.sender(handle, "big")
+        await send_multi(peer, handle, 4 + handle, data[: 12 * MiB], finish=False)
+        peer.send(frame(performative(DETACH, uint(handle), True)))
+        assert (await peer.expect(DETACH)).error() is None
+    assert conn.partial_bytes == 0
+    peer.close()
