@@ -26,6 +26,7 @@ from tests.amqp_raw import (
     DETACH,
     END,
     RECEIVER,
+    SENDER,
     SOURCE,
     TARGET,
     TRANSFER,
@@ -233,6 +234,32 @@ async def test_a_delete_on_close_node_outlives_a_detach_without_close(
     assert message.body == b"reply"
     await detach(peer, closed=True)
     assert await gone(broker, node), "kept after the resumed link was closed"
+    peer.close()
+
+
+@pytest.mark.parametrize("policy", [None, 0x2C], ids=["delete-on-close", "delete-on-no-links"])
+async def test_a_sender_named_like_a_suspended_receiver_is_another_link(
+    broker: Broker, amqp: Listener, policy: int | None
+) -> None:
+    """A link is its name and role (§2.6.1): a sender named like a suspended receiver took
+    its place, and the sender's close deleted the node, and the reply in it, that the
+    receiver could still resume. (Found by a review.)"""
+    peer = await Peer.opened(amqp.port)
+    node = await dynamic_receiver(peer, "x", policy)  # handle 0
+    await detach(peer, closed=False)
+    peer.attach("x", 1, SENDER, node)
+    assert (await peer.expect(ATTACH)).fields[6] is not None
+    await broker.publish(GatewayMessage(node, b"reply", to_queue=True))
+    peer.send(frame(performative(DETACH, uint(1), True)))
+    await peer.expect(DETACH)
+    await asyncio.sleep(0.3)
+    assert await broker.queues.exists(node), "deleted while a suspended link to it exists"
+    peer.attach("x", 2, RECEIVER, node)  # resumed
+    assert (await peer.expect(ATTACH)).fields[5] is not None
+    peer.send(flow(2, 1))
+    message = Message()
+    message.decode((await peer.expect(TRANSFER)).payload)
+    assert message.body == b"reply"
     peer.close()
 
 

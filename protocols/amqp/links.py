@@ -38,7 +38,7 @@ from gateway.engine.queues import subscription_queue
 from gateway.model import Publisher
 from gateway.topics import TopicError, validate_topic
 from protocols.amqp import mapping, sections
-from protocols.amqp.nodes import DynamicNodes, Lifetime, lifetime
+from protocols.amqp.nodes import DynamicNodes, Lifetime, LinkId, lifetime
 from protocols.amqp.terminus import capabilities
 
 if TYPE_CHECKING:  # outbound.py imports this module
@@ -190,22 +190,27 @@ class Endpoint:
         delete-on-close node waits for that, or for the end of its session or connection
         (§3.5.10: the node goes once the link ceases to exist)."""
         if self.temporary is not None and self.dynamic and self.lifetime is Lifetime.LINK:
-            self.host.nodes.suspend(self.temporary, self.link.name, self.link.session)
+            self.host.nodes.suspend(self.temporary, self.link_id, self.link.session)
             self.temporary = None
         if self.counted is not None:
-            self.host.nodes.suspend_link(self.counted, self.link.name, self.link.session)
+            self.host.nodes.suspend_link(self.counted, self.link_id, self.link.session)
             self.counted = None
 
     def resume(self, address: str) -> None:
         """An attach to `address`: if it resumes the suspended link that made the node at
         that address, the node is this link's again; a delete-on-no-links node counts it."""
-        if self.host.nodes.resume(address, self.link.name):
+        if self.host.nodes.resume(address, self.link_id):
             self.temporary, self.lifetime, self.dynamic = address, Lifetime.LINK, True
         self.count_toward(address)
 
     def count_toward(self, node: str) -> None:
-        if self.host.nodes.link(node, self.link.name):
+        if self.host.nodes.link(node, self.link_id):
             self.counted = node
+
+    @property
+    def link_id(self) -> LinkId:
+        """The link's name and role (§2.6.1: a sender and a receiver may share a name)."""
+        return self.link.name, self.link.is_sender  # our sender: the client receives
 
     async def close(self, ended: bool = False) -> None:
         """Release what the link holds in the broker (the proton link is closed by the caller).

@@ -32,6 +32,8 @@ from protocols.amqp.terminus import first
 
 LIFETIME_POLICY = symbol("lifetime-policy")
 
+LinkId = tuple[str, bool]  # a link's name, and whether the client receives on it
+
 
 class Lifetime(Enum):
     """How long a dynamic node lives (AMQP 1.0 section 3.5.10)."""
@@ -78,12 +80,13 @@ class DynamicNodes:
         self.connection = connection
         self.names: set[str] = set()
         # delete-on-close nodes of links detached without closing (§3.5.10: the node goes
-        # when the link ceases to exist): node -> (link name, session)
-        self.suspended: dict[str, tuple[str, Any]] = {}
+        # when the link ceases to exist): node -> (link, session). A link is its name and
+        # role (§2.6.1): a sender and a receiver of one name are two links
+        self.suspended: dict[str, tuple[LinkId, Any]] = {}
         # delete-on-no-links nodes: how many of this connection's links are attached to or
-        # from each, and those detached without closing: (node, link name) -> session
+        # from each, and those detached without closing: (node, link) -> session
         self.links: dict[str, int] = {}
-        self.suspended_links: dict[tuple[str, str], Any] = {}
+        self.suspended_links: dict[tuple[str, LinkId], Any] = {}
         self.ended = False  # the connection is gone: a node created now goes at once
 
     async def create(
@@ -102,19 +105,20 @@ class DynamicNodes:
             await self.delete(name)
         return name
 
-    def suspend(self, name: str, link: str, session: Any) -> None:
+    def suspend(self, name: str, link: LinkId, session: Any) -> None:
         """Keep the node of link `link`, detached without closing, for its resumption."""
         self.suspended[name] = (link, session)
 
-    def resume(self, name: str, link: str) -> bool:
+    def resume(self, name: str, link: LinkId) -> bool:
         """Whether `link` resumes the suspended link that made node `name`: it is then the
         link's again, deleted when it is closed."""
-        if self.suspended.get(name, ("",))[0] != link:
+        held = self.suspended.get(name)
+        if held is None or held[0] != link:
             return False
         del self.suspended[name]
         return True
 
-    def link(self, name: str, link: str) -> bool:
+    def link(self, name: str, link: LinkId) -> bool:
         """A link attached to or from node `name`: whether it counts toward the node's life
         (delete-on-no-links); one resuming a link detached without close takes its place."""
         if name not in self.links:
@@ -123,7 +127,7 @@ class DynamicNodes:
             self.links[name] += 1
         return True
 
-    def suspend_link(self, name: str, link: str, session: Any) -> None:
+    def suspend_link(self, name: str, link: LinkId, session: Any) -> None:
         """A counted link detached without close: it counts until its session ends."""
         self.suspended_links[(name, link)] = session
 
