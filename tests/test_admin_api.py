@@ -377,6 +377,11 @@ async def test_subscriptions_add_and_remove(admin: Admin) -> None:
     assert wrong.body == {"changed": 0}
     right = await admin.request("DELETE", subs + "?pattern=alerts/%23&syntax=mqtt")
     assert right.body == {"changed": 1}
+    # a '+' in a URL's query is itself (an MQTT wildcard), not a space as in a form: the
+    # removal of a/+ removed "a/ ", i.e. nothing (found by a review)
+    assert (await admin.post(subs, {"pattern": "a/+", "syntax": "mqtt"})).body == {"changed": 1}
+    plus = await admin.request("DELETE", subs + "?pattern=a/+&syntax=mqtt")
+    assert plus.body == {"changed": 1}
     assert (await admin.post("/api/v1/messages", {"topic": "alerts"})).body["outcome"] == (
         "no_subscribers"
     )

@@ -24,7 +24,7 @@ from protocols.mqtt.listener import queue_name
 from protocols.mqtt.listener import start as start_mqtt
 from protocols.mqtt.state import shared_queue_name
 from tests.conftest import admin_port_of
-from tests.test_admin_auth import Client, basic, q
+from tests.test_admin_auth import Client, basic, q, refused
 from tests.test_amqp_clients import TIMEOUT, durable_queues, url
 from tests.test_mqtt_protocol import Raw
 
@@ -217,3 +217,20 @@ async def test_a_user_sees_only_the_queues_it_may_browse(
     assert 'queue="open"' in metrics and dts not in metrics
     root = Client(admin_port, basic("root", "r-pw"))
     assert dts in [row["name"] for row in (await root.call("GET", "/api/v1/queues")).body]
+
+
+async def test_another_user_adds_no_topic_the_queues_owner_is_denied(admin_port: int) -> None:
+    """A queue subscription added through the admin API is refused if it could match a
+    topic the caller may not read: alice, whom the ACL lets read secrets, added `secret/>`
+    to mallory's queue (permission modify-topic), and mallory read them from it. The
+    owner's ACL binds it too, as the owner reads what it holds. (Found by a review.)"""
+    mallory = Client(admin_port, basic("mallory", "m-pw"))
+    alice = Client(admin_port, basic("alice", "a-pw"))
+    body = {"name": "mq", "permission": "modify-topic"}
+    assert (await mallory.call("POST", "/api/v1/queues", body)).status == 201
+    refused(await mallory.call("POST", q("mq", "subscriptions"), {"pattern": "secret/>"}))
+    refused(await alice.call("POST", q("mq", "subscriptions"), {"pattern": "secret/>"}))
+    added = await alice.call("POST", q("mq", "subscriptions"), {"pattern": "news/>"})
+    assert added.status == 200 and added.body == {"changed": 1}
+    shown = (await mallory.call("GET", q("mq"))).body["subscriptions"]
+    assert shown == [{"pattern": "news/>", "syntax": "smf"}]

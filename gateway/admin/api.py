@@ -267,6 +267,11 @@ class AdminApi:
         if req.method == "POST":
             [(pattern, syntax)] = _subscriptions([_object(req)])
             self._check_subscribe([(pattern, syntax)], user)
+            owner = (await self.broker.queues.config(name)).owner
+            if user is not None and owner is not None and owner != user:
+                # its owner reads what it holds: another user (modify-topic) may not add a
+                # topic the owner's ACL denies
+                self._check_subscribe([(pattern, syntax)], owner)
             change = self.broker.subscribe_queue
         else:  # DELETE
             pattern = req.query.get("pattern", "")

@@ -12,7 +12,7 @@ import json
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import unquote, urlsplit
 
 import h11
 
@@ -301,7 +301,11 @@ def _to_request(head: h11.Request, body: bytes) -> Request:
     target = urlsplit(head.target.decode("latin-1"))
     try:
         segments = [unquote(s, errors="strict") for s in target.path.split("/") if s]
-        pairs = parse_qsl(target.query, keep_blank_values=True, errors="strict")
+        pairs = [  # not parse_qsl: a '+' is itself in a URL's query (an MQTT wildcard),
+            # not a space as in an HTML form
+            (unquote(name, errors="strict"), unquote(value, errors="strict"))
+            for name, _, value in (p.partition("=") for p in target.query.split("&") if p)
+        ]
     except UnicodeDecodeError:
         raise HttpError(400, "the request target's percent-escapes are not UTF-8") from None
     query: dict[str, str] = {}
