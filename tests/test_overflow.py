@@ -296,3 +296,30 @@ async def test_a_ring_partitioned_queue_drops_its_oldest_in_any_partition(
     assert (info.messages, info.counters["dropped"]) == (2, 1)
     stored = [p["messages"] for p in info.partitions]
     assert stored == [1, 1], stored  # "a" went: the oldest, from the other partition
+
+
+async def test_a_shut_queue_counts_a_held_topic_message_once(broker: Broker) -> None:
+    """A topic message a shut queue discards (discarded_shut) and another queue holds back
+    (producer flow control) was counted at each retry of the held message, and one another
+    queue refused was counted though its publisher sends it again."""
+    await broker.queues.create(QueueConfig(name="a-shut"), [("t/>", "smf")])
+    await broker.queues.update("a-shut", {"ingress_enabled": False})
+    fc = QueueConfig(name="fc", max_messages=1, overflow="flow_control", resume_percent=100)
+    await broker.queues.create(fc, [("t/>", "smf")])
+    await broker.router.reload()
+    topic = Message(destination="t/1", payload=b"1")
+    assert await broker.publish(topic) is Outcome.OK
+    held = broker.publish_nowait(Message(destination="t/2", payload=b"2"))
+    await asyncio.sleep(0.5)  # retried every 50 ms meanwhile
+    assert not held.done()
+    got: list[Delivery] = []
+    flow = await broker.bind("fc", got.append)
+    await wait_for(lambda: len(got) == 1)
+    flow.ack(got[0].entry_id)
+    assert await asyncio.wait_for(held, 5) is Outcome.OK
+    assert (await broker.queues.info("a-shut")).counters["discarded_shut"] == 2
+    await flow.close()
+    await broker.queues.update("fc", {"overflow": "reject"})
+    refused = await broker.publish(Message(destination="t/3", payload=b"3"))  # "fc" full
+    assert refused is Outcome.QUEUE_FULL
+    assert (await broker.queues.info("a-shut")).counters["discarded_shut"] == 2

@@ -1470,7 +1470,7 @@ local function spool(a, marks)
         pos = m + 11
       end
       local bytes = #blob
-      local code, shut = OK, false
+      local code, shut = OK, false  -- shut: the names of its shut queues, if any
       nt = 0
       -- a resend of a message stored before: stored once (its queues count as none)
       local resent = mark and redis.call('SISMEMBER', mark[1], mark[2]) == 1
@@ -1493,8 +1493,8 @@ local function spool(a, marks)
           if direct then
             code = INGRESS_DISABLED
           else
-            shut = true
-            redis.call('HINCRBY', k_queue_stats(q.name), 'discarded_shut', 1)
+            shut = shut or {}
+            shut[#shut + 1] = q.name
           end
         elseif q.maxsize > 0 and size > q.maxsize then code = TOO_LARGE
         elseif q.maxbytes > 0 and bytes > q.maxbytes then code = QUOTA_EXCEEDED  -- fits never:
@@ -1546,6 +1546,13 @@ local function spool(a, marks)
             add_usage(q, 1, bytes)
             q.added = q.added + 1
             q.added_bytes = q.added_bytes + bytes
+          end
+        end
+        -- counted once the message is taken: not at each retry of one producer flow
+        -- control held, nor for one another queue refused (its publisher sends it again)
+        if shut then
+          for _, name in ipairs(shut) do
+            redis.call('HINCRBY', k_queue_stats(name), 'discarded_shut', 1)
           end
         end
       end
