@@ -146,13 +146,108 @@ async def test_shared_member_loss_redelivers_to_the_group(mqtt: Listener) -> Non
     assert await b.recv() == Suback(1, [1])
     a.writer.transport.abort()
     again = await b.recv()
-    assert isinstance(again, Publish) and again.payload == b"work" and again.dup
+    # DUP 0: b's session never had it (its group's queue counts a's delivery; found by a
+    # review)
+    assert isinstance(again, Publish) and again.payload == b"work" and not again.dup
     await b.send(Unsubscribe(2, ["$share/g2/job"]))
     assert await b.recv() == Unsuback(2, [])
     await pub.send(Publish("job", b"later", qos=1, packet_id=2))
     await b.ping()
     assert [p for p in b.pending if isinstance(p, Publish)] == []  # b left the group
     b.close()
+    pub.close()
+
+
+async def test_a_resumed_member_gets_its_groups_message_again_with_dup(mqtt: Listener) -> None:
+    """A group's QoS 1 message a member had in flight when its connection ended goes back
+    to the group; the member's resumed session, no other member there, gets it with DUP 1
+    (MQTT-3.3.1-1), messages new to it with DUP 0."""
+    props = Properties(session_expiry_interval=300)
+    a, _ = await Raw.connected(mqtt.port, 5, client_id="dup-a", properties=props)
+    await a.send(Subscribe(1, [("$share/g3/job", SubscriptionOptions(qos=1))]))
+    assert await a.recv() == Suback(1, [1])
+    pub, _ = await Raw.connected(mqtt.port, 4, client_id="dup-pub")
+    await pub.send(Publish("job", b"first", qos=1, packet_id=1))
+    got = await a.recv()
+    assert isinstance(got, Publish) and got.payload == b"first" and not got.dup
+    a.writer.transport.abort()
+    await asyncio.sleep(0.3)
+    await pub.send(Publish("job", b"second", qos=1, packet_id=2))
+    assert await pub.recv() == Puback(1) and await pub.recv() == Puback(2)
+    again, ack = await Raw.connected(mqtt.port, 5, client_id="dup-a", clean_start=False,
+                                     properties=props)  # fmt: skip
+    assert ack.session_present
+    seen = []
+    while len(seen) < 2:
+        p = await again.recv()
+        seen.append((p.payload, p.dup))
+        await again.send(Puback(p.packet_id))
+    assert seen == [(b"first", True), (b"second", False)]
+    again.close()
+    pub.close()
+
+
+async def test_a_members_note_of_a_message_outlives_a_connection_it_did_not_come_back_to(
+    mqtt: Listener,
+) -> None:
+    """A had M in flight when its connection broke; M went to member B. A resumed and left
+    while B held M; B's connection broke, M went back to the group; A's next connection
+    gets M with DUP 1: its session sent it before. The note was kept for one connection
+    only. (Found by a review.)"""
+    props = Properties(session_expiry_interval=300)
+    sub = [("$share/gd/job", SubscriptionOptions(qos=1))]
+    a, _ = await Raw.connected(mqtt.port, 5, client_id="dup2-a", properties=props)
+    await a.send(Subscribe(1, sub))
+    assert await a.recv() == Suback(1, [1])
+    pub, _ = await Raw.connected(mqtt.port, 4, client_id="dup2-pub")
+    await pub.send(Publish("job", b"M", qos=1, packet_id=1))
+    got = await a.recv()
+    assert isinstance(got, Publish) and got.payload == b"M" and not got.dup
+    b, _ = await Raw.connected(mqtt.port, 5, client_id="dup2-b")
+    await b.send(Subscribe(1, sub))
+    assert await b.recv() == Suback(1, [1])
+    a.writer.transport.abort()
+    at_b = await b.recv()
+    assert isinstance(at_b, Publish) and at_b.payload == b"M" and not at_b.dup
+    a, ack = await Raw.connected(mqtt.port, 5, client_id="dup2-a", clean_start=False,
+                                 properties=props)  # fmt: skip
+    assert ack.session_present
+    await a.send(Disconnect())
+    await a.closed()
+    b.writer.transport.abort()  # M goes back to the group: A is its offline member
+    a, ack = await Raw.connected(mqtt.port, 5, client_id="dup2-a", clean_start=False,
+                                 properties=props)  # fmt: skip
+    again = await a.recv()
+    assert isinstance(again, Publish) and again.payload == b"M" and again.dup
+    a.close()
+    pub.close()
+
+
+async def test_a_groups_message_back_on_the_same_connection_keeps_dup(mqtt: Listener) -> None:
+    """A member unsubscribes with M in flight and subscribes again on the same connection:
+    M comes back from the group, a re-delivery to this connection (DUP 1). (Found by a
+    review.)"""
+    sub = [("$share/gs/job", SubscriptionOptions(qos=1))]
+    a, _ = await Raw.connected(mqtt.port, 5, client_id="dup3-a")
+    await a.send(Subscribe(1, sub))
+    assert await a.recv() == Suback(1, [1])
+    pub, _ = await Raw.connected(mqtt.port, 4, client_id="dup3-pub")
+    await pub.send(Publish("job", b"M", qos=1, packet_id=1))
+    got = await a.recv()
+    assert isinstance(got, Publish) and got.payload == b"M" and not got.dup
+    keeper, _ = await Raw.connected(mqtt.port, 5, client_id="dup3-c",
+                                    properties=Properties(session_expiry_interval=300))  # fmt: skip
+    await keeper.send(Subscribe(1, sub))  # the group outlives A's unsubscribe
+    assert await keeper.recv() == Suback(1, [1])
+    await keeper.send(Disconnect())
+    await keeper.closed()
+    await a.send(Unsubscribe(2, ["$share/gs/job"]))
+    assert await a.recv() == Unsuback(2, [0])
+    await a.send(Subscribe(3, sub))
+    assert await a.recv() == Suback(3, [1])
+    again = await a.recv()
+    assert isinstance(again, Publish) and again.payload == b"M" and again.dup
+    a.close()
     pub.close()
 
 

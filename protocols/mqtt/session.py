@@ -263,6 +263,10 @@ class Session:
         self._gate_filters: list[str] = []
         self._next_pid = 1
         self._reserved: set[int] = set()  # packet ids kept for resends (state.resend_ids)
+        # shared groups' QoS 1 messages this session sent and has no PUBACK for (on this
+        # connection or, from state.shared_in_flight, an earlier one): one that comes back
+        # from its group is a re-delivery (DUP)
+        self._sent_before: dict[tuple[str, str], None] = {}
         self._aliases: dict[int, str] = {}
         self._flows: dict[str, Flow] = {}  # queue -> this session's flow on it
         self._shared: dict[str, str] = {}  # shared queue -> its `$share/...` filter
@@ -484,6 +488,7 @@ class Session:
         state = self.state
         assert state is not None
         self._reserved = set(state.resend_ids.values())
+        self._sent_before = dict.fromkeys((queue, entry) for queue, entry in state.shared_in_flight)
         for pattern in list(state.subscriptions):
             shared = shared_filter(pattern)
             if shared is not None and self._check_filter(pattern) is not None:
@@ -809,7 +814,17 @@ class Session:
         if delivery.redelivered and self._inflight and self._in_flight(queue, entry_id):
             return  # its flow took it again (its node was presumed dead a while): the client
             # has it under its packet id, and its answer settles it (MQTT-4.3.3, -4.4.0-1)
-        self._deliver(delivery.message, queue, entry_id, delivery.redelivered)
+        redelivered = delivery.redelivered
+        if redelivered and queue in self._shared:  # its group's queue counts every member's
+            # deliveries: DUP only for one this session had in flight (MQTT-3.3.1-1)
+            redelivered = (queue, entry_id) in self._sent_before
+        self._deliver(delivery.message, queue, entry_id, redelivered)
+
+    def _note_sent(self, queue: str, entry_id: str) -> None:
+        sent = self._sent_before
+        sent[(queue, entry_id)] = None
+        if len(sent) > MAX_RESEND_IDS:  # the oldest goes: one given back long ago
+            del sent[next(iter(sent))]
 
     def _in_flight(self, queue: str, entry_id: str) -> bool:
         """Looked up only on a flow that was lost once (a scan of the window: other
@@ -1035,6 +1050,8 @@ class Session:
             self._inflight[pid] = (queue, entry_id, qos)
             if queue is None or (qos == 2 and queue in self._shared):
                 self._kept[pid] = (msg, sub_ids)  # stored should this connection end
+            elif qos == 1 and queue in self._shared and entry_id is not None:
+                self._note_sent(queue, entry_id)
             state = self.state
             if (
                 state is not None
@@ -1104,6 +1121,8 @@ class Session:
                 self._wrong_ack(item[2])
                 return
             self._settle(item[0], item[1])
+            if self._sent_before:
+                self._sent_before.pop((item[0], item[1]), None)
             if item[0] is None or self._retained_waiting:
                 self._kept.pop(p.packet_id, None)
                 self._acked(item[0])
@@ -1595,6 +1614,7 @@ class Session:
                 if queue == state.queue and entry_id is not None
             )
             state.resend_ids = resend
+        state.shared_in_flight = [[queue, entry_id] for queue, entry_id in self._sent_before]
         # routes of messages not seen again
         state.resend_shared = _latest(state.resend_shared)
         state.resend_retained = _latest(state.resend_retained)

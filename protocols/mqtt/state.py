@@ -65,6 +65,9 @@ class SessionState:
     # ended, stored in the session's queue: message id -> [QoS, subscription ids] they went
     # (or would have gone) with, resent so, RETAIN=1 (MQTT-3.3.1-8)
     resend_retained: dict[str, list[Any]] = field(default_factory=dict)
+    # shared groups' QoS 1 messages in flight when the last connection ended, given back to
+    # their group: [queue, entry id]; one that comes back to this session is sent with DUP
+    shared_in_flight: list[list[str]] = field(default_factory=list)
     version: int = 0  # moves with every change of the subscriptions (delivery caches key on it)
     user: str | None = None  # who owns the session: only that user may connect as client_id
 
@@ -104,6 +107,7 @@ class SessionState:
             "resend": self.resend_ids,
             "resend_shared": self.resend_shared,
             "resend_retained": self.resend_retained,
+            "shared_in_flight": self.shared_in_flight,
             "user": self.user,
         }
         return json.dumps(blob, separators=(",", ":")).encode()
@@ -120,5 +124,6 @@ class SessionState:
         state.resend_ids = blob.get("resend", {})  # absent in states saved before
         state.resend_shared = blob.get("resend_shared", {})
         state.resend_retained = blob.get("resend_retained", {})
+        state.shared_in_flight = blob.get("shared_in_flight", [])
         state.user = blob.get("user")  # absent in states saved before owners were recorded
         return state
