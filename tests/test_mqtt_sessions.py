@@ -158,18 +158,32 @@ async def test_shared_member_loss_redelivers_to_the_group(mqtt: Listener) -> Non
     pub.close()
 
 
+async def join_group(port: int, client_id: str, group: str, expiry: int = 0) -> Raw:
+    """A v5 client subscribed to `$share/<group>/job` at QoS 1."""
+    props = Properties(session_expiry_interval=expiry) if expiry else None
+    member, _ = await Raw.connected(port, 5, client_id=client_id, properties=props)
+    await member.send(Subscribe(1, [(f"$share/{group}/job", SubscriptionOptions(qos=1))]))
+    assert await member.recv() == Suback(1, [1])
+    return member
+
+
+async def member_holding(port: int, client_id: str, group: str, expiry: int = 0) -> tuple[Raw, Raw]:
+    """The group's only member, holding (unacknowledged) message b"M" it got with DUP 0;
+    and the publisher, connected still."""
+    member = await join_group(port, client_id, group, expiry)
+    pub, _ = await Raw.connected(port, 4, client_id=f"{client_id}-pub")
+    await pub.send(Publish("job", b"M", qos=1, packet_id=1))
+    got = await member.recv()
+    assert isinstance(got, Publish) and got.payload == b"M" and not got.dup
+    return member, pub
+
+
 async def test_a_resumed_member_gets_its_groups_message_again_with_dup(mqtt: Listener) -> None:
     """A group's QoS 1 message a member had in flight when its connection ended goes back
     to the group; the member's resumed session, no other member there, gets it with DUP 1
     (MQTT-3.3.1-1), messages new to it with DUP 0."""
     props = Properties(session_expiry_interval=300)
-    a, _ = await Raw.connected(mqtt.port, 5, client_id="dup-a", properties=props)
-    await a.send(Subscribe(1, [("$share/g3/job", SubscriptionOptions(qos=1))]))
-    assert await a.recv() == Suback(1, [1])
-    pub, _ = await Raw.connected(mqtt.port, 4, client_id="dup-pub")
-    await pub.send(Publish("job", b"first", qos=1, packet_id=1))
-    got = await a.recv()
-    assert isinstance(got, Publish) and got.payload == b"first" and not got.dup
+    a, pub = await member_holding(mqtt.port, "dup-a", "g3", expiry=300)
     a.writer.transport.abort()
     await asyncio.sleep(0.3)
     await pub.send(Publish("job", b"second", qos=1, packet_id=2))
@@ -182,7 +196,7 @@ async def test_a_resumed_member_gets_its_groups_message_again_with_dup(mqtt: Lis
         p = await again.recv()
         seen.append((p.payload, p.dup))
         await again.send(Puback(p.packet_id))
-    assert seen == [(b"first", True), (b"second", False)]
+    assert seen == [(b"M", True), (b"second", False)]
     again.close()
     pub.close()
 
@@ -195,17 +209,8 @@ async def test_a_members_note_of_a_message_outlives_a_connection_it_did_not_come
     gets M with DUP 1: its session sent it before. The note was kept for one connection
     only. (Found by a review.)"""
     props = Properties(session_expiry_interval=300)
-    sub = [("$share/gd/job", SubscriptionOptions(qos=1))]
-    a, _ = await Raw.connected(mqtt.port, 5, client_id="dup2-a", properties=props)
-    await a.send(Subscribe(1, sub))
-    assert await a.recv() == Suback(1, [1])
-    pub, _ = await Raw.connected(mqtt.port, 4, client_id="dup2-pub")
-    await pub.send(Publish("job", b"M", qos=1, packet_id=1))
-    got = await a.recv()
-    assert isinstance(got, Publish) and got.payload == b"M" and not got.dup
-    b, _ = await Raw.connected(mqtt.port, 5, client_id="dup2-b")
-    await b.send(Subscribe(1, sub))
-    assert await b.recv() == Suback(1, [1])
+    a, pub = await member_holding(mqtt.port, "dup2-a", "gd", expiry=300)
+    b = await join_group(mqtt.port, "dup2-b", "gd")
     a.writer.transport.abort()
     at_b = await b.recv()
     assert isinstance(at_b, Publish) and at_b.payload == b"M" and not at_b.dup
@@ -227,23 +232,13 @@ async def test_a_groups_message_back_on_the_same_connection_keeps_dup(mqtt: List
     """A member unsubscribes with M in flight and subscribes again on the same connection:
     M comes back from the group, a re-delivery to this connection (DUP 1). (Found by a
     review.)"""
-    sub = [("$share/gs/job", SubscriptionOptions(qos=1))]
-    a, _ = await Raw.connected(mqtt.port, 5, client_id="dup3-a")
-    await a.send(Subscribe(1, sub))
-    assert await a.recv() == Suback(1, [1])
-    pub, _ = await Raw.connected(mqtt.port, 4, client_id="dup3-pub")
-    await pub.send(Publish("job", b"M", qos=1, packet_id=1))
-    got = await a.recv()
-    assert isinstance(got, Publish) and got.payload == b"M" and not got.dup
-    keeper, _ = await Raw.connected(mqtt.port, 5, client_id="dup3-c",
-                                    properties=Properties(session_expiry_interval=300))  # fmt: skip
-    await keeper.send(Subscribe(1, sub))  # the group outlives A's unsubscribe
-    assert await keeper.recv() == Suback(1, [1])
-    await keeper.send(Disconnect())
+    a, pub = await member_holding(mqtt.port, "dup3-a", "gs")
+    keeper = await join_group(mqtt.port, "dup3-c", "gs", expiry=300)  # the group outlives
+    await keeper.send(Disconnect())  # A's unsubscribe
     await keeper.closed()
     await a.send(Unsubscribe(2, ["$share/gs/job"]))
     assert await a.recv() == Unsuback(2, [0])
-    await a.send(Subscribe(3, sub))
+    await a.send(Subscribe(3, [("$share/gs/job", SubscriptionOptions(qos=1))]))
     assert await a.recv() == Suback(3, [1])
     again = await a.recv()
     assert isinstance(again, Publish) and again.payload == b"M" and again.dup
