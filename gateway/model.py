@@ -84,9 +84,10 @@ class Message:
     to_queue: bool = False  # destination names a queue, not a topic
     id: str = ""  # gateway-assigned unique id, stable across redeliveries
     # The AMQP bare message as its publisher encoded it (properties, application properties,
-    # body: immutable in transit, AMQP 1.0 §3.2), sent on to AMQP receivers as it came; the
-    # engine never reads it. `payload_in_bare`: where `payload` starts in it (the body is its
-    # last section), so the payload is stored once; None when it is not a slice of it.
+    # body: immutable in transit, AMQP 1.0 §3.2) and its footer, sent on to AMQP receivers
+    # as it came; the engine never reads it. `payload_in_bare`: where `payload` starts in it
+    # (the body ends it unless a footer follows), so the payload is stored once; None when
+    # it is not a slice of it.
     amqp_bare: bytes | None = None
     payload_in_bare: int | None = None
     # The AMQP publisher's message-annotations section (sent on with the gateway's own merged

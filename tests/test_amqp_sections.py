@@ -12,8 +12,8 @@ import uuid
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from proton import Data, Described, byte, char, int32, short, symbol, ubyte, ulong
 from proton import Message as AmqpMessage
-from proton import byte, char, int32, short, symbol, ubyte, ulong
 
 from gateway.model import Delivery, Message, Publisher, bound_times, decode, encode
 from protocols.amqp import framing, mapping, sections
@@ -393,6 +393,26 @@ def test_mutated_messages_are_taken_or_refused_as_bodies(
     msg.destination = "q"
     bound_times(msg)
     assert decode(encode(msg)).payload == msg.payload
+
+
+def described(code: int, value: object) -> bytes:
+    data = Data()
+    data.put_object(Described(ulong(code), value))
+    return bytes(data.encode())
+
+
+@pytest.mark.parametrize("path", ["sections", "proton"])
+def test_a_footer_goes_on_with_the_bare_message(path: str) -> None:
+    """AMQP 1.0 §3.2.10: a footer carries hashes, HMACs or signatures of the bare message.
+    It was cut off at ingress; receivers get it after the bare message, as sent."""
+    sent = described(0x73, ["m1", None, "q"]) + described(0x75, b"signed")
+    sent += described(0x78, {symbol("x-hmac"): b"sig"})
+    framing.check_message(sent)
+    msg = mapping.decode(sent, PUB).message if path == "sections" else proton_ingress(sent)[0]
+    msg.destination, msg.to_queue = "q", True
+    out = sections.encode(Delivery("q", "1-0", decode(encode(msg))))
+    framing.check_message(out)
+    assert out.endswith(sent)
 
 
 def test_a_symbolic_properties_section_without_to_gets_it_filled_in() -> None:

@@ -1,10 +1,10 @@
 """proton `Message` <-> gateway `Message`.
 
 An AMQP publisher's bare message (properties, application-properties, body: immutable in
-transit, §3.2) is kept as sent (`Message.amqp_bare`) and goes to AMQP receivers unchanged,
-with only a missing `to` filled in; the model fields below are read from it for routing,
-selectors and the other protocols, and are what AMQP receivers get of other publishers'
-messages.
+transit, §3.2) and footer are kept as sent (`Message.amqp_bare`) and go to AMQP receivers
+unchanged, with only a missing `to` filled in; the model fields below are read from it for
+routing, selectors and the other protocols, and are what AMQP receivers get of other
+publishers' messages.
 
 | model            | AMQP 1.0                                                         |
 |------------------|------------------------------------------------------------------|

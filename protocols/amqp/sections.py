@@ -267,9 +267,7 @@ def _decode(data: bytes, publisher: Publisher) -> tuple[Message, str | None, int
             annotations_span = start, i
         elif code == APP_PROPS:
             app = _map(value, constructor)
-        elif code == FOOTER:
-            bare_end = start
-        elif code != DELIVERY_ANN:
+        elif code not in (DELIVERY_ANN, FOOTER):  # a footer goes on with the bare message
             raise Unsupported(f"section 0x{code:x}")
     if bodies > 1:
         raise Unsupported("several body sections")
