@@ -551,6 +551,47 @@ async def test_a_transaction_coordinator_link_is_refused(port: int) -> None:
     await still_serving(port)
 
 
+TRANSACTIONAL_STATE = 0x34
+
+
+def in_transaction(outcome: Described | None) -> Described:
+    """transactional-state (§4.5.5) naming a transaction no coordinator declared."""
+    return Described(ulong(TRANSACTIONAL_STATE), [b"txn-1", outcome])
+
+
+@pytest.mark.parametrize("settled", [True, False])
+async def test_an_outcome_in_a_transaction_is_refused_and_the_message_kept(
+    port: int, settled: bool
+) -> None:
+    """With no coordinator, a disposition's transactional-state names an unknown
+    transaction (§4.5.6): a settled one with `released` inside was taken as an accept and
+    the message deleted, an unsettled one went unanswered. The link ends with
+    transaction:unknown-id and the message is delivered again."""
+    peer = await Peer.opened(port)
+    peer.attach("r", 0, RECEIVER, QUEUE)
+    await peer.expect(ATTACH)
+    peer.send(flow(0, 1))
+    delivery = (await peer.expect(TRANSFER)).fields[1]
+    released = in_transaction(Described(ulong(0x26), []))
+    peer.send(frame(performative(DISPOSITION, RECEIVER, delivery, None, settled, released)))
+    assert (await peer.expect(DETACH)).error() == "amqp:transaction:unknown-id"
+    peer.close()
+    await still_serving(port)
+
+
+async def test_a_transfer_in_a_transaction_is_refused_not_stored(port: int) -> None:
+    """A transfer posted into a transaction (§4.4.1) was stored and accepted at once, as if
+    it named none: rejected with transaction:unknown-id now, and not stored."""
+    peer = await Peer.opened(port)
+    await peer.sender(0, QUEUE)
+    fields = [uint(0), uint(0), b"t", uint(0), False, False, None, in_transaction(None)]
+    peer.send(frame(performative(TRANSFER, *fields) + bytes(Message(body=b"txn").encode())))
+    got = await peer.expect(DISPOSITION)
+    assert got.outcome() == (REJECTED, "amqp:transaction:unknown-id")
+    peer.close()
+    await still_serving(port)
+
+
 async def test_a_message_with_negative_ids_is_stored_deliverable(port: int) -> None:
     """A long message-id or correlation-id (not an id type) was stored as sent and then
     could not be encoded for an AMQP receiver: rejected at delivery, lost to it. Dropped

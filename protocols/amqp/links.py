@@ -22,6 +22,7 @@ from cproton import (
     pn_delivery_partial,
     pn_delivery_pending,
     pn_delivery_readable,
+    pn_delivery_remote_state,
     pn_delivery_settle,
     pn_delivery_settled,
     pn_delivery_update,
@@ -62,6 +63,11 @@ NOT_IMPLEMENTED = "amqp:not-implemented"
 RESOURCE_DELETED = "amqp:resource-deleted"
 RESOURCE_LIMIT = "amqp:resource-limit-exceeded"
 TRANSFER_LIMIT = "amqp:link:transfer-limit-exceeded"
+# A transfer or disposition in a transaction (transactional-state, §4.5.5): no coordinator
+# declares any, so each names an unknown one (§4.5.6)
+TRANSACTIONAL_STATE = 0x34
+UNKNOWN_TRANSACTION = "amqp:transaction:unknown-id"
+NO_TRANSACTIONS = "transactions are not supported: no transaction has this id"
 UNAUTHORIZED = "amqp:unauthorized-access"
 INVALID_FIELD = "amqp:invalid-field"
 REFUSALS = {
@@ -396,6 +402,9 @@ class Inbound(Endpoint):
         if pn_link_credit(self.link._impl) < 0:  # proton counts it, but does not refuse it
             self.fail(TRANSFER_LIMIT, "a transfer sent without link credit")
             self.discard(dlv)
+            return False
+        if pn_delivery_remote_state(dlv) == TRANSACTIONAL_STATE:  # not stored outside it
+            self._settle(dlv, Disposition.REJECTED, UNKNOWN_TRANSACTION, NO_TRANSACTIONS)
             return False
         try:
             ingress = mapping.decode(data, self.host.publisher)

@@ -61,9 +61,12 @@ from gateway.selectors import Selector
 from protocols.amqp import mapping, nodes, sections, terminus
 from protocols.amqp.links import (
     INVALID_FIELD,
+    NO_TRANSACTIONS,
     NOT_FOUND,
     NOT_IMPLEMENTED,
+    TRANSACTIONAL_STATE,
     UNAUTHORIZED,
+    UNKNOWN_TRANSACTION,
     Endpoint,
     Host,
     parse_address,
@@ -465,6 +468,9 @@ class Outbound(Endpoint):
         """DELIVERY event on our sender (`dlv` is the C delivery): the client's outcome for
         one message."""
         state = pn_delivery_remote_state(dlv)
+        if state == TRANSACTIONAL_STATE:  # an outcome for when a transaction ends: none will
+            self.fail(UNKNOWN_TRANSACTION, NO_TRANSACTIONS)  # unsettled, so redelivered
+            return
         if self.flow is None or not (state in _OUTCOMES or pn_delivery_settled(dlv)):
             return  # e.g. received (§3.4.1): not an outcome, the delivery stays unsettled
         held = self.unsettled.pop(dlv, None)
