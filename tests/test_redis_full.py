@@ -6,6 +6,7 @@ An evicting Redis is refused outright: it would delete stored messages."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -142,6 +143,19 @@ async def test_an_evicting_redis_is_refused(redis_url: str, admin: aioredis.Redi
     await admin.config_set("maxmemory-policy", "allkeys-lru")
     with pytest.raises(library.RedisUnsuitable, match="maxmemory-policy allkeys-lru"):
         await library.connect(redis_url)
+
+
+async def test_a_redis_without_an_aof_is_warned_of(
+    redis_url: str, admin: aioredis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Redis with appendonly no (Debian's default config) lost every acked message when
+    it restarted, and the node started on it without a word (found by a review)."""
+    caplog.set_level(logging.WARNING, logger="gateway.engine.library")
+    await (await library.connect(redis_url)).aclose()
+    assert "keeps no AOF" not in caplog.text
+    await admin.config_set("appendonly", "no")
+    await (await library.connect(redis_url)).aclose()
+    assert "keeps no AOF (appendonly no)" in caplog.text
 
 
 async def test_only_storing_messages_is_refused_when_full(redis_url: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Sequence
 from importlib import resources
@@ -11,6 +12,8 @@ import hiredis
 import redis.asyncio as aioredis
 
 from gateway.engine import keys
+
+log = logging.getLogger(__name__)
 
 MIN_REDIS = (7, 0)
 LIBRARY = "gw"  # the name in functions.lua's shebang line
@@ -116,6 +119,7 @@ _PASSWORD_PARAM = re.compile(r"([?&]password=)[^&]*")
 async def connect(url: str, *, replace: bool = True) -> aioredis.Redis:
     """A client with the library loaded; raises RedisTooOld, or RedisUnsuitable for a Redis
     that evicts keys when full (it would delete stored messages), before touching any data.
+    A Redis without an AOF is warned of (snapshots or replicas may be its operator's choice).
 
     A gateway node replaces the library with its own version; other clients (Spark
     executors, which may run an older package) pass replace=False and load it only if
@@ -135,6 +139,12 @@ async def connect(url: str, *, replace: bool = True) -> aioredis.Redis:
                 f"Redis at {redacted(url)} evicts keys when full (maxmemory-policy {policy}), "
                 "which "
                 "would delete stored messages: set maxmemory-policy noeviction"
+            )
+        if replace and not int((await client.info("persistence")).get("aof_enabled", 1)):
+            log.warning(
+                "Redis at %s keeps no AOF (appendonly no): the messages acked to publishers "
+                "since its last snapshot are lost if it restarts; set appendonly yes",
+                redacted(url),
             )
         loaded = await loaded_library(client)
         source = library_source()
