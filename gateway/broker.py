@@ -120,7 +120,7 @@ from gateway.engine.queues import (
     validate_queue_name,
 )
 from gateway.engine.roll_call import RollCall
-from gateway.engine.spool import Done, Spooler
+from gateway.engine.spool import Done, InDoubt, Spooler
 from gateway.model import MAX_PRIORITY, Message, Outcome, bound_times, encode, new_message_id
 from gateway.router import Router
 from gateway.routing_hold import RoutingHold
@@ -132,6 +132,7 @@ __all__ = [
     "Broker",
     "DeletionWatch",
     "Flow",
+    "InDoubt",
     "Outcome",
     "QueueConfig",
     "QueueError",
@@ -238,8 +239,9 @@ class Broker:
         """Route and spool `msg`; the future resolves once it is stored (or refused).
 
         With `done`, no future is made (None is returned): `done(outcome)`, or
-        `done(exception)` when Redis failed, is called once it is stored or refused, perhaps
-        before this returns. The publish path of a busy node saves a future per message."""
+        `done(exception)` when Redis failed (InDoubt: it may be stored), is called once it is
+        stored or refused, perhaps before this returns. The publish path of a busy node
+        saves a future per message."""
         if not msg.id:
             msg.id = new_message_id()
         if msg.expiration is not None or msg.not_before is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from functools import partial
 from typing import Any
 
 import hiredis
@@ -15,7 +16,7 @@ from redis.exceptions import ResponseError
 from gateway.broker import Broker
 from gateway.engine import flows, keys, library, spool
 from gateway.engine.flows import Flow, _Fetch
-from gateway.engine.ordered_calls import OrderedCalls
+from gateway.engine.ordered_calls import NotSent, OrderedCalls
 from gateway.engine.queues import QueueConfig
 from gateway.model import Delivery, Message, Outcome
 from tests.test_engine import to_queue, wait_for
@@ -62,6 +63,45 @@ async def test_a_broken_connection_tells_every_command_in_flight_then_reconnects
     assert after == [b"PONG"]
     await calls.close()
     await client.aclose()
+
+
+async def test_commands_no_connection_was_made_for_did_not_run(redis_server) -> None:
+    """Told NotSent, not a broken connection's "may have run" (a publisher is told its
+    message was not stored only then). One waiting for the connection another failed to
+    make is told so, and is not written once a connection comes: its reply went to the
+    next command."""
+    accepted = 0
+
+    async def first_refused(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal accepted
+        accepted += 1
+        if accepted == 1:
+            writer.close()
+            return
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", redis_server.port)
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            while data := await src.read(65536):
+                dst.write(data)
+            dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    server = await asyncio.start_server(first_refused, "127.0.0.1", 0)
+    client = aioredis.Redis(port=server.sockets[0].getsockname()[1])
+    calls = OrderedCalls(client)
+    replies: dict[str, Any] = {}
+    await asyncio.gather(
+        calls.send(partial(replies.__setitem__, "a"), "ECHO", "a"),
+        calls.send(partial(replies.__setitem__, "b"), "ECHO", "b"),
+    )
+    assert isinstance(replies["a"], NotSent) and isinstance(replies["b"], NotSent)
+    await calls.send(partial(replies.__setitem__, "c"), "ECHO", "c")
+    await wait_for(lambda: "c" in replies)
+    assert replies["c"] == b"c"
+    await calls.close()
+    await client.aclose()
+    server.close()
 
 
 def test_long_arguments_are_packed_in_place() -> None:

@@ -13,12 +13,15 @@ from collections.abc import AsyncIterator
 import pytest
 import redis
 import redis.asyncio as aioredis
+from proton import Message as AmqpMessage
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from gateway.broker import Broker
+from gateway.config import Settings
 from gateway.engine import keys, library, roll_call
 from gateway.engine.queues import QueueConfig
 from gateway.model import Delivery, Message, Outcome
+from protocols.amqp.listener import start as start_amqp
 from protocols.mqtt.codec import (
     Connack,
     Connect,
@@ -32,6 +35,7 @@ from protocols.mqtt.codec import (
     SubscriptionOptions,
 )
 from protocols.mqtt.listener import start
+from tests.amqp_raw import DETACH, Peer
 from tests.redis_proxy import CuttingProxy
 from tests.test_engine import second_node, to_queue, wait_for  # noqa: F401
 from tests.test_mqtt_protocol import Raw, settings
@@ -597,3 +601,27 @@ async def test_a_qos2_publish_resent_after_its_spool_answer_was_lost_is_delivere
         sub.close()
     finally:
         await mqtt.close()
+
+
+async def test_an_amqp_transfer_whose_store_answer_was_lost_is_not_released(
+    proxy: CuttingProxy, node: Broker
+) -> None:
+    """The spool ran in Redis and its answer was lost with the connection: the transfer was
+    answered released, "not acted upon" (§3.4.4), though stored, and a client sending it
+    again stored it twice. The link ends with amqp:internal-error and the delivery in
+    doubt. (Found by a review.)"""
+    await node.queues.create(QueueConfig(name="doubt"))
+    amqp = await start_amqp(node, Settings(amqp_port=0, host="127.0.0.1"))
+    try:
+        peer = await Peer.opened(amqp.port)
+        await peer.sender(0, "doubt")
+        proxy.cut_on = [b"gw_spool", b"maybe stored"]
+        peer.transfer(0, 0, bytes(AmqpMessage(body=b"maybe stored").encode()))
+        frames = await peer.frames_for(3.0)
+        peer.close()
+        assert [f.code for f in frames] == [DETACH], frames
+        assert frames[0].error() == "amqp:internal-error"
+        assert proxy.ran == 1
+        assert (await node.queues.info("doubt")).messages == 1
+    finally:
+        await amqp.close()

@@ -22,12 +22,18 @@ from redis.exceptions import (
     ResponseError,
     TryAgainError,
 )
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from gateway.engine.library import pack_in_place
 
 log = logging.getLogger(__name__)
 
 Reply = Callable[[Any], None]  # gets the command's reply, or the exception that ended it
+
+
+class NotSent(RedisConnectionError):
+    """No connection to Redis could be made: nothing in flight had been written (the last
+    connection's commands were told when it broke), so none of it ran."""
 
 
 class OrderedCalls:
@@ -40,6 +46,7 @@ class OrderedCalls:
         self._waiting: collections.deque[Reply] = collections.deque()
         self._reader: asyncio.Task | None = None
         self._answered = asyncio.Event()
+        self._breaks = 0  # connections lost or not made: see send
 
     @property
     def in_flight(self) -> int:
@@ -49,13 +56,20 @@ class OrderedCalls:
         """Write one command; `on_reply` is called with its reply (a ResponseError for a
         command Redis refused) or with the error that broke the connection, in which case
         every command still in flight is told the same and the next send reconnects.
-        Whether a command told of a broken connection ran is unknown.
+        Whether a command told of a broken connection ran is unknown; one told NotSent did
+        not run.
         `in_place` writes its long bytes arguments from their own buffers (pack_in_place)."""
         self._waiting.append(on_reply)
         conn = self._conn
         try:
             if conn is None:
-                conn = await self._connect()
+                breaks = self._breaks
+                try:
+                    conn = await self._connect()
+                except Exception as exc:
+                    raise NotSent(f"{exc}") from exc
+                if breaks != self._breaks:  # told NotSent while it waited for the connection
+                    return
             packed = pack_in_place(args) if in_place else conn.pack_command(*args)
             # writes are synchronous up to the drain, so commands reach the socket in the
             # order their replies are expected
@@ -109,6 +123,7 @@ class OrderedCalls:
         if conn is not None and conn is not self._conn:
             return  # an older connection's news: its commands were told already
         self._conn = None
+        self._breaks += 1
         waiting, self._waiting = self._waiting, collections.deque()
         self._answered.set()
         if conn is not None:

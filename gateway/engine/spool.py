@@ -31,10 +31,11 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import Protocol
 
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError
 
 from gateway.engine.library import IN_PLACE_BYTES
-from gateway.engine.ordered_calls import OrderedCalls
+from gateway.engine.ordered_calls import NotSent, OrderedCalls, broke
 from gateway.engine.partitions import key_hash
 from gateway.model import Outcome
 
@@ -55,6 +56,11 @@ MAX_IN_FLIGHT = 4  # batches sent and not yet answered (2 measured as good; 8 no
 MAX_HOLD = 0.005  # seconds
 FLOW_CONTROL_RETRY = 0.05  # seconds between offers of flow-controlled messages
 _OUTCOMES = tuple(Outcome)  # by code: indexing costs a tenth of Outcome(code)
+
+
+class InDoubt(RedisConnectionError):
+    """The connection to Redis broke after the message's batch was sent: it may be stored
+    (a publisher must not be told it was not)."""
 
 
 # One message waiting for the next batch: the arguments of `Spooler.submit`, then its future
@@ -294,6 +300,8 @@ class Spooler:
             return
         if isinstance(reply, BaseException):  # Redis unreachable or refused: never ack
             self.refused["redis_error"] = self.refused.get("redis_error", 0) + len(batch)
+            if broke(reply) and not isinstance(reply, NotSent):
+                reply = InDoubt(f"{reply} (the message may be stored)")
             for p in batch:
                 _resolve(p, reply)
             if self._on_spooled is not None:  # it may have run, its answer lost: what it

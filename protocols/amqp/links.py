@@ -34,7 +34,7 @@ from cproton_ffi import ffi, lib
 from proton import Condition, Delivery, Disposition, Link, Terminus
 
 from gateway.acl import TopicAccess
-from gateway.broker import Broker, DeletionWatch, Outcome, QueueError
+from gateway.broker import Broker, DeletionWatch, InDoubt, Outcome, QueueError
 from gateway.engine.queues import subscription_queue
 from gateway.model import Publisher
 from gateway.topics import TopicError, validate_topic
@@ -58,6 +58,7 @@ MAX_MESSAGE_SIZE = 16 * 1024 * 1024  # advertised on inbound links
 PARTIAL_BYTES_MAX = 2 * MAX_MESSAGE_SIZE
 RECEIVE_BUFFER_MAX = 64 * 1024  # larger deliveries are read through a buffer of their own
 
+INTERNAL_ERROR = "amqp:internal-error"
 NOT_FOUND = "amqp:not-found"
 NOT_IMPLEMENTED = "amqp:not-implemented"
 RESOURCE_DELETED = "amqp:resource-deleted"
@@ -447,6 +448,11 @@ class Inbound(Endpoint):
         outcome: Outcome | None = None
         if isinstance(result, BaseException):
             log.warning("AMQP publish failed: %s", result)
+            if dlv is not None and result.__class__ is InDoubt and self.live:
+                # not released (§3.4.4: not acted upon), which a client sends again: the
+                # link ends with the delivery unsettled, in doubt, as it is
+                self.fail(INTERNAL_ERROR, "the message store's answer was lost: it may be stored")
+                return
         else:
             outcome = result
             if dlv is None and not outcome.accepted:
