@@ -625,3 +625,22 @@ async def test_an_amqp_transfer_whose_store_answer_was_lost_is_not_released(
         assert (await node.queues.info("doubt")).messages == 1
     finally:
         await amqp.close()
+
+
+async def test_a_node_loads_its_functions_again_when_redis_lost_them(
+    broker: Broker, redis_url: str
+) -> None:
+    """A Redis that came back without its data (no AOF, a new instance, FUNCTION FLUSH) left
+    the node failing every call (heartbeat, publishes, declarations) until it was
+    restarted. Its heartbeat loads the library again. (Found by a review.)"""
+    admin = aioredis.Redis.from_url(redis_url)
+    try:
+        await admin.execute_command("FUNCTION", "FLUSH")
+        deadline = time.monotonic() + 5
+        while await library.loaded_library(admin) is None:
+            assert time.monotonic() < deadline, "the library was not loaded again"
+            await asyncio.sleep(0.05)
+        await broker.queues.create(QueueConfig(name="back"))
+        assert await broker.publish(to_queue("back", b"x")) == Outcome.OK
+    finally:
+        await admin.aclose()

@@ -16,6 +16,7 @@ import time
 
 import redis.asyncio as aioredis
 
+from gateway.engine import library
 from gateway.engine.flows import Dispatcher
 
 log = logging.getLogger(__name__)
@@ -98,3 +99,14 @@ class NodeLiveness:
                 raise
             except Exception as exc:
                 log.warning("heartbeat failed: %s", exc)
+                if library.missing(exc):  # every call fails until it is loaded again
+                    await self._load_library()
+
+    async def _load_library(self) -> None:
+        """The node recovers by itself once Redis is back, even without its data."""
+        try:
+            await library.load(self._redis)
+        except Exception as exc:
+            log.warning("loading the function library again failed: %s", exc)
+        else:
+            log.warning("the function library was missing from Redis: loaded again")

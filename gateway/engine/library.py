@@ -10,6 +10,7 @@ from typing import Any
 
 import hiredis
 import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
 
 from gateway.engine import keys
 
@@ -103,6 +104,22 @@ async def loaded_library(client: aioredis.Redis) -> str | None:
     return None
 
 
+async def load(client: aioredis.Redis, *, replace: bool = True) -> None:
+    """Load the library, or with `replace` this version of it, unless it is there already:
+    Redis refuses FUNCTION LOAD while it is full, and a node must still start then, so its
+    consumers can drain it."""
+    loaded = await loaded_library(client)
+    source = library_source()
+    if loaded is None or (replace and loaded != source):
+        await client.execute_command("FUNCTION", "LOAD", "REPLACE", source)
+
+
+def missing(exc: BaseException) -> bool:
+    """Redis has no such function: it came back without its data (a Redis with no AOF
+    restarted, a new instance) or its functions were flushed."""
+    return isinstance(exc, ResponseError) and "Function not found" in str(exc)
+
+
 def redacted(url: str) -> str:
     """`url` without its password (in the user part, whatever characters it holds, or a
     `password=` parameter): fit for logs and the ready line."""
@@ -146,12 +163,7 @@ async def connect(url: str, *, replace: bool = True) -> aioredis.Redis:
                 "since its last snapshot are lost if it restarts; set appendonly yes",
                 redacted(url),
             )
-        loaded = await loaded_library(client)
-        source = library_source()
-        # not loaded again when it is already there: Redis refuses FUNCTION LOAD while it is
-        # full, and a node must still start then, so its consumers can drain it
-        if loaded is None or (replace and loaded != source):
-            await client.execute_command("FUNCTION", "LOAD", "REPLACE", source)
+        await load(client, replace=replace)
     except BaseException:
         await client.aclose()
         raise
