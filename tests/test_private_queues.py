@@ -230,7 +230,26 @@ async def test_another_user_adds_no_topic_the_queues_owner_is_denied(admin_port:
     assert (await mallory.call("POST", "/api/v1/queues", body)).status == 201
     refused(await mallory.call("POST", q("mq", "subscriptions"), {"pattern": "secret/>"}))
     refused(await alice.call("POST", q("mq", "subscriptions"), {"pattern": "secret/>"}))
+    redeclared = {**body, "subscriptions": ["secret/>"]}  # the declaration route as well
+    refused(await alice.call("POST", "/api/v1/queues", redeclared))
     added = await alice.call("POST", q("mq", "subscriptions"), {"pattern": "news/>"})
     assert added.status == 200 and added.body == {"changed": 1}
     shown = (await mallory.call("GET", q("mq"))).body["subscriptions"]
     assert shown == [{"pattern": "news/>", "syntax": "smf"}]
+
+
+async def test_declaring_a_queue_the_user_may_not_see_shows_nothing_of_it(
+    admin_port: int,
+) -> None:
+    """Bob, answered 404 for alice's private queue, declared it by name and got it whole
+    (owner, subscriptions, flows) or a 409 naming its selector. (Found by a review.)"""
+    alice = Client(admin_port, basic("alice", "a-pw"))
+    bob = Client(admin_port, basic("bob", "b-pw"))
+    body = {"name": "payroll", "permission": "none", "subscriptions": ["pay/>"]}
+    body["subscription_selector"] = "amount > 1e5"
+    assert (await alice.call("POST", "/api/v1/queues", body)).status == 201
+    for declared in ({"name": "payroll"}, body):
+        reply = await bob.call("POST", "/api/v1/queues", declared)
+        assert reply.status == 409 and "pay/>" not in str(reply.body), reply
+        assert "1e5" not in str(reply.body) and "alice" not in str(reply.body), reply
+    assert (await alice.call("POST", "/api/v1/queues", body)).status == 200

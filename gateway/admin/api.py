@@ -250,9 +250,33 @@ class AdminApi:
         subs = _subscriptions(body.get("subscriptions", []))
         self._check_subscribe(subs, user)
         config = QueueConfig.from_json(body)
+        if user is not None:
+            await self._check_redeclare(config.name, subs, user)
         created = await self.broker.declare_queue(config, subs, user=user)
         info = await self.broker.queues.info(config.name)
         return Response.json(info.to_json(), 201 if created else 200)
+
+    async def _check_redeclare(
+        self, name: str, subscriptions: list[tuple[str, str]], user: str
+    ) -> None:
+        """Declaring another user's queue: one the user may not see is not shown (nor
+        compared), and the subscriptions it adds bind its owner's ACL too, as a POST to its
+        subscriptions does."""
+        try:
+            existing = await self.broker.queues.config(name)
+        except QueueError:
+            return  # made by this declaration
+        if not _visible(existing, user):
+            raise HttpError(409, f"a queue named {name!r} exists and is not the user's to see")
+        self._check_owner_topics(existing, subscriptions, user)
+
+    def _check_owner_topics(
+        self, config: QueueConfig, subscriptions: list[tuple[str, str]], user: str | None
+    ) -> None:
+        """A queue's owner reads what it holds: another user (modify-topic) may not add a
+        topic the owner's ACL denies."""
+        if user is not None and config.owner is not None and config.owner != user:
+            self._check_subscribe(subscriptions, config.owner)
 
     async def _update_queue(self, name: str, body: dict[str, Any], user: str | None) -> Response:
         """Run-time changes; `partition_count` (egress disabled) reports deleted messages."""
@@ -267,11 +291,8 @@ class AdminApi:
         if req.method == "POST":
             [(pattern, syntax)] = _subscriptions([_object(req)])
             self._check_subscribe([(pattern, syntax)], user)
-            owner = (await self.broker.queues.config(name)).owner
-            if user is not None and owner is not None and owner != user:
-                # its owner reads what it holds: another user (modify-topic) may not add a
-                # topic the owner's ACL denies
-                self._check_subscribe([(pattern, syntax)], owner)
+            config = await self.broker.queues.config(name)
+            self._check_owner_topics(config, [(pattern, syntax)], user)
             change = self.broker.subscribe_queue
         else:  # DELETE
             pattern = req.query.get("pattern", "")
