@@ -230,7 +230,11 @@ def _q(name: str) -> str:
 
 def _call(method: str, url: str, body: Any = None, auth: str | None = None) -> tuple[int, Any]:
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method)
+    try:
+        req = urllib.request.Request(url, data=data, method=method)
+    except ValueError as exc:  # no scheme, a broken IPv6 host...
+        print(f"gateway: --admin-url is not an http(s) URL: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
     if auth is not None:
         req.add_header("Authorization", auth)
     if data is not None:
@@ -245,6 +249,9 @@ def _call(method: str, url: str, body: Any = None, auth: str | None = None) -> t
         raise SystemExit(1) from None
     except (http.client.HTTPException, ConnectionError) as exc:  # e.g. the AMQP port
         print(f"gateway: no admin API answers at {url}: {exc!r}", file=sys.stderr)
+        raise SystemExit(1) from None
+    except TimeoutError:  # connected, then no answer
+        print(f"gateway: the admin API at {url} did not answer within 30 s", file=sys.stderr)
         raise SystemExit(1) from None
     if not raw:
         return status, None

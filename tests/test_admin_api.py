@@ -957,6 +957,11 @@ async def test_cli_errors(admin: Admin) -> None:
     assert rc == 1 and out == ""
     assert len(err.splitlines()) == 1 and "no admin API answers" in err
 
+    for malformed in ("localhost", "http://[::1"):  # a traceback before (found by a review)
+        rc, out, err = await run_cli("queue", "--admin-url", malformed, "list")
+        assert rc == 1 and out == ""
+        assert len(err.splitlines()) == 1 and "is not an http(s) URL" in err, err
+
 
 async def test_concurrent_patches_of_other_fields_both_stay(admin: Admin) -> None:
     """A PATCH writes the fields it changes, not the whole config it read: two PATCHes
