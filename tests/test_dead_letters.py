@@ -490,6 +490,33 @@ async def test_an_expired_message_is_never_delivered_by_a_queue_that_is_its_own_
     ]
 
 
+async def test_a_message_expiring_round_a_cycle_of_dmqs_is_dropped(broker: Broker) -> None:
+    """Queues that are each other's dead message queues passed an expiring message round
+    for ever (a dead-letter and a write every TTL; found by a review). As in RabbitMQ, one
+    that comes back by expiry alone to a queue it expired from is dropped."""
+    ring = ["a", "b", "c"]
+    for name, dmq in zip(ring, ring[1:] + ring[:1], strict=True):
+        config = QueueConfig(
+            name=name, dead_message_queue=dmq, max_ttl_ms=100, respect_ttl=True,
+            dmq_eligible_default=True,
+        )  # fmt: skip
+        await broker.declare_queue(config)
+    await broker.publish(Message(destination="a", to_queue=True, payload=b"round"))
+
+    async def counters() -> list[dict[str, int]]:
+        return [(await broker.queues.info(name)).counters for name in ring]
+
+    deadline = time.monotonic() + 5
+    while not (await counters())[2].get("dmq_cycle"):
+        assert time.monotonic() < deadline, await counters()
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.5)
+    a, b, c = await counters()
+    assert (a.get("dead_lettered"), b.get("dead_lettered"), c.get("dead_lettered")) == (1, 1, None)
+    assert (c["discarded"], c["dmq_cycle"]) == (1, 1)
+    assert [(await broker.queues.info(name)).messages for name in ring] == [0, 0, 0]
+
+
 async def test_dmq_takes_a_dead_message_it_would_take_from_a_publisher(broker: Broker) -> None:
     """A dead message queue's max_message_size limits the payload, as on the spool: not the
     stored entry (payload and every header), which discarded as "DMQ full" a dead message

@@ -1210,7 +1210,8 @@ end
 -- Take an entry off its queue for good (`reason`: expired, max_redelivered, rejected): to
 -- the queue's dead message queue when `to_dmq`, the message is eligible and that queue
 -- exists and has room, with its origin and reason as entry fields, else discarded. Counted
--- either way ('dmq_failed' too when the DMQ was full, as Solace counts "to DMQ failed").
+-- either way ('dmq_failed' too when the DMQ was full, as Solace counts "to DMQ failed";
+-- 'dmq_cycle' when it expired round a cycle of them).
 local function dead_letter(q, s, id, blob, reason, to_dmq)
   local c = redis.call('HMGET', k_queue_config(q), 'dead_message_queue', 'dmq_eligible_default')
   local e = redis.call('XRANGE', s, id, id)
@@ -1224,7 +1225,14 @@ local function dead_letter(q, s, id, blob, reason, to_dmq)
   local dmq = c[1]
   -- a partition or priority level dead-letters as its queue: never into that queue itself
   local origin = redis.call('HGET', k_queue_config(q), 'parent') or q
-  if to_dmq and dmq and dmq ~= origin and dmq_eligible(blob, c[2] == '1')
+  -- 'v': the queues the message expired from since a consumer last refused it. One that
+  -- expired round a cycle of dead message queues is dropped, as RabbitMQ does, not passed
+  -- round for ever
+  local expired_from = reason == 'expired' and (#e > 0 and entry_field(e[1][2], 'v') or '')
+  local cycle = expired_from and dmq
+    and string.find('\0' .. expired_from .. '\0', '\0' .. dmq .. '\0', 1, true)
+  if cycle then redis.call('HINCRBY', st, 'dmq_cycle', 1) end
+  if to_dmq and dmq and dmq ~= origin and not cycle and dmq_eligible(blob, c[2] == '1')
       and redis.call('EXISTS', k_queue_config(dmq)) == 1 then
     local d = redis.call('HMGET', k_queue_config(dmq), 'partition_count', 'priorities',
       'message_groups')
@@ -1261,6 +1269,10 @@ local function dead_letter(q, s, id, blob, reason, to_dmq)
     if kh then
       add[#add + 1] = 'kh'
       add[#add + 1] = kh
+    end
+    if expired_from then
+      add[#add + 1] = 'v'
+      add[#add + 1] = expired_from == '' and origin or expired_from .. '\0' .. origin
     end
     -- the dead message queue's own max_ttl_ms applies from now (the message's expiry,
     -- passed or not, stays behind: a message expired to the DMQ is kept there)
