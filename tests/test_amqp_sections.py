@@ -4,6 +4,7 @@ and hand every shape it does not cover back to proton."""
 
 from __future__ import annotations
 
+import json
 import math
 import struct
 import time
@@ -12,7 +13,7 @@ import uuid
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from proton import Data, Described, byte, char, int32, short, symbol, ubyte, ulong
+from proton import Array, Data, Described, byte, char, int32, short, symbol, ubyte, ulong
 from proton import Message as AmqpMessage
 
 from gateway.model import Delivery, Message, Publisher, bound_times, decode, encode
@@ -393,6 +394,23 @@ def test_mutated_messages_are_taken_or_refused_as_bodies(
     msg.destination = "q"
     bound_times(msg)
     assert decode(encode(msg)).payload == msg.payload
+
+
+def test_other_amqp_values_reach_other_protocols_as_json() -> None:
+    """An array or described body, and list, map or described application property values,
+    reached MQTT subscribers as Python's text of them ("Described(symbol('x:y'), [1, 2])",
+    "{'k': 2}"; found by a review): their JSON now."""
+    props = {"l": [1, "a"], "m": {"k": 2}, "d": Described(symbol("t"), 3)}
+    sent = AmqpMessage(body=Described(symbol("x:y"), [1, 2]), properties=props)
+    msg = mapping.decode(bytes(sent.encode()), PUB).message
+    assert json.loads(msg.payload) == {"descriptor": "x:y", "value": [1, 2]}
+    assert dict(msg.user_properties) == {
+        "l": '[1, "a"]',
+        "m": '{"k": 2}',
+        "d": '{"descriptor": "t", "value": 3}',
+    }
+    array = AmqpMessage(body=Array(None, Data.INT, 1, 2, 3))
+    assert json.loads(mapping.decode(bytes(array.encode()), PUB).message.payload) == [1, 2, 3]
 
 
 def described(code: int, value: object) -> bytes:

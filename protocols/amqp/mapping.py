@@ -49,7 +49,7 @@ import time
 from dataclasses import dataclass
 from uuid import UUID
 
-from proton import Data, byte, symbol, ulong
+from proton import Array, Data, Described, byte, symbol, ulong
 from proton import Message as AmqpMessage
 
 from gateway.model import MAX_PRIORITY, Delivery, Message, PropertyValue, Publisher
@@ -121,7 +121,7 @@ def decode(data: bytes, publisher: Publisher) -> Ingress:
     else:  # another AMQP value (map, list, number...): AMQP consumers get the bare message
         # as sent, everyone else (MQTT subscribers) the value as JSON
         try:
-            payload = json.dumps(_json_ready(body), default=str).encode()
+            payload = _json_text(body).encode()
         except Exception as exc:
             raise UnsupportedBody(f"unsupported AMQP body {type(body).__name__}: {exc}") from exc
         content_type = content_type or "application/json"
@@ -211,14 +211,23 @@ def _decode_value(encoded: bytes) -> object:
 
 
 def _json_ready(value: object) -> object:
-    """JSON has string keys only; bytes become text where they can."""
+    """JSON has string keys only; bytes become text where they can; an array is a list and
+    a described value its descriptor and value (not Python's text of them)."""
     if isinstance(value, dict):
         return {str(k): _json_ready(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [_json_ready(v) for v in value]
+    if isinstance(value, Array):
+        return [_json_ready(v) for v in value.elements]
+    if isinstance(value, Described):
+        return {"descriptor": _json_ready(value.descriptor), "value": _json_ready(value.value)}
     if isinstance(value, bytes | memoryview):
         return bytes(value).decode("utf-8", "replace")
     return value
+
+
+def _json_text(value: object) -> str:
+    return json.dumps(_json_ready(value), default=str)
 
 
 def _content_type(amqp: AmqpMessage) -> str | None:
@@ -251,9 +260,12 @@ def _ident(value: object) -> str | bytes | int | None:
 
 
 def _value(value: object) -> PropertyValue:
-    """Application property values the message model can hold (others become strings)."""
+    """Application property values the message model can hold (others become strings: a
+    list, map, array or described value its JSON text)."""
     if value is None or isinstance(value, (str, bytes, bool, int, float)):
         return value  # type: ignore[return-value]
     if isinstance(value, memoryview):
         return bytes(value)
+    if isinstance(value, dict | list | tuple | Array | Described):
+        return _json_text(value)
     return str(value)
