@@ -65,6 +65,26 @@ async def test_a_broken_connection_tells_every_command_in_flight_then_reconnects
     await client.aclose()
 
 
+async def test_a_connection_redis_closed_while_idle_is_not_written_to(redis_url: str) -> None:
+    """Redis closed the connection while nothing was in flight (a restart): the next command
+    was written into it and told the connection broke, "ran or not, unknown", so an AMQP
+    publisher's link ended with its transfer in doubt though nothing could have run
+    (found by a review). It goes on a new connection."""
+    client = aioredis.Redis.from_url(redis_url)
+    calls = OrderedCalls(client)
+    ids: list[Any] = []
+    await calls.send(ids.append, "CLIENT", "ID")
+    await wait_for(lambda: ids)
+    redis.Redis.from_url(redis_url).client_kill_filter(_id=ids[0])
+    await asyncio.sleep(0.1)  # the end reaches the node
+    replies: list[Any] = []
+    await calls.send(replies.append, "PING")
+    await wait_for(lambda: replies)
+    assert replies == [b"PONG"]
+    await calls.close()
+    await client.aclose()
+
+
 async def test_commands_no_connection_was_made_for_did_not_run(redis_server) -> None:
     """Told NotSent, not a broken connection's "may have run" (a publisher is told its
     message was not stored only then). One waiting for the connection another failed to

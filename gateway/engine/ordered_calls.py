@@ -60,7 +60,11 @@ class OrderedCalls:
         not run.
         `in_place` writes its long bytes arguments from their own buffers (pack_in_place)."""
         self._waiting.append(on_reply)
-        conn = self._conn
+        conn, stale = self._conn, None
+        if conn is not None and len(self._waiting) == 1 and _closed_by_redis(conn):
+            # closed while nothing was in flight (Redis restarted): nothing was lost with it,
+            # so this command goes on a new connection, not into the dead one (in doubt)
+            self._conn, conn, stale = None, None, conn
         try:
             if conn is None:
                 breaks = self._breaks
@@ -77,6 +81,10 @@ class OrderedCalls:
         except Exception as exc:
             await self._broken(conn, exc)
             return
+        finally:
+            if stale is not None:
+                await stale.disconnect(nowait=True)
+                await self._pool.release(stale)
         if self._reader is None:
             self._reader = asyncio.get_running_loop().create_task(self._read(conn))
 
@@ -131,6 +139,13 @@ class OrderedCalls:
             await self._pool.release(conn)
         for on_reply in waiting:
             _tell(on_reply, exc)
+
+
+def _closed_by_redis(conn: aioredis.Connection) -> bool:
+    """Whether Redis ended the connection: its stream reader saw the end, or an error
+    (redis-py reads a connection only for a reply, so no one else notices while idle)."""
+    reader = conn._reader
+    return reader is None or reader.at_eof() or reader.exception() is not None
 
 
 def broke(reply: Any) -> bool:
