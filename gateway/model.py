@@ -84,16 +84,18 @@ class Message:
     to_queue: bool = False  # destination names a queue, not a topic
     id: str = ""  # gateway-assigned unique id, stable across redeliveries
     # The AMQP bare message as its publisher encoded it (properties, application properties,
-    # body: immutable in transit, AMQP 1.0 §3.2) and its footer, sent on to AMQP receivers
-    # as it came; the engine never reads it. `payload_in_bare`: where `payload` starts in it
-    # (the body ends it unless a footer follows), so the payload is stored once; None when
-    # it is not a slice of it.
+    # body: immutable in transit, AMQP 1.0 §3.2), sent on to AMQP receivers as it came; the
+    # engine never reads it. `payload_in_bare`: where `payload` starts in it (the body is its
+    # last section), so the payload is stored once; None when it is not a slice of it.
     amqp_bare: bytes | None = None
     payload_in_bare: int | None = None
     # The AMQP publisher's message-annotations section (sent on with the gateway's own merged
     # in, such as x-opt-jms-dest); None when it sent none.
     amqp_annotations: bytes | None = None
     timestamp: int | None = None  # epoch ms its publisher made it (AMQP creation-time)
+    # The AMQP publisher's footer section (hashes or signatures of the bare message, §3.2.10),
+    # sent on after it; None when it sent none.
+    amqp_footer: bytes | None = None
     # An exactly-once publish (MQTT QoS 2): its publisher's client id, packet id and
     # connection's claim; the spool records the id with it in one step, so a resend is not
     # stored again. Not stored.
@@ -213,6 +215,7 @@ def encode(msg: Message) -> bytes:
         msg.payload_in_bare,
         msg.amqp_annotations,
         msg.timestamp,
+        msg.amqp_footer,
     ]
     if msg.payload_in_bare is not None:
         fields[1] = b""  # read back from the bare message
@@ -223,7 +226,7 @@ def encode(msg: Message) -> bytes:
 
 
 _unpackb = msgpack.unpackb
-_FIELDS = 21
+_FIELDS = 22
 _PADDING = [[None] * (_FIELDS - n) for n in range(_FIELDS + 1)]  # by the number of fields read
 
 
@@ -250,6 +253,8 @@ def decode(blob: bytes) -> Message:
             raise ValueError("message annotations are not bytes")
         if f[20] is not None and f[20].__class__ is not int:
             raise ValueError("timestamp is not an integer")
+        if f[21] is not None and f[21].__class__ is not bytes:
+            raise ValueError("footer is not bytes")
         return Message(  # positional, in field order: measurably faster on the hot path
             f[2],  # destination
             f[1] if at is None else bare[at:],  # payload
@@ -274,6 +279,7 @@ def decode(blob: bytes) -> Message:
             at,
             annotations,
             f[20],  # timestamp
+            f[21],  # amqp_footer
         )
     except (TypeError, ValueError, IndexError, KeyError) as exc:
         raise ValueError(f"stream entry has malformed fields: {exc}") from exc

@@ -330,5 +330,5 @@ def test_message_field_order_is_the_one_positional_builders_use() -> None:
         "persistent", "dmq_eligible", "content_type", "correlation_id", "reply_to",
         "message_id", "subject", "user_properties", "annotations", "publisher", "retain",
         "to_queue", "id", "amqp_bare", "payload_in_bare", "amqp_annotations", "timestamp",
-        "exactly_once",
+        "amqp_footer", "exactly_once",
     ]  # fmt: skip

@@ -22,7 +22,7 @@ SECTION_NAMES = {
     "amqp:amqp-value:*": 0x77,
     "amqp:footer:map": 0x78,
 }
-MESSAGE_ANNOTATIONS, PROPERTIES = 0x72, 0x73
+MESSAGE_ANNOTATIONS, PROPERTIES, FOOTER = 0x72, 0x73, 0x78
 BODY_CODES = range(0x75, 0x78)  # data, amqp-sequence, amqp-value
 REPEATABLE = (0x75, 0x76)  # a body may be several data or several amqp-sequence sections
 
@@ -67,17 +67,19 @@ def check_message(data: bytes | bytearray) -> int:
 
 def bare_range(data: bytes) -> tuple[int, int]:
     """Where the bare message (properties, application-properties and the body: what AMQP
-    1.0 §3.2 makes immutable in transit) starts in a message check_message passed, and where
-    it ends with its footer (the message's end: the footer's hashes or signatures are of the
-    bare message, so they go on with it); (n, n) when it has none."""
-    end = len(data)
+    1.0 §3.2 makes immutable in transit) starts and ends in a message check_message passed;
+    (n, n) when it has none."""
+    start = end = len(data)
     pos = 0
-    while pos < end:
+    while pos < len(data):
         code, after = section_at(data, pos)
-        if code is not None and code >= PROPERTIES:
-            return pos, end
+        if code == FOOTER:
+            end = pos
+            break
+        if code is not None and code >= PROPERTIES and start > pos:
+            start = pos
         pos = _skip(data, after, 0)
-    return end, end
+    return min(start, end), end
 
 
 def section_span(data: bytes, wanted: int) -> tuple[int, int]:

@@ -1,10 +1,10 @@
 """proton `Message` <-> gateway `Message`.
 
 An AMQP publisher's bare message (properties, application-properties, body: immutable in
-transit, §3.2) and footer are kept as sent (`Message.amqp_bare`) and go to AMQP receivers
-unchanged, with only a missing `to` filled in; the model fields below are read from it for
-routing, selectors and the other protocols, and are what AMQP receivers get of other
-publishers' messages.
+transit, §3.2) and footer are kept as sent (`Message.amqp_bare`, `Message.amqp_footer`) and
+go to AMQP receivers unchanged, with only a missing `to` filled in (not with a footer); the
+model fields below are read from it for routing, selectors and the other protocols, and are
+what AMQP receivers get of other publishers' messages.
 
 | model            | AMQP 1.0                                                         |
 |------------------|------------------------------------------------------------------|
@@ -144,6 +144,8 @@ def decode(data: bytes, publisher: Publisher) -> Ingress:
     start, end = framing.bare_range(data)
     if start < end:
         sections.keep_bare(msg, bytes(data[start:end]))
+    if end < len(data):  # a footer (check_message: the last section)
+        msg.amqp_footer = bytes(data[end:])
     if annotations:
         start, end = framing.section_span(data, framing.MESSAGE_ANNOTATIONS)
         msg.amqp_annotations = bytes(data[start:end])

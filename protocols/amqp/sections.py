@@ -235,6 +235,7 @@ def _decode(data: bytes, publisher: Publisher) -> tuple[Message, str | None, int
     bodies, last = 0, -1
     i, n = 0, len(data)
     bare_start = bare_end = n  # see Message.amqp_bare
+    footer = None
     annotations_span = 0, 0
     while i < n:
         if data[i] != 0x00:
@@ -267,7 +268,9 @@ def _decode(data: bytes, publisher: Publisher) -> tuple[Message, str | None, int
             annotations_span = start, i
         elif code == APP_PROPS:
             app = _map(value, constructor)
-        elif code not in (DELIVERY_ANN, FOOTER):  # a footer goes on with the bare message
+        elif code == FOOTER:
+            bare_end, footer = start, data[start:]  # the last section (check_message)
+        elif code != DELIVERY_ANN:
             raise Unsupported(f"section 0x{code:x}")
     if bodies > 1:
         raise Unsupported("several body sections")
@@ -343,6 +346,7 @@ def _decode(data: bytes, publisher: Publisher) -> tuple[Message, str | None, int
     msg.timestamp = created  # type: ignore[assignment]
     if bare_start < bare_end:
         keep_bare(msg, data[bare_start:bare_end])
+    msg.amqp_footer = footer
     if not annotations:
         return msg, to or None, None
     msg.amqp_annotations = data[annotations_span[0] : annotations_span[1]]
@@ -536,6 +540,9 @@ def encode(delivery: Delivery, now_ms: int | None = None) -> bytes:
             annotations = _annotations(msg.annotations, msg.to_queue)
         else:
             annotations = _ANNOTATIONS[msg.to_queue]
+        footer = msg.amqp_footer
+        if footer is not None:
+            return b"".join((header, annotations, msg.amqp_bare, footer))
         return b"".join((header, annotations, msg.amqp_bare))
     if msg.annotations:
         if AMQP_VALUE in msg.annotations:
@@ -607,9 +614,10 @@ def keep_bare(msg: Message, bare: bytes) -> None:
 
 def address_bare(msg: Message) -> None:
     """Give a kept bare message the `to` its publisher left out: the address it was sent to,
-    which receivers such as Qpid JMS take its destination from. Everything else stays."""
+    which receivers such as Qpid JMS take its destination from. Everything else stays, and
+    all of it with a footer: its hashes or signatures are of the bare message as sent."""
     bare = msg.amqp_bare
-    if bare is None:
+    if bare is None or msg.amqp_footer is not None:
         return
     code, head = framing.section_at(bare, 0)
     if code != PROPERTIES:  # no properties section: one with only `to` goes first
