@@ -142,8 +142,11 @@ class AdminApi:
         try:
             async with asyncio.timeout(HEALTH_TIMEOUT_S):
                 await self.broker.redis.ping()
-        except (RedisError, OSError, TimeoutError) as exc:
-            reason = f"Redis does not answer: {exc or type(exc).__name__}"
+        except TimeoutError:  # (its text is empty)
+            reason = f"Redis does not answer within {HEALTH_TIMEOUT_S:g} s"
+            return Response.json({"status": "unavailable", "node": node, "reason": reason}, 503)
+        except (RedisError, OSError) as exc:
+            reason = f"Redis does not answer: {str(exc) or type(exc).__name__}"
             return Response.json({"status": "unavailable", "node": node, "reason": reason}, 503)
         if not self.broker.liveness.presumed_alive():
             reason = "the node's heartbeat lapsed: other nodes presume it dead"
