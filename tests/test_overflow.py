@@ -258,6 +258,27 @@ async def test_leaving_flow_control_answers_held_publishers_at_once(
     assert (await broker.queues.info("q")).messages == 2
 
 
+@pytest.mark.parametrize("overflow", ["ring", "reject"])
+async def test_leaving_flow_control_stores_what_it_held_first(
+    broker: Broker, redis_url: str, overflow: str
+) -> None:
+    """Switched away from flow control while it held a publisher's message, the queue stored
+    that publisher's next message at once and the held one after it, at the node's retry
+    (found by a review: m0-m3 m6-m9 m4 m5). The held mark holds under any policy."""
+    await broker.declare_queue(QueueConfig(name="q", max_messages=2, overflow="flow_control"))
+    assert await broker.publish(msg("0")) is Outcome.OK
+    assert await broker.publish(msg("1")) is Outcome.OK
+    held = broker.publish_nowait(msg("2"))
+    await asyncio.sleep(0.3)
+    assert not held.done(), "held by flow control"
+    await broker.update_queue("q", {"overflow": overflow, "max_messages": 100})
+    later = broker.publish_nowait(msg("3"))
+    assert await asyncio.wait_for(asyncio.gather(held, later), 3) == [Outcome.OK] * 2
+    assert await browse_all(broker, "q") == [b"0", b"1", b"2", b"3"]
+    stats = redis.Redis.from_url(redis_url).hgetall(keys.queue_stats("q"))
+    assert b"flow_held" not in stats, "the retry cleared the marks"
+
+
 async def test_a_ring_priority_queue_drops_from_its_lowest_level(broker: Broker) -> None:
     """A priority queue's limits bound the whole queue: full, it drops the oldest message of
     its lowest level that has one, whatever the new message's level."""

@@ -917,9 +917,10 @@ local function spool_target(name, families)
   -- a message in the short form to it alone needs only the checks of spool_plainly
   info.plain = not info.hidden and info.partitions == 0 and not info.prioritised
     and info.ingress and not info.lvq and not info.sort_key and info.max_ttl == 0
-  local st = redis.call('HMGET', k_queue_stats(name), 'bytes', 'msgs', 'blocked')
+  local st = redis.call('HMGET', k_queue_stats(name), 'bytes', 'msgs', 'blocked', 'flow_held')
   info.bytes = tonumber(st[1]) or 0
   info.count = tonumber(st[2]) or 0
+  info.held_marks = st[4] == '1'  -- see flow_held_mark
   info.usage = info  -- what its limits bound: the queue, or its parent's whole family
   if c[6] and (info.maxmsgs > 0 or info.maxbytes > 0) then
     local u = families and families[c[6]]
@@ -1335,19 +1336,28 @@ end
 -- a node, it holds back that node's later messages too (even when it has room again by
 -- then), until the node offers the held messages again in a retry batch, which starts
 -- with them and clears the mark. A node that stopped before its retry leaves a mark that
--- lapses after FLOW_HELD_LAPSE seconds.
+-- lapses after FLOW_HELD_LAPSE seconds. The marks hold under any overflow policy: one set
+-- to the queue since holds its publishers no more, but what was held is stored first. While
+-- marks exist, the queue's stats say so ('flow_held'), so a queue without them costs no read.
 local FLOW_HELD_LAPSE = 60
+
+local function clear_flow_held(q, node)
+  redis.call('HDEL', q.flow_held_key, node)
+  if redis.call('EXISTS', q.flow_held_key) == 0 then
+    redis.call('HDEL', k_queue_stats(q.name), 'flow_held')
+  end
+end
 
 local function flow_held_mark(q, node, retry)
   q.flow_held_key, q.flow_held_node = k_queue_flow_held(q.name), node
   if retry then
-    redis.call('HDEL', q.flow_held_key, node)
+    clear_flow_held(q, node)
     return
   end
   local since = redis.call('HGET', q.flow_held_key, node)
   if not since then return end
   if tonumber(redis.call('TIME')[1]) - tonumber(since) > FLOW_HELD_LAPSE then
-    redis.call('HDEL', q.flow_held_key, node)
+    clear_flow_held(q, node)
   else
     q.flow_held = true
   end
@@ -1357,6 +1367,7 @@ local function hold_for_node(q)
   if q.flow_held_key and not q.flow_held_marked then
     q.flow_held, q.flow_held_marked = true, true
     redis.call('HSET', q.flow_held_key, q.flow_held_node, redis.call('TIME')[1])
+    redis.call('HSET', k_queue_stats(q.name), 'flow_held', '1')
   end
   return FLOW_CONTROLLED
 end
@@ -1417,7 +1428,7 @@ local function spool(a, marks)
         if t.created ~= created then t = NAMED_HIDDEN end
       else
         t = spool_target(name, families)
-        if t.overflow == 'flow_control' then flow_held_mark(t, a[1], retry) end
+        if t.overflow == 'flow_control' or t.held_marks then flow_held_mark(t, a[1], retry) end
         qs[#qs + 1] = t
       end
       by_name[name] = t
@@ -2871,7 +2882,7 @@ end)
 
 -- A queue's event counters (spooled, acked, ...: not its depth, nor its blocked state), by
 -- field; they never go back, so a repartition keeps those of what it deletes.
-local STATE_STATS = { msgs = true, bytes = true, blocked = true }
+local STATE_STATS = { msgs = true, bytes = true, blocked = true, flow_held = true }
 
 local function event_counters(q)
   local out = {}

@@ -658,6 +658,7 @@ class QueueStore:
         elif config.priorities:
             levels = [keys.priority_queue(name, p) for p in range(keys.PRIORITY_LEVELS)]
             await self._add_counters(levels, counters)
+        counters.pop("flow_held", None)  # a state: producer flow control's marks exist
         return QueueInfo(
             config=config,
             subscriptions=[parse_subscription_entry(e.decode()) for e in subs],
