@@ -390,6 +390,43 @@ async def test_registered_reader_sees_entries_consumers_acked(
     assert [p for b in batches for p in b] == [f"a{n}".encode() for n in range(5)]
 
 
+async def test_a_registered_reader_keeps_the_entries_of_partitions_added_after_it_began(
+    spark: SparkSession, broker: Broker, redis_url: str, tmp_path: Path
+) -> None:
+    """A queue scaled from 2 to 4 partitions between two runs of a named reader: what
+    consumers acked in the new partitions before its next run reached nobody (no reader
+    was placed there, and a range from 0-0 with no snapshot reported no loss)."""
+    await make_partitioned_queue(broker, "grow", 2)
+    for n in range(4):
+        await publish_to(broker, "grow", [f"a{n}".encode()], partition_key=f"k{n}")
+    first = await stream_available_now(spark, redis_url, "grow", tmp_path, readerName="arch")
+    assert sorted(p for b in first for p in b) == sorted(f"a{n}".encode() for n in range(4))
+
+    await broker.update_queue("grow", {"egress_enabled": False})
+    await broker.update_queue("grow", {"partition_count": 4})
+    await broker.update_queue("grow", {"egress_enabled": True})
+    for _, child in stream_queues("grow", 4)[2:]:
+        assert await broker.redis.hget(keys.queue_readers(child), "arch") == b"0-0"
+    sent = [f"b{n}".encode() for n in range(16)]
+    for n, payload in enumerate(sent):
+        await publish_to(broker, "grow", [payload], partition_key=f"k{n}")
+    got: list[Delivery] = []
+
+    def on_deliver(delivery: Delivery) -> None:
+        got.append(delivery)
+        flow.ack(delivery.entry_id)
+
+    flow = await broker.bind("grow", on_deliver)
+    await wait_for(lambda: len(got) == 4 + 16, 15)  # a0..a3 waited too
+    await flow.close()  # its acks go first
+    children = [child for _, child in stream_queues("grow", 4)]
+    acked = [await broker.redis.hget(keys.queue_stats(c), "acked") for c in children]
+    assert sum(int(n or 0) for n in acked) == 16 + 4
+
+    second = await stream_available_now(spark, redis_url, "grow", tmp_path, readerName="arch")
+    assert sorted(p for b in second for p in b) == sorted(sent)
+
+
 async def test_a_registered_reader_reads_and_commits_while_redis_is_full(
     spark: SparkSession, broker: Broker, redis_url: str, tmp_path: Path
 ) -> None:
@@ -563,6 +600,27 @@ async def test_a_query_from_earliest_is_failed_by_holes_made_before_its_first_pl
         assert len(tolerant.partitions(tolerant.initialOffset(), end)) == 1  # warned; the
         # rest is read
     assert f"stream was trimmed past {ids[3].decode()}" in caplog.text
+
+
+async def test_a_partition_added_after_the_query_began_is_checked_for_loss(
+    broker: Broker, redis_url: str
+) -> None:
+    """A stream the query first saw after it began (a partition added) was read from 0-0
+    with no snapshot: entries deleted there before its task read them went unreported."""
+    await make_partitioned_queue(broker, "more", 1)
+    reader = StreamReader(Options.parse({"redis_url": redis_url, "queue": "more"}))
+    start = reader.initialOffset()
+    await broker.update_queue("more", {"egress_enabled": False})
+    await broker.update_queue("more", {"partition_count": 2})
+    added = stream_queues("more", 2)[1][1]
+    key = next(f"k{n}" for n in range(100) if partition_of(f"k{n}", 2) == 1)
+    await publish_to(broker, "more", [b"x0", b"x1"], partition_key=key)
+    end = reader.latestOffset(start, reader.getDefaultReadLimit())
+    assert added in end
+    ids = [e[0] for e in await broker.redis.xrange(keys.queue_stream(added))]
+    await broker.redis.xdel(keys.queue_stream(added), ids[0])
+    with pytest.raises(DataLossError, match="deleted after the query began"):
+        reader.partitions(start, end)
 
 
 async def test_archive_and_dmq_report(

@@ -2897,6 +2897,35 @@ local function add_counters(q, counters)
   for field, n in pairs(counters) do redis.call('HINCRBY', k_queue_stats(q), field, n) end
 end
 
+-- The names of the stream readers that have a place in any of `queues`.
+local function reader_names(queues)
+  local names, seen = {}, {}
+  for _, queue in ipairs(queues) do
+    for _, name in ipairs(redis.call('HKEYS', k_queue_readers(queue))) do
+      if not seen[name] then
+        seen[name] = true
+        names[#names + 1] = name
+      end
+    end
+  end
+  return names
+end
+
+-- Streams a repartition adds get the queue's readers at their start (0-0): consumers'
+-- acks there must keep entries until each reader read them, as in the queue's other
+-- streams. Every deletion there counts as the readers' loss (no baseline).
+local function place_readers(queues, names)
+  if #names == 0 then return end
+  for _, queue in ipairs(queues) do
+    for _, name in ipairs(names) do
+      if redis.call('HSETNX', k_queue_readers(queue), name, '0-0') == 1 then
+        redis.call('HDEL', k_queue_reader_baselines(queue), name)
+      end
+    end
+    redis.call('SADD', K_READ_QUEUES, queue)
+  end
+end
+
 -- ARGV: queue, new partition count, and the max_spool_bytes the same change sets, if it
 -- does (a last value queue ceasing to be one is partitioned then). Scaling partitions or
 -- switching between partitioned and not is only allowed with egress disabled; every flow
@@ -2923,6 +2952,7 @@ register_always('gw_repartition', function(_, a)
   end
   local old_n = tonumber(c[2]) or 0
   if old_n == new_n then return { 'ok', 0 } end
+  local readers = reader_names(old_n == 0 and { q } or children(q))
   for _, flow in ipairs(redis.call('ZRANGE', k_queue_flows(q), 0, -1)) do
     release_flow(q, flow, true, true)  -- they bind again; an auto-delete queue stays
   end
@@ -2941,6 +2971,13 @@ register_always('gw_repartition', function(_, a)
   end
   redis.call('HSET', cfg, 'partition_count', new_n)
   for i = old_n, new_n - 1 do create_partition(q, i) end
+  if new_n == 0 then
+    place_readers({ q }, readers)
+  elseif new_n > old_n then
+    local added = {}
+    for i = old_n, new_n - 1 do added[#added + 1] = partition_queue(q, i) end
+    place_readers(added, readers)
+  end
   redis.call('DEL', k_queue_parts(q))
   redis.call('PUBLISH', K_EVENTS, 'qcfg ' .. q)
   return { 'ok', deleted }

@@ -539,13 +539,15 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def __init__(self, opts: Options) -> None:
         self.opts = opts
         self._client: redis.Redis | None = None
-        self._registered = False
+        self._registered: set[str] = set()  # streams the reader announced itself in
         self._target: dict[str, StreamId] | None = None  # Trigger.AvailableNow end
         # where this query began when it chose its start itself (earliest or latest), with
         # each stream's max-deleted id then: holes made before it began are not its loss
         self._initial: dict[str, str] = {}
         self._baselines: dict[str, StreamId] = {}
-        self._began: dict[str, StreamInfo] = {}  # each stream then, for ranges from 0-0
+        # each stream when the query began or first saw it at 0-0 (a partition added
+        # later, one empty when a restarted query began), for ranges from 0-0
+        self._began: dict[str, StreamInfo] = {}
         self._start: dict[str, str] | None = None  # initialOffset's first answer
 
     def __getstate__(self) -> dict[str, Any]:
@@ -595,7 +597,12 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._register(start)
         ends: dict[str, StreamId] = {}
         for _, queue in queue_streams(self.client, self.opts.queue):
-            end = StreamInfo.fetch(self.client, queue).last_generated
+            info = StreamInfo.fetch(self.client, queue)
+            if parse_id(start.get(queue, ZERO)) == (0, 0):
+                self._began.setdefault(queue, info)
+            if queue not in start:
+                self._register({queue: ZERO})
+            end = info.last_generated
             if self._target is not None:
                 end = min(end, self._target.get(queue, (0, 0)))
             ends[queue] = max(end, parse_id(start.get(queue, ZERO)))
@@ -641,12 +648,17 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return read_range(self.opts, partition)
 
     def _register(self, start: dict) -> None:
-        """Announce the reader once, at its start position, so the engine retains from here.
+        """Announce the reader at its start position in each stream it did not know yet,
+        so the engine retains from here (a partition added later: the engine placed it
+        there already when it had a place in the queue's other streams).
 
         Registered where this query began (not from a checkpoint or explicit offsets), the
         engine notes the max-deleted id then too, so that restarts excuse the same old holes.
         """
-        if self._registered or self.opts.reader_name is None:
+        if self.opts.reader_name is None:
+            return
+        start = {q: sid for q, sid in start.items() if q not in self._registered}
+        if not start:
             return
         pipe = self.client.pipeline(transaction=False)
         for queue, sid in start.items():  # a function: it runs while Redis is full
@@ -656,7 +668,7 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 args.append(format_id(baseline))
             pipe.fcall("gw_reader_at", 0, *args)
         pipe.execute()
-        self._registered = True
+        self._registered.update(start)
 
     def commit(self, end: dict) -> None:
         if self.opts.reader_name is None:
