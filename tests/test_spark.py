@@ -427,6 +427,18 @@ async def test_a_registered_reader_keeps_the_entries_of_partitions_added_after_i
     assert sorted(p for b in second for p in b) == sorted(sent)
 
 
+async def test_a_named_reader_of_a_last_value_queue_is_refused_with_why(
+    spark: SparkSession, broker: Broker, redis_url: str, tmp_path: Path
+) -> None:
+    """A last value queue replaces a waiting value whether a reader read it or not: a
+    named streaming reader failed with DataLossError on every normal replacement."""
+    await broker.declare_queue(QueueConfig(name="last", max_spool_bytes=0))
+    await publish_to(broker, "last", [b"v1"])
+    with pytest.raises(Exception, match=r"'last' is a last value queue.*readerName"):
+        await stream_available_now(spark, redis_url, "last", tmp_path, readerName="arch")
+    assert not await broker.redis.exists(keys.queue_readers("last"))
+
+
 async def test_a_registered_reader_reads_and_commits_while_redis_is_full(
     spark: SparkSession, broker: Broker, redis_url: str, tmp_path: Path
 ) -> None:

@@ -434,6 +434,18 @@ def queue_streams(client: redis.Redis, queue: str) -> list[tuple[int | None, str
     return stream_queues(queue, int(count or 0), priorities == b"1")
 
 
+def refuse_last_value_queue(client: redis.Redis, queue: str) -> None:
+    """A last value queue deletes a waiting value when a newer one of its slot comes, read
+    or not: it cannot keep entries for a named reader, whose every batch would then fail
+    as data loss."""
+    lvq_key, spool = client.hmget(keys.queue_config(queue), "lvq_key", "max_spool_bytes")
+    if lvq_key or spool == b"0":
+        raise ValueError(
+            f"queue {queue!r} is a last value queue: it replaces values a reader has not "
+            "read, so it cannot keep them for readerName; read it without readerName"
+        )
+
+
 def starting_offsets(client: redis.Redis, opts: Options) -> tuple[dict[str, str], bool]:
     """Start id per stream, and whether they were chosen explicitly (then loss is checked).
 
@@ -657,6 +669,8 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         """
         if self.opts.reader_name is None:
             return
+        if not self._registered:
+            refuse_last_value_queue(self.client, self.opts.queue)
         start = {q: sid for q, sid in start.items() if q not in self._registered}
         if not start:
             return
