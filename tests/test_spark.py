@@ -478,6 +478,23 @@ async def test_fail_on_data_loss_detects_trimmed_and_deleted_ranges(
         await asyncio.to_thread(again.collect)
 
 
+async def test_a_fail_on_data_loss_value_that_is_not_a_boolean_is_refused(
+    spark: SparkSession, broker: Broker, redis_url: str
+) -> None:
+    """ "on" or "ture" was taken as false: the loss check went off without a word."""
+    await broker.declare_queue(QueueConfig(name="onoff"))
+    await publish_to(broker, "onoff", [b"x"])
+    for value in ("on", "ture"):
+        with pytest.raises(
+            Exception, match=f"option failOnDataLoss must be true or false.*{value}"
+        ):
+            await asyncio.to_thread(
+                lambda v=value: read(spark, redis_url, "onoff", failOnDataLoss=v).collect()
+            )
+    lenient = read(spark, redis_url, "onoff", failOnDataLoss=" No ")
+    assert len(await asyncio.to_thread(lenient.collect)) == 1
+
+
 async def holes_before_start(broker: Broker, queue: str) -> list[bytes]:
     """Ten messages x0..x9 in `queue`, x7 deleted (acked out of order) before any read."""
     await broker.declare_queue(QueueConfig(name=queue))

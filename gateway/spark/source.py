@@ -99,9 +99,19 @@ def format_id(sid: StreamId) -> str:
     return f"{sid[0]}-{sid[1]}"
 
 
+BOOLEANS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
 def _bool(options: Mapping[str, str], name: str, default: bool) -> bool:
+    """A value outside BOOLEANS is refused: taken as false, a misspelt "ture" would turn a
+    safety check off without a word."""
     value = options.get(name)
-    return default if value is None else str(value).strip().lower() in ("true", "1", "yes")
+    if value is None:
+        return default
+    try:
+        return BOOLEANS[str(value).strip().lower()]
+    except KeyError:
+        raise ValueError(f"option {name} must be true or false, not {value!r}") from None
 
 
 @dataclass(frozen=True, slots=True)
