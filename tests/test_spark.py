@@ -358,6 +358,20 @@ async def test_stream_caps_batches_and_commits_reader_offsets(
         assert await broker.redis.sismember(keys.read_queues, child)
 
 
+async def test_a_max_entries_per_batch_that_is_not_a_number_names_the_option(
+    spark: SparkSession, broker: Broker, redis_url: str, tmp_path: Path
+) -> None:
+    """ "1k" failed with int()'s "invalid literal for int()", naming no option."""
+    await broker.declare_queue(QueueConfig(name="capped"))
+    for value in ("1k", "0"):
+        with pytest.raises(
+            Exception, match=f"option maxEntriesPerBatch must be a positive.*{value}"
+        ):
+            await stream_available_now(
+                spark, redis_url, "capped", tmp_path / value, maxEntriesPerBatch=value
+            )
+
+
 async def test_registered_reader_sees_entries_consumers_acked(
     spark: SparkSession, broker: Broker, redis_url: str, tmp_path: Path
 ) -> None:

@@ -114,6 +114,21 @@ def _bool(options: Mapping[str, str], name: str, default: bool) -> bool:
         raise ValueError(f"option {name} must be true or false, not {value!r}") from None
 
 
+def _positive_int(options: Mapping[str, str], name: str) -> int | None:
+    """The option's value, named in the error when it is not a positive integer (int()'s
+    own message names only the value)."""
+    value = options.get(name)
+    if value is None:
+        return None
+    try:
+        number = int(str(value).strip())
+    except ValueError:
+        number = 0
+    if number <= 0:
+        raise ValueError(f"option {name} must be a positive integer, not {value!r}")
+    return number
+
+
 @dataclass(frozen=True, slots=True)
 class Options:
     """Reader options; plain data so that readers pickle to executors cheaply."""
@@ -142,14 +157,11 @@ class Options:
         queue = options.get("queue")
         if not queue:
             raise ValueError("the gateway source needs option 'queue'")
-        cap = options.get("maxEntriesPerBatch")
-        if cap is not None and int(cap) <= 0:
-            raise ValueError("maxEntriesPerBatch must be a positive integer")
         return cls(
             redis_url=options.get("redis_url", DEFAULT_REDIS_URL),
             queue=queue,
             starting=options.get("startingOffsets", "").strip(),
-            max_entries=int(cap) if cap is not None else None,
+            max_entries=_positive_int(options, "maxEntriesPerBatch"),
             fail_on_data_loss=_bool(options, "failOnDataLoss", True),
             reader_name=options.get("readerName") or None,
         )
