@@ -880,6 +880,25 @@ async def stored(broker: Broker, queue: str) -> list[Message]:
     return [decode(f[b"m"]) for _, f in await broker.redis.xrange(keys.queue_stream(queue))]
 
 
+async def test_a_source_or_sink_without_redis_url_names_the_option(
+    spark: SparkSession, broker: Broker
+) -> None:
+    """Without redis_url both went to 127.0.0.1:6379: another Redis, or a connection
+    error that named no option."""
+    await broker.declare_queue(QueueConfig(name="q"))
+
+    def load() -> object:
+        return spark.read.format("gateway").option("queue", "q").load().collect()
+
+    def save() -> None:
+        df = spark.createDataFrame([("a",)], "payload string")
+        df.write.format("gateway").mode("append").option("queue", "q").save()
+
+    for action in (load, save):
+        with pytest.raises(Exception, match=r"the gateway (source|sink) needs option 'redis_url'"):
+            await asyncio.to_thread(in_thread(spark, action))
+
+
 @pytest.mark.parametrize(
     "schema, row, refused",
     [

@@ -62,7 +62,6 @@ from pyspark.sql.types import (
 from gateway.broker import Broker
 from gateway.engine import keys, library
 from gateway.model import DEFAULT_PRIORITY, MAX_PRIORITY, Message, Outcome
-from gateway.spark import DEFAULT_REDIS_URL
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +123,15 @@ def _is(kind: DataType, wanted: tuple[str, tuple[type, ...]]) -> bool:
     return True
 
 
+def required(options: Mapping[str, str], name: str, what: str) -> str:
+    """The option's value; a missing one is named (a default Redis would be some other
+    gateway's, or none)."""
+    value = options.get(name)
+    if not value:
+        raise ValueError(f"the gateway {what} needs option {name!r}")
+    return value
+
+
 @dataclass(frozen=True, slots=True)
 class SinkOptions:
     redis_url: str
@@ -140,7 +148,7 @@ class SinkOptions:
         destination = topic or queue
         assert destination is not None
         return cls(
-            redis_url=options.get("redis_url", DEFAULT_REDIS_URL),
+            redis_url=required(options, "redis_url", "sink"),
             destination=destination,
             to_queue=bool(queue),
             sink_name=options.get("sinkName") or f"{'queue' if queue else 'topic'}:{destination}",

@@ -43,8 +43,7 @@ from gateway.model import (
     decode,
     property_text,
 )
-from gateway.spark import DEFAULT_REDIS_URL
-from gateway.spark.sink import BatchWriter, SinkOptions, StreamWriter
+from gateway.spark.sink import BatchWriter, SinkOptions, StreamWriter, required
 
 log = logging.getLogger(__name__)
 
@@ -154,12 +153,9 @@ class Options:
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> Options:
-        queue = options.get("queue")
-        if not queue:
-            raise ValueError("the gateway source needs option 'queue'")
         return cls(
-            redis_url=options.get("redis_url", DEFAULT_REDIS_URL),
-            queue=queue,
+            redis_url=required(options, "redis_url", "source"),
+            queue=required(options, "queue", "source"),
             starting=options.get("startingOffsets", "").strip(),
             max_entries=_positive_int(options, "maxEntriesPerBatch"),
             fail_on_data_loss=_bool(options, "failOnDataLoss", True),
