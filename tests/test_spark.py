@@ -880,6 +880,28 @@ async def stored(broker: Broker, queue: str) -> list[Message]:
     return [decode(f[b"m"]) for _, f in await broker.redis.xrange(keys.queue_stream(queue))]
 
 
+async def test_an_unknown_source_or_sink_option_is_refused_by_name(
+    spark: SparkSession, broker: Broker, redis_url: str, tmp_path: Path
+) -> None:
+    """A misspelt readerName was ignored: the query ran unregistered (no retention)."""
+    await broker.declare_queue(QueueConfig(name="q"))
+    await publish_to(broker, "q", [b"a"])
+    with pytest.raises(Exception, match="the gateway source has no option 'readernmae'"):
+        await stream_available_now(spark, redis_url, "q", tmp_path, readerNmae="archive")
+    assert not await broker.redis.exists(keys.queue_readers("q"))
+    rows = read(spark, redis_url, "q", READERNAME="r", path="ignored")  # any case; Spark's
+    assert len(await asyncio.to_thread(rows.collect)) == 1
+
+    def save() -> None:
+        df = spark.createDataFrame([("a",)], "payload string")
+        writer = df.write.format("gateway").mode("append").option("redis_url", redis_url)
+        writer.option("queue", "q").option("batchID", "b1").option("sinkNmae", "s").save()
+
+    with pytest.raises(Exception, match="the gateway sink has no option 'sinknmae'"):
+        await asyncio.to_thread(in_thread(spark, save))
+    assert await broker.redis.xlen(keys.queue_stream("q")) == 1
+
+
 async def test_a_source_or_sink_without_redis_url_names_the_option(
     spark: SparkSession, broker: Broker
 ) -> None:

@@ -123,6 +123,22 @@ def _is(kind: DataType, wanted: tuple[str, tuple[type, ...]]) -> bool:
     return True
 
 
+SINK_OPTIONS = ("redis_url", "topic", "queue", "sinkName", "batchId")
+SPARK_OPTIONS = ("path", "checkpointLocation")  # Spark's own, handed to data sources too
+
+
+def refuse_unknown(options: Mapping[str, str], known: tuple[str, ...], what: str) -> None:
+    """A misspelt option (say readerName) would otherwise be ignored without a word.
+    Spark hands options over in lower case: they match in any case."""
+    allowed = {name.lower() for name in (*known, *SPARK_OPTIONS)}
+    unknown = sorted(name for name in options if name.lower() not in allowed)
+    if unknown:
+        raise ValueError(
+            f"the gateway {what} has no option {', '.join(map(repr, unknown))} "
+            f"(it takes {', '.join(known)})"
+        )
+
+
 def required(options: Mapping[str, str], name: str, what: str) -> str:
     """The option's value; a missing one is named (a default Redis would be some other
     gateway's, or none)."""
@@ -142,6 +158,7 @@ class SinkOptions:
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> SinkOptions:
+        refuse_unknown(options, SINK_OPTIONS, "sink")
         topic, queue = options.get("topic"), options.get("queue")
         if bool(topic) == bool(queue):
             raise ValueError("the gateway sink needs exactly one of options 'topic' or 'queue'")

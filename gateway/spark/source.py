@@ -43,7 +43,7 @@ from gateway.model import (
     decode,
     property_text,
 )
-from gateway.spark.sink import BatchWriter, SinkOptions, StreamWriter, required
+from gateway.spark.sink import BatchWriter, SinkOptions, StreamWriter, refuse_unknown, required
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,14 @@ ARROW_SCHEMA = pa.schema(
         ("subject", pa.string()),
         ("reply_to", pa.string()),
     ]
+)
+SOURCE_OPTIONS = (
+    "redis_url",
+    "queue",
+    "startingOffsets",
+    "maxEntriesPerBatch",
+    "failOnDataLoss",
+    "readerName",
 )
 PAGE = 5000  # XRANGE COUNT per round trip
 ZERO = "0-0"
@@ -153,6 +161,7 @@ class Options:
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> Options:
+        refuse_unknown(options, SOURCE_OPTIONS, "source")
         return cls(
             redis_url=required(options, "redis_url", "source"),
             queue=required(options, "queue", "source"),
