@@ -39,6 +39,11 @@ SUPERVISE_BACKOFF_MAX = 5.0  # seconds between attempts when it does not start a
 LOG_TAIL_BYTES = 4096  # of its log, read for the lines that say why it exited
 
 
+def socket_of(data_dir: str | Path) -> Path:
+    """The unix socket the embedded redis-server of `data_dir` listens on."""
+    return Path(data_dir).resolve() / "redis.sock"
+
+
 class RedisStartError(RuntimeError):
     """The embedded redis-server could not be started; the message says why."""
 
@@ -213,7 +218,7 @@ class EmbeddedRedis:
         self.cpus = cpus  # None: wherever the gateway may run
         # bytes (0: none); once there, Redis refuses new messages and never evicts any
         self.maxmemory = maxmemory
-        self.socket = self.data_dir / "redis.sock"
+        self.socket = socket_of(self.data_dir)
         self.pidfile = self.data_dir / "redis.pid"
         self.logfile = self.data_dir / "redis.log"
         self.proc: subprocess.Popen | None = None

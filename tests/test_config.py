@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from gateway.broker import Broker
 from gateway.config import AclRule, ConfigError, Settings, User, load_settings
 from gateway.engine.queues import QueueConfig
+from gateway.model import Delivery, Message, Outcome
+from gateway.server import provision
+from tests.test_engine import wait_for
 from tests.test_tls import make_cert
 
 # The example from ARCHITECTURE.md, section "Configuration and operation", verbatim.
@@ -424,3 +429,33 @@ def test_a_bad_certificate_or_key_is_one_clear_error(tmp_path: Path, case: str) 
     with pytest.raises(ConfigError, match="tls_cert / tls_key") as err:
         load_settings(env=env)
     assert "\n" not in str(err.value)
+
+
+def readme_config_example(tmp_path: Path) -> Path:
+    """The README's config file example, as a file."""
+    text = (Path(__file__).parent.parent / "README.md").read_text()
+    example = text.split("```toml\n", 1)[1].split("```", 1)[0]
+    path = tmp_path / "gateway.toml"
+    path.write_text(example)
+    return path
+
+
+async def test_the_readmes_config_example_dead_letters_a_rejected_order(
+    tmp_path: Path, broker: Broker
+) -> None:
+    """Its orders queue named orders.dmq, which it did not declare, and its messages were
+    not eligible (dmq_eligible_default false): a rejected order was discarded; its selector
+    compared a number no MQTT property is (found by a review)."""
+    settings = load_settings(env={}, config_path=str(readme_config_example(tmp_path)))
+    await provision(broker, settings)
+    order = Message("orders/42", b"o", user_properties=[("region", "eu")])
+    assert await broker.publish(order) is Outcome.OK  # an MQTT 5 publisher's string property
+    got: list[Delivery] = []
+    flow = await broker.bind("orders", got.append)
+    await wait_for(lambda: got)
+    flow.reject(got[0].entry_id)
+    deadline = asyncio.get_running_loop().time() + 5
+    while (await broker.queues.info("orders.dmq")).messages != 1:
+        assert asyncio.get_running_loop().time() < deadline, "not dead-lettered"
+        await asyncio.sleep(0.05)
+    await flow.close()

@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
@@ -41,7 +42,8 @@ from gateway.engine import keys  # noqa: E402
 from gateway.engine.partitions import partition_of  # noqa: E402
 from gateway.engine.queues import QueueConfig, stream_queues  # noqa: E402
 from gateway.model import Delivery, Message, Outcome, decode, encode  # noqa: E402
-from gateway.spark import jobs, sink  # noqa: E402
+from gateway.spark import DEFAULT_REDIS_URL, jobs, sink  # noqa: E402
+from gateway.spark.cli import pipeline_redis_url  # noqa: E402
 from gateway.spark.session import activate, build_session  # noqa: E402
 from gateway.spark.sink import RowMapper, SinkCommit, SinkOptions  # noqa: E402
 from gateway.spark.source import DataLossError, Options, StreamReader  # noqa: E402
@@ -1093,3 +1095,32 @@ def test_an_expiration_is_the_instant_its_column_holds_whatever_the_workers_zone
     opts = SinkOptions.parse({"redis_url": "redis://127.0.0.1:1/0", "queue": "q"})
     msg = RowMapper(opts, schema).message(Row(payload="a", expiration=value), "b", 0)
     assert msg.expiration == int(expires.timestamp() * 1000)
+
+
+def test_pipeline_jobs_find_the_redis_of_a_node_run_here(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`gateway pipeline` went to redis://127.0.0.1:6379/0, which nothing answers after the
+    README's `./run serve` (its Redis listens on a unix socket in .gateway-data; found by
+    a review). Without --redis-url it takes GATEWAY_REDIS_URL, else that socket."""
+    monkeypatch.delenv("GATEWAY_REDIS_URL", raising=False)
+    monkeypatch.setenv("GATEWAY_DATA_DIR", str(tmp_path))
+    assert pipeline_redis_url(None) == DEFAULT_REDIS_URL
+    with socket.socket(socket.AF_UNIX) as listening:
+        listening.bind(str(tmp_path / "redis.sock"))
+        assert pipeline_redis_url(None) == f"unix://{tmp_path.resolve()}/redis.sock?db=0"
+    monkeypatch.setenv("GATEWAY_REDIS_URL", "redis://127.0.0.1:1/0")
+    assert pipeline_redis_url(None) == "redis://127.0.0.1:1/0"
+    assert pipeline_redis_url("redis://x:2/0") == "redis://x:2/0"
+
+
+async def test_dmq_report_without_a_dead_message_queue_says_so(
+    redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A new node has no #DEAD_MSG_QUEUE until the operator declares one: the README's
+    `gateway pipeline dmq-report` ended in a traceback there (found by a review)."""
+    argv = ["pipeline", "--redis-url", redis_url, "dmq-report"]
+    assert await asyncio.to_thread(jobs.main, argv) == 0
+    assert await asyncio.to_thread(jobs.main, [*argv, "other"]) == 1
+    err = capsys.readouterr().err
+    assert "no queue '#DEAD_MSG_QUEUE'" in err and "no queue 'other'" in err

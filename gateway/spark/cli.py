@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 
+from gateway.config import Settings
 from gateway.engine.queues import DEAD_MESSAGE_QUEUE
+from gateway.redis_server import socket_of
 from gateway.spark import DEFAULT_REDIS_URL
 
 
@@ -14,7 +17,11 @@ def add_pipeline_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
     parser.add_argument(
         "--master", help="Spark master (default local[*]; spark-submit's own when under it)"
     )
-    parser.add_argument("--redis-url", default=DEFAULT_REDIS_URL, help="the gateway's Redis")
+    parser.add_argument(
+        "--redis-url",
+        help="the gateway's Redis (default: GATEWAY_REDIS_URL, else the embedded Redis of a "
+        f"node run here with its default data directory, else {DEFAULT_REDIS_URL})",
+    )
     parser.add_argument(
         "--shuffle-partitions",
         type=int,
@@ -41,3 +48,14 @@ def add_pipeline_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
     dmq.add_argument("queue", nargs="?", default=DEAD_MESSAGE_QUEUE)
     dmq.add_argument("--json", action="store_true", help="one JSON object per line")
     return parser
+
+
+def pipeline_redis_url(given: str | None) -> str:
+    """The Redis a job reads: the one given, else the embedded one of `./run serve` here
+    (a unix socket: the default TCP port reached nothing for a new user), else the default."""
+    if given:
+        return given
+    if os.environ.get("GATEWAY_REDIS_URL"):
+        return os.environ["GATEWAY_REDIS_URL"]
+    socket = socket_of(os.environ.get("GATEWAY_DATA_DIR") or Settings().data_dir)
+    return f"unix://{socket}?db=0" if socket.is_socket() else DEFAULT_REDIS_URL

@@ -14,13 +14,15 @@ import sys
 import threading
 from collections.abc import Callable
 
+import redis
 from pyspark.errors import StreamingQueryException
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 
+from gateway.engine import keys
 from gateway.engine.queues import DEAD_MESSAGE_QUEUE
-from gateway.spark.cli import add_pipeline_parser
+from gateway.spark.cli import add_pipeline_parser, pipeline_redis_url
 from gateway.spark.session import activate, build_session
 
 ORIGIN_PROPERTY = "x-origin-queue"
@@ -213,6 +215,10 @@ class StageProgress:
 
 
 def run_pipeline(args: argparse.Namespace) -> int:
+    args.redis_url = pipeline_redis_url(args.redis_url)
+    if args.pipeline_command == "dmq-report" and not _exists(args.redis_url, args.queue):
+        print(f"gateway pipeline dmq-report: no queue {args.queue!r}", file=sys.stderr)
+        return 0 if args.queue == DEAD_MESSAGE_QUEUE else 1  # the default one until declared
     spark = build_session(
         f"gateway-{args.pipeline_command}", args.master, shuffle_partitions=args.shuffle_partitions
     )
@@ -231,6 +237,13 @@ def run_pipeline(args: argparse.Namespace) -> int:
     finally:
         spark.stop()
     return 0
+
+
+def _exists(redis_url: str, queue: str) -> bool:
+    """Whether the queue exists (the source's error for one that does not is a traceback
+    from inside Spark)."""
+    with redis.Redis.from_url(redis_url) as client:
+        return bool(client.exists(keys.queue_config(queue)))
 
 
 def _run_aggregate(spark: SparkSession, args: argparse.Namespace) -> int:
