@@ -9,6 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from gateway.broker import Broker
+from gateway.engine import keys
 from gateway.engine.queues import QueueConfig, QueueError
 from gateway.model import Delivery, Message, Outcome
 from gateway.router import Router
@@ -55,6 +56,35 @@ async def test_qpid_lvq_keeps_the_last_message_per_key(broker: Broker) -> None:
     await broker.publish(msg("b2", symbol="BBB"))
     assert await browse_all(broker, "ticks") == [b"a2", b"plain", b"b2"]
     assert (await broker.queues.info("ticks")).messages == 3
+
+
+async def test_a_key_settled_for_good_leaves_the_queues_key_index(broker: Broker) -> None:
+    """The key index kept a field for every key value ever seen, its values long consumed
+    (found by a review: 300 keys, 300 fields, the queue empty); one key per session or
+    request grew it for as long as the queue lived. An acked or rejected value's key goes;
+    a key whose newer value waits stays."""
+    await broker.declare_queue(QueueConfig(name="ticks", lvq_key="symbol"), [("prices/>", "smf")])
+    for i in range(30):
+        await broker.publish(msg(f"v{i}", symbol=f"S{i}"))
+    got: list[Delivery] = []
+    flow = await broker.bind("ticks", got.append, window=50)
+    await wait_for(lambda: len(got) == 30)
+    await broker.publish(msg("newer", symbol="S0"))  # a newer value of a delivered key
+    for d in got[:29]:
+        flow.ack(d.entry_id)
+    flow.reject(got[29].entry_id)
+    index = keys.queue_last_values("ticks")
+    await wait_for(lambda: len(got) == 31)
+    deadline = time.monotonic() + 5
+    while await broker.redis.hkeys(index) != [b"S0"]:
+        assert time.monotonic() < deadline, await broker.redis.hkeys(index)
+        await asyncio.sleep(0.05)
+    flow.ack(got[30].entry_id)
+    deadline = time.monotonic() + 5
+    while await broker.redis.exists(index):
+        assert time.monotonic() < deadline, await broker.redis.hkeys(index)
+        await asyncio.sleep(0.05)
+    await flow.close()
 
 
 async def test_a_key_is_its_string_value_whatever_its_type(broker: Broker) -> None:

@@ -325,6 +325,24 @@ local function drop_superseded(q, s, ids)
   return keep
 end
 
+-- A last value queue forgets the slot of a value settled for good (acked, dead-lettered)
+-- while the slot still names it: its index kept every key ever seen (replaceable finds no
+-- value to replace either way).
+local function forget_last_value(q, id, fields)
+  local slot = entry_field(fields, 'lv')
+  if not slot then return end
+  local latest = k_queue_last_values(q)
+  if redis.call('HGET', latest, slot) == id then redis.call('HDEL', latest, slot) end
+end
+
+local function forget_last_values(q, s, ids, first, last)
+  if redis.call('EXISTS', k_queue_last_values(q)) == 0 then return end
+  for i = first, last do
+    local e = redis.call('XRANGE', s, ids[i], ids[i])
+    if #e > 0 then forget_last_value(q, ids[i], e[1][2]) end
+  end
+end
+
 -- A delivery count of ACQUIRED or more marks an entry a flow acquired before without the
 -- delivery counting (an AMQP release, §3.4.4): its next delivery says so (first-acquirer
 -- false, §3.2.1) with the count it had. The mark is added to the count in the entry's
@@ -1217,6 +1235,7 @@ local function dead_letter(q, s, id, blob, reason, to_dmq)
   local c = redis.call('HMGET', k_queue_config(q), 'dead_message_queue', 'dmq_eligible_default')
   local e = redis.call('XRANGE', s, id, id)
   local kh = #e > 0 and entry_field(e[1][2], 'kh')
+  if #e > 0 then forget_last_value(q, id, e[1][2]) end
   redis.call('XACK', s, GROUP, id)
   if redis.call('EXISTS', k_queue_readers(q)) == 0 then redis.call('XDEL', s, id) end
   redis.call('HDEL', k_queue_avoid(q), id)  -- gone for good: no flow to avoid any more
@@ -2109,6 +2128,7 @@ end
 local function ack_batch(q, s, a, first, n, bytes, sizes)
   local last = first + n - 1
   local acked
+  forget_last_values(q, s, a, first, last)
   if redis.call('EXISTS', k_queue_readers(q)) == 1 then
     -- kept for stream readers: acked one by one, so the bytes count only the acked ones
     acked, bytes = 0, 0
@@ -2206,6 +2226,7 @@ register_always('gw_settle', function(_, a)
           redis.call('HINCRBY', k_queue_stats(q), 'requeued', #mine)
           wake(q)
         else
+          forget_last_values(q, s, mine, 1, #mine)
           -- a queue with stream readers (the Spark source) keeps settled entries until
           -- every reader passed them (gw_reap trims); otherwise they go at once
           if redis.call('EXISTS', k_queue_readers(q)) == 0 then
