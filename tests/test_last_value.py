@@ -87,6 +87,47 @@ async def test_a_key_settled_for_good_leaves_the_queues_key_index(broker: Broker
     await flow.close()
 
 
+@pytest.mark.parametrize("how", ["release", "consumer_closes"])
+async def test_a_value_given_back_after_a_newer_one_was_consumed_is_dropped(
+    broker: Broker, how: str
+) -> None:
+    """Once a newer value of its key was acked (its key left the index), an older one a
+    consumer gave back was delivered again (found by a review of the index cleanup): a
+    key the index no longer names had a newer value settled."""
+    await broker.declare_queue(QueueConfig(name="ticks", lvq_key="symbol"), [("prices/>", "smf")])
+    first: list[Delivery] = []
+    second: list[Delivery] = []
+    holder = await broker.bind("ticks", first.append, window=1)
+    await broker.publish(msg("v1", symbol="S"))
+    await wait_for(lambda: len(first) == 1)
+    await broker.publish(msg("v2", symbol="S"))  # v1 is delivered: v2 waits
+    taker = await broker.bind("ticks", second.append, window=10)
+    await wait_for(lambda: len(second) == 1)
+    taker.ack(second[0].entry_id)
+    await asyncio.sleep(0.3)
+    if how == "release":
+        holder.release(first[0].entry_id)
+    else:
+        await holder.close()
+    await asyncio.sleep(0.5)
+    assert [d.message.payload for d in first + second] == [b"v1", b"v2"]
+    assert (await broker.queues.info("ticks")).messages == 0
+    await taker.close()
+    if how == "release":
+        await holder.close()
+
+
+async def test_a_ring_lvqs_dropped_values_leave_its_key_index(broker: Broker) -> None:
+    await broker.declare_queue(
+        QueueConfig(name="ticks", lvq_key="symbol", max_messages=5, overflow="ring"),
+        [("prices/>", "smf")],
+    )
+    for i in range(50):
+        assert (await broker.publish(msg(f"v{i}", symbol=f"S{i}"))).accepted
+    assert (await broker.queues.info("ticks")).messages == 5
+    assert await broker.redis.hlen(keys.queue_last_values("ticks")) == 5
+
+
 async def test_a_key_is_its_string_value_whatever_its_type(broker: Broker) -> None:
     """MQTT 5 user properties are all strings: an MQTT publisher's "7" shares the key of an
     AMQP publisher's integer 7 (Qpid, keying on Java objects, keeps two; README)."""

@@ -298,17 +298,19 @@ end
 
 -- A last value queue's entries name their slot ('lv'). One given back after a newer value
 -- of its slot came is deleted, not parked: the queue never hands out a value older than
--- its slot's latest (Qpid's LVQ discards such a released entry). Returns the ids to park.
+-- its slot's latest (Qpid's LVQ discards such a released entry). A slot its index no longer
+-- names had a newer value settled for good (forget_last_value). Returns the ids to park.
 local function drop_superseded(q, s, ids)
+  local c = redis.call('HMGET', k_queue_config(q), 'lvq_key', 'max_spool_bytes')
+  if not ((c[1] and c[1] ~= '') or c[2] == '0') then return ids end
   local latest = k_queue_last_values(q)
-  if redis.call('EXISTS', latest) == 0 then return ids end
   local keep, gone, bytes = {}, 0, 0
   local avoiding = redis.call('EXISTS', k_queue_avoid(q)) == 1
   for _, id in ipairs(ids) do
     local e = redis.call('XRANGE', s, id, id)
     local slot = #e > 0 and entry_field(e[1][2], 'lv')
     local newest = slot and redis.call('HGET', latest, slot)
-    if newest and newest ~= id then
+    if slot and newest ~= id then
       redis.call('XACK', s, GROUP, id)
       redis.call('XDEL', s, id)
       if avoiding then redis.call('HDEL', k_queue_avoid(q), id) end
@@ -1174,6 +1176,7 @@ local function commit_drop(q)
         if e[3] == TIMED then redis.call('ZREM', k_queue_timed(m.name), e[1]) end
         if avoiding then redis.call('HDEL', avoiding, e[1]) end
       end
+      if m.lvq then forget_last_values(m.name, m.stream, d.ids, 1, n) end
       ids_call('XDEL', m.stream, d.ids, 1, n)
       m.delivered_upto = d.after
       add_usage(m, -n, -d.bytes)
