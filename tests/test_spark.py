@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -1124,3 +1125,36 @@ async def test_dmq_report_without_a_dead_message_queue_says_so(
     assert await asyncio.to_thread(jobs.main, [*argv, "other"]) == 1
     err = capsys.readouterr().err
     assert "no queue '#DEAD_MSG_QUEUE'" in err and "no queue 'other'" in err
+    nowhere = "redis://127.0.0.1:1/0"  # run where no node runs: one line, not a traceback
+    with pytest.raises(SystemExit, match=re.escape(f"no Redis at {nowhere}")):
+        await asyncio.to_thread(jobs.main, ["pipeline", "--redis-url", nowhere, "dmq-report"])
+
+
+async def test_a_retired_reader_does_not_come_back_when_a_queue_is_unpartitioned(
+    broker: Broker,
+) -> None:
+    """A reader of a plain queue, retired after the queue was partitioned (its places in the
+    partitions forgotten), held again once the queue was unpartitioned: the queue's own
+    place had stayed, and every acked message stayed in Redis for good (found by a review)."""
+    await broker.declare_queue(QueueConfig(name="flip"))
+    await broker.redis.fcall("gw_reader_at", 0, "flip", "old", "0-0", 1)
+    await broker.update_queue("flip", {"egress_enabled": False})
+    await broker.update_queue("flip", {"partition_count": 2})
+    assert await broker.queues.forget_reader("flip", "old") == 2
+    await broker.update_queue("flip", {"partition_count": 0, "egress_enabled": True})
+    for n in range(5):
+        assert await broker.publish(Message("flip", b"m%d" % n, to_queue=True)) is Outcome.OK
+    got: list[Delivery] = []
+    flow = await broker.bind("flip", lambda d: (got.append(d), flow.ack(d.entry_id)))
+    await wait_for(lambda: len(got) == 5)
+    await flow.close()
+    await broker.redis.fcall("gw_reap", 0)
+    assert await broker.redis.hget(keys.queue_readers("flip"), "old") is None
+    assert await broker.redis.xlen(keys.queue_stream("flip")) == 0
+
+
+def test_the_sink_takes_the_options_spark_hands_a_named_stream_query() -> None:
+    """Spark hands a stream sink queryName when the query is named: refused as unknown
+    since unknown options are, the query did not start (found by a review)."""
+    options = {"redis_url": "redis://x/0", "topic": "t", "checkpointlocation": "/c"}
+    assert SinkOptions.parse({**options, "queryname": "q"}).destination == "t"

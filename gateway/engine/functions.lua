@@ -2986,6 +2986,10 @@ register_always('gw_repartition', function(_, a)
     local counters = event_counters(q)
     init_queue(q)
     add_counters(q, counters)
+    -- its readers' places go with its stream (they move to the partitions, where
+    -- forget_reader finds them): else one retired there came back on the stream unpartitioned
+    redis.call('DEL', k_queue_readers(q), k_queue_reader_baselines(q))
+    redis.call('SREM', K_READ_QUEUES, q)
   end
   for i = new_n, old_n - 1 do
     local child = partition_queue(q, i)

@@ -242,8 +242,14 @@ def run_pipeline(args: argparse.Namespace) -> int:
 def _exists(redis_url: str, queue: str) -> bool:
     """Whether the queue exists (the source's error for one that does not is a traceback
     from inside Spark)."""
-    with redis.Redis.from_url(redis_url) as client:
-        return bool(client.exists(keys.queue_config(queue)))
+    try:
+        with redis.Redis.from_url(redis_url) as client:
+            return bool(client.exists(keys.queue_config(queue)))
+    except redis.ConnectionError as exc:
+        raise SystemExit(
+            f"gateway pipeline: no Redis at {redis_url} ({exc}): give --redis-url or "
+            "GATEWAY_REDIS_URL, or run it where the node runs"
+        ) from None
 
 
 def _run_aggregate(spark: SparkSession, args: argparse.Namespace) -> int:

@@ -124,7 +124,9 @@ def _is(kind: DataType, wanted: tuple[str, tuple[type, ...]]) -> bool:
 
 
 SINK_OPTIONS = ("redis_url", "topic", "queue", "sinkName", "batchId")
-SPARK_OPTIONS = ("path", "checkpointLocation")  # Spark's own, handed to data sources too
+# Spark's own, handed to data sources too (measured: a stream sink gets queryName when the
+# query is named, a read of several paths gets paths)
+SPARK_OPTIONS = ("path", "paths", "checkpointLocation", "queryName")
 
 
 def refuse_unknown(options: Mapping[str, str], known: tuple[str, ...], what: str) -> None:
