@@ -301,9 +301,11 @@ end
 -- its slot's latest (Qpid's LVQ discards such a released entry). A slot its index no longer
 -- names had a newer value settled for good (forget_last_value). Returns the ids to park.
 local function drop_superseded(q, s, ids)
-  local c = redis.call('HMGET', k_queue_config(q), 'lvq_key', 'max_spool_bytes')
-  if not ((c[1] and c[1] ~= '') or c[2] == '0') then return ids end
   local latest = k_queue_last_values(q)
+  if redis.call('EXISTS', latest) == 0 then  -- every key left it, or no last value queue
+    local c = redis.call('HMGET', k_queue_config(q), 'lvq_key', 'max_spool_bytes')
+    if not ((c[1] and c[1] ~= '') or c[2] == '0') then return ids end
+  end
   local keep, gone, bytes = {}, 0, 0
   local avoiding = redis.call('EXISTS', k_queue_avoid(q)) == 1
   for _, id in ipairs(ids) do

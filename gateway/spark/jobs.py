@@ -21,6 +21,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 
 from gateway.engine import keys
+from gateway.engine.library import redacted
 from gateway.engine.queues import DEAD_MESSAGE_QUEUE
 from gateway.spark.cli import add_pipeline_parser, pipeline_redis_url
 from gateway.spark.session import activate, build_session
@@ -247,7 +248,7 @@ def _exists(redis_url: str, queue: str) -> bool:
             return bool(client.exists(keys.queue_config(queue)))
     except redis.ConnectionError as exc:
         raise SystemExit(
-            f"gateway pipeline: no Redis at {redis_url} ({exc}): give --redis-url or "
+            f"gateway pipeline: no Redis at {redacted(redis_url)} ({exc}): give --redis-url or "
             "GATEWAY_REDIS_URL, or run it where the node runs"
         ) from None
 
