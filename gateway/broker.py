@@ -112,6 +112,8 @@ from gateway.engine.parting import Due, PartingStore, unpack
 from gateway.engine.permissions import BROWSE, CONSUME, DELETE, MODIFY_TOPIC, allowed
 from gateway.engine.queues import (
     DEAD_MESSAGE_QUEUE,
+    TEMPORARY_PREFIX,
+    TEMPORARY_SUBSCRIPTION_PREFIX,
     QueueConfig,
     QueueError,
     QueueInfo,
@@ -580,11 +582,15 @@ class Broker:
         permission: str = "none",
         auto_delete: bool = False,
         selector: str = "",
+        subscription: bool = False,
     ) -> str:
         """`connection`: only that connection may consume it (RabbitMQ exclusive);
         `permission`: what users other than `owner` may do; `selector`: what of its
-        subscriptions' messages it stores (QueueError 'invalid' if bad)."""
-        name = temporary_queue_name(self.node_id)
+        subscriptions' messages it stores (QueueError 'invalid' if bad); `subscription`:
+        an adapter's queue for a client's topic subscription, which no client names
+        (subscription_queue), so that its reader is held to the topic ACL."""
+        prefix = TEMPORARY_SUBSCRIPTION_PREFIX if subscription else TEMPORARY_PREFIX
+        name = temporary_queue_name(self.node_id, prefix)
         config = QueueConfig(
             name=name,
             durable=False,

@@ -290,7 +290,7 @@ async def test_a_topic_subscribers_queue_goes_with_a_detach_without_close(
     one): it goes with the link's detach, closed or not, not with its session."""
 
     async def temporary() -> list[str]:
-        return [n for n in await broker.queues.names() if n.startswith("#tmp/")]
+        return [n for n in await broker.queues.names() if n.startswith("#tsub/")]
 
     peer = await Peer.opened(amqp.port)
     peer.attach("sub", 0, RECEIVER, "topic://news")

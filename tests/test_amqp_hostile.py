@@ -30,6 +30,7 @@ from tests.amqp_raw import (
     RECEIVER,
     REJECTED,
     SASL_HEADER,
+    SASL_OUTCOME,
     SENDER,
     SOURCE,
     TARGET,
@@ -219,6 +220,19 @@ async def test_a_tls_header_on_the_plain_port_gets_the_sasl_header_then_eof(
 
 
 SASL_DONE = SASL_HEADER + sasl_init("ANONYMOUS")
+
+
+async def test_many_empty_sasl_frames_at_once_are_skipped(port: int) -> None:
+    """Empty frames are allowed in SASL (§2.3.2): each was skipped by a recursive call, and
+    a thousand in one write ended the connection with a RecursionError traceback (found by
+    a review). They are skipped in a loop: the handshake goes on."""
+    peer = await Peer.connect(port)
+    empty = struct.pack(">IBBH", 8, 2, 1, 0)
+    peer.send(SASL_HEADER + empty * 3000 + sasl_init("ANONYMOUS") + AMQP_HEADER)
+    assert await peer.read_header() == SASL_HEADER
+    assert (await peer.expect(SASL_OUTCOME)).fields[0] == 0  # ok
+    peer.close()
+    await still_serving(port)
 
 
 @pytest.mark.parametrize(

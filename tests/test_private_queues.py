@@ -18,6 +18,7 @@ from proton.utils import BlockingConnection, LinkDetached, SendException
 
 from gateway.broker import Broker
 from gateway.config import AclRule, Settings, User
+from gateway.engine.queues import subscription_queue
 from protocols.amqp.listener import Listener, start
 from protocols.mqtt.codec import Suback, Subscribe, SubscriptionOptions
 from protocols.mqtt.listener import queue_name
@@ -253,3 +254,26 @@ async def test_declaring_a_queue_the_user_may_not_see_shows_nothing_of_it(
         assert reply.status == 409 and "pay/>" not in str(reply.body), reply
         assert "1e5" not in str(reply.body) and "alice" not in str(reply.body), reply
     assert (await alice.call("POST", "/api/v1/queues", body)).status == 200
+
+
+async def test_a_clean_sessions_queue_is_its_sessions_alone(
+    broker: Broker, admin_port: int
+) -> None:
+    """Bob, denied secret/#, subscribed # in a clean MQTT session (a broader filter delivers
+    him no secret) and took the secret from its queue, his own, with an admin API get: the
+    queue was no subscription queue by its name (found by a review)."""
+    mqtt = await start_mqtt(broker, SETTINGS)
+    assert mqtt is not None
+    try:
+        raw, ack = await Raw.connected(mqtt.port, 5, client_id="bob-clean", username="bob",
+                                       password=b"b-pw", clean_start=True)  # fmt: skip
+        assert ack.reason_code == 0, ack
+        await raw.send(Subscribe(1, [("#", SubscriptionOptions(qos=1))]))
+        assert isinstance(await raw.recv(), Suback)
+        bob = Client(admin_port, basic("bob", "b-pw"))
+        [name] = [row["name"] for row in (await bob.call("GET", "/api/v1/queues")).body]
+        assert subscription_queue(name), name
+        assert (await bob.call("POST", q(name, "get"), {"count": 5})).status == 403
+        raw.close()
+    finally:
+        await mqtt.close()

@@ -5,10 +5,12 @@ AMQP listener driven by python-qpid-proton, the real admin HTTP server."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 import pytest
-from proton import Message
+from proton import Message, Timeout
+from proton.reactor import DurableSubscription
 from proton.utils import BlockingConnection, LinkDetached, SendException
 
 from gateway.acl import topic_access
@@ -18,7 +20,7 @@ from gateway.engine.queues import QueueConfig
 from protocols.amqp.listener import Listener, start
 from tests.conftest import admin_port_of
 from tests.test_admin_auth import Client, basic, q
-from tests.test_amqp_clients import TIMEOUT, queued, url
+from tests.test_amqp_clients import TIMEOUT, durable_queues, queued, url
 
 USERS = [User("alice", "s3cret"), User("bob", "s3cret")]
 ACL = [AclRule(user="bob", deny_publish=["control/#"], deny_subscribe=["secret/#"])]
@@ -159,3 +161,71 @@ def test_which_queue_subscriptions_could_reach_a_denied_topic(
     denied = ["secret/#", "+/hidden", "a+b"]
     access = topic_access([AclRule(user="bob", deny_subscribe=denied)], "bob")
     assert access.may_route(pattern, syntax) is allowed
+
+
+async def test_a_topic_receivers_queue_is_no_address_for_its_own_user(
+    broker: Broker, amqp: Listener, admin_port: int
+) -> None:
+    """Bob, denied secret/#, attached topic://> (a broader filter delivers him no secret),
+    then a second receiver on its queue by name (his own, in his admin API list), which
+    nothing filtered: he read alice's secret (found by a review). Such a queue is no
+    address, and the admin API's get refuses it too."""
+    bob_admin = Client(admin_port, basic("bob", "s3cret"))
+
+    def attach() -> BlockingConnection:
+        bob = connect(amqp, "bob")
+        bob.create_receiver("topic://>", credit=0)
+        return bob
+
+    bob = await asyncio.to_thread(attach)
+    try:
+        [name] = [row["name"] for row in (await bob_admin.call("GET", "/api/v1/queues")).body]
+        with pytest.raises(LinkDetached, match="amqp:unauthorized-access"):
+            await asyncio.to_thread(bob.create_receiver, f"queue://{name}")
+        got = await bob_admin.call("POST", q(name, "get"), {"count": 5})
+        assert got.status == 403, got
+    finally:
+        await asyncio.to_thread(bob.close)
+
+
+async def test_a_durable_subscription_looked_up_without_its_topic_is_held_to_the_acl(
+    broker: Broker, amqp: Listener, admin_port: int
+) -> None:
+    """Bob removed the `>` of his durable subscription through the admin API and looked it
+    up again with a null source (the Qpid JMS lookup): with no topic, nothing filtered what
+    it held, and he read the secret it stored (found by a review). He may not change its
+    subscriptions now, and a looked-up subscription is held to his ACL whatever it holds."""
+
+    def subscribe_and_leave() -> None:
+        bob = BlockingConnection(url(amqp, "bob", "s3cret"), timeout=TIMEOUT,
+                                 allowed_mechs="PLAIN", container_id="bob-jms")  # fmt: skip
+        bob.create_receiver("topic://>", name="sub1", options=DurableSubscription()).detach()
+        bob.close()
+        alice = connect(amqp, "alice")
+        alice.create_sender("topic://secret/plans").send(Message(body=b"secret"))
+        alice.create_sender("topic://news").send(Message(body=b"news"))
+        alice.close()
+
+    await asyncio.to_thread(subscribe_and_leave)
+    [name] = await durable_queues(broker, 1)
+    bob_admin = Client(admin_port, basic("bob", "s3cret"))
+    removing = q(name, "subscriptions") + "?pattern=%3E&syntax=smf"
+    assert (await bob_admin.call("DELETE", removing)).status == 403
+    assert await broker.unsubscribe_queue(name, [">"]) == 1  # as the operator may
+
+    def look_up() -> list[bytes]:
+        bob = BlockingConnection(url(amqp, "bob", "s3cret"), timeout=TIMEOUT,
+                                 allowed_mechs="PLAIN", container_id="bob-jms")  # fmt: skip
+        try:
+            receiver = bob.create_receiver(None, name="sub1", options=DurableSubscription())
+            got = []
+            with contextlib.suppress(Timeout):
+                while True:
+                    msg = receiver.receive(0.5)  # (its body is a view into it: kept alive)
+                    got.append(bytes(msg.body))
+                    receiver.accept()
+            return got
+        finally:
+            bob.close()
+
+    assert await asyncio.to_thread(look_up) == [b"news"]

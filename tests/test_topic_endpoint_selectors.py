@@ -126,7 +126,7 @@ async def test_a_temporary_subscription_stores_only_what_its_selector_selects(
         assert echoed == {symbol("selector"): Described(SELECTOR, "color = 'red'")}
         await asyncio.to_thread(publish_colours, ports.mqtt, ["blue"] * 20 + ["red"])
         assert await asyncio.to_thread(drain, sub) == [b"red20"]
-        [queue] = [n for n in await broker.queues.names() if n.startswith("#tmp/")]
+        [queue] = [n for n in await broker.queues.names() if n.startswith("#tsub/")]
         assert (await broker.queues.info(queue)).counters["spooled"] == 1
     finally:
         await asyncio.to_thread(conn.close)

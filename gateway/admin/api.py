@@ -291,6 +291,9 @@ class AdminApi:
         return Response.json({**info.to_json(), **result})
 
     async def _subscriptions(self, name: str, req: Request, user: str | None) -> Response:
+        if user is not None and subscription_queue(name):  # its adapter's: a topic removed
+            # there would leave its client reading whatever it holds, as by name
+            raise HttpError(403, f"{name!r} is subscribed by its client alone")
         if req.method == "POST":
             [(pattern, syntax)] = _subscriptions([_object(req)])
             self._check_subscribe([(pattern, syntax)], user)

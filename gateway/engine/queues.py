@@ -28,19 +28,22 @@ MAX_CONFIG_INT = 2**53 - 1  # the Redis functions count in doubles, exact up to 
 DEAD_MESSAGE_QUEUE = "#DEAD_MSG_QUEUE"
 TEMPORARY_PREFIX = "#tmp/"
 RESERVED_PREFIXES = ("#", "amq.")
-# Queues an adapter keeps for its clients' topic subscriptions: an MQTT session's, an MQTT
-# shared group's, an AMQP durable or shared non-durable subscription's. Only their
-# subscriptions fill them and only their adapter reads them, holding each reader to the
-# topic ACL: no client names them (an AMQP address, the admin API's calls of a user).
+# Queues an adapter keeps for its clients' topic subscriptions: an MQTT session's (a
+# non-persistent one's temporary), an MQTT shared group's, an AMQP durable, shared
+# non-durable or plain topic subscription's (temporary). Only their subscriptions fill them
+# and only their adapter reads them, holding each reader to the topic ACL: no client names
+# them (an AMQP address, the admin API's calls of a user).
 MQTT_SESSION_PREFIX = "#mqtt/"
 MQTT_SHARED_PREFIX = "#share/"
 DURABLE_SUBSCRIPTION_PREFIX = "#dts/"
 VOLATILE_SUBSCRIPTION_PREFIX = "#vts/"
+TEMPORARY_SUBSCRIPTION_PREFIX = "#tsub/"
 SUBSCRIPTION_PREFIXES = (
     MQTT_SESSION_PREFIX,
     MQTT_SHARED_PREFIX,
     DURABLE_SUBSCRIPTION_PREFIX,
     VOLATILE_SUBSCRIPTION_PREFIX,
+    TEMPORARY_SUBSCRIPTION_PREFIX,
 )
 ACCESS_TYPES = ("exclusive", "non-exclusive")
 GROUP_MODES = ("", "default", "shared")
@@ -172,9 +175,9 @@ def stream_queues(
     return [(None, parent)]
 
 
-def temporary_queue_name(node_id: str) -> str:
+def temporary_queue_name(node_id: str, prefix: str = TEMPORARY_PREFIX) -> str:
     """A server-generated (anonymous) queue name, unique across nodes."""
-    return f"{TEMPORARY_PREFIX}{node_id}/{os.urandom(8).hex()}"
+    return f"{prefix}{node_id}/{os.urandom(8).hex()}"
 
 
 @dataclass(slots=True)

@@ -92,11 +92,13 @@ class DynamicNodes:
     async def create(
         self, policy: Lifetime, subscriptions: Iterable[tuple[str, str]] = (), selector: str = ""
     ) -> str:
+        subscriptions = list(subscriptions)
         name = await self.broker.create_temporary_queue(
             owner=self.user,
             subscriptions=subscriptions,
             connection=self.connection,
             selector=selector,
+            subscription=bool(subscriptions),  # a topic receiver's: no address
         )
         self.names.add(name)
         if policy.no_links:

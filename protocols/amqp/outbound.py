@@ -147,7 +147,9 @@ class Outbound(Endpoint):
         if source is None or not self.live:
             return
         queue, browse, topic = source
-        if topic is not None and self.host.topics.deny_subscribe:
+        # a subscription's queue (a durable one looked up holds whatever it was subscribed
+        # to, its topics since removed too)
+        if (topic is not None or subscription_queue(queue)) and self.host.topics.deny_subscribe:
             self._acl = self.host.topics
         # a topic subscription's queue applies the selector itself, at spool time; this link
         # again at each delivery if it names what a redelivery changes (see _on_deliver)

@@ -95,18 +95,18 @@ class SaslServer:
             self.state = State.FAILED
 
     def _frame(self) -> Described | None:
-        if len(self._buf) < 8:
-            return None
-        size, doff, kind = struct.unpack_from(">IBB", self._buf)
-        if size < 8 or size > MAX_SASL_FRAME or doff < 2 or kind != SASL_FRAME:
-            self._fail()
-            return None
-        if len(self._buf) < size:
-            return None
-        body = bytes(self._buf[doff * 4 : size])
-        del self._buf[:size]
-        if not body:
-            return self._frame()  # empty (heartbeat) frame
+        body = b""
+        while not body:  # empty (heartbeat) frames are skipped, however many come at once
+            if len(self._buf) < 8:
+                return None
+            size, doff, kind = struct.unpack_from(">IBB", self._buf)
+            if size < 8 or size > MAX_SASL_FRAME or doff < 2 or kind != SASL_FRAME:
+                self._fail()
+                return None
+            if len(self._buf) < size:
+                return None
+            body = bytes(self._buf[doff * 4 : size])
+            del self._buf[:size]
         data = Data()
         try:
             data.decode(body)

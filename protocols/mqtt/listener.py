@@ -464,7 +464,9 @@ class Registry:
         """The per-client queue: durable for a persistent session, else temporary. It is
         `user`'s alone: other users may not even browse it (permission none)."""
         if not state.persistent:
-            return await self.broker.create_temporary_queue(owner=user, permission="none")
+            return await self.broker.create_temporary_queue(
+                owner=user, permission="none", subscription=True
+            )
         name = queue_name(state.client_id)
         await self._member(state, name, connected=True)
         # exclusive: during a takeover the old connection's flow drains before the new one
