@@ -53,7 +53,7 @@ from proton.utils import BlockingConnection, BlockingReceiver, LinkDetached, Sen
 from gateway.broker import Broker, QueueConfig
 from gateway.config import Settings, User
 from gateway.model import Message as GatewayMessage
-from protocols.amqp import connection
+from protocols.amqp import connection, terminus
 from protocols.amqp.listener import Listener, start
 from protocols.amqp.outbound import Outbound
 from protocols.amqp.sasl import AMQP_HEADER, SASL_HEADER
@@ -359,6 +359,36 @@ async def test_anonymous_refused_when_disabled(broker: Broker) -> None:
         await listener.close()
 
 
+async def test_a_no_local_topic_subscriber_skips_its_own_connections_messages(
+    broker: Broker, amqp: Listener
+) -> None:
+    """JMS noLocal (Qpid JMS's apache.org:no-local-filter:list) was ignored and not echoed:
+    the consumer got its own connection's messages (found by a review)."""
+    described = Described(symbol("apache.org:no-local-filter:list"), [])
+    no_local = Filter({symbol("no-local"): described})
+
+    def client() -> tuple[bool, list[bytes]]:
+        me = BlockingConnection(url(amqp), timeout=TIMEOUT, container_id="me")
+        other = BlockingConnection(url(amqp), timeout=TIMEOUT, container_id="other")
+        try:
+            receiver = me.create_receiver("topic://news", credit=10, options=no_local)
+            echoed = terminus.no_local(receiver.link.remote_source) is not None
+            me.create_sender("topic://news").send(Message(body=b"own"))
+            other.create_sender("topic://news").send(Message(body=b"theirs"))
+            got = []
+            with contextlib.suppress(Timeout):
+                while True:
+                    msg = receiver.receive(0.5)
+                    got.append(bytes(msg.body))
+                    receiver.accept()
+            return echoed, got
+        finally:
+            me.close()
+            other.close()
+
+    assert await asyncio.to_thread(client) == (True, [b"theirs"])
+
+
 async def test_anonymous_relay(broker: Broker, amqp: Listener) -> None:
     await broker.queues.create(QueueConfig(name="r1"))
 
@@ -378,6 +408,7 @@ async def test_anonymous_relay(broker: Broker, amqp: Listener) -> None:
 
     caps, outcomes = await asyncio.to_thread(client)
     assert "ANONYMOUS-RELAY" in caps and "DELAYED_DELIVERY" in caps
+    assert "SHARED-SUBS" in caps  # else Qpid JMS creates no shared subscription (a review)
     assert outcomes[:2] == [(Disposition.ACCEPTED, None)] * 2
     assert outcomes[2] == (Disposition.REJECTED, "amqp:not-found")
     assert (await broker.queues.info("r1")).messages == 2
@@ -1022,7 +1053,7 @@ async def test_a_message_over_a_topic_subscribers_max_message_size_is_rejected(
     loop = asyncio.get_running_loop()
 
     async def held() -> int:
-        names = [n for n in await broker.queues.names() if n.startswith("#tmp/")]
+        names = [n for n in await broker.queues.names() if n.startswith("#tsub/")]
         return sum([(await broker.queues.info(n)).messages for n in names])
 
     def client() -> tuple[bytes, int]:

@@ -381,8 +381,11 @@ class AmqpConnection(asyncio.Protocol):
         elif kind == Event.CONNECTION_REMOTE_OPEN:
             self.publisher.client_id = self.conn.remote_container or ""
             # DELAYED_DELIVERY: messages with x-opt-delivery-time are held (Qpid JMS's
-            # setDeliveryDelay needs it offered)
-            self.conn.offered_capabilities = SymbolList(["ANONYMOUS-RELAY", "DELAYED_DELIVERY"])
+            # setDeliveryDelay needs it offered); SHARED-SUBS: JMS 2.0 shared subscriptions
+            # (Qpid JMS refuses to create one from a peer that does not offer it)
+            self.conn.offered_capabilities = SymbolList(
+                ["ANONYMOUS-RELAY", "DELAYED_DELIVERY", "SHARED-SUBS"]
+            )
             self.conn.open()
         elif kind == Event.CONNECTION_REMOTE_CLOSE:
             for endpoint in list(self.endpoints.values()):

@@ -57,6 +57,7 @@ from gateway.broker import BindError, Flow, QueueConfig, QueueError, QueueInfo
 from gateway.engine.queues import subscription_queue
 from gateway.engine.selection import matches, redelivery_selector
 from gateway.model import Delivery as GatewayDelivery
+from gateway.model import Message
 from gateway.selectors import Selector
 from protocols.amqp import mapping, nodes, sections, terminus
 from protocols.amqp.links import (
@@ -127,12 +128,15 @@ class Outbound(Endpoint):
         self._draining = False  # the client asked for a drain not answered yet
         # a topic subscription's selector naming JMSXDeliveryCount, checked at delivery too
         self._recheck: Selector | None = None
+        # JMS no-local: the container id whose own messages this topic subscriber skips
+        self._no_local: str | None = None
 
     async def attach(self) -> None:
         link, broker = self.link, self.host.broker
         remote = link.remote_source
         selector = terminus.selector(remote)  # these raise InvalidField: see _run_attach
         replay = terminus.replay_period(remote)
+        no_local = terminus.no_local(remote)
         try:
             source = await self._source(remote, selector)
         except QueueError as exc:
@@ -151,6 +155,10 @@ class Outbound(Endpoint):
         # to, its topics since removed too)
         if (topic is not None or subscription_queue(queue)) and self.host.topics.deny_subscribe:
             self._acl = self.host.topics
+        if topic is None:
+            no_local = None  # a queue's consumer: every sender's messages are its own too
+        elif no_local is not None:
+            self._no_local = self.host.publisher.client_id
         # a topic subscription's queue applies the selector itself, at spool time; this link
         # again at each delivery if it names what a redelivery changes (see _on_deliver)
         spool_selected = topic is not None and bool(remote.address)
@@ -180,7 +188,9 @@ class Outbound(Endpoint):
         self.set_writable(self.host.writable)  # it may have changed during the bind
         if not self.live:
             return  # the caller's close() unbinds it
-        applied = [f for f in (selector, replay if flow.browse else None) if f is not None]
+        applied = [
+            f for f in (selector, replay if flow.browse else None, no_local) if f is not None
+        ]
         self._answer(remote, applied, topic, flow.browse)
         self.presettled = link.remote_snd_settle_mode == Link.SND_SETTLED
         # the client's attach set it, once: read per delivery it cost a cffi call each
@@ -247,7 +257,7 @@ class Outbound(Endpoint):
     def _answer(
         self,
         remote: Terminus,
-        filters: list[terminus.SelectorFilter | terminus.ReplayFilter],
+        filters: list[terminus.Filter],
         topic: str | None,
         browse: bool,
     ) -> None:
@@ -345,12 +355,16 @@ class Outbound(Endpoint):
             flow.credit += 1
             flow.unsend(delivery.entry_id)
             return
-        acl, recheck = self._acl, self._recheck
-        if (acl is not None and not acl.may_receive(delivery.message.destination)) or (
-            recheck is not None and not matches(recheck, delivery.message, delivery.delivery_count)
+        acl, recheck, local = self._acl, self._recheck, self._no_local
+        msg = delivery.message
+        if (
+            (acl is not None and not acl.may_receive(msg.destination))
+            or (recheck is not None and not matches(recheck, msg, delivery.delivery_count))
+            or (local is not None and _published_by(msg, local))
         ):
-            # consumed unseen: as MQTT's subscriptions skip a denied topic, and as the
-            # subscription holds only what its selector selects (a redelivery, say)
+            # consumed unseen: as MQTT's subscriptions skip a denied topic, as the
+            # subscription holds only what its selector selects (a redelivery, say), and as
+            # a JMS no-local subscriber gets no message of its own connection
             flow.ack(delivery.entry_id)
             if flow.credit is not None:
                 flow.set_credit(flow.credit + 1)  # the client's credit was not spent
@@ -524,3 +538,10 @@ class Outbound(Endpoint):
                 if not (self.shared and (await self.host.broker.queues.info(name)).flows):
                     await self.host.broker.delete_queue(name, user=self.host.user)
         await super().close(ended)
+
+
+def _published_by(msg: Message, container_id: str) -> bool:
+    """Whether an AMQP connection of this container id published `msg` (JMS no-local: a
+    container id is one JMS connection's client id)."""
+    pub = msg.publisher
+    return pub is not None and pub.protocol == "amqp" and pub.client_id == container_id

@@ -4,9 +4,10 @@ Filters are recognised by their descriptor, not their key: proton's `Selector` s
 ``selector`` with the symbolic descriptor, Qpid JMS key ``jms-selector`` with the numeric
 one. The gateway's own ``gateway:replay-period`` filter (an unsigned number of
 milliseconds) asks a browser (distribution-mode ``copy``, or any consumer of a
-non-destructive queue) for the messages of that last period plus new ones. Filters the
-node applies are echoed on attach; others (no-local...) are not applied, so they are not
-echoed, as the spec asks of a node that ignores a filter.
+non-destructive queue) for the messages of that last period plus new ones. JMS no-local
+(``apache.org:no-local-filter:list``) keeps a topic subscriber from its own container's
+messages. Filters the node applies are echoed on attach; others are not applied, so they
+are not echoed, as the spec asks of a node that ignores a filter.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from gateway.engine.queues import DURABLE_SUBSCRIPTION_PREFIX, VOLATILE_SUBSCRIP
 SELECTOR_SYMBOL = symbol("apache.org:selector-filter:string")
 SELECTOR_CODE = ulong(0x0000468C00000004)
 REPLAY_SYMBOL = symbol("gateway:replay-period")
+NO_LOCAL_SYMBOL = symbol("apache.org:no-local-filter:list")
+NO_LOCAL_CODE = ulong(0x0000468C00000003)
 SHARED, GLOBAL = "shared", "global"  # source capabilities of JMS 2.0 shared subscriptions
 GLOBAL_SUFFIX = "|global"
 MAX_QUEUE_NAME = 255
@@ -56,7 +59,22 @@ class ReplayFilter:
         return Described(self.descriptor, self.value)
 
 
-def echo(terminus: Terminus, filters: list[SelectorFilter | ReplayFilter]) -> None:
+@dataclass(frozen=True, slots=True)
+class NoLocalFilter:
+    """A no-local entry of a source filter map, kept as sent so it can be echoed."""
+
+    key: object
+    descriptor: object
+    value: object
+
+    def described(self) -> Described:
+        return Described(self.descriptor, self.value)
+
+
+Filter = SelectorFilter | ReplayFilter | NoLocalFilter
+
+
+def echo(terminus: Terminus, filters: list[Filter]) -> None:
     """Set the terminus' filter map to the entries the node applies (none: no map)."""
     terminus.filter.clear()
     if filters:
@@ -94,6 +112,14 @@ def replay_period(terminus: Terminus) -> ReplayFilter | None:
                     f"{REPLAY_SYMBOL} needs a positive number of milliseconds, not {ms!r}"
                 )
             return ReplayFilter(key, value.descriptor, int(ms), ms)
+    return None
+
+
+def no_local(terminus: Terminus) -> NoLocalFilter | None:
+    """The JMS no-local entry of a source's filter map, if it has one."""
+    for key, value in _filters(terminus):
+        if value.descriptor in (NO_LOCAL_SYMBOL, NO_LOCAL_CODE):
+            return NoLocalFilter(key, value.descriptor, value.value)
     return None
 
 
