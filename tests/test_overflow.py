@@ -238,18 +238,24 @@ async def test_ring_drops_a_message_held_until_its_delivery_time(broker: Broker)
     assert (await broker.queues.info("q")).messages == 2
 
 
-@pytest.mark.parametrize("overflow", ["ring", "reject"])
-async def test_leaving_flow_control_answers_held_publishers_at_once(
-    broker: Broker, overflow: str
-) -> None:
-    """A flow-controlled queue switched at run time to ring or reject: held and new
-    publishes get the new policy's answer, not a wait until the queue drains."""
+async def full_and_holding(broker: Broker) -> asyncio.Future[Outcome]:
+    """Queue q under flow control, full with "0" and "1", holding the publish of "2"."""
     await broker.declare_queue(QueueConfig(name="q", max_messages=2, overflow="flow_control"))
     assert await broker.publish(msg("0")) is Outcome.OK
     assert await broker.publish(msg("1")) is Outcome.OK
     held = broker.publish_nowait(msg("2"))
     await asyncio.sleep(0.3)
     assert not held.done(), "held by flow control"
+    return held
+
+
+@pytest.mark.parametrize("overflow", ["ring", "reject"])
+async def test_leaving_flow_control_answers_held_publishers_at_once(
+    broker: Broker, overflow: str
+) -> None:
+    """A flow-controlled queue switched at run time to ring or reject: held and new
+    publishes get the new policy's answer, not a wait until the queue drains."""
+    held = await full_and_holding(broker)
     await broker.update_queue("q", {"overflow": overflow})
     later = broker.publish_nowait(msg("3"))
     answered = await asyncio.wait_for(asyncio.gather(held, later), 3)
@@ -265,12 +271,7 @@ async def test_leaving_flow_control_stores_what_it_held_first(
     """Switched away from flow control while it held a publisher's message, the queue stored
     that publisher's next message at once and the held one after it, at the node's retry
     (found by a review: m0-m3 m6-m9 m4 m5). The held mark holds under any policy."""
-    await broker.declare_queue(QueueConfig(name="q", max_messages=2, overflow="flow_control"))
-    assert await broker.publish(msg("0")) is Outcome.OK
-    assert await broker.publish(msg("1")) is Outcome.OK
-    held = broker.publish_nowait(msg("2"))
-    await asyncio.sleep(0.3)
-    assert not held.done(), "held by flow control"
+    held = await full_and_holding(broker)
     await broker.update_queue("q", {"overflow": overflow, "max_messages": 100})
     later = broker.publish_nowait(msg("3"))
     assert await asyncio.wait_for(asyncio.gather(held, later), 3) == [Outcome.OK] * 2

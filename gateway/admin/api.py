@@ -212,12 +212,15 @@ class AdminApi:
     async def _check_visible(self, name: str, user: str) -> None:
         """A queue `user` may not browse is answered as one that does not exist: a 403
         told its name (an owner's client id and subscription) was taken."""
-        try:
-            config = await self.broker.queues.config(name)
-        except QueueError:
-            return  # answered by the route
-        if not _visible(config, user):
+        config = await self._existing(name)
+        if config is not None and not _visible(config, user):  # (none: the route answers)
             raise HttpError(404, f"no queue {name!r}")
+
+    async def _existing(self, name: str) -> QueueConfig | None:
+        try:
+            return await self.broker.queues.config(name)
+        except QueueError:
+            return None
 
     async def _hidden(self, user: str) -> set[str]:
         """The queues `user` may not browse."""
@@ -265,9 +268,8 @@ class AdminApi:
         """Declaring another user's queue: one the user may not see is not shown (nor
         compared), and the subscriptions it adds bind its owner's ACL too, as a POST to its
         subscriptions does."""
-        try:
-            existing = await self.broker.queues.config(name)
-        except QueueError:
+        existing = await self._existing(name)
+        if existing is None:
             return  # made by this declaration
         if not _visible(existing, user):
             raise HttpError(409, f"a queue named {name!r} exists and is not the user's to see")

@@ -47,31 +47,26 @@ class SelectorFilter:
 
 
 @dataclass(frozen=True, slots=True)
-class ReplayFilter:
-    """A replay-period entry of a source filter map: browse the last `ms` milliseconds."""
+class EchoedFilter:
+    """An entry of a source filter map the node applies (no-local), kept as sent so it can
+    be echoed."""
 
     key: object
     descriptor: object
-    ms: int
-    value: object  # as sent (uint or ulong), for the echo
+    value: object  # as sent, for the echo
 
     def described(self) -> Described:
         return Described(self.descriptor, self.value)
 
 
 @dataclass(frozen=True, slots=True)
-class NoLocalFilter:
-    """A no-local entry of a source filter map, kept as sent so it can be echoed."""
+class ReplayFilter(EchoedFilter):
+    """A replay-period entry of a source filter map: browse the last `ms` milliseconds."""
 
-    key: object
-    descriptor: object
-    value: object
-
-    def described(self) -> Described:
-        return Described(self.descriptor, self.value)
+    ms: int = 0
 
 
-Filter = SelectorFilter | ReplayFilter | NoLocalFilter
+Filter = SelectorFilter | EchoedFilter
 
 
 def echo(terminus: Terminus, filters: list[Filter]) -> None:
@@ -111,15 +106,15 @@ def replay_period(terminus: Terminus) -> ReplayFilter | None:
                 raise InvalidField(
                     f"{REPLAY_SYMBOL} needs a positive number of milliseconds, not {ms!r}"
                 )
-            return ReplayFilter(key, value.descriptor, int(ms), ms)
+            return ReplayFilter(key, value.descriptor, ms, ms=int(ms))
     return None
 
 
-def no_local(terminus: Terminus) -> NoLocalFilter | None:
+def no_local(terminus: Terminus) -> EchoedFilter | None:
     """The JMS no-local entry of a source's filter map, if it has one."""
     for key, value in _filters(terminus):
         if value.descriptor in (NO_LOCAL_SYMBOL, NO_LOCAL_CODE):
-            return NoLocalFilter(key, value.descriptor, value.value)
+            return EchoedFilter(key, value.descriptor, value.value)
     return None
 
 
