@@ -216,13 +216,16 @@ async def test_a_lost_spool_connection_acks_only_what_was_stored(
 ) -> None:
     await broker.queues.create(QueueConfig(name="q"))
     assert await broker.publish(to_queue("q", b"first")) is Outcome.OK  # connects
+    admin = redis.Redis.from_url(redis_url)
+    admin.execute_command("CLIENT", "PAUSE", "5000", "WRITE")  # the batches wait in Redis
     futures = [broker.publish_nowait(to_queue("q", b"%d" % i)) for i in range(3000)]
     for _ in range(3):
         await asyncio.sleep(0)  # the first batches are written
     spool_conn = broker.spooler._calls._conn
     assert spool_conn is not None
     host, port = spool_conn._writer.get_extra_info("sockname")[:2]
-    redis.Redis.from_url(redis_url).client_kill(f"{host}:{port}")
+    admin.client_kill(f"{host}:{port}")  # with batches in flight, unanswered
+    admin.execute_command("CLIENT", "UNPAUSE")
     results = await asyncio.gather(*futures, return_exceptions=True)
     stored = [i for i, r in enumerate(results) if r is Outcome.OK]
     refused = [r for r in results if r is not Outcome.OK]

@@ -154,7 +154,10 @@ async def test_a_redis_without_an_aof_is_warned_of(
     await (await library.connect(redis_url)).aclose()
     assert "keeps no AOF" not in caplog.text
     await admin.config_set("appendonly", "no")
-    await (await library.connect(redis_url)).aclose()
+    try:
+        await (await library.connect(redis_url)).aclose()
+    finally:
+        await admin.config_set("appendonly", "yes")  # the session's Redis, for later tests
     assert "keeps no AOF (appendonly no)" in caplog.text
 
 
