@@ -1122,8 +1122,11 @@ async def test_dmq_report_without_a_dead_message_queue_says_so(
     argv = ["pipeline", "--redis-url", redis_url, "dmq-report"]
     assert await asyncio.to_thread(jobs.main, argv) == 0
     assert await asyncio.to_thread(jobs.main, [*argv, "other"]) == 1
+    archive = ["pipeline", "--redis-url", redis_url, "archive", "gone", "/nowhere"]
+    assert await asyncio.to_thread(jobs.main, archive) == 1  # one line, not a Spark traceback
     err = capsys.readouterr().err
     assert "no queue '#DEAD_MSG_QUEUE'" in err and "no queue 'other'" in err
+    assert "gateway pipeline archive: no queue 'gone'" in err
     nowhere = "redis://gw:pw-s3cret@127.0.0.1:1/0"  # where no node runs: one line, no traceback
     with pytest.raises(SystemExit, match="no Redis at redis://gw:") as told:
         await asyncio.to_thread(jobs.main, ["pipeline", "--redis-url", nowhere, "dmq-report"])

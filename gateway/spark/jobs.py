@@ -217,9 +217,11 @@ class StageProgress:
 
 def run_pipeline(args: argparse.Namespace) -> int:
     args.redis_url = pipeline_redis_url(args.redis_url)
-    if args.pipeline_command == "dmq-report" and not _exists(args.redis_url, args.queue):
-        print(f"gateway pipeline dmq-report: no queue {args.queue!r}", file=sys.stderr)
-        return 0 if args.queue == DEAD_MESSAGE_QUEUE else 1  # the default one until declared
+    command = args.pipeline_command
+    if not _exists(args.redis_url, args.queue):  # checked before Spark starts
+        print(f"gateway pipeline {command}: no queue {args.queue!r}", file=sys.stderr)
+        # the default dead message queue until the operator declares it: nothing to report
+        return 0 if command == "dmq-report" and args.queue == DEAD_MESSAGE_QUEUE else 1
     spark = build_session(
         f"gateway-{args.pipeline_command}", args.master, shuffle_partitions=args.shuffle_partitions
     )
