@@ -425,6 +425,47 @@ async def test_non_durable_queue_dies_with_its_node(redis_url: str, broker: Brok
     await wait_for(lambda: broker.router.match("t/x") == frozenset())
 
 
+async def test_non_durable_queue_lives_while_a_node_that_declared_it_lives(
+    redis_url: str, broker: Broker
+) -> None:
+    """Nodes sharing a config file each declare its non-durable queue: the first one's
+    going hands the queue, with its messages, to the other, and the last one's going
+    deletes it."""
+    client = await library.connect(redis_url)
+    first = Broker(client, heartbeat=0.2, node_ttl=1.0)
+    second = Broker(client, heartbeat=0.2, node_ttl=1.0)
+    await first.start()
+    await second.start()
+    try:
+        await first.declare_queue(QueueConfig(name="shared", durable=False), [("s/#", "mqtt")])
+        assert not await second.declare_queue(
+            QueueConfig(name="shared", durable=False), [("s/#", "mqtt")]
+        )
+        await wait_for(lambda: broker.router.match("s/1") != frozenset())
+        await broker.publish(Message(destination="s/1", payload=b"kept"))
+        assert (await broker.queues.info("shared")).messages == 1
+        await first.stop()
+        config = await broker.queues.config("shared")
+        assert config.owner_node == second.node_id, "the live declarer owns it now"
+        assert (await broker.queues.info("shared")).messages == 1, "with its messages"
+        await second.stop()
+        assert not await broker.queues.exists("shared"), "gone with the last declarer"
+        leftover = [k async for k in client.scan_iter(keys.queue_owner_nodes("shared"))]
+        assert leftover == []
+        # deleted while co-owned: no node's set names it any more
+        await first.start()
+        await second.start()
+        await first.declare_queue(QueueConfig(name="gone", durable=False))
+        await second.declare_queue(QueueConfig(name="gone", durable=False))
+        await broker.delete_queue("gone")
+        for node in (first, second):
+            assert not await client.sismember(keys.node_queues(node.node_id), "gone")
+    finally:
+        await first.stop()
+        await second.stop()
+        await client.aclose()
+
+
 async def test_retained_messages_follow_the_last_publish(broker: Broker) -> None:
     await broker.publish(Message(destination="home/1/temp", payload=b"20", retain=True))
     await broker.publish(Message(destination="home/1/temp", payload=b"21", retain=True))

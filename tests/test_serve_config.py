@@ -14,7 +14,7 @@ import pytest
 
 from gateway.broker import Broker
 from gateway.engine.queues import QueueConfig
-from tests.processes import GATEWAY, Proc
+from tests.processes import GATEWAY, Proc, node_env
 
 
 def serve(config: Path, redis_url: str) -> list[str]:
@@ -167,3 +167,30 @@ async def test_a_node_starts_again_after_its_provisioned_queue_was_repartitioned
         await gw.stop()
     assert isinstance(outcome, dict), (outcome, gw.stderr_tail(1))
     assert post_status == 200, (post_status, body)
+
+
+async def test_a_non_durable_queue_of_the_file_outlives_the_crashed_node_before(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """A node killed and started again before its TTL passes declares its file's non-durable
+    queue while the dead node still owns it: the queue stays when the dead node is reaped
+    (it was deleted with it, and the node ran on without the queue its file declares)."""
+    config = tmp_path / "g.toml"
+    config.write_text('[[queues]]\nname = "scratch"\ndurable = false\nsubscriptions = ["s/>"]\n')
+    env = node_env(1.0)
+    gw = await Proc.start(serve(config, redis_url), env=env)
+    ready = await ready_or_exit(gw)
+    assert isinstance(ready, dict), gw.stderr_tail()
+    gw.kill()  # SIGKILL: the queue stays until the node is presumed dead and reaped
+    await gw.proc.wait()
+    gw = await Proc.start(serve(config, redis_url), env=env)
+    try:
+        ready = await ready_or_exit(gw)
+        assert isinstance(ready, dict), gw.stderr_tail()
+        port = ready["admin_port"]
+        await asyncio.sleep(3.0)  # past the killed node's TTL (1 s) and its reaping
+        status, body = await asyncio.to_thread(admin_call, port, "GET", "/queues/scratch")
+        assert status == 200, (status, body)
+        assert body["owner_node"] == ready["node"], body
+    finally:
+        await gw.stop()

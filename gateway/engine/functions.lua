@@ -463,7 +463,8 @@ local function unindex_flow(q, n)
       if node_of(other) == n then return end
     end
   end
-  if redis.call('HGET', k_queue_config(q), 'owner_node') ~= n then
+  if redis.call('HGET', k_queue_config(q), 'owner_node') ~= n
+    and redis.call('SISMEMBER', k_queue_owner_nodes(q), n) == 0 then
     redis.call('SREM', k_node_queues(n), q)
   end
 end
@@ -532,13 +533,16 @@ delete_queue = function(q)
   end
   local owner_node = redis.call('HGET', k_queue_config(q), 'owner_node')
   if owner_node then redis.call('SREM', k_node_queues(owner_node), q) end
+  for _, n in ipairs(redis.call('SMEMBERS', k_queue_owner_nodes(q))) do
+    redis.call('SREM', k_node_queues(n), q)
+  end
   unaccount_all(q)
   redis.call('HDEL', K_SPOOL_ALARMS, 'queue:' .. q)
   redis.call('HDEL', K_SPOOL_ALARM_COUNTS, 'set:queue:' .. q, 'clear:queue:' .. q)
   redis.call('DEL', k_queue_parts(q), k_queue_groups(q), k_queue_group_held(q),
     k_queue_last_values(q), k_queue_timed(q), k_queue_config(q), k_queue_stream(q), k_queue_stats(q), k_queue_subs(q),
     k_queue_flows(q), k_queue_lease(q), k_queue_readers(q), k_queue_sorted(q),
-    k_queue_members(q), k_queue_flow_held(q), k_queue_avoid(q), k_queue_kept(q),
+    k_queue_members(q), k_queue_owner_nodes(q), k_queue_flow_held(q), k_queue_avoid(q), k_queue_kept(q),
     k_queue_reader_baselines(q))
   redis.call('SREM', K_QUEUES, q)
   redis.call('SREM', K_READ_QUEUES, q)
@@ -597,6 +601,21 @@ local function release_sessions(n)
 end
 
 -- Forget a node: return its flows' messages, delete the temporary queues it owned.
+-- A non-durable queue lives while a node that declared it lives (gw_queue_create): its
+-- owner `n` is gone, so a live one of its other owners takes it; false if none is left.
+local function next_owner(q, n)
+  local owners = k_queue_owner_nodes(q)
+  for _, m in ipairs(redis.call('SMEMBERS', owners)) do
+    redis.call('SREM', owners, m)
+    if m ~= n and node_alive(m) then
+      redis.call('HSET', k_queue_config(q), 'owner_node', m)
+      redis.call('SADD', k_node_queues(m), q)
+      return true
+    end
+  end
+  return false
+end
+
 local function reap_node(n)
   local released = 0
   for _, q in ipairs(redis.call('SMEMBERS', k_node_queues(n))) do
@@ -606,7 +625,11 @@ local function reap_node(n)
         released = released + 1
       end
     end
-    if redis.call('HGET', k_queue_config(q), 'owner_node') == n then delete_queue(q) end
+    if redis.call('HGET', k_queue_config(q), 'owner_node') == n then
+      if not next_owner(q, n) then delete_queue(q) end
+    else
+      redis.call('SREM', k_queue_owner_nodes(q), n)
+    end
   end
   release_partings(n)
   release_sessions(n)
@@ -2889,6 +2912,21 @@ register_always('gw_queue_create', function(_, a)
     end
   end
   return { 1 }
+end)
+
+-- ARGV: queue, node, created_ms. A node that declared a non-durable queue another node
+-- owns becomes one of its owners: the queue lives while one of them does (a node started
+-- again after a crash declares its config file's queues while the dead node still owns
+-- them; nodes share a config file). Returns 0 if that queue is gone (made again since).
+register_always('gw_queue_co_own', function(_, a)
+  local q, node = a[1], a[2]
+  local c = redis.call('HMGET', k_queue_config(q), 'created_ms', 'durable', 'owner_node')
+  if c[1] ~= a[3] then return 0 end
+  if c[2] == '0' and c[3] and c[3] ~= '' and c[3] ~= node then
+    redis.call('SADD', k_queue_owner_nodes(q), node)
+    redis.call('SADD', k_node_queues(node), q)
+  end
+  return 1
 end)
 
 -- ARGV: queue, then field/value pairs to change (partitions follow their parent).

@@ -45,6 +45,7 @@ TEMPLATES: dict[str, str] = {
     "queue_group_held": f"{PREFIX}:q:{{{{q}}}}:gheld",
     "queue_sorted": f"{PREFIX}:q:{{{{q}}}}:sorted",
     "queue_members": f"{PREFIX}:q:{{{{q}}}}:members",
+    "queue_owner_nodes": f"{PREFIX}:q:{{{{q}}}}:owners",
     "queue_flow_held": f"{PREFIX}:q:{{{{q}}}}:fcheld",
     # entry id -> the flows it must not reach again (AMQP undeliverable-here), space-separated
     "queue_avoid": f"{PREFIX}:q:{{{{q}}}}:avoid",
@@ -201,6 +202,13 @@ def queue_members(q: str) -> str:
     """Members of a queue that lives while it has any (an MQTT shared subscription group):
     member -> the epoch ms its membership lasts until (inf: for ever)."""
     return _queue_key("queue_members", q)
+
+
+def queue_owner_nodes(q: str) -> str:
+    """A non-durable queue's other owners: the nodes that declared it while another node
+    owned it (one started again after a crash, nodes sharing a config file). The queue
+    lives while one of them does: the reaper of its owner hands it to a live one."""
+    return _queue_key("queue_owner_nodes", q)
 
 
 def queue_flow_held(q: str) -> str:

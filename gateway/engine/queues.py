@@ -568,10 +568,24 @@ class QueueStore:
                 raise QueueError(
                     "unauthorized", f"user {user!r} may not {MODIFY_TOPIC} queue {config.name!r}"
                 )
+            if not await self._co_own(existing, config.owner_node):  # gone since
+                return await self.declare(
+                    config, subscriptions, reserved_ok=reserved_ok, user=user, as_it_is=as_it_is
+                )
         added = 0
         if entries:
             added = int(await self._redis.fcall("gw_subscription", 0, config.name, "add", *entries))
         return created, added
+
+    async def _co_own(self, existing: QueueConfig, node: str | None) -> bool:
+        """`node` declared non-durable `existing`, which another node owns: the queue lives
+        while either does (see gw_queue_co_own). False if the queue is gone."""
+        if existing.durable or not node or existing.owner_node in (None, node):
+            return True
+        reply = await self._redis.fcall(
+            "gw_queue_co_own", 0, existing.name, node, existing.created_ms
+        )
+        return bool(reply)
 
     async def delete(self, name: str) -> None:
         if not await self._redis.fcall("gw_queue_delete", 0, name):
