@@ -111,6 +111,7 @@ from gateway.engine.leases import NodeLiveness, new_node_id
 from gateway.engine.parting import Due, PartingStore, unpack
 from gateway.engine.permissions import BROWSE, CONSUME, DELETE, MODIFY_TOPIC, allowed
 from gateway.engine.queues import (
+    ADAPTER_QUEUE_MESSAGE_SIZE,
     DEAD_MESSAGE_QUEUE,
     TEMPORARY_PREFIX,
     TEMPORARY_SUBSCRIPTION_PREFIX,
@@ -600,6 +601,7 @@ class Broker:
             permission=permission,
             auto_delete=auto_delete,
             subscription_selector=selector,
+            max_message_size=ADAPTER_QUEUE_MESSAGE_SIZE,
         )
         await self.queues.create(config, list(subscriptions), reserved_ok=True)
         if subscriptions:

@@ -199,6 +199,45 @@ async def test_amqp_text_with_nul_reaches_mqtt5_subscriber(
     assert ("b", "\ufffd") in m.properties.UserProperty
 
 
+# Larger than a declared queue's default max_message_size (10,000,000), under the 16 MiB
+# an AMQP sending link is offered
+AS_LARGE_AS_THE_LINK_ALLOWS = bytes(range(256)) * (12_000_000 // 256)
+
+
+async def test_a_message_the_amqp_link_allows_reaches_an_mqtt_subscriber(
+    broker: Broker, ports: tuple[int, int]
+) -> None:
+    """The subscriber's session queue had the default limit of a declared queue, so the
+    publish was refused (all-or-none) though the link offered 16 MiB."""
+    m = await amqp_to_mqtt5(ports, AmqpMessage(body=AS_LARGE_AS_THE_LINK_ALLOWS, durable=True))
+    assert m.payload == AS_LARGE_AS_THE_LINK_ALLOWS
+
+
+async def test_a_message_the_amqp_link_allows_reaches_an_amqp_topic_receiver(
+    broker: Broker, ports: tuple[int, int]
+) -> None:
+    amqp_port = ports[1]
+    url = f"amqp://127.0.0.1:{amqp_port}"
+    receiving = await asyncio.to_thread(BlockingConnection, url)
+    try:
+        receiver = await asyncio.to_thread(receiving.create_receiver, "topic://big/one")
+
+        def send() -> None:
+            conn = BlockingConnection(url)
+            try:
+                message = AmqpMessage(body=AS_LARGE_AS_THE_LINK_ALLOWS, durable=True)
+                conn.create_sender("topic://big/one").send(message)  # raises unless accepted
+            finally:
+                conn.close()
+
+        await asyncio.to_thread(send)
+        got = await asyncio.to_thread(receiver.receive, TIMEOUT)
+        assert bytes(got.body) == AS_LARGE_AS_THE_LINK_ALLOWS
+        await asyncio.to_thread(receiver.accept)
+    finally:
+        await asyncio.to_thread(receiving.close)
+
+
 def as_v5_publish(msg: Message) -> Publish:
     """The QoS 0 PUBLISH an MQTT 5 subscriber gets for `msg`, decoded."""
     data = encode_delivery(

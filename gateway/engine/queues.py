@@ -120,6 +120,10 @@ def _stored_int(h: dict[str, str], name: str, default: int) -> int:
 partition_queue_name = keys.partition_queue
 
 PER_FLOW_DEFAULT = 10_000  # max_delivered_unacked_msgs_per_flow: Solace's default
+# max_message_size of the queues the adapters make for their clients (subscriptions,
+# temporary queues): none, so that the size each protocol accepts (an AMQP link offers
+# 16 MiB) is the limit, not the default of a declared queue (Solace's 10,000,000)
+ADAPTER_QUEUE_MESSAGE_SIZE = 0
 
 # What QueueStore.update may change on an existing queue.
 RUNTIME_SETTINGS = {

@@ -54,7 +54,7 @@ from proton import Link, Terminus
 
 from gateway.acl import TopicAccess
 from gateway.broker import BindError, Flow, QueueConfig, QueueError, QueueInfo
-from gateway.engine.queues import subscription_queue
+from gateway.engine.queues import ADAPTER_QUEUE_MESSAGE_SIZE, subscription_queue
 from gateway.engine.selection import matches, redelivery_selector
 from gateway.model import Delivery as GatewayDelivery
 from gateway.model import Message
@@ -300,6 +300,7 @@ class Outbound(Endpoint):
             owner=user,
             permission="none",
             subscription_selector=selector.text if selector else "",
+            max_message_size=ADAPTER_QUEUE_MESSAGE_SIZE,
         )
         config.validate(reserved_ok=True)  # a bad selector leaves the old subscription be
         try:

@@ -43,7 +43,11 @@ from typing import Any
 from gateway.broker import ANONYMOUS, Broker, QueueConfig, QueueError
 from gateway.config import Settings
 from gateway.engine.parting import Due, pack
-from gateway.engine.queues import MQTT_SESSION_PREFIX, MQTT_SHARED_PREFIX
+from gateway.engine.queues import (
+    ADAPTER_QUEUE_MESSAGE_SIZE,
+    MQTT_SESSION_PREFIX,
+    MQTT_SHARED_PREFIX,
+)
 from gateway.model import Publisher
 from gateway.topics import MQTT
 from protocols.listening import BackgroundTasks, Listener, Plan
@@ -368,7 +372,11 @@ class Registry:
         # topic ACL allowed: another user's AMQP link or admin get would read what the ACL
         # denies them
         config = QueueConfig(
-            name=name, durable=True, access_type="non-exclusive", permission="none"
+            name=name,
+            durable=True,
+            access_type="non-exclusive",
+            permission="none",
+            max_message_size=ADAPTER_QUEUE_MESSAGE_SIZE,
         )
         await self.broker.queues.create(config, reserved_ok=True, as_it_is=True)
         await self.broker.subscribe_queue(name, [topic_filter], MQTT)
@@ -471,7 +479,12 @@ class Registry:
         await self._member(state, name, connected=True)
         # exclusive: during a takeover the old connection's flow drains before the new one
         config = QueueConfig(
-            name=name, durable=True, owner=user, permission="none", access_type="exclusive"
+            name=name,
+            durable=True,
+            owner=user,
+            permission="none",
+            access_type="exclusive",
+            max_message_size=ADAPTER_QUEUE_MESSAGE_SIZE,
         )
         await self.broker.queues.create(config, reserved_ok=True)
         return name
