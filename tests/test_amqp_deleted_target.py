@@ -18,8 +18,9 @@ from proton.utils import BlockingConnection, LinkDetached
 
 from gateway.broker import Broker, QueueConfig
 from gateway.config import Settings
+from protocols.amqp import links
 from protocols.amqp.listener import Listener, start
-from tests.amqp_raw import DETACH, DISPOSITION, REJECTED, Peer
+from tests.amqp_raw import ACCEPTED, DETACH, DISPOSITION, REJECTED, Peer
 from tests.redis_proxy import CuttingProxy
 from tests.test_admin_api import Admin
 from tests.test_engine import second_node  # noqa: F401
@@ -253,3 +254,38 @@ async def test_a_late_event_of_a_deletion_leaves_a_sender_to_the_queue_made_agai
 
     assert await asyncio.to_thread(client) == (None, Delivery.ACCEPTED)
     assert await depth(node, "q") == 1
+
+
+async def test_a_size_error_ends_the_link_once_the_publishes_in_flight_are_answered(
+    node: Broker,  # noqa: F811
+    proxy: CuttingProxy,  # noqa: F811
+    node_amqp: Listener,
+) -> None:
+    """A delivery whose last frame takes it past max-message-size ends the link, as a
+    deleted queue does, once the publish before it is answered: it was ended at once, and
+    that publish, stored, was never answered (a client sends it again)."""
+    await node.declare_queue(QueueConfig(name="sz"))
+    peer = await Peer.opened(node_amqp.port)
+    await peer.sender(0, "sz")
+    proxy.delay_on, proxy.delay = b"IN-FLIGHT", 1.5
+    peer.transfer(0, 0, bytes(Message(body=b"IN-FLIGHT", durable=True).encode()), tag=b"a")
+    await peer.writer.drain()
+    await asyncio.sleep(0.2)  # its publish waits on Redis's answer
+    chunk = bytes(16_000)
+    whole, rest = divmod(links.MAX_MESSAGE_SIZE - 100, len(chunk))
+    peer.transfer(0, 1, chunk, more=True, tag=b"big")
+    for _ in range(whole - 1):
+        peer.transfer(0, None, chunk, more=True, tag=None)
+        await peer.writer.drain()
+    peer.transfer(0, None, bytes(rest + 200), more=False, tag=None)  # the last crosses
+    frames = await peer.frames_for(3.0)
+    peer.close()
+    outcomes = {
+        d: int(f.fields[4].descriptor)
+        for f in frames
+        if f.code == DISPOSITION
+        for d in f.deliveries()
+    }
+    detaches = [f.error() for f in frames if f.code == DETACH]
+    assert outcomes == {0: ACCEPTED, 1: REJECTED} and detaches == [links.MESSAGE_SIZE_EXCEEDED]
+    assert (await node.queues.info("sz")).messages == 1

@@ -375,7 +375,29 @@ async def test_an_oversized_multi_frame_delivery_is_rejected_and_dropped(port: i
     outcome = await peer.expect(DISPOSITION)
     assert outcome.fields[1] == 0 and int(outcome.fields[4].descriptor) == REJECTED
     detach = await peer.expect(DETACH)
-    assert detach.error() == "amqp:link:message-size-exceeded"
+    assert detach.error() == links.MESSAGE_SIZE_EXCEEDED
+    peer.close()
+    await still_serving(port)
+
+
+async def test_a_delivery_whose_last_frame_crosses_the_size_limit_ends_the_link(
+    port: int,
+) -> None:
+    """§2.7.3: a message larger than max-message-size is a message-size-exceeded link
+    error, wherever the frames fall (it was a rejected outcome when the last one crossed)."""
+    peer = await Peer.opened(port)
+    await peer.sender(0, QUEUE)
+    chunk = bytes(16_000)
+    whole, rest = divmod(links.MAX_MESSAGE_SIZE - 100, len(chunk))
+    peer.transfer(0, 0, chunk, more=True, tag=b"big")
+    for _ in range(whole - 1):
+        peer.transfer(0, None, chunk, more=True, tag=None)
+        await peer.writer.drain()
+    peer.transfer(0, None, bytes(rest + 200), more=False, tag=None)  # 100 bytes over
+    outcome = await peer.expect(DISPOSITION)
+    assert outcome.fields[1] == 0 and int(outcome.fields[4].descriptor) == REJECTED
+    detach = await peer.expect(DETACH)
+    assert detach.error() == links.MESSAGE_SIZE_EXCEEDED
     peer.close()
     await still_serving(port)
 

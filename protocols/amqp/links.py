@@ -63,6 +63,7 @@ NOT_FOUND = "amqp:not-found"
 NOT_IMPLEMENTED = "amqp:not-implemented"
 RESOURCE_DELETED = "amqp:resource-deleted"
 RESOURCE_LIMIT = "amqp:resource-limit-exceeded"
+MESSAGE_SIZE_EXCEEDED = "amqp:link:message-size-exceeded"
 TRANSFER_LIMIT = "amqp:link:transfer-limit-exceeded"
 # A transfer or disposition in a transaction (transactional-state, §4.5.5): no coordinator
 # declares any, so each names an unknown one (§4.5.6)
@@ -246,7 +247,9 @@ class Inbound(Endpoint):
         self.attached = False
         self.inflight = 0
         self.watch: DeletionWatch | None = None  # of the target's queue
-        self.deleted = ""  # why the link ends, once its queue was deleted
+        # the error the link ends with once the publishes in flight are answered (its queue
+        # was deleted, or a delivery was over the size limit)
+        self.ending: tuple[str, str] | None = None
         self._buffer: Any = ffi.NULL  # see _receive_buffer
         self._buffer_size = 0
         # rcv-settle-mode second (§2.6.12): outcomes go unsettled, and each delivery is
@@ -325,8 +328,8 @@ class Inbound(Endpoint):
             host = self.host
             host.partial_bytes += size - self._partial_bytes
             self._partial, self._partial_bytes = dlv, size
-            if size > MAX_MESSAGE_SIZE:  # a link error, as the spec asks
-                self.fail("amqp:link:message-size-exceeded", f"over {MAX_MESSAGE_SIZE} bytes")
+            if size > MAX_MESSAGE_SIZE:  # a link error, as the spec asks (§2.7.3)
+                self.fail(MESSAGE_SIZE_EXCEEDED, f"over {MAX_MESSAGE_SIZE} bytes")
             elif host.partial_bytes > PARTIAL_BYTES_MAX:
                 why = f"the connection's unfinished deliveries passed {PARTIAL_BYTES_MAX} bytes"
                 self.fail(RESOURCE_LIMIT, why)
@@ -341,10 +344,13 @@ class Inbound(Endpoint):
         pn_link_advance(impl)
         if not self.attached:  # sent before we granted credit
             self._settle(dlv, Disposition.REJECTED, "amqp:illegal-state", "link not attached")
-        elif self.deleted:  # the link ends once the publishes in flight are answered
-            self._settle(dlv, Disposition.REJECTED, RESOURCE_DELETED, self.deleted)
-        elif size > MAX_MESSAGE_SIZE:
-            self._settle(dlv, Disposition.REJECTED, RESOURCE_LIMIT, "message too large")
+        elif self.ending:  # the link ends once the publishes in flight are answered
+            self._settle(dlv, Disposition.REJECTED, *self.ending)
+        elif size > MAX_MESSAGE_SIZE:  # its last frame crossed the limit: as above
+            why = f"over {MAX_MESSAGE_SIZE} bytes"
+            self._settle(dlv, Disposition.REJECTED, MESSAGE_SIZE_EXCEEDED, why)
+            self._end(MESSAGE_SIZE_EXCEEDED, why)
+            return
         elif self._publish(dlv, data):
             return  # credit: the delivery used one, its publish holds one (see _top_up)
         self._top_up()
@@ -467,19 +473,24 @@ class Inbound(Endpoint):
                 self._settled(dlv)
             else:
                 self._settle(dlv, Disposition.REJECTED, REFUSALS[outcome], outcome.name)
-        if self.deleted and not self.inflight:
-            self.fail(RESOURCE_DELETED, self.deleted)
+        if self.ending and not self.inflight:
+            self.fail(*self.ending)
         self._top_up()
         self.host.wake()
 
     def _deleted(self, queue: str) -> None:
-        """The target's queue was deleted: no more credit, and the link ends once the
-        publishes in flight have their outcomes (they may have been stored before it went)."""
+        """The target's queue was deleted (they may have been stored before it went)."""
         self.watch = None
-        if self.live and not self.deleted:
-            self.deleted = f"queue {queue!r} was deleted"
+        self._end(RESOURCE_DELETED, f"queue {queue!r} was deleted")
+
+    def _end(self, condition: str, description: str) -> None:
+        """No more credit, and the link ends with this error once the publishes in flight
+        have their outcomes: each delivery the client sent is settled with what became of
+        it (one stored and left in doubt would be sent again)."""
+        if self.live and self.ending is None:
+            self.ending = (condition, description)
             if not self.inflight:
-                self.fail(RESOURCE_DELETED, self.deleted)
+                self.fail(condition, description)
 
     def _settle(self, dlv: Any, state: int, condition: str = "", text: str = "") -> None:
         """Settle the C delivery `dlv` with `state` (a refusal's condition goes through
@@ -502,7 +513,7 @@ class Inbound(Endpoint):
 
     def _top_up(self) -> None:
         """Keep the client's credit near CREDIT minus the publishes still in flight."""
-        if self.closed or self.host.closed or self.deleted:
+        if self.closed or self.host.closed or self.ending:
             return
         impl = self.link._impl  # runs once a message: no wrapper
         credit = pn_link_credit(impl)
