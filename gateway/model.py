@@ -30,6 +30,8 @@ MAX_PRIORITY = 9  # JMS's 0-9: higher AMQP priorities are clamped to it
 TOPIC_ADDRESS = "topic://"
 # MQTT 5 has no field for the partition key or the priority: user properties carry them
 GROUP_PROPERTY, PRIORITY_PROPERTY = "JMSXGroupId", "JMSPriority"
+# the partition key's names a publisher may use: Solace's clients spell it JMSXGroupID
+GROUP_PROPERTIES = frozenset({GROUP_PROPERTY, "JMSXGroupID"})
 
 FLAG_PERSISTENT = 1
 FLAG_DMQ_ELIGIBLE = 2

@@ -83,14 +83,15 @@ async def test_invalid_values_are_forwarded_unchanged(mqtt: Listener) -> None:
     assert await asyncio.to_thread(scenario) == (b"now", given)
 
 
+@pytest.mark.parametrize("group", ["JMSXGroupId", "JMSXGroupID"])
 async def test_group_and_priority_properties_are_forwarded_unaltered_in_place(
-    mqtt: Listener,
+    mqtt: Listener, group: str
 ) -> None:
     """MQTT-3.3.2-17, -18: all user properties, unaltered, in their order, although the
     gateway reads the group and the priority from them."""
     given = [
         ("a", "1"),
-        ("JMSXGroupId", "g"),
+        (group, "g"),
         ("JMSPriority", "07"),
         ("b", "2"),
         ("JMSPriority", "4"),
@@ -109,6 +110,31 @@ async def test_group_and_priority_properties_are_forwarded_unaltered_in_place(
             pub.close()
 
     assert await asyncio.to_thread(scenario) == given
+
+
+@pytest.mark.parametrize("name", ["JMSXGroupId", "JMSXGroupID"])
+async def test_either_spelling_of_the_group_property_keys_a_partition(
+    broker: Broker, mqtt: Listener, name: str
+) -> None:
+    """Solace's clients spell the partition key JMSXGroupID (the gateway's REST publish and
+    selectors read that spelling): its messages were spread over the partitions."""
+    await broker.declare_queue(
+        QueueConfig(name="pq", partition_count=4, partition_rebalance_delay_ms=0),
+        [("pq/in", "smf")],
+    )
+
+    def scenario() -> None:
+        pub = Client(mqtt.port, V5, "key-pub")
+        try:
+            for i in range(20):
+                props = publish_props((name, "dev-1"))
+                assert pub.publish("pq/in", b"%d" % i, 1, props).is_published()
+        finally:
+            pub.close()
+
+    await asyncio.to_thread(scenario)
+    info = (await broker.queues.info("pq")).to_json()
+    assert sorted(p["messages"] for p in info["partitions"]) == [0, 0, 0, 20]
 
 
 async def test_dmq_eligible_message_is_dead_lettered_when_it_expires(

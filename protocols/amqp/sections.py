@@ -19,7 +19,7 @@ from uuid import UUID
 
 from gateway.model import (
     DEFAULT_PRIORITY,
-    GROUP_PROPERTY,
+    GROUP_PROPERTIES,
     MAX_PRIORITY,
     PRIORITY_PROPERTY,
     Delivery,
@@ -595,7 +595,7 @@ def application_properties(msg: Message) -> list[tuple[str, PropertyValue]]:
         return props
     first: dict[str, PropertyValue] = {}
     for k, v in props:
-        if (k == GROUP_PROPERTY and v == msg.partition_key) or (
+        if (k in GROUP_PROPERTIES and v == msg.partition_key) or (
             k == PRIORITY_PROPERTY and priority_of(v) == msg.priority
         ):
             continue

@@ -40,6 +40,7 @@ import time
 
 from gateway.model import (
     DEFAULT_PRIORITY,
+    GROUP_PROPERTIES,
     GROUP_PROPERTY,
     LATEST_MS,
     PRIORITY_PROPERTY,
@@ -102,7 +103,7 @@ def _apply_properties(msg: Message, props: Properties) -> None:
     if props.payload_format_indicator is not None:
         msg.annotations[PAYLOAD_FORMAT] = props.payload_format_indicator
     for key, value in props.user_properties:
-        if key == GROUP_PROPERTY:
+        if key in GROUP_PROPERTIES:
             if msg.partition_key is None:
                 msg.partition_key = value
         elif key == PRIORITY_PROPERTY:
@@ -176,7 +177,7 @@ def egress_properties(
     """MQTT 5 PUBLISH properties for `msg` (None when it needs none)."""
     user: list[tuple[str, str]] = []
     key, priority, props = msg.partition_key, msg.priority, msg.user_properties
-    if key is not None and (GROUP_PROPERTY, key) not in props:  # else an MQTT publisher's, in place
+    if key is not None and not _says_group(props, key):
         user.append((GROUP_PROPERTY, _mqtt_string(key)))
     if priority != DEFAULT_PRIORITY and not _says_priority(props, priority):
         user.append((PRIORITY_PROPERTY, str(priority)))
@@ -209,6 +210,11 @@ def _response_topic(msg: Message) -> str:
         return reply_to[len(TOPIC_ADDRESS) :]
     publisher = msg.publisher
     return reply_to if publisher is not None and publisher.protocol == "mqtt" else ""
+
+
+def _says_group(props: list[tuple[str, PropertyValue]], key: str) -> bool:
+    """An MQTT publisher's partition key, in place among its user properties."""
+    return any(k in GROUP_PROPERTIES and v == key for k, v in props)
 
 
 def _says_priority(props: list[tuple[str, PropertyValue]], priority: int) -> bool:
