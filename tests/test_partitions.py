@@ -294,7 +294,9 @@ async def test_a_message_stored_during_an_empty_fetch_is_not_left_waiting(
 @pytest.mark.parametrize("new_count", [2, 0, 8])
 async def test_a_repartition_keeps_the_consumers(broker: Broker, new_count: int) -> None:
     """A changed partition_count unbinds the queue's flows for them to bind again: a flow
-    that fetches from a partition the change removed is not told the queue was deleted."""
+    that fetches from a partition the change removed is not told the queue was deleted,
+    and one whose bind again finds egress still disabled (the operator's pause before
+    enabling it) waits for egress, as a bound flow does, rather than being ended."""
     await make_queue(broker)
     got: list[Delivery] = []
     closed: list[str] = []
@@ -302,6 +304,7 @@ async def test_a_repartition_keeps_the_consumers(broker: Broker, new_count: int)
     await wait_for(lambda: len(flow.parts) == 4)
     await broker.update_queue("p", {"egress_enabled": False})
     await broker.update_queue("p", {"partition_count": new_count})
+    await asyncio.sleep(0.3)
     await broker.update_queue("p", {"egress_enabled": True})
     for i in range(10):
         await broker.publish(keyed("p", f"k{i}", b"%d" % i))

@@ -68,7 +68,7 @@ ROUND_MESSAGES = FETCH_BATCH  # a round's fetches stop once they ask for this ma
 # gave it to one consumer), a backlog goes in big batches.
 SHARE_START = 8
 MAX_ROUNDS_IN_FLIGHT = 8
-REBIND_RETRY = 0.5  # seconds between binds again while Redis is unreachable
+REBIND_RETRY = 0.5  # seconds between binds again while Redis is unreachable or egress off
 # A behind consumer that neither fetched nor settled nor gave credit for this long is
 # stalled (its window is full and stays full), not draining: publishers do not wait for it.
 STALLED_AFTER = 0.05  # seconds
@@ -1326,6 +1326,13 @@ class Dispatcher:
                 flow.registered = float("inf")
                 continue
             except BindError as exc:
+                if exc.code == "egress_disabled" and not flow.closed:
+                    # a repartition unbinds every flow while egress is disabled, as it must
+                    # be: the flow waits for egress as a bound one does, not ended
+                    await asyncio.sleep(REBIND_RETRY)
+                    if flow.closed:
+                        return None
+                    continue
                 if exc.code == "not_found":
                     self._queue_gone(flow)
                 elif not flow.closed:  # refused to it alone
