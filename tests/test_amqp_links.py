@@ -1,5 +1,6 @@
 """AMQP 1.0 link negotiation and credit, frame by frame (a raw peer, tests/amqp_raw.py):
-settlement modes echoed on attach, a drain answered while a queue's egress is off, and
+settlement modes echoed on attach, credit past 2^31, drains answered (while a queue's
+egress is off, and once the client's session window lets the last deliveries go), and
 deliveries a link took but never put on the wire given back as they were."""
 
 from __future__ import annotations
@@ -232,3 +233,68 @@ async def test_deliveries_held_when_the_window_opens_with_the_detach_come_back_a
     got = await first_deliveries(amqp.port, "both", 5 if mode == UNSETTLED else 4)
     held_back = [(b"%d" % i, 0, True) for i in range(1, 5)]
     assert got == ([(b"0", 1, False)] if mode == UNSETTLED else []) + held_back
+
+
+def session_flow(next_incoming_id: int, window: int) -> bytes:
+    """A flow frame of the session alone: the client's incoming window opened again."""
+    return frame(performative(FLOW, uint(next_incoming_id), uint(window), uint(0), uint(1000)))
+
+
+@pytest.mark.parametrize("credit", [2**31, 2**32 - 1], ids=["2^31", "uint-max"])
+@pytest.mark.parametrize("drain", [False, True], ids=["plain", "drain"])
+async def test_a_link_credit_of_2_31_or_more_is_honoured(
+    broker: Broker, amqp: Listener, credit: int, drain: bool
+) -> None:
+    """link-credit is a uint (§2.7.4); Azure's AMQP clients grant 2^32 - 1. Proton keeps
+    the credit in a C int, which such credit wrapped to a negative: nothing was sent."""
+    await fill(broker, "big-credit", 3)
+    peer = await Peer.opened(amqp.port)
+    peer.attach("r", 0, RECEIVER, "big-credit")
+    await peer.expect(ATTACH)
+    peer.send(flow(0, credit, drain=drain))
+    frames = await peer.frames_for(1.5)
+    peer.close()
+    assert sum(1 for f in frames if f.code == TRANSFER) == 3
+    if drain:
+        assert any(f.code == FLOW and f.fields[6] == 0 for f in frames), "drain unanswered"
+
+
+async def test_a_drain_is_answered_once_the_session_window_lets_its_deliveries_go(
+    broker: Broker, amqp: Listener
+) -> None:
+    """§2.6.7: a drain's answer (delivery-count advanced, credit 0) follows the messages
+    sent for it. With some held back by the client's session window (§2.5.6), proton
+    was told before it wrote them, and the answer never came."""
+    await fill(broker, "windowed-drain", 3)
+    peer = await Peer.opened(amqp.port, window=1)
+    peer.attach("r", 0, RECEIVER, "windowed-drain")
+    await peer.expect(ATTACH)
+    peer.send(flow(0, 5, drain=True, window=1))
+    first = await peer.frames_for(0.8)
+    assert [f.code for f in first] == [TRANSFER]  # the window lets one go
+    peer.send(session_flow(1, 100))
+    rest = await peer.frames_for(2.0)
+    peer.close()
+    assert sum(1 for f in rest if f.code == TRANSFER) == 2
+    answers = [f for f in rest if f.code == FLOW and f.fields[4] == 0]
+    assert answers, "the drain was never answered"
+    assert (answers[-1].fields[5], answers[-1].fields[6]) == (5, 0)  # delivery-count, credit
+
+
+async def test_a_flow_crossing_deliveries_in_flight_grants_no_credit(
+    broker: Broker, amqp: Listener
+) -> None:
+    """§2.6.7: link-credit(snd) = delivery-count(rcv) + link-credit(rcv) - delivery-count(snd).
+    A flow the client wrote before the deliveries in flight reached it makes that negative:
+    no credit, though proton's int holds it as a wrapped credit of 2^31 or more does."""
+    await fill(broker, "crossing", 10)
+    peer = await Peer.opened(amqp.port)
+    peer.attach("r", 0, RECEIVER, "crossing")
+    await peer.expect(ATTACH)
+    peer.send(flow(0, 3))
+    first = await peer.frames_for(1.0)
+    assert sum(1 for f in first if f.code == TRANSFER) == 3
+    peer.send(flow(0, 1, delivery_count=0))  # credit cut to 1, the 3 not seen yet
+    rest = await peer.frames_for(1.5)
+    peer.close()
+    assert sum(1 for f in rest if f.code == TRANSFER) == 0

@@ -126,6 +126,8 @@ class Outbound(Endpoint):
         # may match: their messages are consumed unseen
         self._acl: TopicAccess | None = None
         self._draining = False  # the client asked for a drain not answered yet
+        self._drain_held = False  # answered once proton holds none of the link's deliveries
+        self._sent = 0  # deliveries sent on the link (see _link_credit)
         # a topic subscription's selector naming JMSXDeliveryCount, checked at delivery too
         self._recheck: Selector | None = None
         # JMS no-local: the container id whose own messages this topic subscriber skips
@@ -392,6 +394,7 @@ class Outbound(Endpoint):
         dlv = lib.pn_delivery(impl, tag[0])
         lib.pn_link_send(impl, body, len(body))
         pn_link_advance(impl)
+        self._sent += 1
         if self.presettled:
             pn_delivery_settle(dlv)
             self._free_tags.append(tag)
@@ -406,15 +409,20 @@ class Outbound(Endpoint):
 
     def written(self) -> bool:
         """The connection wrote proton's output: ack the pre-settled deliveries it took
-        (proton writes a link's deliveries in order, the last `queued` wait). Whether
-        some still wait."""
+        (proton writes a link's deliveries in order, the last `queued` wait), and answer a
+        drain held for them. Whether some still wait."""
         flow, waiting = self.flow, self._presettled
         held = pn_link_queued(self.link._impl)
         while len(waiting) > held:
             entry_id = waiting.popleft()
             if flow is not None:
                 flow.ack(entry_id)
-        return bool(waiting)
+        if self._drain_held and not held:
+            self._drain_held = False
+            if self.live:
+                self.link.drained()
+                self.host.wake()  # the answer is output this pass has no turn left for
+        return bool(waiting) or self._drain_held
 
     def detached(self) -> None:
         """The link is detached: deliveries proton still holds (no credit, or the client's
@@ -464,21 +472,28 @@ class Outbound(Endpoint):
         if not self.live or self.flow is None:
             return
         flow, impl = self.flow, self.link._impl  # one FLOW event per client flow frame
-        credit = pn_link_credit(impl)
+        credit = _link_credit(impl, self._sent)
         flow.set_credit(max(0, credit))
         self._draining = credit > 0 and bool(pn_link_get_drain(impl))
         if self._draining and (flow.full or not flow.active):
             self._drained(flow)
 
     def _on_empty(self) -> None:
-        if self.live and self.flow is not None and self.link.drain_mode and self.link.credit > 0:
+        if self.live and self.flow is not None and self._draining:
             self._drained(self.flow)
 
     def _drained(self, flow: Flow) -> None:
-        """Hand the unused credit back (delivery-count advances, credit 0)."""
+        """Hand the unused credit back (delivery-count advances, credit 0), once proton
+        holds none of the link's deliveries: the client's session window may hold some
+        back, and proton answers a drain only when it writes the last of them, if told
+        after (it was told before, and the answer never came)."""
         self._draining = False
-        self.link.drained()
         flow.set_credit(0)
+        if pn_link_queued(self.link._impl):
+            self._drain_held = True
+            self.host.watch_writes(self)
+        else:
+            self.link.drained()
         self.host.wake()
 
     def on_delivery(self, dlv: Any) -> None:
@@ -539,6 +554,19 @@ class Outbound(Endpoint):
                 if not (self.shared and (await self.host.broker.queues.info(name)).flows):
                     await self.host.broker.delete_queue(name, user=self.host.user)
         await super().close(ended)
+
+
+def _link_credit(impl: Any, sent: int) -> int:
+    """The link's credit, after the link sent `sent` deliveries. Proton keeps it in a C int,
+    which a client's credit of 2^31 or more (a uint on the wire; Azure's clients grant
+    2^32 - 1) wraps to a negative number. A negative one is also a client's flow that
+    crossed deliveries in flight (§2.6.7: its delivery-count is behind, so the link has no
+    credit): the two cannot be told apart but before anything was sent, or past what
+    deliveries in flight could make, where it is a wrap."""
+    credit = pn_link_credit(impl)
+    if credit < 0 and (not sent or credit < -(1 << 30)):
+        credit += 1 << 32
+    return credit
 
 
 def _published_by(msg: Message, container_id: str) -> bool:
