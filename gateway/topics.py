@@ -36,6 +36,7 @@ valid UTF-8 (no lone surrogates) and free of U+0000.  Empty levels are allowed
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Hashable, Iterator
 from itertools import islice
 from typing import Any, Final, Generic, TypeAlias, TypeVar
@@ -50,6 +51,7 @@ __all__ = [
     "PREFIX",
     "SMF",
     "SYNTAXES",
+    "TEMPORARY_TOPIC_LEVEL",
     "ZERO_OR_MORE",
     "SubscriptionTrie",
     "Token",
@@ -58,6 +60,8 @@ __all__ = [
     "parse_pattern",
     "pattern_matcher",
     "pattern_matches",
+    "reaches_temporary_topics",
+    "temporary_topic_name",
     "validate_topic",
 ]
 
@@ -492,3 +496,26 @@ class SubscriptionTrie(Generic[T]):
             if node.zero_plus:  # "#" also matches its parent level
                 out.update(node.zero_plus)
         return out
+
+
+# Temporary topics (JMS TemporaryTopic: an AMQP dynamic node with the temporary-topic
+# capability) are "$tmp/<node>/<random>", read by the connection that made one alone: a
+# first-level wildcard matches no "$" topic, and a subscription naming the level is refused
+# to everyone else (reaches_temporary_topics).
+TEMPORARY_TOPIC_LEVEL = "$tmp"
+
+
+def temporary_topic_name(node_id: str) -> str:
+    return f"{TEMPORARY_TOPIC_LEVEL}/{node_id}/{os.urandom(8).hex()}"
+
+
+def reaches_temporary_topics(pattern: str, syntax: str) -> bool:
+    """Whether a subscription may match temporary topics (False for an invalid one, which
+    is refused for that)."""
+    try:
+        first = parse_pattern(pattern, syntax)[0]
+    except TopicError:
+        return False
+    return (first[0] == LIT and first[1] == TEMPORARY_TOPIC_LEVEL) or (
+        first[0] == PREFIX and TEMPORARY_TOPIC_LEVEL.startswith(first[1])
+    )

@@ -127,6 +127,9 @@ async def test_the_admin_api_holds_a_user_to_the_topic_acl(broker: Broker, admin
     for broader in (">", "secre*/>", "*/plans"):  # a queue's reader gets past any filter
         made = await bob("POST", "/api/v1/queues", {"name": "b", "subscriptions": [broader]})
         assert made.status == 403, (broader, made)
+    for temporary in ("$tmp/>", "$t*/>"):  # AMQP connections' temporary topics
+        made = await bob("POST", "/api/v1/queues", {"name": "t", "subscriptions": [temporary]})
+        assert made.status == 403, (temporary, made)
     assert (await bob("POST", "/api/v1/queues", {"name": "mine"})).status == 201
     subscribe = await bob("POST", q("mine", "subscriptions"), {"pattern": "secret/#"})
     assert subscribe.status == 403, subscribe

@@ -33,7 +33,7 @@ from gateway.engine.permissions import BROWSE, allowed
 from gateway.engine.queues import QueueConfig, QueueError, subscription_queue
 from gateway.engine.spool_usage import read_usage
 from gateway.model import Delivery, Message, Outcome, Publisher
-from gateway.topics import TopicError, validate_topic
+from gateway.topics import TopicError, reaches_temporary_topics, validate_topic
 
 OUTCOME_STATUS = {
     Outcome.NOT_FOUND: 404,
@@ -116,7 +116,7 @@ class AdminApi:
                 allowed = topics.may_route(pattern, syntax)
             except TopicError as exc:
                 raise HttpError(400, f"invalid subscription {pattern!r}: {exc}") from None
-            if not allowed:
+            if not allowed or (user is not None and reaches_temporary_topics(pattern, syntax)):
                 raise HttpError(403, f"{pattern!r} may match topics the user may not read")
 
     async def __call__(self, req: Request) -> Response:

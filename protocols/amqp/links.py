@@ -36,7 +36,7 @@ from proton import Condition, Delivery, Disposition, Link, Terminus
 from gateway.acl import TopicAccess
 from gateway.broker import Broker, DeletionWatch, InDoubt, Outcome, QueueError
 from gateway.engine.queues import subscription_queue
-from gateway.model import Publisher
+from gateway.model import TOPIC_ADDRESS, Publisher
 from gateway.topics import TopicError, validate_topic
 from protocols.amqp import mapping, sections
 from protocols.amqp.nodes import DynamicNodes, Lifetime, LinkId, lifetime
@@ -48,6 +48,7 @@ if TYPE_CHECKING:  # outbound.py imports this module
 log = logging.getLogger(__name__)
 
 _TOPIC = frozenset({"topic"})
+TEMPORARY_TOPIC = "temporary-topic"  # a terminus capability (Qpid JMS)
 
 CREDIT = 500  # credit granted to publishing clients
 MAX_MESSAGE_SIZE = 16 * 1024 * 1024  # advertised on inbound links
@@ -100,7 +101,7 @@ def parse_address(
         return _checked(address[8:], False)
     if address.startswith("/queues/"):
         return _checked(unquote(address[8:]), True)
-    topic = bool(capabilities & {"topic", "temporary-topic"})
+    topic = bool(capabilities & {"topic", TEMPORARY_TOPIC})
     return Address(address, not topic)
 
 
@@ -267,11 +268,18 @@ class Inbound(Endpoint):
         if remote.type == Terminus.COORDINATOR:  # no coordinator: refused, not a relay (§4.2)
             self.refuse(NOT_IMPLEMENTED, "transactions are not supported")
             return
-        if remote.dynamic:
+        reply_address: str | None = None
+        if remote.dynamic and TEMPORARY_TOPIC in capabilities(remote):
+            # a topic, which every sender reaches by its address (with topic://), and
+            # this connection's receivers alone read (DynamicNodes.topics)
+            self.address = Address(self.host.nodes.create_topic(), False)
+            reply_address = TOPIC_ADDRESS + self.address.name
+        elif remote.dynamic:
             self.lifetime, self.dynamic = lifetime(remote), True
             self.temporary = await self.host.nodes.create(self.lifetime)
             self.count_toward(self.temporary)
             self.address = Address(self.temporary, True)
+            reply_address = self.temporary
         else:
             self.address = parse_address(remote.address, capabilities(remote))
             if remote.address and self.address is None:
@@ -296,8 +304,8 @@ class Inbound(Endpoint):
             return
         link.source.copy(link.remote_source)
         link.target.copy(remote)
-        if self.temporary is not None:
-            link.target.address = self.temporary
+        if reply_address is not None:
+            link.target.address = reply_address
         link.max_message_size = MAX_MESSAGE_SIZE
         link.snd_settle_mode = link.remote_snd_settle_mode  # the client's, echoed (§2.7.3)
         link.rcv_settle_mode = link.remote_rcv_settle_mode

@@ -28,6 +28,7 @@ from typing import Any
 from proton import Described, Terminus, symbol, ulong
 
 from gateway.broker import Broker, QueueError
+from gateway.topics import temporary_topic_name
 from protocols.amqp.terminus import first
 
 LIFETIME_POLICY = symbol("lifetime-policy")
@@ -88,6 +89,10 @@ class DynamicNodes:
         self.links: dict[str, int] = {}
         self.suspended_links: dict[tuple[str, LinkId], Any] = {}
         self.ended = False  # the connection is gone: a node created now goes at once
+        # temporary topics (a dynamic target with the temporary-topic capability): a name,
+        # nothing in Redis; this connection's receivers alone may subscribe to one, while
+        # the connection lasts
+        self.topics: set[str] = set()
 
     async def create(
         self, policy: Lifetime, subscriptions: Iterable[tuple[str, str]] = (), selector: str = ""
@@ -105,6 +110,11 @@ class DynamicNodes:
             self.links[name] = 0
         if self.ended:  # it ended while the queue was being created: nothing will use it
             await self.delete(name)
+        return name
+
+    def create_topic(self) -> str:
+        name = temporary_topic_name(self.broker.node_id)
+        self.topics.add(name)
         return name
 
     def suspend(self, name: str, link: LinkId, session: Any) -> None:

@@ -59,6 +59,7 @@ from gateway.engine.selection import matches, redelivery_selector
 from gateway.model import Delivery as GatewayDelivery
 from gateway.model import Message
 from gateway.selectors import Selector
+from gateway.topics import SMF, reaches_temporary_topics
 from protocols.amqp import mapping, nodes, sections, terminus
 from protocols.amqp.links import (
     INVALID_FIELD,
@@ -86,6 +87,7 @@ _TAG_PREFIX = os.urandom(4).hex().encode()
 _TAGS = itertools.count(1)
 _OUTCOMES = frozenset({PN_ACCEPTED, PN_REJECTED, PN_RELEASED, PN_MODIFIED})  # terminal states
 
+NOT_ALLOWED = "amqp:not-allowed"
 ATTACH_REFUSALS = {
     "unauthorized": UNAUTHORIZED,
     "invalid": INVALID_FIELD,
@@ -224,10 +226,18 @@ class Outbound(Endpoint):
                 return None
             self.resume(address.name)
             return address.name, remote.distribution_mode == Terminus.DIST_MODE_COPY, None
+        caps, durable = terminus.capabilities(remote), terminus.is_durable(remote)
+        if reaches_temporary_topics(address.name, SMF):
+            if address.name not in self.host.nodes.topics:
+                why = f"{address.name!r} is not a temporary topic of this connection"
+                self.refuse(ATTACH_REFUSALS["resource_locked"], why)
+                return None
+            if durable:  # JMS: none on a temporary topic; it would outlive the topic
+                self.refuse(NOT_ALLOWED, "a temporary topic has no durable subscriptions")
+                return None
         if not self.host.topics.may_subscribe(address.name):
             self.refuse(UNAUTHORIZED, f"may not subscribe to topic {address.name!r}")
             return None
-        caps, durable = terminus.capabilities(remote), terminus.is_durable(remote)
         sub = terminus.subscription(self.host.publisher.client_id, self.link.name, caps)
         if self.link.name and (durable or sub.shared):
             name = await self._subscription(sub, durable, address.name, selector)

@@ -40,7 +40,13 @@ from gateway.broker import (
 )
 from gateway.config import Settings
 from gateway.model import Delivery, Message, Publisher, new_message_id
-from gateway.topics import MQTT, TopicError, parse_pattern, pattern_matches
+from gateway.topics import (
+    MQTT,
+    TopicError,
+    parse_pattern,
+    pattern_matches,
+    reaches_temporary_topics,
+)
 from protocols.mqtt import mapping
 from protocols.mqtt.codec import (
     Connack,
@@ -1445,10 +1451,13 @@ class Session:
             return ReasonCode.TOPIC_FILTER_INVALID
         shared = shared_filter(pattern)
         topic_filter = pattern if shared is None else shared[1]
-        if not self.topics.may_subscribe(topic_filter) or (
+        if (
+            not self.topics.may_subscribe(topic_filter)
             # a group's member takes its share of every topic the filter matches: one the
             # ACL denies it would be lost to the group, or wait on its queue for good
-            shared is not None and not self.topics.may_route(topic_filter, MQTT)
+            or (shared is not None and not self.topics.may_route(topic_filter, MQTT))
+            # the AMQP connections that made them alone read those
+            or reaches_temporary_topics(topic_filter, MQTT)
         ):
             log.info("MQTT client %r may not subscribe to %r", self.client_id, pattern)
             return ReasonCode.NOT_AUTHORIZED
