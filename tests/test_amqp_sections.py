@@ -84,6 +84,13 @@ def test_ingress_matches_proton(amqp: AmqpMessage) -> None:
             assert type(a) is type(b), name
 
 
+def test_a_jms_topic_reply_to_is_a_topic_address_on_both_paths() -> None:
+    annotations = {symbol("x-opt-jms-reply-to"): byte(1)}
+    data = bytes(AmqpMessage(body=b"x", reply_to="replies/t", annotations=annotations).encode())
+    fast, slow = sections.decode(data, PUB)[0], proton_ingress(data)[0]
+    assert fast.reply_to == slow.reply_to == "topic://replies/t"
+
+
 @pytest.mark.parametrize(
     "amqp",
     [

@@ -12,6 +12,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from proton import Message as AmqpMessage
+from proton import byte, symbol
 from proton.reactor import Selector
 from proton.utils import BlockingConnection
 
@@ -180,6 +181,26 @@ async def test_amqp_send_reaches_mqtt5_subscriber_mapped(
     assert props.ContentType == "text/plain"
     assert ("attempt", "2") in props.UserProperty
     assert ("JMSXGroupId", "dev-7") in props.UserProperty
+
+
+@pytest.mark.parametrize(
+    ("reply_to", "kind", "response_topic"),
+    [
+        ("replies/j1", 1, "replies/j1"),  # a Topic, as Qpid JMS names it
+        ("replies/j1", 0, None),  # a Queue: no response topic
+        ("topic://replies/j2", 1, "replies/j2"),  # an address that says it already
+    ],
+    ids=["topic", "queue", "prefixed"],
+)
+async def test_a_jms_topic_reply_to_is_the_mqtt_response_topic(
+    broker: Broker, ports: tuple[int, int], reply_to: str, kind: int, response_topic: str | None
+) -> None:
+    """Qpid JMS sends a Topic JMSReplyTo as its bare name with x-opt-jms-reply-to 1: it was
+    taken for a queue, and an MQTT responder was told no response topic."""
+    message = AmqpMessage(body=b"ping", reply_to=reply_to, durable=True)
+    message.annotations = {symbol("x-opt-jms-reply-to"): byte(kind)}
+    m = await amqp_to_mqtt5(ports, message)
+    assert getattr(m.properties, "ResponseTopic", None) == response_topic
 
 
 async def test_amqp_text_with_nul_reaches_mqtt5_subscriber(

@@ -428,7 +428,7 @@ class Inbound(Endpoint):
             return False
         address = self.address
         if address is None:  # the anonymous relay
-            topic = _TOPIC if ingress.jms_dest in (1, 3) else frozenset()
+            topic = _TOPIC if ingress.jms_dest in sections.JMS_TOPICS else frozenset()
             address = parse_address(ingress.to, topic)
             if address is None:
                 self._settle(dlv, Disposition.REJECTED, NOT_FOUND, "message has no usable 'to'")

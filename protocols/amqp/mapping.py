@@ -155,6 +155,7 @@ def decode(data: bytes, publisher: Publisher) -> Ingress:
     not_before = next((annotations[k] for k in NOT_BEFORE if k in annotations), None)
     if isinstance(not_before, int) and not isinstance(not_before, bool):
         msg.not_before = int(not_before)
+    sections.jms_topic_reply_to(msg, annotations)
     jms_dest = annotations.get("x-opt-jms-dest")
     return Ingress(msg, amqp.address or None, jms_dest if isinstance(jms_dest, int) else None)
 

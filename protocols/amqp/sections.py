@@ -22,6 +22,7 @@ from gateway.model import (
     GROUP_PROPERTIES,
     MAX_PRIORITY,
     PRIORITY_PROPERTY,
+    TOPIC_ADDRESS,
     Delivery,
     Message,
     PropertyValue,
@@ -356,8 +357,27 @@ def _decode(data: bytes, publisher: Publisher) -> tuple[Message, str | None, int
     not_before = annotations.get("x-opt-delivery-time", annotations.get("x-qpid-not-valid-before"))
     if isinstance(not_before, int) and not isinstance(not_before, bool):
         msg.not_before = not_before
+    jms_topic_reply_to(msg, annotations)
     jms_dest = annotations.get("x-opt-jms-dest")
     return msg, to or None, jms_dest if isinstance(jms_dest, int) else None
+
+
+JMS_TOPICS = (1, 3)  # x-opt-jms-dest, x-opt-jms-reply-to: a topic, a temporary topic
+_PREFIXED = ("topic://", "queue://", "/queues/")
+
+
+def jms_topic_reply_to(msg: Message, annotations: dict[str, object]) -> None:
+    """Qpid JMS names a Topic reply-to by its bare name with x-opt-jms-reply-to 1 (3: a
+    temporary one): the model's reply-to is then an address that says it is a topic, as
+    an MQTT responder's response topic needs (the AMQP sections go on as they came)."""
+    kind, reply_to = annotations.get("x-opt-jms-reply-to"), msg.reply_to
+    if (
+        reply_to
+        and kind in JMS_TOPICS
+        and not isinstance(kind, bool)
+        and not reply_to.startswith(_PREFIXED)
+    ):
+        msg.reply_to = TOPIC_ADDRESS + reply_to
 
 
 # -- encoding ----------------------------------------------------------------------------------
