@@ -310,3 +310,32 @@ async def test_a_topic_whose_held_messages_all_fell_due_is_no_held_topic_once_re
     assert [m.payload for m in await broker.retained.matching("gone/#")] == [b"H"]
     assert not await broker.redis.exists(keys.retained_held("gone/t"))
     assert await broker.redis.smembers(keys.retained_held_topics) == set()
+
+
+async def test_expired_retained_messages_leave_the_store_and_crowd_out_no_live_one(
+    mqtt: Listener, broker: Broker
+) -> None:
+    """MQTT 5 §3.3.2.3.3: the server deletes its copy of an expired message. Expired
+    retained ones stayed stored for good, and took the places of a subscriber's first
+    1,000 retained messages, so a live one after them was dropped."""
+    expiration = int(time.time() * 1000) + 300
+    stored = [
+        broker.publish(Message(f"crowd/a{i:04d}", b"old", retain=True, expiration=expiration))
+        for i in range(1000)
+    ]
+    assert all(outcome.accepted for outcome in await asyncio.gather(*stored))
+    assert (await broker.publish(Message("crowd/z", b"live", retain=True))).accepted
+    await asyncio.sleep(max(0.0, expiration / 1000 - time.time()) + 0.1)
+
+    def subscribe() -> list[str]:
+        sub = Client(mqtt.port, V5, "crowd-sub")
+        try:
+            sub.subscribe("crowd/#", 1)
+            [message] = sub.receive(1)
+            assert sub.nothing_more(0.5)
+            return [message.topic]
+        finally:
+            sub.close()
+
+    assert await asyncio.to_thread(subscribe) == ["crowd/z"]
+    assert await broker.redis.hkeys(keys.retained) == [b"crowd/z"]

@@ -179,9 +179,19 @@ class RetainedStore:
             for name in held:
                 values[name] = await self._value(name)
         now_ms = time.time() * 1000
-        found = [decode(values[t]) for t in sorted(values) if values[t]]
-        # one stored held before held messages waited apart: not shown before it is due
-        return [m for m in found if m.not_before is None or m.not_before <= now_ms]
+        found = []
+        for topic in sorted(values):
+            blob = values[topic]
+            if not blob:
+                continue
+            msg = decode(blob)
+            if msg.expiration is not None and msg.expiration <= now_ms:
+                # neither sent nor kept: it took a place among a subscriber's first ones
+                await self._redis.fcall("gw_retained_expired", 1, keys.retained, topic, blob)
+            # one stored held before held messages waited apart: not shown before it is due
+            elif msg.not_before is None or msg.not_before <= now_ms:
+                found.append(msg)
+        return found
 
     async def _value(self, topic: str) -> bytes | None:
         names = (keys.retained, keys.retained_held_topics, keys.retained_held(topic))

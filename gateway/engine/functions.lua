@@ -2724,6 +2724,14 @@ register_always('gw_retained', function(k, a)
   return redis.call('HGET', k[1], a[1])
 end)
 
+-- KEYS: the retained-messages hash. ARGV: topic, the retained message a reader found
+-- expired. It goes unless another took its place meanwhile (MQTT 5 §3.3.2.3.3: the server
+-- deletes its copy of an expired message); it frees memory, so it runs when full too.
+register_always('gw_retained_expired', function(k, a)
+  if redis.call('HGET', k[1], a[1]) == a[2] then redis.call('HDEL', k[1], a[1]) end
+  return 1
+end)
+
 -- KEYS: a client's received-ids key; its claims hash and state key. ARGV: a message id;
 -- the claim of the connection that sent it. 1 if it was new, 0 if recorded or not marked:
 -- as gw_spool_marked marks, only while the session lasts (held or stored) and no newer
