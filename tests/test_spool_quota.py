@@ -467,3 +467,25 @@ async def test_one_settlement_of_more_ids_than_lua_can_unpack(broker: Broker) ->
     assert (info.messages, info.spooled_bytes) == (0, 0)
     assert await broker.redis.xlen(keys.queue_stream("wide")) == 0
     assert await consistent(broker) == 0
+
+
+@pytest.mark.parametrize(
+    "config",
+    [{"partition_count": 4}, {"priorities": True}],
+    ids=["partitioned", "priority"],
+)
+async def test_a_family_queues_alarm_is_its_own_on_the_whole_usage(
+    broker: Broker, config: dict
+) -> None:
+    """A partitioned or priority queue's max_spool_bytes bounds the whole queue, and so
+    does its alarm: it was kept per hidden partition or level, on that one's share (a full
+    partitioned queue raised none), under the hidden name (shown to every admin user)."""
+    blob = len(encode(to_queue("fam", 0, partition_key="k0")))
+    await broker.declare_queue(QueueConfig(name="fam", max_spool_bytes=10 * blob, **config))
+    for i in range(10):
+        assert await broker.publish(to_queue("fam", i, partition_key=f"k{i}")) is Outcome.OK
+    queues = [s for s in (await read_usage(broker.redis)).scopes if s.scope == "queue"]
+    assert [(s.name, s.bytes, s.raised) for s in queues] == [("fam", 10 * blob, True)]
+    await broker.update_queue("fam", {"max_spool_bytes": 100 * blob})
+    queues = [s for s in (await read_usage(broker.redis)).scopes if s.scope == "queue"]
+    assert [(s.name, s.raised, s.clears) for s in queues] == [("fam", False, 1)]

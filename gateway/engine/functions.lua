@@ -151,16 +151,20 @@ local function spool_threshold(scope, used, quota, set_pct, clear_pct, raised)
   end
 end
 
--- Queue q gained (or lost, when negative) `msgs` messages of `bytes` bytes. `vpn` and
--- `maxbytes` (its config) are read when not given.
-local function account(q, msgs, bytes, vpn, maxbytes)
+local family_usage -- forward declaration: a partitioned or priority queue's usage
+
+-- Queue q gained (or lost, when negative) `msgs` messages of `bytes` bytes. `vpn`,
+-- `maxbytes` and `parent` (its config) are read when `vpn` is not given. A partition's or
+-- priority level's queue-scope alarm is its parent's, on the whole family's usage, as the
+-- parent's max_spool_bytes bounds them all.
+local function account(q, msgs, bytes, vpn, maxbytes, parent)
   local st = k_queue_stats(q)
   if msgs ~= 0 then redis.call('HINCRBY', st, 'msgs', msgs) end
   if bytes == 0 then return end
   local used = redis.call('HINCRBY', st, 'bytes', bytes)
   if not vpn then
-    local c = redis.call('HMGET', k_queue_config(q), 'vpn', 'max_spool_bytes')
-    vpn, maxbytes = c[1] or 'default', tonumber(c[2]) or 0
+    local c = redis.call('HMGET', k_queue_config(q), 'vpn', 'max_spool_bytes', 'parent')
+    vpn, maxbytes, parent = c[1] or 'default', tonumber(c[2]) or 0, c[3]
   end
   local total = redis.call('HINCRBY', K_SPOOL_USAGE, 'broker', bytes)
   local in_vpn = redis.call('HINCRBY', K_SPOOL_USAGE, 'v:' .. vpn, bytes)
@@ -177,7 +181,11 @@ local function account(q, msgs, bytes, vpn, maxbytes)
   end
   near('broker', total, bq)
   near('vpn:' .. vpn, in_vpn, vq)
-  near('queue:' .. q, used, maxbytes or 0)
+  if not parent then
+    near('queue:' .. q, used, maxbytes or 0)
+  elseif (maxbytes or 0) > 0 then
+    near('queue:' .. parent, family_usage(parent).bytes, maxbytes)
+  end
   if n == 0 then return end
   local fields = {}
   for i = 1, n do fields[i] = scopes[i][1] end
@@ -214,17 +222,22 @@ local function children(q)
   return out
 end
 
--- Re-evaluate the queue-scope threshold alarms of queue q and its hidden children against
--- their current usage, quota and the stored percents (after one of those changed).
+-- What queue q stores, in bytes: its partitions' or priority levels' if it has some.
+local function queue_bytes(q)
+  if #children(q) > 0 then return family_usage(q).bytes end
+  return tonumber(redis.call('HGET', k_queue_stats(q), 'bytes') or '0') or 0
+end
+
+-- Re-evaluate the queue-scope threshold alarm of queue q against its current usage, quota
+-- and the stored percents (after one of those changed). An alarm an earlier release kept
+-- for one of its hidden children is taken down.
 local function queue_alarms(q)
   local _, _, set_pct, clear_pct = spool_limits('default')
-  local names = children(q)
-  names[#names + 1] = q
-  for _, name in ipairs(names) do
-    local used = tonumber(redis.call('HGET', k_queue_stats(name), 'bytes') or '0') or 0
-    local quota = tonumber(redis.call('HGET', k_queue_config(name), 'max_spool_bytes') or '0')
-    spool_threshold('queue:' .. name, used, quota or 0, set_pct, clear_pct,
-      redis.call('HEXISTS', K_SPOOL_ALARMS, 'queue:' .. name) == 1)
+  local quota = tonumber(redis.call('HGET', k_queue_config(q), 'max_spool_bytes') or '0')
+  spool_threshold('queue:' .. q, queue_bytes(q), quota or 0, set_pct, clear_pct,
+    redis.call('HEXISTS', K_SPOOL_ALARMS, 'queue:' .. q) == 1)
+  for _, child in ipairs(children(q)) do
+    redis.call('HDEL', K_SPOOL_ALARMS, 'queue:' .. child)
   end
 end
 
@@ -915,7 +928,7 @@ end
 
 -- What a partitioned or priority queue holds in all its children: its limits bound the
 -- whole queue, as a queue's limits do on Solace, RabbitMQ and Qpid.
-local function family_usage(parent)
+family_usage = function(parent)
   local u = { count = 0, bytes = 0 }
   for _, child in ipairs(children(parent)) do
     local st = redis.call('HMGET', k_queue_stats(child), 'msgs', 'bytes')
@@ -1247,7 +1260,7 @@ local function dmq_full(dmq, size, payload)
   commit_drop(t)
   for name, m in pairs(by_name) do
     if m.dropped > 0 then
-      account(name, -m.dropped, -m.dropped_bytes, m.vpn, m.maxbytes)
+      account(name, -m.dropped, -m.dropped_bytes, m.vpn, m.maxbytes, m.parent)
       redis.call('HINCRBY', k_queue_stats(name), 'dropped', m.dropped)
     end
   end
@@ -1640,7 +1653,8 @@ local function spool(a, marks)
   for _, q in ipairs(qs) do
     if q.added > 0 or q.replaced or q.dropped > 0 then
       local st = k_queue_stats(q.name)
-      account(q.name, q.added - q.dropped, q.added_bytes - q.dropped_bytes, q.vpn, q.maxbytes)
+      account(q.name, q.added - q.dropped, q.added_bytes - q.dropped_bytes, q.vpn, q.maxbytes,
+        q.parent)
       if q.dropped > 0 then redis.call('HINCRBY', st, 'dropped', q.dropped) end
       redis.call('HINCRBY', st, 'spooled', q.added + (q.replaced or 0))
       if q.replaced then redis.call('HINCRBY', st, 'replaced', q.replaced) end
@@ -2433,9 +2447,26 @@ end)
 
 -- The spool totals, quotas, raised alarms and alarm event counts, as one snapshot.
 register_always('gw_spool_report', function()
+  local alarms = redis.call('HGETALL', K_SPOOL_ALARMS)
+  local counts = redis.call('HGETALL', K_SPOOL_ALARM_COUNTS)
+  -- the queue scopes with an alarm or events: name, bytes stored, quota (none of a hidden
+  -- child's, which an earlier release kept)
+  local seen, queues = {}, {}
+  local function add(scope)
+    local q = string.match(scope, '^queue:(.*)$')
+    if q and not seen[q] and redis.call('HEXISTS', k_queue_config(q), 'parent') == 0 then
+      seen[q] = true
+      local quota = redis.call('HGET', k_queue_config(q), 'max_spool_bytes') or '0'
+      queues[#queues + 1] = q
+      queues[#queues + 1] = tostring(queue_bytes(q))
+      queues[#queues + 1] = quota
+    end
+  end
+  for i = 1, #alarms, 2 do add(alarms[i]) end
+  for i = 1, #counts, 2 do add(string.match(counts[i], '^%a+:(.*)$') or '') end
   return {
     redis.call('HGETALL', K_SPOOL_USAGE), redis.call('HGETALL', K_SPOOL_LIMITS),
-    redis.call('HGETALL', K_SPOOL_ALARMS), redis.call('HGETALL', K_SPOOL_ALARM_COUNTS),
+    alarms, counts, queues,
   }
 end)
 

@@ -178,27 +178,25 @@ def _decoded(raw: dict[bytes, bytes]) -> dict[str, str]:
 async def read_usage(redis: aioredis.Redis) -> SpoolReport:
     """A consistent snapshot (one function call, which runs while Redis is full, unlike a
     MULTI) of the totals, quotas, alarms and event counts."""
-    report = await redis.fcall("gw_spool_report", 0)
+    *report, queue_flat = await redis.fcall("gw_spool_report", 0)
     usage, limits, alarms, counts = (
         _decoded(dict(zip(flat[::2], flat[1::2], strict=True))) for flat in report
     )
-    names: dict[str, set[str]] = {"vpn": {DEFAULT_VPN}, "queue": set()}
-    for f in usage:
+    vpns = {DEFAULT_VPN}
+    for f in [*usage, *limits]:
         if f.startswith("v:"):
-            names["vpn"].add(f[2:])
-    for f in limits:
-        if f.startswith("v:"):
-            names["vpn"].add(f[2:])
+            vpns.add(f[2:])
     for scope in [*alarms, *(c.partition(":")[2] for c in counts)]:
         kind, _, name = scope.partition(":")
-        if kind in names:
-            names[kind].add(name)
-    queues = sorted(names["queue"])
-    pipe = redis.pipeline(transaction=False)
-    for q in queues:
-        pipe.hget(keys.queue_stats(q), "bytes")
-        pipe.hget(keys.queue_config(q), "max_spool_bytes")
-    queue_raw = await pipe.execute()
+        if kind == "vpn":
+            vpns.add(name)
+    # (name, bytes, quota) of the queue scopes, a partitioned or priority queue's whole
+    queue_rows = sorted(
+        (name.decode(), used, quota)
+        for name, used, quota in zip(
+            queue_flat[::3], queue_flat[1::3], queue_flat[2::3], strict=True
+        )
+    )
 
     def scope(kind: str, name: str, used: Any, quota: Any) -> ScopeUsage:
         key = "broker" if kind == "broker" else f"{kind}:{name}"
@@ -213,12 +211,8 @@ async def read_usage(redis: aioredis.Redis) -> SpoolReport:
         )
 
     scopes = [scope("broker", "", usage.get("broker"), limits.get("broker"))]
-    scopes += [
-        scope("vpn", v, usage.get(f"v:{v}"), limits.get(f"v:{v}")) for v in sorted(names["vpn"])
-    ]
-    scopes += [
-        scope("queue", q, queue_raw[2 * i], queue_raw[2 * i + 1]) for i, q in enumerate(queues)
-    ]
+    scopes += [scope("vpn", v, usage.get(f"v:{v}"), limits.get(f"v:{v}")) for v in sorted(vpns)]
+    scopes += [scope("queue", q, used, quota) for q, used, quota in queue_rows]
     return SpoolReport(
         set_percent=int(limits.get("set", 80)),
         clear_percent=int(limits.get("clear", 60)),
