@@ -21,8 +21,10 @@ from gateway.config import Settings
 from gateway.model import Message, Publisher
 from protocols.amqp.listener import start as start_amqp
 from protocols.mqtt.codec import MqttDecoder, Publish
+from protocols.mqtt.listener import queue_name
 from protocols.mqtt.listener import start as start_mqtt
 from protocols.mqtt.mapping import encode_delivery
+from tests.test_mqtt_paho import V5, Client
 
 TIMEOUT = 10.0
 
@@ -232,6 +234,39 @@ async def test_a_message_the_amqp_link_allows_reaches_an_mqtt_subscriber(
     publish was refused (all-or-none) though the link offered 16 MiB."""
     m = await amqp_to_mqtt5(ports, AmqpMessage(body=AS_LARGE_AS_THE_LINK_ALLOWS, durable=True))
     assert m.payload == AS_LARGE_AS_THE_LINK_ALLOWS
+
+
+async def test_an_earlier_releases_session_queue_takes_what_the_amqp_link_allows(
+    broker: Broker, ports: tuple[int, int]
+) -> None:
+    """A persistent session an earlier release made kept a declared queue's default size
+    limit (10,000,000) after the upgrade: its resumption lifts it."""
+    mqtt_port, amqp_port = ports
+    name = queue_name("old-session")
+
+    def session() -> None:
+        expiry = Properties(PacketTypes.CONNECT)
+        expiry.SessionExpiryInterval = 3600
+        client = Client(mqtt_port, V5, "old-session", clean=False, properties=expiry)
+        try:
+            client.subscribe("big/#", 1)
+        finally:
+            client.close()
+
+    await asyncio.to_thread(session)
+    await broker.queues.update(name, {"max_message_size": 10_000_000})  # as stored before
+    await asyncio.to_thread(session)  # resumed after the upgrade
+
+    def send() -> None:
+        conn = BlockingConnection(f"amqp://127.0.0.1:{amqp_port}")
+        try:
+            message = AmqpMessage(body=AS_LARGE_AS_THE_LINK_ALLOWS, durable=True)
+            conn.create_sender("topic://big/one").send(message)  # raises unless accepted
+        finally:
+            conn.close()
+
+    await asyncio.to_thread(send)
+    assert (await broker.queues.info(name)).messages == 1
 
 
 async def test_a_message_the_amqp_link_allows_reaches_an_amqp_topic_receiver(

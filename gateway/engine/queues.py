@@ -7,6 +7,7 @@ same queue at once cannot leave half a queue behind.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -122,8 +123,10 @@ partition_queue_name = keys.partition_queue
 PER_FLOW_DEFAULT = 10_000  # max_delivered_unacked_msgs_per_flow: Solace's default
 # max_message_size of the queues the adapters make for their clients (subscriptions,
 # temporary queues): none, so that the size each protocol accepts (an AMQP link offers
-# 16 MiB) is the limit, not the default of a declared queue (Solace's 10,000,000)
+# 16 MiB) is the limit, not the default of a declared queue (Solace's 10,000,000), which
+# earlier releases gave them: found on one the adapter declares again, it is raised
 ADAPTER_QUEUE_MESSAGE_SIZE = 0
+EARLIER_ADAPTER_QUEUE_MESSAGE_SIZE = 10_000_000
 
 # What QueueStore.update may change on an existing queue.
 RUNTIME_SETTINGS = {
@@ -576,10 +579,23 @@ class QueueStore:
                 return await self.declare(
                     config, subscriptions, reserved_ok=reserved_ok, user=user, as_it_is=as_it_is
                 )
+            if config.max_message_size == ADAPTER_QUEUE_MESSAGE_SIZE:
+                await self.lift_earlier_size_limit(existing.name, existing.max_message_size)
         added = 0
         if entries:
             added = int(await self._redis.fcall("gw_subscription", 0, config.name, "add", *entries))
         return created, added
+
+    async def lift_earlier_size_limit(self, name: str, size: int | None = None) -> None:
+        """An adapter's queue an earlier release made has its size limit (`size`, read when
+        not given) raised (see ADAPTER_QUEUE_MESSAGE_SIZE)."""
+        if not subscription_queue(name):
+            return
+        if size is None:
+            size = int(await self._redis.hget(keys.queue_config(name), "max_message_size") or 0)
+        if size == EARLIER_ADAPTER_QUEUE_MESSAGE_SIZE:
+            with contextlib.suppress(QueueError):  # deleted meanwhile
+                await self.update(name, {"max_message_size": ADAPTER_QUEUE_MESSAGE_SIZE})
 
     async def _co_own(self, existing: QueueConfig, node: str | None) -> bool:
         """`node` declared non-durable `existing`, which another node owns: the queue lives

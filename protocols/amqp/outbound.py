@@ -330,6 +330,7 @@ class Outbound(Endpoint):
             if not (sub.shared and same):  # a shared one is joined
                 self._check_unused(info)
             if same:
+                await broker.queues.lift_earlier_size_limit(name, info.config.max_message_size)
                 return name  # the bind checks whose it is
             await broker.delete_queue(name, user=user)  # another user's: 'unauthorized'
         await broker.queues.create(config, reserved_ok=True)

@@ -514,6 +514,7 @@ class Session:
         for pid in state.pubrel_out:
             self._send(Pubrel(pid))
         if state.queue is not None:
+            await self.broker.queues.lift_earlier_size_limit(state.queue)
             await self._bind(state.queue)
 
     async def _subscribe_direct(self, pattern: str) -> None:
