@@ -298,3 +298,24 @@ async def test_a_flow_crossing_deliveries_in_flight_grants_no_credit(
     rest = await peer.frames_for(1.5)
     peer.close()
     assert sum(1 for f in rest if f.code == TRANSFER) == 0
+
+
+async def test_a_drain_is_answered_while_a_repartition_waits_for_egress(
+    broker: Broker, amqp: Listener
+) -> None:
+    """A repartition unbinds every flow and egress is still off when they bind again: a
+    consumer's drain (Qpid JMS's receive() with prefetch 0) is answered while they wait,
+    not held until egress is back (Qpid JMS gives up on the connection after 60 s)."""
+    await broker.queues.create(QueueConfig(name="parts", partition_count=2))
+    peer = await Peer.opened(amqp.port)
+    peer.attach("r", 0, RECEIVER, "parts")
+    await peer.expect(ATTACH)
+    await asyncio.sleep(0.3)  # the partitions are the flow's
+    await broker.update_queue("parts", {"egress_enabled": False})
+    await broker.update_queue("parts", {"partition_count": 4})
+    await asyncio.sleep(0.3)  # the flow's bind again is refused: egress is off
+    peer.send(flow(0, 5, drain=True))
+    frames = await peer.frames_for(1.0)
+    peer.close()
+    answers = [f for f in frames if f.code == FLOW and f.fields[4] == 0]
+    assert answers and (answers[-1].fields[5], answers[-1].fields[6]) == (5, 0)

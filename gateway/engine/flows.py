@@ -1284,6 +1284,8 @@ class Dispatcher:
         flow.registered = float("inf")  # no answer asked before its new bind judges it
         flow.unacked.clear()
         flow.parts.clear()
+        if flow.exclusive or flow.partitioned:  # no lease, no partition until bound again
+            flow.active = False  # (a drain is answered meanwhile: nothing for it)
         flow.id = self._flow_id(flow.id.partition(".")[2].startswith("g"))
         # lost again at once (its node's own liveness key is gone until its next beat, so
         # every rebalance releases it): bind again after a pause, not thousands of times

@@ -483,6 +483,7 @@ class Outbound(Endpoint):
         if not self.live or self.flow is None:
             return
         flow, impl = self.flow, self.link._impl  # one FLOW event per client flow frame
+        self._drain_held = False  # this flow's credit stands in for that drain's
         credit = _link_credit(impl, self._sent)
         flow.set_credit(max(0, credit))
         self._draining = credit > 0 and bool(pn_link_get_drain(impl))
