@@ -587,3 +587,55 @@ async def test_a_save_tried_again_after_the_connection_ended_stores_nothing(
     assert not ack.session_present
     again.close()
     pub.close()
+
+
+async def _unanswered(raw: Raw, quiet: float = 0.6) -> list[Publish]:
+    """The PUBLISHes that come until `quiet` seconds pass without one, unanswered."""
+    got: list[Publish] = []
+    with contextlib.suppress(TimeoutError):
+        while True:
+            packet = await raw.recv(quiet)
+            if isinstance(packet, Publish):
+                got.append(packet)
+    return got
+
+
+@pytest.mark.parametrize(
+    ("qos", "change"), [(1, "unsubscribe"), (2, "unsubscribe"), (2, "downgrade")]
+)
+async def test_a_message_in_flight_goes_again_as_it_went_whatever_the_filter_became(
+    mqtt: Listener, qos: int, change: str
+) -> None:
+    """MQTT-4.4.0-1, -3.10.4-3: a QoS 1/2 message in flight when the connection ended is
+    sent again on the next with its packet id, and DUP, although its filter was
+    unsubscribed (it was dropped) or subscribed at QoS 0 (it went as a new QoS 0 one)."""
+    client = f"inflight-{qos}-{change}"
+    sub, _ = await Raw.connected(mqtt.port, 4, client_id=client, clean_start=False)
+    await sub.send(Subscribe(1, [("if/t", SubscriptionOptions(qos=qos))]))
+    assert isinstance(await sub.recv(), Suback)
+    pub, _ = await Raw.connected(mqtt.port, 4, client_id=f"{client}-pub")
+    await pub.send(Publish("if/t", b"m", qos, False, False, 1))
+    if qos == 1:
+        assert await pub.recv() == Puback(1)
+    else:
+        assert await pub.recv() == Pubrec(1)
+        await pub.send(Pubrel(1))
+        assert await pub.recv() == Pubcomp(1)
+    [first] = await _unanswered(sub)
+    assert first.qos == qos
+    if change == "unsubscribe":
+        await sub.send(Unsubscribe(2, ["if/t"]))
+        assert await sub.recv() == Unsuback(2, [])
+    else:
+        await sub.send(Subscribe(2, [("if/t", SubscriptionOptions(qos=0))]))
+        assert isinstance(await sub.recv(), Suback)
+    sub.close()  # before its PUBACK or PUBREC
+    await asyncio.sleep(0.3)
+    sub, ack = await Raw.connected(mqtt.port, 4, client_id=client, clean_start=False)
+    try:
+        assert ack.session_present
+        again = await _unanswered(sub)
+        assert again == [Publish("if/t", b"m", qos, False, True, first.packet_id)]
+    finally:
+        sub.close()
+        pub.close()

@@ -874,6 +874,8 @@ class Session:
                 if len(self._routes) >= MAX_CACHED_ROUTES:
                     self._routes.clear()
                 self._routes[key] = route
+        if state.resend_qos and entry_id is not None and queue == state.queue:
+            route = self._resent_route(state, msg, entry_id, route)
         if route is None:
             self._settle(queue, entry_id)
             return
@@ -888,6 +890,17 @@ class Session:
             self._gate.append((msg, queue, entry_id, qos, dup, retain, sub_ids))
             return
         self._send_or_hold(msg, queue, entry_id, qos, dup, retain, sub_ids)
+
+    def _resent_route(self, state: SessionState, msg: Message, entry_id: str, route: Any) -> Any:
+        """A message in flight when the last connection ended goes again at the QoS it went
+        at, with its packet id (MQTT-4.4.0-1), though its filter was unsubscribed or
+        subscribed at a lower QoS since (MQTT-3.10.4-3: a delivery begun is completed)."""
+        qos = state.resend_qos.get(entry_id)  # kept until its packet id is (_packet_id)
+        if qos is None or entry_id not in state.resend_ids:
+            return route
+        if not self.topics.may_receive(msg.destination):  # the topic ACL denies it now
+            return None
+        return (qos, *route[1:]) if route is not None else (qos, False, [])
 
     def _gated(self, topic: str) -> bool:
         """Whether a delivery on `topic` waits at the gate: one of the filters the SUBSCRIBE
@@ -1104,6 +1117,8 @@ class Session:
         if self._reserved and state is not None:
             resend = state.resend_ids
             pid = resend.pop(entry_id, None) if entry_id is not None else None
+            if pid is not None and state.resend_qos:
+                state.resend_qos.pop(entry_id, None)
             if pid is None and msg.id:
                 pid = resend.pop(RESENT_BY_ID + msg.id, None)
             if pid is not None:
@@ -1624,6 +1639,13 @@ class Session:
                 if queue == state.queue and entry_id is not None
             )
             state.resend_ids = resend
+            qos_of = _latest(state.resend_qos)
+            qos_of.update(
+                (entry_id, qos)
+                for queue, entry_id, qos in self._inflight.values()
+                if queue == state.queue and entry_id is not None
+            )
+            state.resend_qos = qos_of
         state.shared_in_flight = [[queue, entry_id] for queue, entry_id in self._sent_before]
         # routes of messages not seen again
         state.resend_shared = _latest(state.resend_shared)

@@ -58,6 +58,8 @@ class SessionState:
     # QoS 1/2 messages of the session's queue in flight when its last connection ended:
     # entry id -> packet id, resent with that id (MQTT-4.4.0-1)
     resend_ids: dict[str, int] = field(default_factory=dict)
+    # ... and the QoS each went at: it goes again so, whatever the subscriptions say now
+    resend_qos: dict[str, int] = field(default_factory=dict)
     # shared groups' QoS 2 messages stored in the session's queue for a resend: message id
     # -> the `$share/...` filter that delivered it
     resend_shared: dict[str, str] = field(default_factory=dict)
@@ -105,6 +107,7 @@ class SessionState:
             "subs": subs,
             "pubrel": list(self.pubrel_out),
             "resend": self.resend_ids,
+            "resend_qos": self.resend_qos,
             "resend_shared": self.resend_shared,
             "resend_retained": self.resend_retained,
             "shared_in_flight": self.shared_in_flight,
@@ -122,6 +125,7 @@ class SessionState:
                 state.set_subscription_id(pattern, sub_id)
         state.pubrel_out = dict.fromkeys(blob["pubrel"])
         state.resend_ids = blob.get("resend", {})  # absent in states saved before
+        state.resend_qos = blob.get("resend_qos", {})
         state.resend_shared = blob.get("resend_shared", {})
         state.resend_retained = blob.get("resend_retained", {})
         state.shared_in_flight = blob.get("shared_in_flight", [])
