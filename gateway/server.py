@@ -41,11 +41,15 @@ class Listener(Protocol):
 
 
 def warn_literal_denials(settings: Settings) -> None:
-    """A deny pattern MQTT cannot read is a topic name: said, should a filter be meant."""
+    """A deny pattern MQTT cannot read is a topic name: said, should a filter be meant. A
+    user name with ':' logs in over MQTT and AMQP, not to the admin API (HTTP Basic splits
+    at the first colon, RFC 7617 §2): said, not refused, as such users may exist."""
     for user, pattern in literal_denials(settings.acl):
         log.warning(
             "acl: %r of user %r is no MQTT filter: it denies that topic name only", pattern, user
         )
+    for name in (user.name for user in settings.users if ":" in user.name):
+        log.warning("users: %r has ':', which the admin API's HTTP Basic login cannot carry", name)
 
 
 async def provision(broker: Broker, settings: Settings) -> None:

@@ -115,9 +115,14 @@ async def test_a_deny_pattern_mqtt_cannot_read_is_a_topic_name_and_said_so(
     tmp_path: Path, redis_url: str
 ) -> None:
     """An AMQP topic may hold '+' or '#' (`c++/releases`): a rule denying it is valid, and
-    denies that name only. The node starts, and says so, should a filter have been meant."""
+    denies that name only. The node starts, and says so, should a filter have been meant.
+    So with a user name with ':', which logs in over MQTT and AMQP but not to the admin API
+    (HTTP Basic, RFC 7617 §2)."""
     config = tmp_path / "g.toml"
-    config.write_text('[[acl]]\nuser = "bob"\ndeny_publish = ["c++/releases", "a/#"]\n')
+    config.write_text(
+        '[[acl]]\nuser = "bob"\ndeny_publish = ["c++/releases", "a/#"]\n'
+        '[[users]]\nname = "shop:alice"\npassword = "pw"\n'
+    )
     gw = await Proc.start(serve(config, redis_url))
     try:
         ready = await ready_or_exit(gw)
@@ -127,6 +132,7 @@ async def test_a_deny_pattern_mqtt_cannot_read_is_a_topic_name_and_said_so(
     log = gw.log.read_text(errors="replace")
     assert "'c++/releases' of user 'bob' is no MQTT filter" in log, gw.stderr_tail(5)
     assert "'a/#'" not in log
+    assert "'shop:alice' has ':'" in log, gw.stderr_tail(5)
 
 
 async def test_a_node_starts_again_after_its_provisioned_queue_was_repartitioned(
