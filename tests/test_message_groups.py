@@ -96,6 +96,78 @@ async def test_a_closed_consumer_hands_its_groups_on(broker: Broker) -> None:
     assert all(d.redelivered and d.delivery_count == 2 for d in got_b)
 
 
+async def test_a_consumer_that_held_none_of_its_group_hands_it_on_at_once(
+    broker: Broker,
+) -> None:
+    """An AMQP receiver of one credit per receive(): it took and accepted G0, then closed.
+    G was freed, but nothing woke the consumer waiting for it (no message went back):
+    that one had G1 and G2 only at its node's idle poll (10 heartbeats: 10 s by default)."""
+    await broker.declare_queue(QueueConfig(name="g", message_groups="default"))
+    got_a: list[Delivery] = []
+    a = await broker.bind("g", got_a.append, window=10, credit=1)
+    for i in range(3):
+        await broker.publish(grouped("G", f"G{i}"))
+    await wait_for(lambda: len(got_a) == 1)
+    a.ack(got_a[0].entry_id)
+    _b, got_b = await consumer(broker)
+    await asyncio.sleep(0.2)
+    assert got_b == [], "G stays with a while a lives"
+    await a.close()
+    await wait_for(lambda: len(got_b) == 2, 1.0)  # the idle poll: 2 s at this heartbeat
+    assert [d.message.payload for d in got_b] == [b"G1", b"G2"]
+
+
+@pytest.mark.parametrize("rest", ["ack", "release", "requeue"])
+async def test_a_group_let_go_goes_on_when_its_consumer_without_credit_settles(
+    broker: Broker, rest: str
+) -> None:
+    """README: a consumer that cannot take one of its group's messages (undeliverable-here)
+    frees the group once it holds none of it. One out of credit settled the rest of it, and
+    the group stayed its own: only its next fetch, which it never made, freed it."""
+    await broker.declare_queue(QueueConfig(name="g", message_groups="default"))
+    got_a: list[Delivery] = []
+    a = await broker.bind("g", got_a.append, window=10, credit=2)
+    await broker.publish(grouped("G", "m0"))
+    await broker.publish(grouped("G", "m1"))
+    await wait_for(lambda: len(got_a) == 2)
+    _b, got_b = await consumer(broker, window=5)
+    a.avoid(got_a[0].entry_id, False)
+    getattr(a, rest)(got_a[1].entry_id)
+    expected = [b"m0"] if rest == "ack" else [b"m0", b"m1"]
+    await wait_for(lambda: len(got_b) == len(expected), 1.0)
+    assert [d.message.payload for d in got_b] == expected
+
+
+async def test_an_empty_group_id_is_no_group_in_a_grouped_dead_message_queue(
+    broker: Broker,
+) -> None:
+    """An empty group id is no group on a grouped queue; dead-lettered into a grouped dead
+    message queue, the messages were all one group "" there, taken by one consumer."""
+    await broker.declare_queue(QueueConfig(name="dlq", message_groups="default"))
+    await broker.declare_queue(
+        QueueConfig(
+            name="g", message_groups="default", dead_message_queue="dlq", dmq_eligible_default=True
+        )
+    )
+    source, got = await consumer(broker)
+    for i in range(4):
+        await broker.publish(grouped("", f"{i}"))
+    await wait_for(lambda: len(got) == 4)
+    for d in got:
+        source.reject(d.entry_id)
+    await source.close()
+    for _ in range(100):
+        if (await broker.queues.info("dlq")).messages == 4:
+            break
+        await asyncio.sleep(0.02)
+    got_c: list[Delivery] = []
+    got_d: list[Delivery] = []
+    await broker.bind("dlq", got_c.append, window=1)
+    await broker.bind("dlq", got_d.append, window=10)
+    await wait_for(lambda: len(got_c) + len(got_d) == 4)
+    assert sorted((len(got_c), len(got_d))) == [1, 3], "no group: each takes what it has room for"
+
+
 async def test_messages_without_a_group_go_to_anyone_in_default_mode(broker: Broker) -> None:
     await broker.declare_queue(QueueConfig(name="g", message_groups="default"))
     _, got_a = await consumer(broker, window=3)

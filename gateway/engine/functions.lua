@@ -497,12 +497,14 @@ local function release_flow(q, flow, no_rebalance, keep)
     end
     pcall(redis.call, 'XGROUP', 'DELCONSUMER', s, GROUP, flow)
   end
+  local freed = false
   if group_mode(q) then  -- its groups are free for other consumers now
     local groups = redis.call('HGETALL', k_queue_groups(q))
     for i = 1, #groups, 2 do
       if groups[i + 1] == flow then
         redis.call('HDEL', k_queue_groups(q), groups[i])
         redis.call('HDEL', k_queue_group_held(q), groups[i])
+        freed = true
       end
     end
   end
@@ -515,7 +517,7 @@ local function release_flow(q, flow, no_rebalance, keep)
     redis.call('DEL', lease)
     redis.call('PUBLISH', K_EVENTS, 'lease ' .. q)
   end
-  if moved > 0 then wake(q) end
+  if moved > 0 or freed then wake(q) end  -- what waited for its groups may go now
   for _, child in ipairs(children(q)) do
     moved = moved + release_flow(child, flow, true)
   end
@@ -1323,7 +1325,7 @@ local function dead_letter(q, s, id, blob, reason, to_dmq)
       add[#add + 1] = sk
     end
     -- its message group in a dead message queue with groups (as entry_args stores it)
-    if key and d[3] and d[3] ~= '' then
+    if key and key ~= '' and d[3] and d[3] ~= '' then  -- an empty one is no group
       add[#add + 1] = 'k'
       add[#add + 1] = key
     end
@@ -1783,6 +1785,23 @@ local function free_avoided_group(q, s, flow, g)
   if redis.call('HGET', groups, g) == flow and not holds_group(s, flow, g, 'default') then
     redis.call('HDEL', groups, g)
     wake(q)
+  end
+end
+
+-- Default mode: the groups `flow` let go of with undeliverable-here are free once it holds
+-- none of them (free_avoided_group); checked as it settles, as it may fetch no more.
+local function free_groups_avoided_by(q, s, flow)
+  local avoiding = avoid_key(q)
+  if not avoiding then return end
+  local all, seen = redis.call('HGETALL', avoiding), {}
+  for i = 1, #all, 2 do
+    if string.find(' ' .. all[i + 1] .. ' ', ' ' .. flow .. ' ', 1, true) then
+      local g = entry_group(s, all[i], 'default')
+      if g and not seen[g] then
+        seen[g] = true
+        free_avoided_group(q, s, flow, g)
+      end
+    end
   end
 end
 
@@ -2285,6 +2304,7 @@ register_always('gw_settle', function(_, a)
         end
       end
       if freed and (mode == 'ack' or mode == 'reject') then wake(q) end  -- else woken above
+      if gmode == 'default' then free_groups_avoided_by(q, s, flow) end  -- any settle
     end
   end
   return total
