@@ -23,6 +23,7 @@ from protocols.amqp.listener import Listener, start
 from tests.amqp_raw import ACCEPTED, DETACH, DISPOSITION, REJECTED, Peer
 from tests.redis_proxy import CuttingProxy
 from tests.test_admin_api import Admin
+from tests.test_amqp_hostile import send_past_the_size_limit_in_the_last_frame
 from tests.test_engine import second_node  # noqa: F401
 from tests.test_redis_outages import node, proxy  # noqa: F401
 
@@ -271,13 +272,7 @@ async def test_a_size_error_ends_the_link_once_the_publishes_in_flight_are_answe
     peer.transfer(0, 0, bytes(Message(body=b"IN-FLIGHT", durable=True).encode()), tag=b"a")
     await peer.writer.drain()
     await asyncio.sleep(0.2)  # its publish waits on Redis's answer
-    chunk = bytes(16_000)
-    whole, rest = divmod(links.MAX_MESSAGE_SIZE - 100, len(chunk))
-    peer.transfer(0, 1, chunk, more=True, tag=b"big")
-    for _ in range(whole - 1):
-        peer.transfer(0, None, chunk, more=True, tag=None)
-        await peer.writer.drain()
-    peer.transfer(0, None, bytes(rest + 200), more=False, tag=None)  # the last crosses
+    await send_past_the_size_limit_in_the_last_frame(peer, 1)
     frames = await peer.frames_for(3.0)
     peer.close()
     outcomes = {

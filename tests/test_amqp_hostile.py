@@ -380,6 +380,17 @@ async def test_an_oversized_multi_frame_delivery_is_rejected_and_dropped(port: i
     await still_serving(port)
 
 
+async def send_past_the_size_limit_in_the_last_frame(peer: Peer, delivery_id: int) -> None:
+    """A delivery on link 0 of 16,000-byte frames, 100 bytes over max-message-size."""
+    chunk = bytes(16_000)
+    whole, rest = divmod(links.MAX_MESSAGE_SIZE - 100, len(chunk))
+    peer.transfer(0, delivery_id, chunk, more=True, tag=b"big")
+    for _ in range(whole - 1):
+        peer.transfer(0, None, chunk, more=True, tag=None)
+        await peer.writer.drain()
+    peer.transfer(0, None, bytes(rest + 200), more=False, tag=None)
+
+
 async def test_a_delivery_whose_last_frame_crosses_the_size_limit_ends_the_link(
     port: int,
 ) -> None:
@@ -387,13 +398,7 @@ async def test_a_delivery_whose_last_frame_crosses_the_size_limit_ends_the_link(
     error, wherever the frames fall (it was a rejected outcome when the last one crossed)."""
     peer = await Peer.opened(port)
     await peer.sender(0, QUEUE)
-    chunk = bytes(16_000)
-    whole, rest = divmod(links.MAX_MESSAGE_SIZE - 100, len(chunk))
-    peer.transfer(0, 0, chunk, more=True, tag=b"big")
-    for _ in range(whole - 1):
-        peer.transfer(0, None, chunk, more=True, tag=None)
-        await peer.writer.drain()
-    peer.transfer(0, None, bytes(rest + 200), more=False, tag=None)  # 100 bytes over
+    await send_past_the_size_limit_in_the_last_frame(peer, 0)
     outcome = await peer.expect(DISPOSITION)
     assert outcome.fields[1] == 0 and int(outcome.fields[4].descriptor) == REJECTED
     detach = await peer.expect(DETACH)

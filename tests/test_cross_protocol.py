@@ -227,6 +227,16 @@ async def test_amqp_text_with_nul_reaches_mqtt5_subscriber(
 AS_LARGE_AS_THE_LINK_ALLOWS = bytes(range(256)) * (12_000_000 // 256)
 
 
+def send_large(amqp_port: int) -> None:
+    """AS_LARGE_AS_THE_LINK_ALLOWS to topic://big/one; raises unless accepted."""
+    conn = BlockingConnection(f"amqp://127.0.0.1:{amqp_port}")
+    try:
+        message = AmqpMessage(body=AS_LARGE_AS_THE_LINK_ALLOWS, durable=True)
+        conn.create_sender("topic://big/one").send(message)
+    finally:
+        conn.close()
+
+
 async def test_a_message_the_amqp_link_allows_reaches_an_mqtt_subscriber(
     broker: Broker, ports: tuple[int, int]
 ) -> None:
@@ -256,16 +266,7 @@ async def test_an_earlier_releases_session_queue_takes_what_the_amqp_link_allows
     await asyncio.to_thread(session)
     await broker.queues.update(name, {"max_message_size": 10_000_000})  # as stored before
     await asyncio.to_thread(session)  # resumed after the upgrade
-
-    def send() -> None:
-        conn = BlockingConnection(f"amqp://127.0.0.1:{amqp_port}")
-        try:
-            message = AmqpMessage(body=AS_LARGE_AS_THE_LINK_ALLOWS, durable=True)
-            conn.create_sender("topic://big/one").send(message)  # raises unless accepted
-        finally:
-            conn.close()
-
-    await asyncio.to_thread(send)
+    await asyncio.to_thread(send_large, amqp_port)
     assert (await broker.queues.info(name)).messages == 1
 
 
@@ -273,20 +274,10 @@ async def test_a_message_the_amqp_link_allows_reaches_an_amqp_topic_receiver(
     broker: Broker, ports: tuple[int, int]
 ) -> None:
     amqp_port = ports[1]
-    url = f"amqp://127.0.0.1:{amqp_port}"
-    receiving = await asyncio.to_thread(BlockingConnection, url)
+    receiving = await asyncio.to_thread(BlockingConnection, f"amqp://127.0.0.1:{amqp_port}")
     try:
         receiver = await asyncio.to_thread(receiving.create_receiver, "topic://big/one")
-
-        def send() -> None:
-            conn = BlockingConnection(url)
-            try:
-                message = AmqpMessage(body=AS_LARGE_AS_THE_LINK_ALLOWS, durable=True)
-                conn.create_sender("topic://big/one").send(message)  # raises unless accepted
-            finally:
-                conn.close()
-
-        await asyncio.to_thread(send)
+        await asyncio.to_thread(send_large, amqp_port)
         got = await asyncio.to_thread(receiver.receive, TIMEOUT)
         assert bytes(got.body) == AS_LARGE_AS_THE_LINK_ALLOWS
         await asyncio.to_thread(receiver.accept)
