@@ -2243,7 +2243,7 @@ register_always('gw_settle', function(_, a)
       local gmode = group_mode(q)
       local shared = gmode == 'shared'
       local default_group = shared and redis.call('HGET', k_queue_config(q), 'default_group')
-      local mine, bytes, avoided_groups, freed = {}, 0, {}, false
+      local mine, bytes, freed = {}, 0, false
       local each = first
       if mode == 'ack' and not shared then
         total = total + ack_batch(q, s, a, first, n, bytes_total, sizes)
@@ -2267,10 +2267,6 @@ register_always('gw_settle', function(_, a)
         if settled then
           total = total + 1
           if mode ~= 'reject' then mine[#mine + 1] = id end
-          if gmode == 'default' and (mode == 'avoid' or mode == 'avoid_failed') then
-            local dg = entry_group(s, id, gmode)
-            if dg then avoided_groups[#avoided_groups + 1] = dg end
-          end
           if g and redis.call('HINCRBY', k_queue_group_held(q), g, -1) <= 0 then
             redis.call('HDEL', k_queue_group_held(q), g)  -- the group is free again
             redis.call('HDEL', k_queue_groups(q), g)
@@ -2283,7 +2279,6 @@ register_always('gw_settle', function(_, a)
           if mode == 'avoid' or mode == 'avoid_failed' then avoid(q, mine, flow) end
           local uncount = (mode == 'release' or mode == 'avoid') and 'release'
           park(q, s, mine, uncount or (mode == 'unsent' and 'unsent'))
-          for _, g in ipairs(avoided_groups) do free_avoided_group(q, s, flow, g) end
           redis.call('HINCRBY', k_queue_stats(q), 'requeued', #mine)
           wake(q)
         else
