@@ -24,16 +24,6 @@ Plan = dict[str, tuple[Callable[[], asyncio.BaseProtocol], int, ssl.SSLContext |
 
 
 class Registry(Protocol):
-    @classmethod
-    async def open(cls, name: str, registry: Registry, host: str, plan: Plan) -> Listener:
-        """Listen on every socket of `plan` (the plain one is keyed `<name>_port`)."""
-        loop = asyncio.get_running_loop()
-        servers = {}
-        for key, (factory, port, context) in plan.items():
-            servers[key] = server = await loop.create_server(factory, host, port, ssl=context)
-            log.info("%s listening on %s:%d", key, host, server.sockets[0].getsockname()[1])
-        return cls(name, servers, registry)
-
     async def close(self) -> None: ...
 
 
