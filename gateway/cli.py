@@ -42,6 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="MQTT over WebSocket port, path /mqtt (default -1: off; 8000 is usual)",
     )
     serve.add_argument(
+        "--mqtt-wss-port",
+        type=int,
+        help="MQTT over secure WebSocket port, path /mqtt, with --tls-cert (default -1: off)",
+    )
+    serve.add_argument(
         "--spool-quota-bytes", type=int, help="broker-wide message spool quota (0: none)"
     )
     serve.add_argument("--tls-cert", help="PEM certificate chain: enables the TLS listeners")
@@ -108,6 +113,7 @@ def serve(args: argparse.Namespace) -> int:
         "mqtt_tls_port": args.mqtt_tls_port,
         "amqp_tls_port": args.amqp_tls_port,
         "mqtt_ws_port": args.mqtt_ws_port,
+        "mqtt_wss_port": args.mqtt_wss_port,
         "spool_quota_bytes": args.spool_quota_bytes,
         "tls_cert": args.tls_cert,
         "tls_key": args.tls_key,

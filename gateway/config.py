@@ -63,6 +63,7 @@ class Settings:
     mqtt_tls_port: int = 8883  # TLS listeners start only with tls_cert and tls_key
     amqp_tls_port: int = 5671
     mqtt_ws_port: int = -1  # MQTT over WebSocket (path /mqtt, subprotocol mqtt); -1: off
+    mqtt_wss_port: int = -1  # the same over TLS (needs tls_cert and tls_key); -1: off
     tls_cert: str | None = None  # PEM certificate chain
     tls_key: str | None = None  # PEM private key
     data_dir: str = ".gateway-data"
@@ -94,8 +95,11 @@ class Settings:
             port = getattr(self, name)
             if not 0 <= port <= 65535:
                 raise ConfigError(f"{name} must be a port number (0-65535), not {port}")
-        if not -1 <= self.mqtt_ws_port <= 65535:
-            raise ConfigError("mqtt_ws_port must be a port number, or -1 for none")
+        for name in ("mqtt_ws_port", "mqtt_wss_port"):
+            if not -1 <= getattr(self, name) <= 65535:
+                raise ConfigError(f"{name} must be a port number, or -1 for none")
+        if self.mqtt_wss_port != -1 and self.tls_cert is None:
+            raise ConfigError("mqtt_wss_port needs tls_cert and tls_key")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError("tls_cert and tls_key go together")
         for name in ("tls_cert", "tls_key"):

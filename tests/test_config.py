@@ -266,6 +266,18 @@ def test_bad_port(tmp_path: Path, source: str, name: str, value: object) -> None
         load_settings(overrides, env=env, config_path=path)
 
 
+@pytest.mark.parametrize("name", ["mqtt_ws_port", "mqtt_wss_port"])
+def test_bad_websocket_port(name: str) -> None:
+    with pytest.raises(ConfigError, match=name):
+        load_settings({name: 70000}, env={})
+
+
+def test_secure_websocket_port_needs_a_certificate() -> None:
+    """A wss listener asked for without a certificate is refused at start, not left out."""
+    with pytest.raises(ConfigError, match="mqtt_wss_port needs tls_cert and tls_key"):
+        load_settings(env={"GATEWAY_MQTT_WSS_PORT": "8884"})
+
+
 def test_port_range_limits_are_accepted() -> None:
     s = load_settings({"mqtt_port": 0, "amqp_port": 65535}, env={})
     assert (s.mqtt_port, s.amqp_port) == (0, 65535)

@@ -1,4 +1,5 @@
-"""TLS listeners against real clients: paho-mqtt, the mosquitto CLI and proton (amqps).
+"""TLS listeners against real clients: paho-mqtt, the mosquitto CLI, proton (amqps) and
+MQTT.js (MQTT over secure WebSocket).
 
 The certificate is self-signed for 127.0.0.1 (made once per session with the openssl CLI)
 and every client verifies it, host name included.
@@ -7,6 +8,8 @@ and every client verifies it, host name included.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import queue
 import shutil
 import socket
@@ -27,6 +30,7 @@ from gateway.broker import Broker, QueueConfig
 from gateway.config import Settings
 from protocols.amqp import listener as amqp_listener
 from protocols.mqtt import listener as mqtt_listener
+from tests.test_mqtt_websocket import mqtt_js  # noqa: F401
 
 TIMEOUT = 10.0
 
@@ -60,6 +64,7 @@ def tls_settings(cert_pair: tuple[Path, Path]) -> Settings:
         mqtt_tls_port=0,
         amqp_tls_port=0,
         mqtt_ws_port=-1,
+        mqtt_wss_port=0,
         tls_cert=str(cert),
         tls_key=str(key),
     )
@@ -74,6 +79,14 @@ async def mqtt_tls(broker: Broker, tls_settings: Settings) -> AsyncIterator[int]
 
 
 @pytest.fixture
+async def mqtt_wss(broker: Broker, tls_settings: Settings) -> AsyncIterator[int]:
+    listener = await mqtt_listener.start(broker, tls_settings)
+    assert listener is not None
+    yield listener.extra_ports["mqtt_wss_port"]
+    await listener.close()
+
+
+@pytest.fixture
 async def amqp_tls(broker: Broker, tls_settings: Settings) -> AsyncIterator[int]:
     listener = await amqp_listener.start(broker, tls_settings)
     assert listener is not None
@@ -81,11 +94,15 @@ async def amqp_tls(broker: Broker, tls_settings: Settings) -> AsyncIterator[int]
     await listener.close()
 
 
-def paho_roundtrip(port: int, ca: Path, topic: str) -> bytes:
-    """Subscribe and publish at QoS 1 over TLS with one paho client; the payload received."""
+def paho_roundtrip(port: int, ca: Path, topic: str, websocket: bool = False) -> bytes:
+    """Subscribe and publish at QoS 1 over TLS (WebSocket on `websocket`) with one paho
+    client; the payload received."""
     received: queue.Queue[bytes] = queue.Queue()
     subscribed: queue.Queue[int] = queue.Queue()
-    client = paho.Client(CallbackAPIVersion.VERSION2, protocol=paho.MQTTv311)
+    transport = "websockets" if websocket else "tcp"
+    client = paho.Client(CallbackAPIVersion.VERSION2, protocol=paho.MQTTv311, transport=transport)
+    if websocket:
+        client.ws_set_options(path="/mqtt")
     client.tls_set(ca_certs=str(ca))
     client.on_message = lambda c, u, msg: received.put(msg.payload)
     client.on_subscribe = lambda c, u, mid, codes, props: subscribed.put(mid)
@@ -102,7 +119,7 @@ def paho_roundtrip(port: int, ca: Path, topic: str) -> bytes:
 
 
 async def test_no_tls_listener_without_certificate(broker: Broker) -> None:
-    settings = Settings(mqtt_port=0, amqp_port=0, host="127.0.0.1")
+    settings = Settings(mqtt_port=0, amqp_port=0, host="127.0.0.1", mqtt_wss_port=0)
     mqtt = await mqtt_listener.start(broker, settings)
     amqp = await amqp_listener.start(broker, settings)
     try:
@@ -115,6 +132,44 @@ async def test_no_tls_listener_without_certificate(broker: Broker) -> None:
 async def test_paho_qos1_over_tls(mqtt_tls: int, cert_pair: tuple[Path, Path]) -> None:
     payload = await asyncio.to_thread(paho_roundtrip, mqtt_tls, cert_pair[0], "tls/paho")
     assert payload == b"over tls"
+
+
+async def test_paho_over_secure_websocket(mqtt_wss: int, cert_pair: tuple[Path, Path]) -> None:
+    payload = await asyncio.to_thread(paho_roundtrip, mqtt_wss, cert_pair[0], "wss/paho", True)
+    assert payload == b"over tls"
+
+
+# MQTT.js, the browser's MQTT client, with the test CA as the one it trusts
+MQTT_JS_WSS = """
+const fs = require("fs");
+const mqtt = require("mqtt");
+const c = mqtt.connect(process.env.MQTT_URL,
+  {reconnectPeriod: 0, connectTimeout: 10000, ca: fs.readFileSync(process.env.CA)});
+c.on("error", (e) => { console.error(String(e)); process.exit(2); });
+c.on("connect", () => c.subscribe("wss/js", {qos: 1}, () =>
+  c.publish("wss/js", "from js", {qos: 1})));
+c.on("message", (t, p) => { console.log(JSON.stringify({topic: t, payload: String(p)}));
+  c.end(); });
+"""
+
+
+async def test_mqtt_js_over_secure_websocket(
+    mqtt_wss: int,
+    cert_pair: tuple[Path, Path],
+    mqtt_js: Path,  # noqa: F811
+) -> None:
+    env = {
+        **os.environ,
+        "NODE_PATH": str(mqtt_js),
+        "MQTT_URL": f"wss://127.0.0.1:{mqtt_wss}/mqtt",
+        "CA": str(cert_pair[0]),
+    }
+    proc = await asyncio.create_subprocess_exec(
+        "node", "-e", MQTT_JS_WSS, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 0, err
+    assert json.loads(out) == {"topic": "wss/js", "payload": "from js"}
 
 
 async def test_mosquitto_cli_over_tls(mqtt_tls: int, cert_pair: tuple[Path, Path]) -> None:

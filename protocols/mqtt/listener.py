@@ -593,21 +593,22 @@ def _lease(state: SessionState) -> int | None:
 
 
 async def start(broker: Broker, settings: Settings) -> Listener | None:
-    """Plugin entry point: listen on mqtt_port, mqtt_tls_port (with a certificate) and
-    mqtt_ws_port (unless -1), all at settings.host."""
+    """Plugin entry point: listen on mqtt_port, mqtt_tls_port (with a certificate),
+    mqtt_ws_port and mqtt_wss_port (unless -1), all at settings.host."""
     registry = Registry(broker, settings)
 
     def factory() -> MqttConnection:
         return MqttConnection(registry)
+
+    def websocket_factory() -> WebSocketConnection:
+        return WebSocketConnection(MqttConnection(registry))
 
     plan: Plan = {"mqtt_port": (factory, settings.mqtt_port, None)}
     context = tls_context(settings)
     if context is not None:
         plan["mqtt_tls_port"] = (factory, settings.mqtt_tls_port, context)
     if settings.mqtt_ws_port != -1:
-        plan["mqtt_ws_port"] = (
-            lambda: WebSocketConnection(MqttConnection(registry)),
-            settings.mqtt_ws_port,
-            None,
-        )
+        plan["mqtt_ws_port"] = (websocket_factory, settings.mqtt_ws_port, None)
+    if settings.mqtt_wss_port != -1 and context is not None:
+        plan["mqtt_wss_port"] = (websocket_factory, settings.mqtt_wss_port, context)
     return await Listener.open("mqtt", registry, settings.host, plan)
