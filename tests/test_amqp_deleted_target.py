@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 from proton import Delivery, Message, Timeout
@@ -23,7 +23,10 @@ from protocols.amqp.listener import Listener, start
 from tests.amqp_raw import ACCEPTED, DETACH, DISPOSITION, REJECTED, Peer
 from tests.redis_proxy import CuttingProxy
 from tests.test_admin_api import Admin
-from tests.test_amqp_hostile import send_past_the_size_limit_in_the_last_frame
+from tests.test_amqp_hostile import (
+    send_past_the_size_limit_in_a_middle_frame,
+    send_past_the_size_limit_in_the_last_frame,
+)
 from tests.test_engine import second_node  # noqa: F401
 from tests.test_redis_outages import node, proxy  # noqa: F401
 
@@ -257,22 +260,29 @@ async def test_a_late_event_of_a_deletion_leaves_a_sender_to_the_queue_made_agai
     assert await depth(node, "q") == 1
 
 
+@pytest.mark.parametrize(
+    "send_oversized",
+    [send_past_the_size_limit_in_the_last_frame, send_past_the_size_limit_in_a_middle_frame],
+)
 async def test_a_size_error_ends_the_link_once_the_publishes_in_flight_are_answered(
     node: Broker,  # noqa: F811
     proxy: CuttingProxy,  # noqa: F811
     node_amqp: Listener,
+    send_oversized: Callable[[Peer, int], Awaitable[None]],
 ) -> None:
-    """A delivery whose last frame takes it past max-message-size ends the link, as a
-    deleted queue does, once the publish before it is answered: it was ended at once, and
-    that publish, stored, was never answered (a client sends it again)."""
-    await node.declare_queue(QueueConfig(name="sz"))
+    """A delivery that takes the link past max-message-size ends it, as a deleted queue
+    does, once the publish before it is answered: it was ended at once, and that publish,
+    stored, was never answered (a client sends it again). The oversized delivery is
+    refused, wherever its frames cross the limit."""
+    queue = send_oversized.__name__  # the proxied node's Redis is not emptied between tests
+    await node.declare_queue(QueueConfig(name=queue))
     peer = await Peer.opened(node_amqp.port)
-    await peer.sender(0, "sz")
+    await peer.sender(0, queue)
     proxy.delay_on, proxy.delay = b"IN-FLIGHT", 1.5
     peer.transfer(0, 0, bytes(Message(body=b"IN-FLIGHT", durable=True).encode()), tag=b"a")
     await peer.writer.drain()
     await asyncio.sleep(0.2)  # its publish waits on Redis's answer
-    await send_past_the_size_limit_in_the_last_frame(peer, 1)
+    await send_oversized(peer, 1)
     frames = await peer.frames_for(3.0)
     peer.close()
     outcomes = {
@@ -283,4 +293,4 @@ async def test_a_size_error_ends_the_link_once_the_publishes_in_flight_are_answe
     }
     detaches = [f.error() for f in frames if f.code == DETACH]
     assert outcomes == {0: ACCEPTED, 1: REJECTED} and detaches == [links.MESSAGE_SIZE_EXCEEDED]
-    assert (await node.queues.info("sz")).messages == 1
+    assert (await node.queues.info(queue)).messages == 1

@@ -391,6 +391,17 @@ async def send_past_the_size_limit_in_the_last_frame(peer: Peer, delivery_id: in
     peer.transfer(0, None, bytes(rest + 200), more=False, tag=None)
 
 
+async def send_past_the_size_limit_in_a_middle_frame(peer: Peer, delivery_id: int) -> None:
+    """A delivery on link 0 of 16,000-byte frames that crosses max-message-size with 100
+    frames still to come."""
+    chunk = bytes(16_000)
+    peer.transfer(0, delivery_id, chunk, more=True, tag=b"big")
+    for _ in range(links.MAX_MESSAGE_SIZE // len(chunk) + 100):
+        peer.transfer(0, None, chunk, more=True, tag=None)
+        await peer.writer.drain()
+    peer.transfer(0, None, chunk, more=False, tag=None)
+
+
 async def test_a_delivery_whose_last_frame_crosses_the_size_limit_ends_the_link(
     port: int,
 ) -> None:

@@ -333,18 +333,22 @@ class Inbound(Endpoint):
             return
         size = pn_delivery_pending(dlv)
         if pn_delivery_partial(dlv):
+            if self.ending:
+                self._skip(dlv, size)
+                return
             host = self.host
             host.partial_bytes += size - self._partial_bytes
             self._partial, self._partial_bytes = dlv, size
             if size > MAX_MESSAGE_SIZE:  # a link error, as the spec asks (§2.7.3)
-                self.fail(MESSAGE_SIZE_EXCEEDED, f"over {MAX_MESSAGE_SIZE} bytes")
+                self._end(MESSAGE_SIZE_EXCEEDED, f"over {MAX_MESSAGE_SIZE} bytes")
             elif host.partial_bytes > PARTIAL_BYTES_MAX:
                 why = f"the connection's unfinished deliveries passed {PARTIAL_BYTES_MAX} bytes"
-                self.fail(RESOURCE_LIMIT, why)
+                self._end(RESOURCE_LIMIT, why)
+            if self.ending and self.live:
+                self._skip(dlv, size)
             return
-        if self._partial_bytes:  # the last frame of a multi-frame delivery
-            self.host.partial_bytes -= self._partial_bytes
-            self._partial, self._partial_bytes = None, 0
+        if self._partial is not None:  # the last frame of a multi-frame delivery
+            self._drop_partial()
         impl = self.link._impl
         buffer = self._buffer if size <= self._buffer_size else self._receive_buffer(size)
         got = lib.pn_link_recv(impl, buffer, size) if size else 0
@@ -401,6 +405,22 @@ class Inbound(Endpoint):
         if condition is None:
             condition = Condition("amqp:illegal-state", "the link is closed")
         self._settle(dlv, Disposition.REJECTED, condition.name, condition.description or "")
+
+    def _skip(self, dlv: Any, size: int) -> None:
+        """Read and drop the `size` bytes the unfinished `dlv` holds: the link ends once
+        its publishes in flight are answered (which may wait on Redis), and the rest of a
+        delivery it refuses is not kept meanwhile. `dlv` stays the unfinished one, so it is
+        refused with the link's error when the link ends before it does."""
+        impl = self.link._impl
+        chunk = min(size, RECEIVE_BUFFER_MAX)
+        buffer = self._buffer if chunk <= self._buffer_size else self._receive_buffer(chunk)
+        while size > 0:
+            got = lib.pn_link_recv(impl, buffer, min(size, self._buffer_size))
+            if got <= 0:
+                break
+            size -= got
+        self._drop_partial()
+        self._partial = dlv
 
     def _receive_buffer(self, size: int) -> Any:
         """A buffer for a delivery of `size` bytes. The link keeps one (up to
