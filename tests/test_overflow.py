@@ -9,7 +9,8 @@ import pytest
 import redis
 
 from gateway.broker import Broker
-from gateway.engine import keys
+from gateway.engine import keys, library
+from gateway.engine.ordered_calls import NotSent
 from gateway.engine.partitions import partition_of
 from gateway.engine.queues import QueueConfig
 from gateway.model import Delivery, Message, Outcome, encode
@@ -151,6 +152,30 @@ async def test_flow_control_withholds_acks_until_the_queue_drains(broker: Broker
     assert {f.result() for f in futures} == {Outcome.OK}
     await wait_for(lambda: len(got) == 8)
     assert [d.message.payload for d in got] == [b"%d" % i for i in range(8)], "in order"
+
+
+async def test_a_stopping_node_refuses_the_publishes_it_holds_and_stores_none_later(
+    redis_url: str,
+) -> None:
+    """A publish producer flow control holds when its node stops is refused (not sent),
+    and the stopped node does not store it once the queue has room: its publisher's
+    connection ended unanswered, so the client sends it again (it was stored twice)."""
+    client = await library.connect(redis_url)
+    node = Broker(client, heartbeat=0.2, node_ttl=1.0)
+    await node.start()
+    await node.declare_queue(QueueConfig(name="q", max_messages=1, overflow="flow_control"))
+    assert await node.publish(msg("0")) is Outcome.OK
+    held = node.publish_nowait(msg("1"))
+    await asyncio.sleep(0.2)
+    assert not held.done()
+    await asyncio.wait_for(node.stop(), 5)
+    try:
+        assert held.done() and isinstance(held.exception(), NotSent)
+        await client.hset(keys.queue_config("q"), "max_messages", 100)  # room again
+        await asyncio.sleep(0.3)  # the held publish was retried every 50 ms
+        assert await client.xlen(keys.queue_stream("q")) == 1
+    finally:
+        await client.aclose()
 
 
 async def test_flow_control_keeps_order_with_batches_in_flight(broker: Broker) -> None:

@@ -58,6 +58,9 @@ FLOW_CONTROL_RETRY = 0.05  # seconds between offers of flow-controlled messages
 _OUTCOMES = tuple(Outcome)  # by code: indexing costs a tenth of Outcome(code)
 
 
+STOPPED = NotSent("the node stopped before storing it")
+
+
 class InDoubt(RedisConnectionError):
     """The connection to Redis broke after the message's batch was sent: it may be stored
     (a publisher must not be told it was not)."""
@@ -113,6 +116,8 @@ class Spooler:
         self.refused: dict[str, int] = {}  # outcome name (or redis_error) -> count
         self._held: list[_Pending] = []  # refused by producer flow control, retried
         self._retry_due = False  # the held messages are to be offered again
+        self._retry: asyncio.TimerHandle | None = None  # when they are
+        self._closed = False
         # the client's loop, kept: asyncio.get_running_loop() costs a getpid() system call
         self._loop: asyncio.AbstractEventLoop | None = None
         self.flow_controlled = 0
@@ -149,10 +154,14 @@ class Spooler:
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
         fut: asyncio.Future[Outcome] | None = None if done is not None else loop.create_future()
-        self._pending.append(
-            (queues, routed_by, size, key, expires, props, priority, not_before, blob, fut, done,
-             mark)
+        pending: _Pending = (
+            queues, routed_by, size, key, expires, props, priority, not_before, blob, fut, done,
+            mark,
         )  # fmt: skip
+        if self._closed:
+            _resolve(pending, STOPPED)
+            return fut
+        self._pending.append(pending)
         if mark is not None:
             self._marked += 1
         if self._task is None:
@@ -192,7 +201,16 @@ class Spooler:
                 self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def close(self) -> None:
-        """Drop the spool connection; batches still unanswered are refused, never acked."""
+        """Drop the spool connection; batches still unanswered are refused, never acked,
+        and so are the messages producer flow control holds or not yet sent: a stopped
+        node stores nothing more (their publishers' connections are gone, unanswered, so
+        they send them again)."""
+        self._closed = True
+        if self._retry is not None:
+            self._retry.cancel()
+        unsent, self._pending, self._held = self._pending + self._held, [], []
+        for p in unsent:
+            _resolve(p, STOPPED)
         await self._calls.close()
 
     def _next_queues(self) -> Iterator[str]:
@@ -350,13 +368,16 @@ class Spooler:
             self._on_spooled(stored)
         if held:
             self.flow_controlled += len(held)
-            if not self._held and not self._retry_due:
-                asyncio.get_running_loop().call_later(FLOW_CONTROL_RETRY, self._retry_held)
+            if not self._held and not self._retry_due and not self._closed:
+                self._retry = asyncio.get_running_loop().call_later(
+                    FLOW_CONTROL_RETRY, self._retry_held
+                )
             self._held.extend(held)
 
     def _retry_held(self) -> None:
         """Offer the held messages again, ahead of newer ones (order per publisher; Redis
         holds back this node's newer messages to their queues until then)."""
+        self._retry = None
         self._retry_due = True
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run())
