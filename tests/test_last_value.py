@@ -13,7 +13,7 @@ from gateway.engine import keys
 from gateway.engine.queues import QueueConfig, QueueError
 from gateway.model import Delivery, Message, Outcome
 from gateway.router import Router
-from tests.test_engine import wait_for
+from tests.test_engine import second_node, wait_for  # noqa: F401
 
 
 def msg(payload: str, **props) -> Message:
@@ -173,6 +173,29 @@ async def test_a_full_lvq_still_takes_a_new_value_of_a_key_it_holds(broker: Brok
         assert await broker.publish(msg(payload, sym=sym)) is Outcome.OK
     assert await broker.publish(msg("SAP=1", sym="SAP")) is Outcome.QUEUE_FULL
     assert sorted(await browse_all(broker, "lv")) == [b"IBM=3", b"MSFT=1"]
+
+
+async def test_a_blocked_flow_control_lvq_takes_a_value_replacing_a_waiting_one(
+    broker: Broker,
+    second_node: Broker,  # noqa: F811
+) -> None:
+    """Under producer flow control too: once another node's value of a new key blocked the
+    queue, a value replacing a waiting one, from a node holding nothing, is stored (it
+    waited for the queue to drain, which with no consumer it never did, and the queue kept
+    serving the superseded value)."""
+    await broker.declare_queue(
+        QueueConfig(name="lv", lvq_key="sym", max_messages=2, overflow="flow_control"),
+        [("prices/>", "smf")],
+    )
+    await second_node.router.reload()
+    assert await second_node.publish(msg("IBM=1", sym="IBM")) is Outcome.OK
+    assert await second_node.publish(msg("MSFT=1", sym="MSFT")) is Outcome.OK
+    new_key = second_node.publish_nowait(msg("SAP=1", sym="SAP"))
+    await asyncio.sleep(0.2)
+    assert not new_key.done(), "held: the queue is blocked"
+    assert await asyncio.wait_for(broker.publish(msg("IBM=2", sym="IBM")), 2) is Outcome.OK
+    assert sorted(await browse_all(broker, "lv")) == [b"IBM=2", b"MSFT=1"]
+    assert not new_key.done()
 
 
 async def test_values_a_selector_consumer_passed_over_are_still_replaced(broker: Broker) -> None:

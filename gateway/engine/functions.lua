@@ -1584,7 +1584,9 @@ local function spool(a, marks)
         elseif q.maxsize > 0 and size > q.maxsize then code = TOO_LARGE
         elseif q.maxbytes > 0 and bytes > q.maxbytes then code = QUOTA_EXCEEDED  -- fits never:
           -- held (flow_control), it held back the node's later messages to the queue for good
-        elseif q.blocked or q.flow_held then code = hold_for_node(q)
+        elseif q.flow_held or (q.blocked and not (q.lvq and fits_replacing(q, props, bytes)))
+        then  -- a value replacing a waiting one does not grow a blocked last value queue
+          code = hold_for_node(q)  -- (unless this node holds some: order per publisher)
         elseif over_quota(q, bytes) and not (q.lvq and fits_replacing(q, props, bytes)) then
           if q.overflow == 'ring' then
             plan_drop(q, bytes, target, ring_replaced(q, props))
