@@ -142,6 +142,24 @@ async def test_bad_selectors_and_partitioned_queues_are_refused(broker: Broker) 
         assert err.value.code == "unsupported" and "partitioned" in str(err.value)
 
 
+async def test_a_browser_of_a_queue_then_partitioned_is_ended(broker: Broker) -> None:
+    """A repartition (egress off, partition_count, egress on) unbinds the consumers, and
+    one that cannot go on is ended: a browser, refused on a partitioned queue, is ended
+    too (it stayed attached, reading the parent's empty stream: it saw nothing more)."""
+    await broker.declare_queue(QueueConfig(name="q"))
+    await broker.publish(msg("before"))
+    seen: list[Delivery] = []
+    ended: list[str] = []
+    await broker.bind("q", seen.append, browse=True, on_closed=ended.append)
+    await wait_for(lambda: len(seen) == 1)
+    await broker.update_queue("q", {"egress_enabled": False})
+    await broker.update_queue("q", {"partition_count": 2})
+    await broker.update_queue("q", {"egress_enabled": True})
+    await broker.publish(msg("after"))
+    await wait_for(lambda: ended != [])
+    assert "partitioned" in ended[0] and payloads(seen) == [b"before"]
+
+
 async def test_on_empty_reports_an_exhausted_queue(broker: Broker) -> None:
     await broker.declare_queue(QueueConfig(name="q"))
     for i in range(3):

@@ -1210,6 +1210,8 @@ class Dispatcher:
             self._queue_gone(flow)
         elif status == "egress":  # paused until the queue's config changes (a 'qcfg' event
             self._empty(flow)  # wakes it): nothing for now, which a drain is told
+        elif status in BIND_REFUSALS and not flow.closed:  # as its bind would be refused now
+            self._end_flow(flow, BIND_REFUSALS[status][1])
 
     def _fetch_lost(self, fetch: _Fetch) -> None:
         """A fetch's answer was lost with the connection, so what it took (if it ran) is

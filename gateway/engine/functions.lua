@@ -2130,7 +2130,8 @@ end
 -- Browsing: up to `count` messages on the queue after `cursor`, oldest first, without
 -- taking them: {'ok', n, the n entries asked for again, then the page: id, blob, meta,
 -- ...} (see `browsed`). Settled entries kept for stream readers and expired entries are
--- not shown; held ones are shown once due. {'noflow'} when the flow is no longer
+-- not shown; held ones are shown once due. {'partitioned'} when the queue has partitions
+-- now (browsers are refused on those). {'noflow'} when the flow is no longer
 -- registered (its node was presumed dead): it binds again, or the last consumer of an
 -- auto-delete queue to go would delete it while this one browses.
 -- A sorted queue is browsed in its order, over the entries waiting on it (those delivered
@@ -2153,9 +2154,13 @@ end
 
 register_always('gw_browse', function(_, a)
   local q, flow, cursor, count, since = a[1], a[2], a[3], tonumber(a[4]), tonumber(a[5])
-  local c = redis.call('HMGET', k_queue_config(q), 'egress', 'sort_key', 'parent')
+  local c = redis.call('HMGET', k_queue_config(q), 'egress', 'sort_key', 'parent',
+    'partition_count')
   if not c[1] or c[3] then return { 'noqueue' } end
   if c[1] ~= '1' then return { 'egress' } end
+  -- repartitioned since it bound (gw_repartition unbinds only the flows registered): ended
+  -- as a new browser would be refused, not left reading the parent's empty stream
+  if (tonumber(c[4]) or 0) > 0 then return { 'partitioned' } end
   if flow ~= '' and not redis.call('ZSCORE', k_queue_flows(q), flow) then
     return { 'noflow' }
   end
