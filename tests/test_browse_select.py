@@ -160,6 +160,33 @@ async def test_a_browser_of_a_queue_then_partitioned_is_ended(broker: Broker) ->
     assert "partitioned" in ended[0] and payloads(seen) == [b"before"]
 
 
+async def test_a_browser_sees_none_of_what_a_forgotten_stream_reader_kept(
+    broker: Broker,
+) -> None:
+    """Entries a stream reader (Spark) kept once consumers acked them were consumed: a
+    browser does not see them after the queue's last reader is forgotten either (it did
+    until an ack trimmed them)."""
+    await broker.declare_queue(QueueConfig(name="q"))
+    await broker.redis.fcall("gw_reader_at", 0, "q", "job", "0-0", 1)  # as the source does
+    for i in range(3):
+        await broker.publish(msg(f"m{i}"))
+    got: list[Delivery] = []
+    consumer = await broker.bind("q", got.append, window=10)
+    await wait_for(lambda: len(got) == 3)
+    for d in got:
+        consumer.ack(d.entry_id)
+    await wait_for(lambda: not consumer.unacked)
+    await consumer.close()
+    await broker.publish(msg("m3"))
+    assert await broker.redis.fcall("gw_forget_reader", 0, "q", "job") == 1
+    seen: list[Delivery] = []
+    browser = await broker.bind("q", seen.append, browse=True)
+    await wait_for(lambda: len(seen) >= 1)
+    await asyncio.sleep(0.3)
+    await browser.close()
+    assert payloads(seen) == [b"m3"]
+
+
 async def test_on_empty_reports_an_exhausted_queue(broker: Broker) -> None:
     await broker.declare_queue(QueueConfig(name="q"))
     for i in range(3):

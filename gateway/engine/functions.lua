@@ -2167,7 +2167,8 @@ register_always('gw_browse', function(_, a)
   local s = k_queue_stream(q)
   if c[2] and c[2] ~= '' then return browse_sorted(q, s, cursor, count, since, a) end
   if since > 0 and id_less(cursor, since .. '-0') then cursor = since .. '-0' end
-  local kept = redis.call('EXISTS', k_queue_readers(q)) == 1
+  -- acked entries stream readers keep, or kept before the last of them was forgotten
+  local kept = redis.call('EXISTS', k_queue_readers(q), k_queue_kept(q)) > 0
   local last = kept and last_delivered(s)
   local now = now_ms()
   local out = { 'ok' }
