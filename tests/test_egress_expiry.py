@@ -124,3 +124,41 @@ async def test_expired_messages_leave_a_queue_a_stream_reader_reads(broker: Brok
         await broker.publish(GatewayMessage(destination="q", to_queue=True, payload=b"room again"))
         is Outcome.OK
     )
+
+
+def plain(queue: str, payload: bytes, expiration: int | None = None) -> GatewayMessage:
+    return GatewayMessage(destination=queue, to_queue=True, payload=payload, expiration=expiration)
+
+
+async def test_an_expired_message_behind_unexpiring_ones_leaves_a_queue_nobody_reads(
+    broker: Broker,
+) -> None:
+    """The sweep goes on through a queue's waiting messages page by page: one expired
+    behind 150 that never expire goes to the dead message queue (the sweep read the oldest
+    100 only, for ever)."""
+    await broker.declare_queue(QueueConfig(name="dmq"))
+    await broker.declare_queue(
+        QueueConfig(name="q", respect_ttl=True, dead_message_queue="dmq", dmq_eligible_default=True)
+    )
+    for i in range(150):
+        assert await broker.publish(plain("q", b"keep%d" % i)) is Outcome.OK
+    expires = int(time.time() * 1000) + 200
+    assert await broker.publish(plain("q", b"short", expires)) is Outcome.OK
+    deadline = time.monotonic() + 5
+    while (await broker.queues.info("dmq")).messages == 0 and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    assert (await broker.queues.info("q")).messages == 150
+    assert (await broker.queues.info("dmq")).messages == 1
+
+
+async def test_a_non_destructive_queues_expired_messages_leave_it(broker: Broker) -> None:
+    """A non-destructive queue's messages are never taken, so they leave only by expiry:
+    2,000 expired go within a few sweeps (a sweep took 100 of them: the queue grew)."""
+    await broker.declare_queue(QueueConfig(name="nd", non_destructive=True, max_ttl_ms=100))
+    futures = [broker.publish_nowait(plain("nd", b"%d" % i)) for i in range(2000)]
+    assert {await f for f in futures} == {Outcome.OK}
+    deadline = time.monotonic() + 3
+    while (await broker.queues.info("nd")).messages and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    info = await broker.queues.info("nd")
+    assert info.messages == 0 and info.counters.get("expired") == 2000, info.counters

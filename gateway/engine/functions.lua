@@ -558,7 +558,7 @@ delete_queue = function(q)
     k_queue_last_values(q), k_queue_timed(q), k_queue_config(q), k_queue_stream(q), k_queue_stats(q), k_queue_subs(q),
     k_queue_flows(q), k_queue_lease(q), k_queue_readers(q), k_queue_sorted(q),
     k_queue_members(q), k_queue_owner_nodes(q), k_queue_flow_held(q), k_queue_avoid(q), k_queue_kept(q),
-    k_queue_reader_baselines(q))
+    k_queue_reader_baselines(q), k_queue_expiry_cursor(q))
   redis.call('SREM', K_QUEUES, q)
   redis.call('SREM', K_READ_QUEUES, q)
   redis.call('SREM', K_EXPIRING_QUEUES, q)
@@ -2845,17 +2845,22 @@ local function release_due(q, now)
   if redis.call('ZCARD', timed) == 0 then redis.call('SREM', K_TIMED_QUEUES, q) end
 end
 
--- Messages nobody takes expire too, as on Solace and RabbitMQ: the oldest entries waiting
--- on a queue that stored some with an expiry (returned, held for a group, selector, sort
--- order or delivery time, and never delivered; EXPIRE_SCAN of each a sweep) go to the dead message queue
+-- Messages nobody takes expire too, as on Solace and RabbitMQ: the entries waiting on a
+-- queue that stored some with an expiry (returned, held for a group, selector, sort order
+-- or delivery time: the oldest EXPIRE_SCAN of each a sweep; never delivered: EXPIRE_SCAN a
+-- page, the sweeps going on through the queue page by page, and a sweep taking up to
+-- EXPIRE_PAGES pages while they are wholly expired) go to the dead message queue
 -- (respect_ttl) or are discarded once expired, so they no longer count toward its limits.
+-- A non-destructive queue's messages are never delivered: they leave only this way.
 -- Delivered, unsettled ones stay with their consumers. A queue leaves the set once empty.
 local EXPIRE_SCAN = 100
+local EXPIRE_PAGES = 10
 
 local function expire_waiting(q, now)
   local s = k_queue_stream(q)
   if redis.call('EXISTS', k_queue_config(q)) == 0 or redis.call('XLEN', s) == 0 then
     redis.call('SREM', K_EXPIRING_QUEUES, q)
+    redis.call('DEL', k_queue_expiry_cursor(q))
     return
   end
   local to_dmq = redis.call('HGET', k_queue_config(q), 'respect_ttl') == '1'
@@ -2880,10 +2885,9 @@ local function expire_waiting(q, now)
   -- stream, where a fetch would still find them: the group first takes the leading run of
   -- expired ones (in the returned consumer, settled at once); a later one waits its turn
   local start = '(' .. last_delivered(s)
-  local waiting = redis.call('XRANGE', s, start, '+', 'COUNT', EXPIRE_SCAN)
-  local last = #waiting
   if redis.call('EXISTS', k_queue_readers(q)) == 1 then
-    last = 0
+    local waiting = redis.call('XRANGE', s, start, '+', 'COUNT', EXPIRE_SCAN)
+    local last = 0
     for _, e in ipairs(waiting) do
       local x = tonumber(entry_field(e[2], 'x'))
       if not (x and x <= now) then break end
@@ -2891,10 +2895,26 @@ local function expire_waiting(q, now)
     end
     if last == 0 then return end
     redis.call('XREADGROUP', 'GROUP', GROUP, RETURNED, 'COUNT', last, 'STREAMS', s, '>')
+    for i = 1, last do expire(waiting[i][1], waiting[i][2]) end
+    return
   end
-  for i = 1, last do
-    expire(waiting[i][1], waiting[i][2])
+  local cursor_key = k_queue_expiry_cursor(q)
+  local cursor = redis.call('GET', cursor_key)
+  if cursor and id_less(last_delivered(s), cursor) then start = '(' .. cursor end
+  for _ = 1, EXPIRE_PAGES do
+    local waiting = redis.call('XRANGE', s, start, '+', 'COUNT', EXPIRE_SCAN)
+    local expired = 0
+    for _, e in ipairs(waiting) do
+      if expire(e[1], e[2]) then expired = expired + 1 end
+    end
+    if #waiting < EXPIRE_SCAN then  -- the end: the next sweep starts again at the head
+      redis.call('DEL', cursor_key)
+      return
+    end
+    start = '(' .. waiting[#waiting][1]
+    if expired < #waiting then break end
   end
+  redis.call('SET', cursor_key, string.sub(start, 2))
 end
 
 -- Reap every node whose liveness key expired. Returns the number of flows released.
