@@ -13,7 +13,7 @@ from proton.utils import BlockingConnection
 
 from gateway.broker import Broker
 from gateway.config import Settings
-from gateway.engine import keys
+from gateway.engine import flows, keys
 from gateway.engine.queues import DEAD_MESSAGE_QUEUE, QueueConfig, QueueError
 from gateway.model import DEAD_LETTER_REASON, Delivery, Message
 from protocols.amqp.listener import start as start_amqp
@@ -233,6 +233,62 @@ async def test_browsing_sees_sorted_order_and_takes_nothing(broker: Broker) -> N
     await broker.bind("sq", got.append)
     await wait_for(lambda: len(got) == 4)
     assert payloads(got) == [b"a", b"b", b"c", b"d"]
+
+
+@pytest.mark.parametrize("kind", ["browser", "non-destructive"])
+async def test_a_message_sorting_before_a_browsers_place_still_reaches_it(
+    broker: Broker, kind: str
+) -> None:
+    """A message that arrives with a key before what a browser (or a non-destructive
+    queue's consumer, which browses) has read is on the queue: it reaches the browser, as
+    Qpid's sorted queue moves its browsers back. It never did, while one bound later saw
+    it."""
+    non_destructive = kind == "non-destructive"
+    await sorted_queue(broker, non_destructive=non_destructive)
+    await broker.publish(keyed("m", "m"))
+    got: list[Delivery] = []
+    await broker.bind("sq", got.append, browse=not non_destructive)
+    await wait_for(lambda: len(got) == 1)
+    for key in "azb":
+        await broker.publish(keyed(key, key))
+    await wait_for(lambda: len(got) == 4)
+    await asyncio.sleep(0.2)
+    assert sorted(payloads(got)) == [b"a", b"b", b"m", b"z"] and len(got) == 4
+    late: list[Delivery] = []
+    await broker.bind("sq", late.append, browse=not non_destructive)
+    await wait_for(lambda: len(late) == 4)
+    assert payloads(late) == [b"a", b"b", b"m", b"z"]
+
+
+async def test_late_arrivals_past_a_page_all_reach_a_browser(broker: Broker) -> None:
+    """More late messages than a browse page looks at arrive at once: the browser goes on
+    until it has looked at them all, with no new message to wake it."""
+    await sorted_queue(broker)
+    await broker.publish(keyed("z", "z"))
+    got: list[Delivery] = []
+    await broker.bind("sq", got.append, browse=True, window=1000)
+    await wait_for(lambda: len(got) == 1)
+    futures = [broker.publish_nowait(keyed(f"a{i:04}", f"a{i:04}")) for i in range(700)]
+    await asyncio.gather(*futures)
+    await wait_for(lambda: len(got) == 701, timeout=5)
+    assert sorted(payloads(got)[1:]) == [b"a%04d" % i for i in range(700)]
+
+
+async def test_a_sorted_browser_at_its_held_limit_misses_none(
+    broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At its limit of held messages a sorted queue's browser stops at the next held one
+    until some are due, as another queue's does (it went past it: never seen)."""
+    monkeypatch.setattr(flows, "MAX_HELD_BROWSED", 2)
+    await sorted_queue(broker)
+    due = int(time.time() * 1000) + 600
+    for key in "abc":
+        await broker.publish(keyed(f"held-{key}", key, not_before=due))
+    await broker.publish(keyed("plain-d", "d"))
+    seen: list[Delivery] = []
+    await broker.bind("sq", seen.append, browse=True)
+    await wait_for(lambda: len(seen) == 4, timeout=5)
+    assert sorted(payloads(seen)) == [b"held-a", b"held-b", b"held-c", b"plain-d"]
 
 
 async def test_selector_consumer_takes_matches_in_sorted_order(broker: Broker) -> None:

@@ -30,7 +30,7 @@ A bind asks for a rebalance after the queue's rebalance delay, which coalesces b
 Sorted queues (`QueueConfig.sort_key`): a fetch takes the waiting messages lowest in the
 queue's key order (see functions.lua). A browser pages through that order, its cursor a
 place in it; it sees the messages waiting, not those delivered and not yet settled, and
-misses one that arrives later with a key before its cursor.
+one that arrives later with a key before its cursor as it arrives (gw_browse's late ones).
 """
 
 from __future__ import annotations
@@ -117,6 +117,7 @@ class Flow:
     __slots__ = (
         "_dispatcher",
         "active",
+        "arrivals",
         "browse",
         "closed",
         "created",
@@ -189,6 +190,7 @@ class Flow:
         self.listed = False
         self.created: bytes = b""  # the created_ms of the queue it bound to (gw_bind)
         self.cursor: str | bytes = "0-0"  # browsing: the last entry (sorted: index member) seen
+        self.arrivals: str | bytes = ""  # browsing a sorted queue: the last entry seen arrive
         self.replay_since = 0  # browsing: epoch ms of the replay period's start (0: all)
         self.held: dict[str, int] = {}  # browsing: entries seen held -> delivery time (ms)
         self.held_timer: asyncio.TimerHandle | None = None  # wakes it when the first is due
@@ -830,6 +832,7 @@ class Dispatcher:
                         flow.cursor,
                         page,
                         flow.replay_since,
+                        flow.arrivals,
                         *due,
                     )
                 )
@@ -1064,32 +1067,34 @@ class Dispatcher:
                 log.exception("on_empty callback of flow %s failed", flow.id)
 
     def _deliver_browsed(self, fetch: _Fetch, reply: list) -> None:
-        """A browse reply: the held entries asked for again, then a page (see gw_browse)."""
+        """A browse reply: the held entries asked for again, (sorted) the late ones, then a
+        page (see gw_browse)."""
         flow = fetch.flow
-        if reply[0] == b"sorted":  # a sorted queue: the cursor is a place in its key order
-            first = 3
-        elif reply[0] == b"ok":
-            first = 2
-        else:
-            self._fetch_refused(fetch, reply[0].decode())
+        status = reply[0]
+        if status not in (b"ok", b"sorted"):
+            self._fetch_refused(fetch, status.decode())
             return
         if flow.closed:
             return
-        if first == 3:
-            flow.cursor = reply[1]
-        page = first + 3 * int(reply[first - 1])
+        ordered = status == b"sorted"  # a sorted queue: entries named by index members
+        if ordered:
+            flow.arrivals = reply[1]
+        again = 4 if ordered else 2
+        late = again + 3 * int(reply[again - 1])
+        page = late + 1 + 3 * int(reply[late]) if ordered else late
         entries = (len(reply) - page) // 3
         stopped = False
-        for i in range(first, len(reply), 3):
-            entry_id = reply[i].decode()
-            blob, meta = reply[i + 1], reply[i + 2]
-            if i < page:
+        lates = range(late + 1, page, 3) if ordered else range(0)
+        for i in itertools.chain(range(again, late, 3), lates, range(page, len(reply), 3)):
+            name, blob, meta = reply[i], reply[i + 1], reply[i + 2]
+            entry_id = _member_id(name) if ordered and i >= late else name.decode()
+            if i < late:
                 flow.held.pop(entry_id, None)
-            elif not blob and meta and len(flow.held) >= MAX_HELD_BROWSED and first == 2:
-                stopped = True  # seen again from here once some held ones are due
-                break
-            if i >= page and first == 2:
-                flow.cursor = entry_id
+            elif i >= page:
+                if not blob and meta and len(flow.held) >= MAX_HELD_BROWSED:
+                    stopped = True  # seen again from here once some held ones are due
+                    break
+                flow.cursor = name if ordered else entry_id
             if not blob:
                 if meta:  # held until then
                     if len(flow.held) < MAX_HELD_BROWSED:
@@ -1116,7 +1121,8 @@ class Dispatcher:
             self._wake_when_due(flow)
         if stopped:
             return
-        if entries >= fetch.count - (page - first) // 3:  # a full page: there may be more
+        full = entries >= fetch.count - (late - again) // 3
+        if full or (ordered and reply[2] == 1):  # there may be more
             if flow.space > 0:
                 self._want[flow] = None
         else:
@@ -1374,6 +1380,12 @@ def _known(fetch: _Fetch) -> list[str]:
         return list(fetch.flow.unacked)
     prefix = f"{fetch.partition}/"
     return [e[len(prefix) :] for e in fetch.flow.unacked if e.startswith(prefix)]
+
+
+def _member_id(member: bytes) -> str:
+    """The entry id a sorted queue's index member names (sort_member in functions.lua:
+    it ends with the id's two numbers, zero-padded to 20 digits and joined by '-')."""
+    return f"{int(member[-41:-21])}-{int(member[-20:])}"
 
 
 def _due_held(flow: Flow, limit: int) -> list[str]:

@@ -2124,9 +2124,10 @@ local function browse_again(out, s, a, first, now, kept, last)
 end
 
 -- ARGV: queue, flow (a consumer of a non-destructive queue, registered by gw_bind; '' for
--- a browser of another queue, registered nowhere), cursor (an entry id), count, since
--- (epoch ms: replay period start, or 0), then the ids of entries this browser saw held
--- that are due now.
+-- a browser of another queue, registered nowhere), cursor (an entry id; sorted: an index
+-- member), count, since (epoch ms: replay period start, or 0), arrivals (sorted: the last
+-- stream entry id seen arrive, '' at first; else ''), then the ids of entries this
+-- browser saw held that are due now.
 -- Browsing: up to `count` messages on the queue after `cursor`, oldest first, without
 -- taking them: {'ok', n, the n entries asked for again, then the page: id, blob, meta,
 -- ...} (see `browsed`). Settled entries kept for stream readers and expired entries are
@@ -2135,19 +2136,45 @@ end
 -- registered (its node was presumed dead): it binds again, or the last consumer of an
 -- auto-delete queue to go would delete it while this one browses.
 -- A sorted queue is browsed in its order, over the entries waiting on it (those delivered
--- and not yet settled are not shown): {'sorted', cursor (the last index member seen), n,
--- ...}. A message sorting before the cursor that arrives later is not shown.
+-- and not yet settled are not shown): {'sorted', arrivals, behind (1: more may have
+-- arrived), n, the n asked for again, m, the m late ones, then the page}, the late and
+-- the page's entries named by their index members. Late ones arrived since `arrivals`
+-- (`count` of the arrivals looked at a call) with a key sorting before the cursor:
+-- the browser sees them though it has passed their place, as Qpid's sorted queue moves
+-- its browsers back.
 local function browse_sorted(q, s, cursor, count, since, a)
   admit_sorted(q)
-  local start = cursor == '0-0' and '-' or '(' .. cursor
-  local members = redis.call('ZRANGE', k_queue_sorted(q), start, '+', 'BYLEX', 'LIMIT', 0, count)
-  local out = { 'sorted', members[#members] or cursor }
+  local idx = k_queue_sorted(q)
   local now = now_ms()
-  browse_again(out, s, a, 6, now)
-  for _, m in ipairs(members) do
+  local function shown(id) return not (since > 0 and id_less(id, since .. '-0')) end
+  local arrivals, behind = a[6], 0
+  local late = {}
+  if arrivals == '' then  -- what is stored now, the pages show
+    local newest = redis.call('XREVRANGE', s, '+', '-', 'COUNT', 1)[1]
+    arrivals = newest and newest[1] or '0-0'
+  else
+    local arrived = redis.call('XRANGE', s, '(' .. arrivals, '+', 'COUNT', count)
+    if #arrived == count then behind = 1 end  -- more may have arrived
+    for _, e in ipairs(arrived) do
+      arrivals = e[1]
+      local m = sort_member(e[1], entry_field(e[2], 'sk'))
+      -- waiting, before the cursor (in the index's byte order: Lua's `<` follows the locale)
+      if cursor ~= '0-0'
+        and redis.call('ZRANGE', idx, '[' .. m, '(' .. cursor, 'BYLEX', 'LIMIT', 0, 1)[1] == m
+      then
+        late[#late + 1] = { m, e }
+      end
+    end
+  end
+  local out = { 'sorted', arrivals, behind }
+  browse_again(out, s, a, 7, now)
+  out[#out + 1] = #late
+  for _, l in ipairs(late) do browsed(out, l[1], l[2][2], shown(l[2][1]), now) end
+  local start = cursor == '0-0' and '-' or '(' .. cursor
+  for _, m in ipairs(redis.call('ZRANGE', idx, start, '+', 'BYLEX', 'LIMIT', 0, count)) do
     local id = member_id(m)
     local e = redis.call('XRANGE', s, id, id)
-    browsed(out, id, e[1] and e[1][2], not (since > 0 and id_less(id, since .. '-0')), now)
+    browsed(out, m, e[1] and e[1][2], shown(id), now)
   end
   return out
 end
@@ -2172,7 +2199,7 @@ register_always('gw_browse', function(_, a)
   local last = kept and last_delivered(s)
   local now = now_ms()
   local out = { 'ok' }
-  browse_again(out, s, a, 6, now, kept, last)
+  browse_again(out, s, a, 7, now, kept, last)
   local start = '(' .. cursor
   if cursor == '0-0' then start = '-' end
   local entries = redis.call('XRANGE', s, start, '+', 'COUNT', count)
