@@ -130,11 +130,14 @@ class FramedTransport:
 
     def _shut(self) -> None:
         """Close the socket; abort it when the client still has bytes of ours unread (a
-        close waits for them, for ever from a client that stopped reading)."""
-        if self.socket.get_write_buffer_size():
-            self.socket.abort()
+        close waits for them, for ever from a client that stopped reading), or over TLS:
+        a client that did not answer the close frame would not answer the TLS close either,
+        and waiting for that delayed its will and takeover by another second."""
+        socket = self.socket
+        if socket.get_write_buffer_size() or socket.get_extra_info("sslcontext") is not None:
+            socket.abort()
         else:
-            self.socket.close()
+            socket.close()
 
     def abort(self) -> None:
         self.socket.abort()
