@@ -13,10 +13,11 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
 
-from gateway.engine import library
+from gateway.engine import keys, library
 from gateway.engine.flows import Dispatcher
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,33 @@ class NodeLiveness:
         """Whether other nodes still count this node alive: its latest beat renewed its
         liveness key less than a TTL ago. Past that they take its flows over."""
         return time.monotonic() - self.last_beat < self.ttl_ms / 1000
+
+    async def outlived(self, flows: Callable[[], Awaitable[list[str]]]) -> list[str]:
+        """The flows `flows()` lists once those of crashed nodes are gone: a node killed
+        holds its flows until its liveness key expires and a reaper releases them. Waits
+        for that while no node of them renews its key, so a client reconnecting after a
+        crash is not refused for its own dead link; a live node's flows are returned at
+        its next beat, this node's at once."""
+        last: dict[str, int] = {}  # node -> its liveness key's ms to live, as last read
+        expired: dict[str, float] = {}  # node -> when its key was first seen gone
+        while listed := await flows():
+            nodes = sorted({flow.partition(".")[0] for flow in listed})
+            if self.node_id in nodes:
+                return listed
+            pipe = self._redis.pipeline(transaction=False)
+            for node in nodes:
+                pipe.pttl(keys.node_alive(node))
+            now = time.monotonic()
+            for node, left in zip(nodes, await pipe.execute(), strict=True):
+                if left == -2:  # expired: a reaper releases its flows at its next beat
+                    if now - expired.setdefault(node, now) > 3 * self.interval:
+                        return listed  # not reaped (Redis's grace after a restart)
+                elif left < 0 or left > last.get(node, left):  # renewed: it beats
+                    return listed
+                else:
+                    last[node] = left
+            await asyncio.sleep(self.interval / 2)
+        return []
 
     async def start(self) -> None:
         await self._redis.fcall("gw_node_up", 0, self.node_id, self.ttl_ms)

@@ -53,7 +53,7 @@ from cproton_ffi import ffi, lib
 from proton import Link, Terminus
 
 from gateway.acl import TopicAccess
-from gateway.broker import BindError, Flow, QueueConfig, QueueError, QueueInfo
+from gateway.broker import BindError, Flow, QueueConfig, QueueError
 from gateway.engine.queues import ADAPTER_QUEUE_MESSAGE_SIZE, subscription_queue
 from gateway.engine.selection import matches, redelivery_selector
 from gateway.model import Delivery as GatewayDelivery
@@ -262,7 +262,7 @@ class Outbound(Endpoint):
         except QueueError:
             self.refuse(NOT_FOUND, f"no durable subscription named {self.link.name!r}")
             return None
-        self._check_unused(info)
+        await self._check_unused(name)
         self.durable = name
         return name, False, info.subscriptions[0][0] if info.subscriptions else None
 
@@ -328,7 +328,7 @@ class Outbound(Endpoint):
             same = info.config.subscription_selector == config.subscription_selector
             same = same and info.subscriptions == wanted
             if not (sub.shared and same):  # a shared one is joined
-                self._check_unused(info)
+                await self._check_unused(name)
             if same:
                 await broker.queues.lift_earlier_size_limit(name, info.config.max_message_size)
                 return name  # the bind checks whose it is
@@ -341,12 +341,18 @@ class Outbound(Endpoint):
             raise
         return name
 
-    def _check_unused(self, info: QueueInfo) -> None:
+    async def _check_unused(self, name: str) -> None:
         """A durable subscription has one link at a time (§2.6.1: a link name names one
         link; JMS: an unshared durable subscription has one active consumer, and is neither
         changed nor removed while it has one): QueueError 'resource_locked' while another
-        link consumes from it."""
-        if info.flows:
+        link consumes from it. A link of a crashed node is none: its client, reconnecting
+        (to this node, or to the node started again), waits until it is released."""
+        broker = self.host.broker
+
+        async def flows() -> list[str]:
+            return (await broker.queues.info(name)).flows
+
+        if await broker.liveness.outlived(flows):
             raise QueueError(
                 "resource_locked", f"durable subscription {self.link.name!r} is in use"
             )
