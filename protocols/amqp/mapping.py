@@ -33,7 +33,8 @@ what AMQP receivers get of other publishers' messages.
 |                  | unless a consumer acquired it before (released: uncounted)       |
 | dmq_eligible     | message-annotation x-opt-dmq-eligible (bool, ingress)            |
 | not_before       | message-annotation x-opt-delivery-time / x-qpid-not-valid-before |
-|                  | (epoch ms, ingress): held in the queue until then                |
+|                  | (epoch ms, ingress), or x-opt-delivery-delay (ms from arrival):   |
+|                  | held in the queue until then                                     |
 | annotations      | message-annotations on egress (x-origin-queue, x-dmq-reason on   |
 |                  | messages from a dead message queue), with an AMQP publisher's    |
 |                  | own (Message.amqp_annotations) under other names                 |
@@ -59,7 +60,6 @@ MAX_TTL_S = 0xFFFFFFFF / 1000  # header.ttl is a uint of milliseconds
 JMS_DEST = symbol("x-opt-jms-dest")
 AMQP_VALUE = "x-amqp-value"  # annotation keeping an amqp-value body that is not str or bytes
 JMS_QUEUE, JMS_TOPIC = byte(0), byte(1)
-NOT_BEFORE = ("x-opt-delivery-time", "x-qpid-not-valid-before")
 
 
 class BodyError(ValueError):
@@ -149,15 +149,7 @@ def decode(data: bytes, publisher: Publisher) -> Ingress:
     if annotations:
         start, end = framing.section_span(data, framing.MESSAGE_ANNOTATIONS)
         msg.amqp_annotations = bytes(data[start:end])
-    eligible = annotations.get("x-opt-dmq-eligible")
-    if isinstance(eligible, bool):
-        msg.dmq_eligible = eligible
-    not_before = next((annotations[k] for k in NOT_BEFORE if k in annotations), None)
-    if isinstance(not_before, int) and not isinstance(not_before, bool):
-        msg.not_before = int(not_before)
-    sections.jms_topic_reply_to(msg, annotations)
-    jms_dest = annotations.get("x-opt-jms-dest")
-    return Ingress(msg, amqp.address or None, jms_dest if isinstance(jms_dest, int) else None)
+    return Ingress(msg, amqp.address or None, sections.annotated(msg, annotations))
 
 
 def from_delivery(delivery: Delivery) -> AmqpMessage:

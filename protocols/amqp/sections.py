@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import struct
 import time
+from typing import TypeGuard
 from uuid import UUID
 
 from gateway.model import (
@@ -351,15 +352,29 @@ def _decode(data: bytes, publisher: Publisher) -> tuple[Message, str | None, int
     if not annotations:
         return msg, to or None, None
     msg.amqp_annotations = data[annotations_span[0] : annotations_span[1]]
+    return msg, to or None, annotated(msg, annotations)
+
+
+def annotated(msg: Message, annotations: dict[str, object]) -> int | None:
+    """What the message annotations set in the model (DMQ eligibility, a delivery time, a
+    topic reply-to); their x-opt-jms-dest, if any."""
     eligible = annotations.get("x-opt-dmq-eligible")
     if isinstance(eligible, bool):
         msg.dmq_eligible = eligible
     not_before = annotations.get("x-opt-delivery-time", annotations.get("x-qpid-not-valid-before"))
-    if isinstance(not_before, int) and not isinstance(not_before, bool):
-        msg.not_before = not_before
+    delay = annotations.get("x-opt-delivery-delay")  # Artemis's clients: ms from now
+    if _integer(not_before):
+        msg.not_before = int(not_before)
+    elif _integer(delay) and delay > 0:
+        msg.not_before = int(time.time() * 1000) + delay
     jms_topic_reply_to(msg, annotations)
     jms_dest = annotations.get("x-opt-jms-dest")
-    return msg, to or None, jms_dest if isinstance(jms_dest, int) else None
+    return jms_dest if _integer(jms_dest) else None
+
+
+def _integer(value: object) -> TypeGuard[int]:
+    """An AMQP integer (of any width): not a boolean, which Python counts as one."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 JMS_TOPICS = (1, 3)  # x-opt-jms-dest, x-opt-jms-reply-to: a topic, a temporary topic
