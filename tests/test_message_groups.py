@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
 from gateway.broker import Broker
+from gateway.engine import library
 from gateway.engine.flows import Flow
-from gateway.engine.queues import QueueConfig, QueueError
+from gateway.engine.queues import DEAD_MESSAGE_QUEUE, QueueConfig, QueueError
 from gateway.model import Delivery, Message
 from tests.test_engine import wait_for
 
@@ -166,6 +168,120 @@ async def test_an_empty_group_id_is_no_group_in_a_grouped_dead_message_queue(
     await broker.bind("dlq", got_d.append, window=10)
     await wait_for(lambda: len(got_c) + len(got_d) == 4)
     assert sorted((len(got_c), len(got_d))) == [1, 3], "no group: each takes what it has room for"
+
+
+async def test_a_starved_consumer_looks_again_when_the_others_take_a_few_and_stop(
+    redis_url: str,
+) -> None:
+    """The busy consumer takes its prefetch more and works on it slowly: the other group's
+    message comes in the starved consumer's reach without a wake (a countdown of a
+    window's worth of takes left it to the idle poll, 10 s here)."""
+    client = await library.connect(redis_url)
+    node = Broker(client, heartbeat=1.0, node_ttl=5.0)
+    await node.start()
+    try:
+        await node.declare_queue(QueueConfig(name="g", message_groups="default"))
+        a, got_a = await consumer(node, window=10)
+        for i in range(80):
+            node.publish_nowait(grouped("busy", f"{i}"))
+        await node.publish(grouped("other", "o0"))
+        await wait_for(lambda: len(got_a) == 10)
+        _b, got_b = await consumer(node, window=10)
+        await asyncio.sleep(0.3)  # b looked at 64 waiting: all busy's
+        assert got_b == []
+        for d in list(got_a):
+            a.ack(d.entry_id)
+        await wait_for(lambda: len(got_a) == 20)  # 60 busy and o0 wait: in b's reach
+        await wait_for(lambda: got_b != [], timeout=3)
+        assert [d.message.payload for d in got_b] == [b"o0"]
+    finally:
+        await node.stop()
+        await client.aclose()
+
+
+async def test_a_starved_consumer_looks_again_when_the_others_messages_expire(
+    redis_url: str,
+) -> None:
+    """The busy group's waiting messages expire: no fetch takes them, and the other
+    group's message, the only one left, reaches the starved consumer all the same."""
+    client = await library.connect(redis_url)
+    node = Broker(client, heartbeat=1.0, node_ttl=5.0)
+    await node.start()
+    try:
+        await node.declare_queue(QueueConfig(name="g", message_groups="default"))
+        _a, got_a = await consumer(node, window=1)
+        await node.publish(grouped("busy", "first"))
+        await wait_for(lambda: len(got_a) == 1)  # a holds busy: works on it for long
+        expires = int(time.time() * 1000) + 700
+        for i in range(80):
+            message = grouped("busy", f"{i}")
+            message.expiration = expires
+            node.publish_nowait(message)
+        await node.publish(grouped("other", "o0"))
+        _b, got_b = await consumer(node, window=10)
+        await asyncio.sleep(0.3)
+        assert got_b == []
+        await wait_for(lambda: got_b != [], timeout=4)  # the sweep: each heartbeat (1 s)
+        assert [d.message.payload for d in got_b] == [b"o0"]
+    finally:
+        await node.stop()
+        await client.aclose()
+
+
+async def test_idle_consumers_of_a_busy_groups_backlog_cost_little(broker: Broker) -> None:
+    """Starved consumers look again now and then, not at each of the busy one's fetches
+    (each woken one looked at its window again: 150 times the Redis reads of the busy
+    consumer alone, with three idle ones)."""
+    await broker.declare_queue(QueueConfig(name="g", message_groups="default"))
+
+    async def reads_to_drain(group: str, idle: int) -> int:
+        for i in range(300):
+            broker.publish_nowait(grouped(group, f"{i}"))
+        busy, got = await consumer(broker, window=1)
+        await wait_for(lambda: len(got) == 1)  # it holds the group now
+        idlers = [(await consumer(broker, window=5))[0] for _ in range(idle)]
+        await asyncio.sleep(0.3)
+        before = (await broker.redis.info("commandstats"))["cmdstat_xrange"]["calls"]
+        done = 0
+        while done < 300:
+            for d in got[done:]:
+                busy.ack(d.entry_id)
+            done = len(got)
+            await asyncio.sleep(0.005)
+        after = (await broker.redis.info("commandstats"))["cmdstat_xrange"]["calls"]
+        for flow in (busy, *idlers):
+            await flow.close()
+        return after - before
+
+    alone = await reads_to_drain("g1", 0)
+    crowded = await reads_to_drain("g2", 3)
+    assert crowded < 6 * alone, (alone, crowded)
+
+
+async def test_a_group_freed_as_its_last_message_goes_to_the_dmq_wakes_its_next_consumer(
+    broker: Broker,
+) -> None:
+    """Shared mode: the message a consumer gave back after its last allowed delivery goes
+    to the dead message queue and frees its group: the consumer waiting for the group's
+    next message gets it at once, not at the idle poll."""
+    await broker.declare_queue(QueueConfig(name=DEAD_MESSAGE_QUEUE))
+    await broker.declare_queue(QueueConfig(name="g", max_redelivery=1, message_groups="shared"))
+    first = grouped("G", "m1")
+    first.dmq_eligible = True
+    await broker.publish(first)
+    await broker.publish(grouped("G", "m2"))
+    a, got_a = await consumer(broker, window=1)
+    await wait_for(lambda: len(got_a) == 1)
+    a.requeue(got_a[0].entry_id)  # its first delivery failed
+    await wait_for(lambda: len(got_a) == 2)
+    _b, got_b = await consumer(broker, window=5)
+    await asyncio.sleep(0.3)
+    assert got_b == [], "the group is a's while it holds m1"
+    a.requeue(got_a[1].entry_id)  # its last allowed delivery failed: dead
+    await a.close()
+    await wait_for(lambda: len(got_b) == 1, timeout=0.8)  # the idle poll: 2 s here
+    assert got_b[0].message.payload == b"m2"
+    assert (await broker.queues.info(DEAD_MESSAGE_QUEUE)).messages == 1
 
 
 async def test_messages_without_a_group_go_to_anyone_in_default_mode(broker: Broker) -> None:

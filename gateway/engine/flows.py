@@ -80,6 +80,11 @@ FETCH_RETRY = 1.0  # seconds
 # cursor stops at the next one until some are due.
 MAX_HELD_BROWSED = 10_000
 HELD_RECHECK = 0.01  # seconds: the least wait for a due one (Redis's clock may lag the node's)
+# A grouped queue's consumer that found only others' groups in reach looks again after
+# this long, doubled each time it still does, up to STARVED_RECHECK_MAX: one of its own
+# comes in reach as the others take theirs or they expire, which wakes nobody.
+STARVED_RECHECK = 0.05  # seconds
+STARVED_RECHECK_MAX = 2.0
 
 # gw_fetch adds this to a delivery count when the entry was acquired before without the
 # delivery counting (see ACQUIRED in functions.lua)
@@ -143,6 +148,7 @@ class Flow:
         "replay_since",
         "selector",
         "share",
+        "starved",
         "turns",
         "unacked",
         "wakes",
@@ -194,6 +200,7 @@ class Flow:
         self.replay_since = 0  # browsing: epoch ms of the replay period's start (0: all)
         self.held: dict[str, int] = {}  # browsing: entries seen held -> delivery time (ms)
         self.held_timer: asyncio.TimerHandle | None = None  # wakes it when the first is due
+        self.starved = 0  # fetches in a row that found only others' groups (STARVED_RECHECK)
 
     @property
     def space(self) -> int:
@@ -947,6 +954,7 @@ class Dispatcher:
             return
         if flow.closed:
             return  # closed while fetching: its pending unbind returns these entries
+        flow.starved = 0
         got = (len(reply) - 2) // 4 + int(reply[1])  # delivered + dead-lettered instead
         self._hand_out(fetch, reply)
         if flow.closed:
@@ -1216,6 +1224,11 @@ class Dispatcher:
             self._queue_gone(flow)
         elif status == "egress":  # paused until the queue's config changes (a 'qcfg' event
             self._empty(flow)  # wakes it): nothing for now, which a drain is told
+        elif status == "starved":
+            self._empty(flow)
+            delay = min(STARVED_RECHECK * 2**flow.starved, STARVED_RECHECK_MAX)
+            flow.starved = min(flow.starved + 1, 6)  # 0.05 s doubled past 2 s by then
+            asyncio.get_running_loop().call_later(delay, self.wake, flow)
         elif status in BIND_REFUSALS and not flow.closed:  # as its bind would be refused now
             self._end_flow(flow, BIND_REFUSALS[status][1])
 

@@ -1845,6 +1845,9 @@ local function fetch_grouped(q, s, flow, count, mode, default_group, lim, out)
       end
     end
   end
+  -- every entry looked at is another's, and more wait: the flow looks again soon (see
+  -- flows.py), as one of its own may come in reach as the others take theirs or expire
+  if taken == 0 and #held == scan and out[2] == 0 then out[1] = 'starved' end
 end
 
 -- Take entry `id` for `flow` if it waits in the holding consumer (else another flow took it
