@@ -178,6 +178,44 @@ async def test_a_stopping_node_refuses_the_publishes_it_holds_and_stores_none_la
         await client.aclose()
 
 
+def keyed(payload: str, priority: int, key: str) -> Message:
+    message = msg(payload, priority)
+    message.partition_key = key
+    return message
+
+
+@pytest.mark.parametrize("kind", ["priority", "partitioned"])
+async def test_flow_control_blocks_a_whole_priority_or_partitioned_queue(
+    broker: Broker, kind: str
+) -> None:
+    """Blocked, the whole queue holds its publishers until it drains below resume_percent,
+    as a plain one does: its priority levels or partitions are not blocked one by one (a
+    publisher of another level was taken up to the limit each time a consumer settled
+    one, and the one held waited for good)."""
+    shape = {"priorities": True} if kind == "priority" else {"partition_count": 2}
+    await broker.declare_queue(
+        QueueConfig(name="q", max_messages=5, overflow="flow_control", resume_percent=40, **shape)
+    )
+    first = [broker.publish_nowait(keyed(f"a{i}", 4, "a")) for i in range(6)]
+    await asyncio.sleep(0.3)
+    assert [f.done() for f in first] == [True] * 5 + [False], "the 6th is held: blocked"
+    assert partition_of("a", 2) != partition_of("d", 2)
+    later = broker.publish_nowait(keyed("d", 9, "d"))  # another level (or partition)
+    await asyncio.sleep(0.3)
+    assert not later.done(), "held too: the queue is blocked"
+    got: list[Delivery] = []
+    flow = await broker.bind("q", got.append, window=10)
+    await wait_for(lambda: len(got) == 5)
+    flow.ack(got[0].entry_id)  # depth 4: not below 40% of 5, still blocked
+    await asyncio.sleep(0.3)
+    assert not first[5].done() and not later.done()
+    for d in got[1:4]:
+        flow.ack(d.entry_id)  # depth 1: publishing resumes
+    await wait_for(lambda: first[5].done() and later.done(), timeout=5)
+    assert first[5].result() is Outcome.OK and later.result() is Outcome.OK
+    await flow.close()
+
+
 async def test_flow_control_keeps_order_with_batches_in_flight(broker: Broker) -> None:
     """Publishes keep coming while the queue blocks and resumes, in batches that overlap
     in flight: the consumer still sees them in the order they were published."""

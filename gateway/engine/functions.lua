@@ -992,15 +992,26 @@ local function spool_target(name, families)
   end
   info.overflow = c[11] or 'reject'
   -- producer flow control: blocked until below the resume level (or another overflow
-  -- policy is set: publishers get its answer at once)
-  if st[3] == '1' then
+  -- policy is set: publishers get its answer at once). A partition or priority level is
+  -- blocked with its whole queue (the mark is the parent's: a child's own is an earlier
+  -- release's, which held only the publishers of the level that crossed the limit)
+  local blocked = st[3]
+  info.blocked_stats = k_queue_stats(name)
+  if info.partitions > 0 or info.prioritised then
+    blocked = false  -- the parent a publish names: its partition or level judges the mark
+  elseif c[6] then
+    if blocked then redis.call('HDEL', info.blocked_stats, 'blocked') end
+    info.blocked_stats = k_queue_stats(c[6])
+    blocked = redis.call('HGET', info.blocked_stats, 'blocked')
+  end
+  if blocked == '1' then
     local resume = (tonumber(c[12]) or 80) / 100
     local u = info.usage
     if info.overflow == 'flow_control' and ((info.maxmsgs > 0 and u.count >= info.maxmsgs * resume)
         or (info.maxbytes > 0 and u.bytes >= info.maxbytes * resume)) then
       info.blocked = true
     else
-      redis.call('HDEL', k_queue_stats(name), 'blocked')
+      redis.call('HDEL', info.blocked_stats, 'blocked')
     end
   end
   return info
@@ -1595,7 +1606,7 @@ local function spool(a, marks)
           elseif q.overflow == 'flow_control' then
             code = hold_for_node(q)
             q.blocked = true
-            redis.call('HSET', k_queue_stats(q.name), 'blocked', '1')
+            redis.call('HSET', q.blocked_stats, 'blocked', '1')
           elseif q.maxbytes > 0 and q.usage.bytes + bytes > q.maxbytes then code = QUOTA_EXCEEDED
           else code = QUEUE_FULL end
         else
