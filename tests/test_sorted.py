@@ -274,6 +274,50 @@ async def test_late_arrivals_past_a_page_all_reach_a_browser(broker: Broker) -> 
     assert sorted(payloads(got)[1:]) == [b"a%04d" % i for i in range(700)]
 
 
+@pytest.mark.parametrize("kind", ["browser", "non-destructive"])
+async def test_a_sorted_browser_sees_each_message_once(broker: Broker, kind: str) -> None:
+    """More messages arrive than a browse page looks at while the browser waits for room,
+    later ones sorting before earlier ones: each reaches it once (a page showed ones the
+    arrivals had not reached yet, which came again as late ones)."""
+    non_destructive = kind == "non-destructive"
+    await sorted_queue(broker, non_destructive=non_destructive)
+    await broker.publish(keyed("a", "a"))
+    got: list[Delivery] = []
+    flow = await broker.bind("sq", got.append, browse=not non_destructive, window=1)
+    await wait_for(lambda: len(got) == 1)
+    for key in [f"z{i}" for i in range(5)] + [f"m{i}" for i in range(5)]:
+        await broker.publish(keyed(key, key))
+    acked = 0
+    deadline = time.monotonic() + 5
+    while len(got) < 11 and time.monotonic() < deadline:  # settles one at a time
+        while acked < len(got):
+            flow.ack(got[acked].entry_id)
+            acked += 1
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0.3)
+    expected = [b"a"] + [b"z%d" % i for i in range(5)] + [b"m%d" % i for i in range(5)]
+    assert sorted(payloads(got)) == sorted(expected)
+
+
+async def test_late_held_arrivals_reach_a_sorted_browser_at_its_held_limit(
+    broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Held messages arriving with keys before a browser's place while it is at its held
+    limit: it stops at the first it cannot keep and sees them once due (they were missed)."""
+    monkeypatch.setattr(flows, "MAX_HELD_BROWSED", 2)
+    await sorted_queue(broker)
+    await broker.publish(keyed("m", "m"))
+    got: list[Delivery] = []
+    await broker.bind("sq", got.append, browse=True)
+    await wait_for(lambda: len(got) == 1)
+    due = int(time.time() * 1000) + 600
+    for key in "abc":
+        await broker.publish(keyed(f"held-{key}", key, not_before=due))
+    await wait_for(lambda: len(got) == 4, timeout=5)
+    await asyncio.sleep(0.2)
+    assert sorted(payloads(got)) == [b"held-a", b"held-b", b"held-c", b"m"]
+
+
 async def test_a_sorted_browser_at_its_held_limit_misses_none(
     broker: Broker, monkeypatch: pytest.MonkeyPatch
 ) -> None:

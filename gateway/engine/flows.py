@@ -1096,10 +1096,16 @@ class Dispatcher:
         for i in itertools.chain(range(again, late, 3), lates, range(page, len(reply), 3)):
             name, blob, meta = reply[i], reply[i + 1], reply[i + 2]
             entry_id = _member_id(name) if ordered and i >= late else name.decode()
+            at_limit = not blob and meta and len(flow.held) >= MAX_HELD_BROWSED
             if i < late:
                 flow.held.pop(entry_id, None)
-            elif i >= page:
-                if not blob and meta and len(flow.held) >= MAX_HELD_BROWSED:
+            elif i < page:  # late: seen again from here (an arrival) once some are due
+                if at_limit:
+                    flow.arrivals = _just_before(entry_id)
+                    stopped = True
+                    break
+            else:
+                if at_limit:
                     stopped = True  # seen again from here once some held ones are due
                     break
                 flow.cursor = name if ordered else entry_id
@@ -1393,6 +1399,12 @@ def _known(fetch: _Fetch) -> list[str]:
         return list(fetch.flow.unacked)
     prefix = f"{fetch.partition}/"
     return [e[len(prefix) :] for e in fetch.flow.unacked if e.startswith(prefix)]
+
+
+def _just_before(entry_id: str) -> str:
+    """The stream id just before `entry_id`: a range starting after it takes that entry."""
+    ms, seq = (int(part) for part in entry_id.split("-"))
+    return f"{ms}-{seq - 1}" if seq else f"{ms - 1}-{2**64 - 1}"
 
 
 def _member_id(member: bytes) -> str:

@@ -2155,7 +2155,7 @@ end
 -- the page's entries named by their index members. Late ones arrived since `arrivals`
 -- (`count` of the arrivals looked at a call) with a key sorting before the cursor:
 -- the browser sees them though it has passed their place, as Qpid's sorted queue moves
--- its browsers back.
+-- its browsers back. The page shows only entries looked at as arrivals, so none is both.
 local function browse_sorted(q, s, cursor, count, since, a)
   admit_sorted(q)
   local idx = k_queue_sorted(q)
@@ -2187,8 +2187,10 @@ local function browse_sorted(q, s, cursor, count, since, a)
   local start = cursor == '0-0' and '-' or '(' .. cursor
   for _, m in ipairs(redis.call('ZRANGE', idx, start, '+', 'BYLEX', 'LIMIT', 0, count)) do
     local id = member_id(m)
-    local e = redis.call('XRANGE', s, id, id)
-    browsed(out, m, e[1] and e[1][2], shown(id), now)
+    if not id_less(arrivals, id) then  -- one not looked at as an arrival yet is left to
+      local e = redis.call('XRANGE', s, id, id)  -- that: late then, if the cursor passed it
+      browsed(out, m, e[1] and e[1][2], shown(id), now)
+    end
   end
   return out
 end
