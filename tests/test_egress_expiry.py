@@ -162,3 +162,37 @@ async def test_a_non_destructive_queues_expired_messages_leave_it(broker: Broker
         await asyncio.sleep(0.1)
     info = await broker.queues.info("nd")
     assert info.messages == 0 and info.counters.get("expired") == 2000, info.counters
+
+
+async def test_an_expired_message_behind_unexpiring_ones_a_browser_admitted_goes(
+    broker: Broker,
+) -> None:
+    """A sorted queue's browser moves its waiting messages into its index (held for their
+    sort order): the sweep pages through those too, so one expired behind 150 that never
+    expire goes (the sweep read the oldest 100 of them only)."""
+    await broker.declare_queue(QueueConfig(name="dmq"))
+    await broker.declare_queue(
+        QueueConfig(
+            name="sq",
+            sort_key="k",
+            non_destructive=True,
+            respect_ttl=True,
+            dead_message_queue="dmq",
+            dmq_eligible_default=True,
+        ),
+        [("sorted/>", "smf")],
+    )
+    for i in range(150):
+        message = plain("sq", b"keep%d" % i)
+        message.user_properties = [("k", f"{i:04}")]
+        assert await broker.publish(message) is Outcome.OK
+    short = plain("sq", b"short", int(time.time() * 1000) + 300)
+    short.user_properties = [("k", "9999")]
+    assert await broker.publish(short) is Outcome.OK
+    seen: list = []
+    await broker.bind("sq", seen.append, window=1000)  # browses: admits them all
+    deadline = time.monotonic() + 5
+    while (await broker.queues.info("dmq")).messages == 0 and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    assert (await broker.queues.info("sq")).messages == 150
+    assert (await broker.queues.info("dmq")).messages == 1

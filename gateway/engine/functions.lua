@@ -2890,20 +2890,23 @@ end
 
 -- Messages nobody takes expire too, as on Solace and RabbitMQ: the entries waiting on a
 -- queue that stored some with an expiry (returned, held for a group, selector, sort order
--- or delivery time: the oldest EXPIRE_SCAN of each a sweep; never delivered: EXPIRE_SCAN a
--- page, the sweeps going on through the queue page by page, and a sweep taking up to
--- EXPIRE_PAGES pages while they are wholly expired) go to the dead message queue
--- (respect_ttl) or are discarded once expired, so they no longer count toward its limits.
--- A non-destructive queue's messages are never delivered: they leave only this way.
--- Delivered, unsettled ones stay with their consumers. A queue leaves the set once empty.
+-- or delivery time, and never delivered) go to the dead message queue (respect_ttl) or are
+-- discarded once expired, so they no longer count toward its limits. Each of those lists
+-- is swept a page (EXPIRE_SCAN entries) a heartbeat, on from where the last sweep stopped
+-- (k_queue_expiry_cursor), and up to EXPIRE_PAGES pages while they are wholly expired
+-- (EXPIRE_EXTRA_PAGES more than one a list in all, so one call stays short): an
+-- expired entry behind ones that never expire goes too, and a non-destructive queue, whose
+-- messages nobody takes, sheds a backlog. Delivered, unsettled ones stay with their
+-- consumers. A queue leaves the set once empty.
 local EXPIRE_SCAN = 100
 local EXPIRE_PAGES = 10
+local EXPIRE_EXTRA_PAGES = 40  -- pages past each list's first, for all queues a sweep
 
-local function expire_waiting(q, now)
-  local s = k_queue_stream(q)
+local function expire_waiting(q, now, budget)
+  local s, cursors = k_queue_stream(q), k_queue_expiry_cursor(q)
   if redis.call('EXISTS', k_queue_config(q)) == 0 or redis.call('XLEN', s) == 0 then
     redis.call('SREM', K_EXPIRING_QUEUES, q)
-    redis.call('DEL', k_queue_expiry_cursor(q))
+    redis.call('DEL', cursors)
     return
   end
   local to_dmq = redis.call('HGET', k_queue_config(q), 'respect_ttl') == '1'
@@ -2915,21 +2918,46 @@ local function expire_waiting(q, now)
       return true
     end
   end
+  -- one list, from its cursor: page(after) gives the next entries as {id, fields or false}
+  local function sweep(list, page, expired_one)
+    local after = redis.call('HGET', cursors, list)
+    for _ = 1, EXPIRE_PAGES do
+      local entries = page(after)
+      local expired = 0
+      for _, e in ipairs(entries) do
+        if e[2] and expire(e[1], e[2]) then
+          expired = expired + 1
+          if expired_one then expired_one(e[1]) end
+        end
+      end
+      if #entries < EXPIRE_SCAN then  -- its end: the next sweep starts at its head
+        redis.call('HDEL', cursors, list)
+        return
+      end
+      after = entries[#entries][1]
+      if expired < #entries or budget.pages == 0 then break end
+      budget.pages = budget.pages - 1
+    end
+    redis.call('HSET', cursors, list, after)
+  end
   local timed = k_queue_timed(q)
   for _, consumer in ipairs({ RETURNED, HOLDING, TIMED }) do
-    for _, p in ipairs(redis.call('XPENDING', s, GROUP, '-', '+', EXPIRE_SCAN, consumer)) do
-      local e = redis.call('XRANGE', s, p[1], p[1])
-      if #e > 0 and expire(p[1], e[1][2]) and consumer == TIMED then
-        redis.call('ZREM', timed, p[1])
+    sweep(consumer, function(after)
+      local entries = {}
+      local from = after and '(' .. after or '-'
+      for _, p in ipairs(redis.call('XPENDING', s, GROUP, from, '+', EXPIRE_SCAN, consumer)) do
+        local e = redis.call('XRANGE', s, p[1], p[1])
+        entries[#entries + 1] = { p[1], #e > 0 and e[1][2] }
       end
-    end
+      return entries
+    end, consumer == TIMED and function(id) redis.call('ZREM', timed, id) end)
   end
   -- never delivered. While stream readers keep entries, dead_letter leaves them in the
   -- stream, where a fetch would still find them: the group first takes the leading run of
   -- expired ones (in the returned consumer, settled at once); a later one waits its turn
-  local start = '(' .. last_delivered(s)
+  local floor = last_delivered(s)
   if redis.call('EXISTS', k_queue_readers(q)) == 1 then
-    local waiting = redis.call('XRANGE', s, start, '+', 'COUNT', EXPIRE_SCAN)
+    local waiting = redis.call('XRANGE', s, '(' .. floor, '+', 'COUNT', EXPIRE_SCAN)
     local last = 0
     for _, e in ipairs(waiting) do
       local x = tonumber(entry_field(e[2], 'x'))
@@ -2941,23 +2969,10 @@ local function expire_waiting(q, now)
     for i = 1, last do expire(waiting[i][1], waiting[i][2]) end
     return
   end
-  local cursor_key = k_queue_expiry_cursor(q)
-  local cursor = redis.call('GET', cursor_key)
-  if cursor and id_less(last_delivered(s), cursor) then start = '(' .. cursor end
-  for _ = 1, EXPIRE_PAGES do
-    local waiting = redis.call('XRANGE', s, start, '+', 'COUNT', EXPIRE_SCAN)
-    local expired = 0
-    for _, e in ipairs(waiting) do
-      if expire(e[1], e[2]) then expired = expired + 1 end
-    end
-    if #waiting < EXPIRE_SCAN then  -- the end: the next sweep starts again at the head
-      redis.call('DEL', cursor_key)
-      return
-    end
-    start = '(' .. waiting[#waiting][1]
-    if expired < #waiting then break end
-  end
-  redis.call('SET', cursor_key, string.sub(start, 2))
+  sweep('new', function(after)
+    if not after or id_less(after, floor) then after = floor end  -- delivered since
+    return redis.call('XRANGE', s, '(' .. after, '+', 'COUNT', EXPIRE_SCAN)
+  end)
 end
 
 -- Reap every node whose liveness key expired. Returns the number of flows released.
@@ -2970,7 +2985,12 @@ register_always('gw_reap', function(_, _)
   for _, q in ipairs(redis.call('SMEMBERS', K_READ_QUEUES)) do trim_read_queue(q) end
   local now = now_ms()
   for _, q in ipairs(redis.call('SMEMBERS', K_TIMED_QUEUES)) do release_due(q, now) end
-  for _, q in ipairs(redis.call('SMEMBERS', K_EXPIRING_QUEUES)) do expire_waiting(q, now) end
+  local budget = { pages = EXPIRE_EXTRA_PAGES }
+  local expiring = redis.call('SMEMBERS', K_EXPIRING_QUEUES)
+  local from = #expiring > 0 and now % #expiring or 0  -- the budget's first takers vary
+  for i = 1, #expiring do
+    expire_waiting(expiring[(from + i - 1) % #expiring + 1], now, budget)
+  end
   return released
 end)
 

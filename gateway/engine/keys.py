@@ -42,7 +42,8 @@ TEMPLATES: dict[str, str] = {
     "queue_timed": f"{PREFIX}:q:{{{{q}}}}:timed",
     "timed_queues": f"{PREFIX}:timedq",
     "expiring_queues": f"{PREFIX}:expq",  # queues that stored messages with an expiry
-    # where the expiry sweep goes on in a queue's waiting entries (the last one it read)
+    # the expiry sweep's place in each list of a queue's waiting entries: list -> the id of
+    # the last entry it read
     "queue_expiry_cursor": f"{PREFIX}:q:{{{{q}}}}:xcur",
     "queue_group_held": f"{PREFIX}:q:{{{{q}}}}:gheld",
     "queue_sorted": f"{PREFIX}:q:{{{{q}}}}:sorted",
