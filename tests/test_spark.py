@@ -977,10 +977,12 @@ async def test_a_sources_dataframe_is_written_as_it_is_and_expired_rows_are_not_
     spark: SparkSession, broker: Broker, redis_url: str
 ) -> None:
     """The source's own columns (queue, entry_id, ingest_ts, ...) are not the sink's: they
-    are left alone, so a queue can be copied without a select."""
+    are left alone, so a queue can be copied without a select; its headers are the sink's,
+    the message-id too (the copy had one the sink made: a consumer deduplicating by it, or
+    a requester matching a reply's correlation-id, no longer knew the message)."""
     await broker.declare_queue(QueueConfig(name="from"))
     await broker.declare_queue(QueueConfig(name="copy"))
-    await publish_to(broker, "from", [b"x", b"y"], partition_key="k")
+    await publish_to(broker, "from", [b"x", b"y"], partition_key="k", message_id="order-42")
     frame = read(spark, redis_url, "from").withColumn(
         "expiration",
         F.when(F.col("payload") == F.lit(b"y"), F.lit(datetime(2001, 1, 1, tzinfo=UTC))),
@@ -992,7 +994,8 @@ async def test_a_sources_dataframe_is_written_as_it_is_and_expired_rows_are_not_
     await wait_for(lambda: got)
     await asyncio.sleep(0.3)  # room for the expired one, were it delivered
     await flow.close()
-    assert [(d.message.payload, d.message.partition_key) for d in got] == [(b"x", "k")]
+    copied = [(d.message.payload, d.message.partition_key, d.message.message_id) for d in got]
+    assert copied == [(b"x", "k", "order-42")]
 
 
 async def test_a_topic_write_that_matched_no_subscription_is_counted_as_not_stored(

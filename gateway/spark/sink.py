@@ -73,6 +73,7 @@ OPTIONAL_COLUMNS = (
     "content_type",
     "correlation_id",
     "id",
+    "message_id",
     "priority",
     "expiration",
     "persistent",
@@ -112,6 +113,7 @@ COLUMN_TYPES: dict[str, tuple[str, tuple[type, ...]]] = {
     "persistent": ("a boolean", (BooleanType,)),
     "subject": ("a string", _TEXT),
     "reply_to": ("a string", _TEXT),
+    "message_id": ("a string", _TEXT),
 }
 
 
@@ -232,7 +234,7 @@ class RowMapper:
             subject=self._get(row, "subject"),
             reply_to=self._get(row, "reply_to"),
             id=(stable := message_id(self.opts.sink_name, key)),
-            message_id=stable,
+            message_id=self._get(row, "message_id") or stable,  # a copied message's own
         )
 
 
