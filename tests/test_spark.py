@@ -647,6 +647,40 @@ async def test_a_query_from_earliest_is_failed_by_holes_made_before_its_first_pl
     assert f"stream was trimmed past {ids[3].decode()}" in caplog.text
 
 
+@pytest.mark.parametrize("capped", [True, False], ids=["capped", "to-the-newest"])
+async def test_a_trim_of_just_what_a_query_read_is_no_loss(
+    broker: Broker, redis_url: str, capped: bool
+) -> None:
+    """Consumers that settled just what the query read trim the stream up to the entry
+    after its batch's end, that end included: no loss (the next batch failed with
+    'trimmed past' the end, and again at every restart). A trim past that entry is."""
+    await broker.declare_queue(QueueConfig(name="live"))
+    await publish_to(broker, "live", [f"x{i}".encode() for i in range(10)])
+    stream = keys.queue_stream("live")
+    options = {"redis_url": redis_url, "queue": "live"}
+    if capped:
+        options["maxEntriesPerBatch"] = "5"
+    for taken, lost in ((0, False), (1, True)):
+        reader = StreamReader(Options.parse(options))
+        start = reader.initialOffset()
+        end = reader.latestOffset(start, reader.getDefaultReadLimit())
+        assert len(reader.partitions(start, end)) == 1
+        if not capped:  # more arrive after the batch was planned
+            await publish_to(broker, "live", [b"later"] * 3)
+        ids = [e[0].decode() for e in await broker.redis.xrange(stream)]
+        after = ids[ids.index(end["live"]) + 1 + taken]  # the entry after the end, or one on
+        await broker.redis.xtrim(stream, minid=after, approximate=False)
+        following = reader.latestOffset(end, reader.getDefaultReadLimit())
+        if lost:
+            with pytest.raises(DataLossError, match="trimmed past"):
+                reader.partitions(end, following)
+        else:
+            assert len(reader.partitions(end, following)) == 1
+        await broker.delete_queue("live")
+        await broker.declare_queue(QueueConfig(name="live"))
+        await publish_to(broker, "live", [f"x{i}".encode() for i in range(10)])
+
+
 async def test_a_partition_added_after_the_query_began_is_checked_for_loss(
     broker: Broker, redis_url: str
 ) -> None:

@@ -180,6 +180,7 @@ class StreamInfo:
     first: StreamId
     last_generated: StreamId
     max_deleted: StreamId
+    added: int = 0  # entries ever added
 
     @classmethod
     def fetch(cls, client: redis.Redis, queue: str) -> StreamInfo:
@@ -203,7 +204,13 @@ class StreamInfo:
             first=parse_id(first[0]) if first else (0, 0),
             last_generated=parse_id(info["last-generated-id"]),
             max_deleted=parse_id(info.get("max-deleted-entry-id", ZERO)),
+            added=int(info.get("entries-added", 0)),
         )
+
+
+# what followed a batch's end when it was planned: the next entry's id, or None when
+# there was none yet, with the stream's count of entries ever added then
+Following = tuple[StreamId | None, int]
 
 
 def lost_range(
@@ -212,6 +219,7 @@ def lost_range(
     start: StreamId,
     baseline: StreamId = (0, 0),
     began: StreamInfo | None = None,
+    following: Following | None = None,
 ) -> str | None:
     """Why entries after `start` are gone, or None when nothing a reader needed was removed.
 
@@ -238,9 +246,26 @@ def lost_range(
         info.first > start
         and info.max_deleted < start
         and not client.xrange(keys.queue_stream(queue), at, at)
+        and (following is None or _trimmed_after(client, queue, start, info, following))
     ):
         return f"stream was trimmed past {at} (first entry now {format_id(info.first)})"
     return None
+
+
+def _trimmed_after(
+    client: redis.Redis, queue: str, start: StreamId, info: StreamInfo, following: Following
+) -> bool:
+    """Whether the trim that took `start` (the end of the batch before, already read)
+    took entries after it too: consumers that settled just what the query read trim up
+    to the entry after it, no loss."""
+    after, added = following
+    if after is not None:
+        return info.first > after
+    created = info.added - added  # since it was planned, all after it
+    if created <= 0:
+        return False
+    there = client.xrange(keys.queue_stream(queue), "(" + format_id(start), "+", count=created)
+    return len(there) < created
 
 
 def _lost_since(client: redis.Redis, queue: str, began: StreamInfo) -> str | None:
@@ -263,9 +288,10 @@ def check_loss(
     start: StreamId,
     baseline: StreamId = (0, 0),
     began: StreamInfo | None = None,
+    following: Following | None = None,
 ) -> None:
     """Raise (failOnDataLoss) or warn when the range after `start` lost entries."""
-    reason = lost_range(client, queue, start, baseline, began)
+    reason = lost_range(client, queue, start, baseline, began, following)
     if reason is not None:
         report_loss(opts, queue, reason)
 
@@ -588,6 +614,8 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         # later, one empty when a restarted query began), for ranges from 0-0
         self._began: dict[str, StreamInfo] = {}
         self._start: dict[str, str] | None = None  # initialOffset's first answer
+        # (stream, a batch's end) -> what followed it when planned (see lost_range)
+        self._following: dict[tuple[str, StreamId], Following] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         """Executors get the options only; the driver's client stays behind."""
@@ -635,8 +663,10 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
         self._register(start)
         ends: dict[str, StreamId] = {}
+        added: dict[str, int] = {}
         for _, queue in queue_streams(self.client, self.opts.queue):
             info = StreamInfo.fetch(self.client, queue)
+            added[queue] = info.added
             if parse_id(start.get(queue, ZERO)) == (0, 0):
                 self._began.setdefault(queue, info)
             if queue not in start:
@@ -647,7 +677,27 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             ends[queue] = max(end, parse_id(start.get(queue, ZERO)))
         if isinstance(limit, ReadMaxRows):
             self._cap(start, ends, limit.max_rows)
+        self._note_following(start, ends, added)
         return {q: format_id(e) for q, e in ends.items()}
+
+    def _note_following(
+        self, start: dict, ends: dict[str, StreamId], added: dict[str, int]
+    ) -> None:
+        """What follows each end now: the next batch's loss check tells a trim of what
+        the query read from one of what it had not (see lost_range). Ends before this
+        batch's start are no batch's start any more."""
+        pipe = self.client.pipeline(transaction=False)
+        for queue, end in ends.items():
+            pipe.xrange(keys.queue_stream(queue), "(" + format_id(end), "+", count=1)
+        pages = pipe.execute()
+        self._following = {
+            (queue, end): v
+            for (queue, end), v in self._following.items()
+            if end >= parse_id(start.get(queue, ZERO))
+        }
+        for (queue, end), page in zip(ends.items(), pages, strict=True):  # the first seen
+            following = (parse_id(page[0][0]) if page else None, added[queue])
+            self._following.setdefault((queue, end), following)
 
     def _cap(self, start: dict, ends: dict[str, StreamId], max_rows: int) -> None:
         """Share `max_rows` among streams with new entries; move their ends back to fit."""
@@ -677,7 +727,8 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 continue
             baseline = max(self._baselines.get(queue, (0, 0)), persisted.get(queue, (0, 0)))
             began = self._began.get(queue)
-            check_loss(self.client, self.opts, queue, low, baseline, began)
+            following = self._following.get((queue, low))
+            check_loss(self.client, self.opts, queue, low, baseline, began, following)
             first = format_id(low)
             planned = Planned.now(self.client, queue, first, last)
             out.append(StreamRange(streams[queue], queue, first, last, planned))
