@@ -17,8 +17,10 @@ import ssl
 import subprocess
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import paho.mqtt.client as paho
 import pytest
@@ -33,6 +35,7 @@ from protocols.mqtt import listener as mqtt_listener
 from tests.test_mqtt_websocket import mqtt_js  # noqa: F401
 
 TIMEOUT = 10.0
+Starter = Callable[[Broker, Settings], Awaitable[Any]]  # a protocol plugin's start
 
 
 def make_cert(directory: Path) -> tuple[Path, Path]:
@@ -70,28 +73,35 @@ def tls_settings(cert_pair: tuple[Path, Path]) -> Settings:
     )
 
 
+@asynccontextmanager
+async def listening(
+    start: Starter, broker: Broker, settings: Settings, key: str
+) -> AsyncIterator[int]:
+    """The port of one of the listeners `start` opens (e.g. mqtt_tls_port)."""
+    listener = await start(broker, settings)
+    assert listener is not None
+    try:
+        yield listener.extra_ports[key]
+    finally:
+        await listener.close()
+
+
 @pytest.fixture
 async def mqtt_tls(broker: Broker, tls_settings: Settings) -> AsyncIterator[int]:
-    listener = await mqtt_listener.start(broker, tls_settings)
-    assert listener is not None
-    yield listener.extra_ports["mqtt_tls_port"]
-    await listener.close()
+    async with listening(mqtt_listener.start, broker, tls_settings, "mqtt_tls_port") as port:
+        yield port
 
 
 @pytest.fixture
 async def mqtt_wss(broker: Broker, tls_settings: Settings) -> AsyncIterator[int]:
-    listener = await mqtt_listener.start(broker, tls_settings)
-    assert listener is not None
-    yield listener.extra_ports["mqtt_wss_port"]
-    await listener.close()
+    async with listening(mqtt_listener.start, broker, tls_settings, "mqtt_wss_port") as port:
+        yield port
 
 
 @pytest.fixture
 async def amqp_tls(broker: Broker, tls_settings: Settings) -> AsyncIterator[int]:
-    listener = await amqp_listener.start(broker, tls_settings)
-    assert listener is not None
-    yield listener.extra_ports["amqp_tls_port"]
-    await listener.close()
+    async with listening(amqp_listener.start, broker, tls_settings, "amqp_tls_port") as port:
+        yield port
 
 
 def paho_roundtrip(port: int, ca: Path, topic: str, websocket: bool = False) -> bytes:
