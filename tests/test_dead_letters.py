@@ -68,6 +68,34 @@ async def test_max_redelivery_moves_eligible_messages_to_the_dmq(broker: Broker)
     await conserved(broker, 2)
 
 
+@pytest.mark.parametrize("failed", ["requeue", "avoid_failed"])
+async def test_a_message_whose_last_delivery_failed_leaves_for_the_dmq_at_once(
+    broker: Broker, failed: str
+) -> None:
+    """Its last delivery max_redelivery allows failed and its only consumer went: it goes
+    to the dead message queue as it comes back, as RabbitMQ's delivery-limit does (it
+    stayed, counted toward the queue's limits, until a fetch reached it: the next publish
+    to a queue of max_messages 1 was refused as if the queue were full)."""
+    await broker.declare_queue(QueueConfig(name=DEAD_MESSAGE_QUEUE))
+    await broker.declare_queue(QueueConfig(name="q", max_redelivery=1, max_messages=1))
+    assert await broker.publish(msg(b"poison", dmq_eligible=True)) is Outcome.OK
+    for count in (1, 2):  # its delivery and its one redelivery, both failed
+        got: list[Delivery] = []
+        flow = await broker.bind("q", got.append, window=1)
+        await wait_for(lambda got=got: len(got) == 1)
+        assert got[0].delivery_count == count
+        if failed == "requeue":
+            flow.requeue(got[0].entry_id)
+        else:  # AMQP modified, delivery-failed and undeliverable-here
+            flow.avoid(got[0].entry_id, failed=True)
+        await flow.close()
+    info = await broker.queues.info("q")
+    assert info.messages == 0 and info.counters["max_redelivered"] == 1
+    assert (await broker.queues.info(DEAD_MESSAGE_QUEUE)).messages == 1
+    assert await broker.publish(msg(b"next")) is Outcome.OK
+    await conserved(broker, 2)
+
+
 async def test_expired_messages_are_never_delivered(broker: Broker) -> None:
     await broker.declare_queue(QueueConfig(name=DEAD_MESSAGE_QUEUE))
     await broker.declare_queue(

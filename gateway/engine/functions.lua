@@ -2271,6 +2271,27 @@ local function ack_batch(q, s, a, first, n, bytes, sizes)
   return acked
 end
 
+-- Of entries a flow gives back with a failed delivery, those that had their last delivery
+-- max_redelivery allows go to the dead message queue now, as RabbitMQ's delivery-limit
+-- does on return (they stayed, counted toward the queue's limits, until a fetch reached
+-- them: none, when their only consumer gave up). Returns the rest.
+local function dead_letter_exhausted(q, s, flow, ids)
+  local max = tonumber(redis.call('HGET', k_queue_config(q), 'max_redelivery')) or 0
+  if max <= 0 then return ids end
+  local rest = {}
+  for _, id in ipairs(ids) do
+    local p = redis.call('XPENDING', s, GROUP, id, id, 1, flow)[1]
+    local e = p and deliveries(p[4]) > max and redis.call('XRANGE', s, id, id)[1]
+    if e then
+      unindex(q, id, e[2])
+      dead_letter(q, s, id, entry_blob(e[2]) or '', 'max_redelivered', true)
+    else
+      rest[#rest + 1] = id
+    end
+  end
+  return rest
+end
+
 -- Settle entries a flow holds. ARGV: mode ('ack' | 'reject' | 'requeue' | 'release': a
 -- requeue whose delivery does not count toward max_redelivery | 'unsent': a release of
 -- entries that never reached the client, not even marked acquired | 'avoid',
@@ -2294,7 +2315,7 @@ register_always('gw_settle', function(_, a)
       local gmode = group_mode(q)
       local shared = gmode == 'shared'
       local default_group = shared and redis.call('HGET', k_queue_config(q), 'default_group')
-      local mine, bytes, freed = {}, 0, false
+      local mine, bytes, freed, woken = {}, 0, false, false
       local each = first
       if mode == 'ack' and not shared then
         total = total + ack_batch(q, s, a, first, n, bytes_total, sizes)
@@ -2327,11 +2348,17 @@ register_always('gw_settle', function(_, a)
       end
       if #mine > 0 then
         if mode ~= 'ack' then  -- back to the queue: requeue, release, avoid, avoid_failed
-          if mode == 'avoid' or mode == 'avoid_failed' then avoid(q, mine, flow) end
           local uncount = (mode == 'release' or mode == 'avoid') and 'release'
-          park(q, s, mine, uncount or (mode == 'unsent' and 'unsent'))
-          redis.call('HINCRBY', k_queue_stats(q), 'requeued', #mine)
-          wake(q)
+          if mode == 'requeue' or mode == 'avoid_failed' then
+            mine = dead_letter_exhausted(q, s, flow, mine)
+          end
+          if #mine > 0 then
+            if mode == 'avoid' or mode == 'avoid_failed' then avoid(q, mine, flow) end
+            park(q, s, mine, uncount or (mode == 'unsent' and 'unsent'))
+            redis.call('HINCRBY', k_queue_stats(q), 'requeued', #mine)
+            wake(q)
+            woken = true
+          end
         else
           forget_last_values(q, s, mine, 1, #mine)
           -- a queue with stream readers (the Spark source) keeps settled entries until
@@ -2349,7 +2376,7 @@ register_always('gw_settle', function(_, a)
           redis.call('HDEL', avoiding, unpack(a, from, math.min(pos - 1, from + IDS_PER_CALL - 1)))
         end
       end
-      if freed and (mode == 'ack' or mode == 'reject') then wake(q) end  -- else woken above
+      if freed and not woken then wake(q) end  -- what waited for its group may go now
       if gmode == 'default' then free_groups_avoided_by(q, s, flow) end  -- any settle
     end
   end
