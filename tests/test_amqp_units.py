@@ -7,12 +7,25 @@ import struct
 import time
 
 import pytest
-from proton import Connection, Data, Described, Link, Message, Terminus, symbol
+from proton import (
+    Connection,
+    Data,
+    Described,
+    Link,
+    Message,
+    Terminus,
+    char,
+    float32,
+    int32,
+    symbol,
+    timestamp,
+    ulong,
+)
 from proton.reactor import DurableSubscription, Filter, LinkOption, Selector
 
 from gateway.broker import QueueConfig
 from gateway.config import Settings
-from gateway.model import Delivery, Publisher
+from gateway.model import Delivery, Publisher, property_text
 from gateway.model import Message as GatewayMessage
 from protocols.amqp import mapping, sections, terminus
 from protocols.amqp.links import Address, parse_address
@@ -258,6 +271,21 @@ def test_annotations_both_ways() -> None:
     out.decode(mapping.from_delivery(Delivery("#DEAD_MSG_QUEUE", "1-0", dead)).encode())
     assert out.annotations == {symbol("x-origin-queue"): "q", symbol("x-opt-jms-dest"): 1}
     assert out.address == "topic://a/b"
+
+
+PUBLISHER = Publisher("amqp")
+
+
+def test_typed_property_values_are_the_same_for_either_decoder() -> None:
+    """A JMS MapMessage (a map body: proton decodes it) with an int property: the model
+    holds 5, as for a TextMessage the fast decoder reads, not proton's int32(5), whose
+    text ("int32(5)") made another last-value or sort key and MQTT property value."""
+    typed = {"i": int32(5), "u": ulong(7), "f": float32(2.5), "c": char("x"), "t": timestamp(9)}
+    texts = []
+    for body in ({"px": 100}, "px=100"):
+        msg = mapping.decode(Message(body=body, properties=typed).encode(), PUBLISHER).message
+        texts.append([property_text(value) for _, value in sorted(msg.user_properties)])
+    assert texts[0] == texts[1] == ["x", "2.5", "5", "9", "7"]
 
 
 def test_other_amqp_values_are_kept_for_amqp_and_json_for_others() -> None:

@@ -245,6 +245,9 @@ def _correlation(value: object) -> str | bytes | int | None:
     return sections.correlation_in(value) if isinstance(value, UUID) else _ident(value)
 
 
+_PLAIN = (str, bytes, bool, int, float)  # bool before int: it subclasses int
+
+
 def _ident(value: object) -> str | bytes | int | None:
     """Message / correlation ids: binary stays bytes, uuid and the rest travel as strings."""
     if value is None or isinstance(value, (str, bytes, int)):
@@ -256,9 +259,14 @@ def _ident(value: object) -> str | bytes | int | None:
 
 def _value(value: object) -> PropertyValue:
     """Application property values the message model can hold (others become strings: a
-    list, map, array or described value its JSON text)."""
-    if value is None or isinstance(value, (str, bytes, bool, int, float)):
+    list, map, array or described value its JSON text). Proton's typed ones (int32, ulong,
+    float32, char, timestamp, ...) become the plain type they subclass, as the fast decoder
+    gives them: their own text ("int32(5)") made another key, sort key and MQTT property."""
+    if value is None or value.__class__ in _PLAIN:
         return value  # type: ignore[return-value]
+    for plain in _PLAIN:
+        if isinstance(value, plain):
+            return plain(value)  # type: ignore[return-value]
     if isinstance(value, memoryview):
         return bytes(value)
     if isinstance(value, dict | list | tuple | Array | Described):
