@@ -198,6 +198,54 @@ async def test_a_blocked_flow_control_lvq_takes_a_value_replacing_a_waiting_one(
     assert not new_key.done()
 
 
+async def test_a_held_older_value_does_not_supersede_a_newer_one_of_its_publisher(
+    broker: Broker,
+) -> None:
+    """A node holding a value for a blocked queue holds the values after it too, replacing
+    ones included: its older value, stored once the queue drains, would supersede them."""
+    await broker.declare_queue(
+        QueueConfig(name="lv", lvq_key="sym", max_spool_bytes=1000, overflow="flow_control"),
+        [("prices/>", "smf")],
+    )
+    assert await broker.publish(msg("A" * 50, sym="IBM")) is Outcome.OK
+    assert await broker.publish(msg("B" * 550, sym="MSFT")) is Outcome.OK
+    older = broker.publish_nowait(msg("1" * 450, sym="IBM"))  # too large even in A's place
+    await asyncio.sleep(0.2)
+    assert not older.done(), "held: the queue is full"
+    newer = broker.publish_nowait(msg("2" * 40, sym="IBM"))  # would fit in A's place
+    got: list[Delivery] = []
+    flow = None
+
+    def ack(d: Delivery) -> None:
+        got.append(d)
+        flow.ack(d.entry_id)
+
+    flow = await broker.bind("lv", ack)
+    await asyncio.wait_for(asyncio.gather(older, newer), 3)
+    await asyncio.sleep(0.3)
+    await flow.close()
+    values = [d.message.payload[:1] for d in got if ("sym", "IBM") in d.message.user_properties]
+    assert values[-1] == b"2", values
+
+
+async def test_a_replaced_value_leaves_no_undeliverable_here_mark(broker: Broker) -> None:
+    """A value given back with undeliverable-here, then replaced, takes its mark with it
+    (the marks of deleted values stayed for good, scanned by every fetch)."""
+    await broker.declare_queue(QueueConfig(name="last", max_spool_bytes=0), [("prices/>", "smf")])
+    got: list[Delivery] = []
+    flow = await broker.bind("last", got.append, window=1)
+    for i in range(5):
+        assert (await broker.publish(msg(f"v{i}"))).accepted
+        await wait_for(lambda i=i: len(got) == i + 1)
+        flow.avoid(got[i].entry_id, False)  # AMQP modified, undeliverable-here
+        await asyncio.sleep(0.05)
+    assert (await broker.publish(msg("final"))).accepted  # replaces v4
+    await asyncio.sleep(0.2)
+    assert (await broker.queues.info("last")).messages == 1
+    assert await broker.redis.hlen(keys.queue_avoid("last")) == 0
+    await flow.close()
+
+
 async def test_values_a_selector_consumer_passed_over_are_still_replaced(broker: Broker) -> None:
     """A selector consumer makes new messages wait in the holding consumer: they are still
     waiting values, replaced by the next one (not delivered ones, which stay)."""

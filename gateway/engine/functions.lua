@@ -920,6 +920,7 @@ local function replace_last_value(q, slot, id)
     redis.call('XACK', q.stream, GROUP, old)  -- when it waited in a consumer's PEL
     unindex(q.name, old, fields)
     if consumer == TIMED then redis.call('ZREM', k_queue_timed(q.name), old) end
+    if consumer then redis.call('HDEL', k_queue_avoid(q.name), old) end  -- given back
     redis.call('XDEL', q.stream, old)
     add_usage(q, -1, -size)
     q.added = q.added - 1  -- counters are applied at the end of the call
@@ -1597,7 +1598,8 @@ local function spool(a, marks)
           -- held (flow_control), it held back the node's later messages to the queue for good
         elseif q.flow_held or (q.blocked and not (q.lvq and fits_replacing(q, props, bytes)))
         then  -- a value replacing a waiting one does not grow a blocked last value queue
-          code = hold_for_node(q)  -- (unless this node holds some: order per publisher)
+          code = hold_for_node(q)  -- (unless this node holds some: order per publisher,
+          -- or an older value it holds would replace it once stored)
         elseif over_quota(q, bytes) and not (q.lvq and fits_replacing(q, props, bytes)) then
           if q.overflow == 'ring' then
             plan_drop(q, bytes, target, ring_replaced(q, props))
