@@ -138,6 +138,17 @@ async def test_a_key_is_its_string_value_whatever_its_type(broker: Broker) -> No
     assert await browse_all(broker, "ticks") == [b"str"]
 
 
+async def test_a_keyed_last_value_queue_is_not_also_a_one_message_queue(broker: Broker) -> None:
+    """lvq_key and max_spool_bytes 0 are the two kinds: both at once (declared, or changed
+    to) are refused (the queue kept one value of all keys: the others' were lost)."""
+    with pytest.raises(QueueError, match="not both"):
+        await broker.declare_queue(QueueConfig(name="lv", lvq_key="sym", max_spool_bytes=0))
+    await broker.declare_queue(QueueConfig(name="lv", lvq_key="sym"))
+    with pytest.raises(QueueError, match="not both"):
+        await broker.update_queue("lv", {"max_spool_bytes": 0})
+    assert (await broker.queues.config("lv")).max_spool_bytes != 0
+
+
 async def test_a_partitioned_queue_is_never_a_last_value_queue(broker: Broker) -> None:
     """Each partition is a stream of its own, so a key's values (a Solace last value
     queue's one value) would live in several, one per partition: refused when declared,

@@ -283,6 +283,12 @@ class QueueConfig:
                 "invalid",
                 "a priority queue cannot be a last value queue (lvq_key, max_spool_bytes=0)",
             )
+        if self.lvq_key and self.max_spool_bytes == 0:  # it held one value of all keys
+            raise QueueError(
+                "invalid",
+                "a last value queue keeps a value per lvq_key or one message "
+                "(max_spool_bytes=0), not both",
+            )
         if self.partition_count and (self.lvq_key or self.max_spool_bytes == 0):
             raise QueueError("invalid", _UNPARTITIONABLE["lvq"])  # as a priority queue's
         if self.priorities and self.non_destructive:  # its consumers would browse: refused
