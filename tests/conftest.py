@@ -130,14 +130,25 @@ def redis_url(redis_server: RedisServer) -> str:
     return redis_server.url
 
 
+@contextlib.asynccontextmanager
+async def running_node(
+    url: str, heartbeat: float = 0.2, node_ttl: float = 1.0
+) -> AsyncIterator[Broker]:
+    """A node started on the Redis at `url`, stopped (its client closed) on the way out."""
+    client = await library.connect(url)
+    node = Broker(client, heartbeat=heartbeat, node_ttl=node_ttl)
+    await node.start()
+    try:
+        yield node
+    finally:
+        await node.stop()
+        await client.aclose()
+
+
 @pytest.fixture
 async def broker(redis_url: str) -> AsyncIterator[Broker]:
-    client = await library.connect(redis_url)
-    node = Broker(client, heartbeat=0.2, node_ttl=1.0)
-    await node.start()
-    yield node
-    await node.stop()
-    await client.aclose()
+    async with running_node(redis_url) as node:
+        yield node
 
 
 @pytest.fixture

@@ -8,10 +8,10 @@ import time
 import pytest
 
 from gateway.broker import Broker
-from gateway.engine import library
 from gateway.engine.flows import Flow
 from gateway.engine.queues import DEAD_MESSAGE_QUEUE, QueueConfig, QueueError
 from gateway.model import Delivery, Message
+from tests.conftest import running_node
 from tests.test_engine import wait_for
 
 
@@ -176,10 +176,7 @@ async def test_a_starved_consumer_looks_again_when_the_others_take_a_few_and_sto
     """The busy consumer takes its prefetch more and works on it slowly: the other group's
     message comes in the starved consumer's reach without a wake (a countdown of a
     window's worth of takes left it to the idle poll, 10 s here)."""
-    client = await library.connect(redis_url)
-    node = Broker(client, heartbeat=1.0, node_ttl=5.0)
-    await node.start()
-    try:
+    async with running_node(redis_url, heartbeat=1.0, node_ttl=5.0) as node:  # idle poll: 10 s
         await node.declare_queue(QueueConfig(name="g", message_groups="default"))
         a, got_a = await consumer(node, window=10)
         for i in range(80):
@@ -194,9 +191,6 @@ async def test_a_starved_consumer_looks_again_when_the_others_take_a_few_and_sto
         await wait_for(lambda: len(got_a) == 20)  # 60 busy and o0 wait: in b's reach
         await wait_for(lambda: got_b != [], timeout=3)
         assert [d.message.payload for d in got_b] == [b"o0"]
-    finally:
-        await node.stop()
-        await client.aclose()
 
 
 async def test_a_starved_consumer_looks_again_when_the_others_messages_expire(
@@ -204,10 +198,7 @@ async def test_a_starved_consumer_looks_again_when_the_others_messages_expire(
 ) -> None:
     """The busy group's waiting messages expire: no fetch takes them, and the other
     group's message, the only one left, reaches the starved consumer all the same."""
-    client = await library.connect(redis_url)
-    node = Broker(client, heartbeat=1.0, node_ttl=5.0)
-    await node.start()
-    try:
+    async with running_node(redis_url, heartbeat=1.0, node_ttl=5.0) as node:  # idle poll: 10 s
         await node.declare_queue(QueueConfig(name="g", message_groups="default"))
         _a, got_a = await consumer(node, window=1)
         await node.publish(grouped("busy", "first"))
@@ -223,9 +214,6 @@ async def test_a_starved_consumer_looks_again_when_the_others_messages_expire(
         assert got_b == []
         await wait_for(lambda: got_b != [], timeout=4)  # the sweep: each heartbeat (1 s)
         assert [d.message.payload for d in got_b] == [b"o0"]
-    finally:
-        await node.stop()
-        await client.aclose()
 
 
 async def test_idle_consumers_of_a_busy_groups_backlog_cost_little(broker: Broker) -> None:

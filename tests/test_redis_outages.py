@@ -36,6 +36,7 @@ from protocols.mqtt.codec import (
 )
 from protocols.mqtt.listener import start
 from tests.amqp_raw import DETACH, Peer
+from tests.conftest import running_node
 from tests.redis_proxy import CuttingProxy
 from tests.test_engine import second_node, to_queue, wait_for  # noqa: F401
 from tests.test_mqtt_protocol import Raw, settings
@@ -53,14 +54,8 @@ async def proxy(redis_server) -> AsyncIterator[CuttingProxy]:
 @contextlib.asynccontextmanager
 async def proxied_node(proxy: CuttingProxy) -> AsyncIterator[Broker]:
     """A node that talks to Redis through `proxy`."""
-    client = await library.connect(proxy.url)
-    node = Broker(client, heartbeat=0.2, node_ttl=1.0)
-    await node.start()
-    try:
+    async with running_node(proxy.url) as node:
         yield node
-    finally:
-        await node.stop()
-        await client.aclose()
 
 
 @pytest.fixture
