@@ -216,6 +216,28 @@ async def test_a_starved_consumer_looks_again_when_the_others_messages_expire(
         assert [d.message.payload for d in got_b] == [b"o0"]
 
 
+async def test_a_starved_consumer_woken_often_keeps_one_look_again_going(
+    broker: Broker,
+) -> None:
+    """Each publish to the busy group wakes the starved consumer, whose fetch finds only
+    that group again: it keeps one look again going, not one more per such fetch (each
+    went on for good, every 2 s at most: 100 publishes, 50 fetches a second)."""
+    await broker.declare_queue(QueueConfig(name="g", message_groups="default"))
+    _a, got_a = await consumer(broker, window=1)
+    for i in range(64):
+        broker.publish_nowait(grouped("busy", f"{i}"))
+    await wait_for(lambda: len(got_a) == 1)  # a holds busy; 63 of it wait
+    await consumer(broker, window=10)  # starved
+    for i in range(100):
+        await broker.publish(grouped("busy", f"more{i}"))  # each wakes it
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(2.5)  # the looks again back off to 2 s
+    before = (await broker.redis.info("commandstats"))["cmdstat_fcall"]["calls"]
+    await asyncio.sleep(2.0)
+    calls = (await broker.redis.info("commandstats"))["cmdstat_fcall"]["calls"] - before
+    assert calls < 50, calls  # ~30: the heartbeats' (0.2 s) and one look again
+
+
 async def test_idle_consumers_of_a_busy_groups_backlog_cost_little(broker: Broker) -> None:
     """Starved consumers look again now and then, not at each of the busy one's fetches
     (each woken one looked at its window again: 150 times the Redis reads of the busy

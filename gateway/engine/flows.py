@@ -144,6 +144,7 @@ class Flow:
         "parts",
         "prioritised",
         "queue",
+        "recheck",
         "registered",
         "replay_since",
         "selector",
@@ -201,6 +202,7 @@ class Flow:
         self.held: dict[str, int] = {}  # browsing: entries seen held -> delivery time (ms)
         self.held_timer: asyncio.TimerHandle | None = None  # wakes it when the first is due
         self.starved = 0  # fetches in a row that found only others' groups (STARVED_RECHECK)
+        self.recheck: asyncio.TimerHandle | None = None  # its look again, when starved
 
     @property
     def space(self) -> int:
@@ -514,8 +516,9 @@ class Dispatcher:
 
     def _forget(self, flow: Flow) -> None:
         self._want.pop(flow, None)
-        if flow.held_timer is not None:
-            flow.held_timer.cancel()
+        for timer in (flow.held_timer, flow.recheck):
+            if timer is not None:
+                timer.cancel()
         if self._behind.pop(flow, None) is not None:
             self._caught_up.set()
         local = self.flows.get(flow.queue)
@@ -1232,11 +1235,17 @@ class Dispatcher:
             self._empty(flow)  # wakes it): nothing for now, which a drain is told
         elif status == "starved":
             self._empty(flow)
-            delay = min(STARVED_RECHECK * 2**flow.starved, STARVED_RECHECK_MAX)
-            flow.starved = min(flow.starved + 1, 6)  # 0.05 s doubled past 2 s by then
-            asyncio.get_running_loop().call_later(delay, self.wake, flow)
+            if flow.recheck is None:  # one at a time: a fetch others woke it for found the
+                # same, and each would have kept a look again of its own going
+                delay = min(STARVED_RECHECK * 2**flow.starved, STARVED_RECHECK_MAX)
+                flow.starved = min(flow.starved + 1, 6)  # 0.05 s doubled past 2 s by then
+                flow.recheck = asyncio.get_running_loop().call_later(delay, self._recheck, flow)
         elif status in BIND_REFUSALS and not flow.closed:  # as its bind would be refused now
             self._end_flow(flow, BIND_REFUSALS[status][1])
+
+    def _recheck(self, flow: Flow) -> None:
+        flow.recheck = None
+        self.wake(flow)
 
     def _fetch_lost(self, fetch: _Fetch) -> None:
         """A fetch's answer was lost with the connection, so what it took (if it ran) is
