@@ -545,6 +545,37 @@ async def test_a_message_expiring_round_a_cycle_of_dmqs_is_dropped(broker: Broke
     assert [(await broker.queues.info(name)).messages for name in ring] == [0, 0, 0]
 
 
+@pytest.mark.parametrize(
+    "b_settings",
+    [
+        {"respect_ttl": False, "dmq_eligible_default": True},
+        {"respect_ttl": True, "dmq_eligible_default": False},
+    ],
+    ids=["b-keeps-expired-from-its-dmq", "not-eligible-in-b"],
+)
+async def test_dmq_cycle_counts_only_a_message_the_cycle_stopped(
+    broker: Broker, b_settings: dict
+) -> None:
+    """A message a queue discards anyway (it sends no expired or no such message to its
+    DMQ) was counted dmq_cycle when its DMQ was a queue it had expired from, telling the
+    operator of a loop that played no part (found by a review)."""
+    config = QueueConfig(
+        name="a", dead_message_queue="b", max_ttl_ms=100, respect_ttl=True,
+        dmq_eligible_default=True,
+    )  # fmt: skip
+    await broker.declare_queue(config)
+    await broker.declare_queue(
+        QueueConfig(name="b", dead_message_queue="a", max_ttl_ms=100, **b_settings)
+    )
+    await broker.publish(Message(destination="a", to_queue=True, payload=b"once"))
+    deadline = time.monotonic() + 5
+    while not (b := (await broker.queues.info("b")).counters).get("discarded"):
+        assert time.monotonic() < deadline, b
+        await asyncio.sleep(0.05)
+    assert (await broker.queues.info("a")).counters.get("dead_lettered") == 1
+    assert (b["discarded"], b.get("dmq_cycle")) == (1, None)
+
+
 async def test_dmq_takes_a_dead_message_it_would_take_from_a_publisher(broker: Broker) -> None:
     """A dead message queue's max_message_size limits the payload, as on the spool: not the
     stored entry (payload and every header), which discarded as "DMQ full" a dead message

@@ -1304,11 +1304,15 @@ local function dead_letter(q, s, id, blob, reason, to_dmq)
   -- expired round a cycle of dead message queues is dropped, as RabbitMQ does, not passed
   -- round for ever
   local expired_from = reason == 'expired' and (#e > 0 and entry_field(e[1][2], 'v') or '')
-  local cycle = expired_from and dmq
-    and string.find('\0' .. expired_from .. '\0', '\0' .. dmq .. '\0', 1, true)
-  if cycle then redis.call('HINCRBY', st, 'dmq_cycle', 1) end
-  if to_dmq and dmq and dmq ~= origin and not cycle and dmq_eligible(blob, c[2] == '1')
-      and redis.call('EXISTS', k_queue_config(dmq)) == 1 then
+  local goes = to_dmq and dmq and dmq ~= origin and dmq_eligible(blob, c[2] == '1')
+    and redis.call('EXISTS', k_queue_config(dmq)) == 1
+  -- counted only when the cycle is why it goes nowhere
+  if goes and expired_from
+      and string.find('\0' .. expired_from .. '\0', '\0' .. dmq .. '\0', 1, true) then
+    redis.call('HINCRBY', st, 'dmq_cycle', 1)
+    goes = false
+  end
+  if goes then
     local d = redis.call('HMGET', k_queue_config(dmq), 'partition_count', 'priorities',
       'message_groups')
     local np = tonumber(d[1]) or 0
