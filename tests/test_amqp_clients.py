@@ -43,6 +43,7 @@ from proton.handlers import MessagingHandler
 from proton.reactor import (
     AtMostOnce,
     Container,
+    Copy,
     DurableSubscription,
     Filter,
     LinkOption,
@@ -1481,6 +1482,35 @@ async def test_shared_subscriptions(broker: Broker, amqp: Listener) -> None:
     assert (await broker.queues.info(queue)).messages == 1
     assert await asyncio.to_thread(resume_then_end) == ["while away"]
     assert await durable_queues(broker, 0) == []
+
+
+async def test_a_subscription_asked_for_copy_says_its_links_take(
+    broker: Broker, amqp: Listener
+) -> None:
+    """A link to a shared or durable subscription takes what it gets from the others (the
+    subscription is a queue). Asked for `copy`, the source echoed it, telling the client
+    its messages stay for other links (AMQP 1.0 §3.5.3: the node's actual mode; found by a
+    review). A plain topic link copies: every link gets every message."""
+
+    def modes() -> list[object]:
+        conn = BlockingConnection(url(amqp), timeout=TIMEOUT, container_id="copy-asked")
+        try:
+            shared = [Capability("shared"), Copy()]
+            durable = [DurableSubscription(), Copy()]
+            return [
+                conn.create_receiver(
+                    "topic://cp/t", name=name, options=options
+                ).link.remote_source.distribution_mode
+                for name, options in (("sh", shared), ("du", durable), ("plain", [Copy()]))
+            ]
+        finally:
+            conn.close()
+
+    assert await asyncio.to_thread(modes) == [
+        Terminus.DIST_MODE_MOVE,
+        Terminus.DIST_MODE_MOVE,
+        Terminus.DIST_MODE_COPY,
+    ]
 
 
 async def test_shared_and_unshared_durable_subscriptions_do_not_mix(

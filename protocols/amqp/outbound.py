@@ -287,6 +287,8 @@ class Outbound(Endpoint):
             source.expiry_policy = Terminus.EXPIRE_NEVER
         if browse:  # asked for, or a non-destructive queue: every consumer browses
             source.distribution_mode = Terminus.DIST_MODE_COPY
+        elif self.durable is not None or self.shared:  # its links take what they get
+            source.distribution_mode = Terminus.DIST_MODE_MOVE
         self.link.target.copy(self.link.remote_target)
 
     async def _subscription(
