@@ -222,6 +222,40 @@ async def test_retained_messages_for_a_new_subscription_keep_to_receive_maximum(
     sub.close()
 
 
+async def test_retained_qos2_messages_go_on_as_pubcomps_free_the_receive_maximum(
+    gw: Listener,
+) -> None:
+    """Receive Maximum 1 and two retained QoS 2 messages: a PUBCOMP frees the room the
+    next one waits for (MQTT-3.3.4-9). Only a PUBACK or PUBREC sent it, so the second and
+    every live message after it waited for good (found by a review)."""
+    pub = await connected(gw.port, 4, "retainer-2")
+    for pid, topic in ((1, "kept2/a"), (2, "kept2/b")):
+        await pub.send(publish(4, topic, topic.encode(), qos=2, pid=pid, flags=1))
+        assert await pub.packet() == b"\x50\x02\x00" + bytes((pid,))  # PUBREC
+        await pub.send(b"\x62\x02\x00" + bytes((pid,)))
+        assert await pub.packet() == b"\x70\x02\x00" + bytes((pid,))  # PUBCOMP
+    sub = await connected(gw.port, 5, "one-qos2", cprops=props(b"\x21\x00\x01"))
+    await sub.send(subscribe(5, 1, ("kept2/#", 2)))
+    assert (await sub.packet())[0] == 0x90
+    got = []
+    for _ in range(2):
+        packet = await sub.packet()
+        assert packet[0] == 0x35, packet  # QoS 2, retained
+        size = struct.unpack("!H", packet[2:4])[0]
+        got.append(packet[4 : 4 + size])
+        pid = packet[4 + size : 6 + size]
+        await sub.send(b"\x50\x02" + pid)  # PUBREC
+        assert await sub.packet() == b"\x62\x02" + pid  # PUBREL
+        await sub.send(b"\x70\x02" + pid)  # PUBCOMP
+    assert sorted(got) == [b"kept2/a", b"kept2/b"]
+    await pub.send(publish(4, "kept2/live", b"live", qos=1, pid=3))
+    assert await pub.packet() == b"\x40\x02\x00\x03"
+    live = await sub.packet()
+    assert live[0] == 0x32 and live.endswith(b"live"), live  # QoS 1 as published, live
+    pub.close()
+    sub.close()
+
+
 async def unacked_then_resent(gw: Listener, client_id: str, takeover: bool) -> list[bytes]:
     """Packet ids of the QoS 1 messages a persistent session had in flight, as sent, then
     as resent to its next connection (after a dropped connection, or a takeover)."""

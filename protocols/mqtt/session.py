@@ -1229,7 +1229,10 @@ class Session:
         if p.packet_id in state.pubrel_out:
             del state.pubrel_out[p.packet_id]
             self._pubrel_changed()
-            self._send_held_out()
+            if self._retained_waiting:  # the room it held in the receive maximum is theirs
+                self._send_retained_waiting()  # (then the held-out ones)
+            else:
+                self._send_held_out()
 
     def _pubrel_changed(self) -> None:
         """PUBREL-pending messages count against the client's receive maximum, and a
