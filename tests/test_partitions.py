@@ -121,6 +121,52 @@ async def test_handoff_timeout_requeues_in_order(broker: Broker) -> None:
     assert len(first) == 1
 
 
+@pytest.mark.parametrize("turns", [0, 1])  # the order its two fetches are sent in
+async def test_a_flow_losing_a_partition_mid_fetch_says_it_has_nothing(
+    broker: Broker, turns: int
+) -> None:
+    """A flow given credit (an AMQP drain) as a bind moves one of its two partitions away:
+    the fetch of the one it keeps finds nothing, that of the other is refused. When the
+    refusal came last, the flow never said it had nothing, so the drain waited for the
+    wake-up of every flow ten heartbeats on (found by a review)."""
+    await make_queue(broker, partition_count=2, partition_handoff_timeout_ms=60_000)
+    await broker.publish(keyed("p", key_for_partition(1, 2), b"held"))
+    got: list[Delivery] = []
+    a = await broker.bind("p", got.append, window=10)
+    await wait_for(lambda: len(got) == 1)  # held unsettled: partition 1 hands off slowly
+    for _ in range(turns):
+        a.set_credit(None)
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.1)
+    empty = asyncio.Event()
+    a.on_empty = empty.set
+    await broker.bind("p", lambda d: None, window=10)  # rebalances at once
+    a.set_credit(5)  # in the same round
+    await asyncio.wait_for(empty.wait(), 0.5)  # heartbeats 0.2 s: not the 10th one's
+    assert list(a.parts) == [0]
+
+
+async def test_no_partition_shows_a_handoff_once_its_last_consumer_left(
+    broker: Broker,
+) -> None:
+    """The queue's only consumer closes holding nothing: every partition showed it as
+    handing off (owner and target none) until another consumer bound (found by a
+    review)."""
+    await make_queue(broker, partition_count=2)
+    flow = await broker.bind("p", lambda d: None)
+    await wait_for(lambda: len(flow.parts) == 2)
+    await flow.close()
+
+    async def handoffs() -> list[object]:
+        info = (await broker.queues.info("p")).to_json()
+        return [p["handing_off_from"] for p in info["partitions"]]
+
+    deadline = time.monotonic() + 3
+    while (shown := await handoffs()) != [None, None]:
+        assert time.monotonic() < deadline, shown
+        await asyncio.sleep(0.05)
+
+
 async def test_partition_ownership_survives_across_nodes(broker: Broker, redis_url: str) -> None:
     from gateway.engine import library
 

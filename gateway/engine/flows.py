@@ -1223,6 +1223,8 @@ class Dispatcher:
             flow.parts.pop(fetch.partition, None)
             flow.active = bool(flow.parts)
             self.request_partition_refresh(flow.queue)
+            if all(i in flow.idle for i in flow.parts):  # its others were found empty first
+                self._empty(flow)
         elif status == "notowner":
             flow.active = False
             self.request_lease_check(flow.queue)

@@ -727,7 +727,7 @@ rebalance = function(q, now)
       redis.call('HDEL', parts, 't:' .. i)
     end
     if o and not redis.call('ZSCORE', k_queue_flows(child), o) then o = nil end
-    if o == t then
+    if o and o == t then
       if t and redis.call('HGET', k_queue_lease(child), 'flow') ~= t then
         grant_partition(q, i, child, t)
         changed = true
