@@ -9,7 +9,10 @@ import pytest
 from gateway.broker import BindError, Broker
 from gateway.engine.queues import QueueConfig
 from gateway.model import Delivery, Message
+from tests import test_engine
 from tests.test_engine import wait_for
+
+second_node = test_engine.second_node  # a fixture: another node on the same Redis
 
 
 def msg(payload: str, **props) -> Message:
@@ -158,6 +161,27 @@ async def test_a_browser_of_a_queue_then_partitioned_is_ended(broker: Broker) ->
     await broker.publish(msg("after"))
     await wait_for(lambda: ended != [])
     assert "partitioned" in ended[0] and payloads(seen) == [b"before"]
+
+
+async def test_a_browser_is_ended_when_its_queue_was_made_again_unheard(
+    broker: Broker,
+    second_node: Broker,
+) -> None:
+    """The queue a browser reads is deleted and another user's private one made under its
+    name while this node's event channel is down. Woken as the channel came back, the
+    browser read the new queue, which it was never let see (found by a review); a
+    consumer's fetch already told the two apart."""
+    await broker.declare_queue(QueueConfig(name="q", permission="read-only"), user="alice")
+    seen: list[Delivery] = []
+    ended: list[str] = []
+    await broker.bind("q", seen.append, browse=True, user="bob", on_closed=ended.append)
+    await broker.events.listening.wait()
+    await second_node.redis.client_kill_filter(_type="pubsub")  # the nodes reconnect later
+    await second_node.delete_queue("q")  # its event reaches no node
+    await second_node.declare_queue(QueueConfig(name="q", permission="none"), user="carol")
+    await second_node.publish(msg("carol's"))
+    await wait_for(lambda: ended != [])
+    assert ended == ["queue deleted"] and seen == []
 
 
 async def test_a_browser_sees_none_of_what_a_forgotten_stream_reader_kept(

@@ -843,6 +843,7 @@ class Dispatcher:
                         page,
                         flow.replay_since,
                         flow.arrivals,
+                        flow.created,
                         *due,
                     )
                 )

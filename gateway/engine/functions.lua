@@ -2146,12 +2146,13 @@ end
 -- ARGV: queue, flow (a consumer of a non-destructive queue, registered by gw_bind; '' for
 -- a browser of another queue, registered nowhere), cursor (an entry id; sorted: an index
 -- member), count, since (epoch ms: replay period start, or 0), arrivals (sorted: the last
--- stream entry id seen arrive, '' at first; else ''), then the ids of entries this
--- browser saw held that are due now.
+-- stream entry id seen arrive, '' at first; else ''), created (the created_ms of the queue
+-- it bound to, or ''), then the ids of entries this browser saw held that are due now.
 -- Browsing: up to `count` messages on the queue after `cursor`, oldest first, without
 -- taking them: {'ok', n, the n entries asked for again, then the page: id, blob, meta,
 -- ...} (see `browsed`). Settled entries kept for stream readers and expired entries are
--- not shown; held ones are shown once due. {'partitioned'} when the queue has partitions
+-- not shown; held ones are shown once due. {'noqueue'} when the queue is gone, or is
+-- another one made under its name. {'partitioned'} when the queue has partitions
 -- now (browsers are refused on those). {'noflow'} when the flow is no longer
 -- registered (its node was presumed dead): it binds again, or the last consumer of an
 -- auto-delete queue to go would delete it while this one browses.
@@ -2187,7 +2188,7 @@ local function browse_sorted(q, s, cursor, count, since, a)
     end
   end
   local out = { 'sorted', arrivals, behind }
-  browse_again(out, s, a, 7, now)
+  browse_again(out, s, a, 8, now)
   out[#out + 1] = #late
   for _, l in ipairs(late) do browsed(out, l[1], l[2][2], shown(l[2][1]), now) end
   local start = cursor == '0-0' and '-' or '(' .. cursor
@@ -2204,8 +2205,10 @@ end
 register_always('gw_browse', function(_, a)
   local q, flow, cursor, count, since = a[1], a[2], a[3], tonumber(a[4]), tonumber(a[5])
   local c = redis.call('HMGET', k_queue_config(q), 'egress', 'sort_key', 'parent',
-    'partition_count')
-  if not c[1] or c[3] then return { 'noqueue' } end
+    'partition_count', 'created_ms')
+  -- made again under its name since it bound (its deletion's event lost): not the queue
+  -- its access was checked for
+  if not c[1] or c[3] or (a[7] ~= '' and a[7] ~= c[5]) then return { 'noqueue' } end
   if c[1] ~= '1' then return { 'egress' } end
   -- repartitioned since it bound (gw_repartition unbinds only the flows registered): ended
   -- as a new browser would be refused, not left reading the parent's empty stream
@@ -2221,7 +2224,7 @@ register_always('gw_browse', function(_, a)
   local last = kept and last_delivered(s)
   local now = now_ms()
   local out = { 'ok' }
-  browse_again(out, s, a, 7, now, kept, last)
+  browse_again(out, s, a, 8, now, kept, last)
   local start = '(' .. cursor
   if cursor == '0-0' then start = '-' end
   local entries = redis.call('XRANGE', s, start, '+', 'COUNT', count)
