@@ -37,6 +37,7 @@ from proton import (
     short,
     symbol,
     ubyte,
+    uint,
     ulong,
 )
 from proton.handlers import MessagingHandler
@@ -53,12 +54,13 @@ from proton.utils import BlockingConnection, BlockingReceiver, LinkDetached, Sen
 
 from gateway.broker import Broker, QueueConfig
 from gateway.config import Settings, User
+from gateway.engine import roll_call
 from gateway.model import Message as GatewayMessage
 from protocols.amqp import connection, terminus
 from protocols.amqp.listener import Listener, start
 from protocols.amqp.outbound import Outbound
 from protocols.amqp.sasl import AMQP_HEADER, SASL_HEADER
-from tests.amqp_raw import Peer, frame, performative, sasl_init
+from tests.amqp_raw import ATTACH, SOURCE, TARGET, Peer, frame, performative, sasl_init
 
 TIMEOUT = 5.0
 
@@ -1511,6 +1513,38 @@ async def test_a_subscription_asked_for_copy_says_its_links_take(
         Terminus.DIST_MODE_MOVE,
         Terminus.DIST_MODE_COPY,
     ]
+
+
+async def test_a_shared_subscription_whose_attach_its_client_left_goes(
+    broker: Broker, amqp: Listener, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shared non-durable subscription goes with its last link. A client that went while
+    its attach was being served (here: waiting for a live node slow to answer the
+    subscription's roll call) left the subscription's queue behind, with no link ever to
+    leave it, gathering its topic's messages for good (found by a review)."""
+    monkeypatch.setattr(roll_call, "ANSWER_TIMEOUT_S", 1.0)
+    await broker.redis.fcall("gw_node_up", 0, "nslow", 60_000)
+    peer = await Peer.opened(amqp.port)
+    shared = symbol("shared")
+    source = [
+        "topic://left", uint(0), symbol("session-end"), uint(0), False,
+        None, None, None, None, None, shared,
+    ]  # fmt: skip
+    attach = performative(
+        ATTACH, "left", uint(0), True, ubyte(0), ubyte(0),
+        Described(ulong(SOURCE), source), Described(ulong(TARGET), [None]),
+    )  # fmt: skip
+    peer.send(frame(attach))
+    await asyncio.sleep(0.3)  # the queue is made; the roll call waits
+    peer.close()
+
+    async def subscriptions() -> list[str]:
+        return [n for n in await broker.queues.names() if n.startswith("#vts/")]
+
+    deadline = time.monotonic() + 3
+    while left := await subscriptions():
+        assert time.monotonic() < deadline, left
+        await asyncio.sleep(0.05)
 
 
 async def test_shared_and_unshared_durable_subscriptions_do_not_mix(

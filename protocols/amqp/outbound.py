@@ -153,6 +153,8 @@ class Outbound(Endpoint):
             self.durable = None
             return
         if source is None or not self.live:
+            if source is not None:
+                await self._leave_unconsumed(source[0])
             return
         queue, browse, topic = source
         # a subscription's queue (a durable one looked up holds whatever it was subscribed
@@ -185,6 +187,7 @@ class Outbound(Endpoint):
             self.refuse(BIND_REFUSALS.get(exc.code, "amqp:precondition-failed"), str(exc))
             if exc.code == "invalid_selector" and self.durable is not None:
                 await self.close(ended=True)  # JMS: no subscription with a bad selector
+            await self._leave_unconsumed(queue)
             self.durable = None  # not this link's: closing it must not delete the queue
             return
         self.flow = flow
@@ -252,6 +255,17 @@ class Outbound(Endpoint):
         )
         self.sole_consumer = True
         return self.temporary, False, address.name
+
+    async def _leave_unconsumed(self, queue: str) -> None:
+        """An attach that ended before its link consumed (the client went, or the bind was
+        refused): a shared non-durable subscription goes with its last link, and one no
+        link consumes would go with none (its auto-delete needs a consumer to leave)."""
+        if not self.shared or self.durable is not None:
+            return
+        broker = self.host.broker
+        with contextlib.suppress(QueueError):  # gone meanwhile
+            if not (await broker.queues.info(queue)).flows:
+                await broker.delete_queue(queue, user=self.host.user)
 
     async def _existing_subscription(self) -> tuple[str, bool, str | None] | None:
         """A null source address names the durable subscription of this container id + link
