@@ -1412,8 +1412,9 @@ end
 
 -- Producer flow control keeps each publisher's order. Once a queue holds back a message of
 -- a node, it holds back that node's later messages too (even when it has room again by
--- then), until the node offers the held messages again in a retry batch, which starts
--- with them and clears the mark. A node that stopped before its retry leaves a mark that
+-- then), until the node offers the held messages again: it clears its marks on their
+-- queues (gw_flow_held_clear), then sends them, oldest first, ahead of any newer one (one
+-- held again marks its queue again). A node that stopped before its retry leaves a mark that
 -- lapses after FLOW_HELD_LAPSE seconds. The marks hold under any overflow policy: one set
 -- to the queue since holds its publishers no more, but what was held is stored first. While
 -- marks exist, the queue's stats say so ('flow_held'), so a queue without them costs no read.
@@ -1426,12 +1427,8 @@ local function clear_flow_held(q, node)
   end
 end
 
-local function flow_held_mark(q, node, retry)
+local function flow_held_mark(q, node)
   q.flow_held_key, q.flow_held_node = k_queue_flow_held(q.name), node
-  if retry then
-    clear_flow_held(q, node)
-    return
-  end
   local since = redis.call('HGET', q.flow_held_key, node)
   if not since then return end
   if tonumber(redis.call('TIME')[1]) - tonumber(since) > FLOW_HELD_LAPSE then
@@ -1467,8 +1464,6 @@ end
 -- (1 byte). Fewer arguments: each costs Redis and Lua a string object.
 -- Spooled bytes count the stored blob. A message that would pass the broker-wide quota or
 -- the quota of one of its queues' VPNs (gw_spool_limits) is refused with QUOTA_EXCEEDED.
--- A negative nq (-nq) marks a retry batch: it starts with messages producer flow control held
--- back, and clears the node's marks on its queues (see flow_held_mark).
 -- Returns one outcome code per message; a message is stored in all its queues or in none.
 local NAMED_HIDDEN = { missing = true }
 
@@ -1494,8 +1489,6 @@ end
 -- claims hash and claim of the connection that sent it.
 local function spool(a, marks)
   local nq = tonumber(a[2])
-  local retry = nq < 0
-  if retry then nq = -nq end
   local qs, by_name, families = {}, {}, {}
   local function target(name)
     local t = by_name[name]
@@ -1506,7 +1499,7 @@ local function spool(a, marks)
         if t.created ~= created then t = NAMED_HIDDEN end
       else
         t = spool_target(name, families)
-        if t.overflow == 'flow_control' or t.held_marks then flow_held_mark(t, a[1], retry) end
+        if t.overflow == 'flow_control' or t.held_marks then flow_held_mark(t, a[1]) end
         qs[#qs + 1] = t
       end
       by_name[name] = t
@@ -1691,6 +1684,26 @@ local function spool(a, marks)
 end
 
 redis.register_function('gw_spool', function(_, a) return spool(a) end)
+
+-- ARGV: node, queue names. The node is about to offer again the messages producer flow
+-- control held of it for these queues: its marks on them go (on their partitions and
+-- priority levels too, where a message's mark is), so the batches that follow judge its
+-- held messages afresh, in order (see flow_held_mark).
+register_always('gw_flow_held_clear', function(_, a)
+  for i = 2, #a do
+    local q = a[i]
+    local c = redis.call('HMGET', k_queue_config(q), 'partition_count', 'priorities')
+    local names = { q }
+    for p = 0, (tonumber(c[1]) or 0) - 1 do names[#names + 1] = partition_queue(q, p) end
+    if c[2] == '1' then
+      for level = 0, PRIORITY_LEVELS - 1 do names[#names + 1] = priority_queue(q, level) end
+    end
+    for _, name in ipairs(names) do
+      clear_flow_held({ name = name, flow_held_key = k_queue_flow_held(name) }, a[1])
+    end
+  end
+  return 'OK'
+end)
 
 -- KEYS: per marked message, a set, its client's claims hash and state. ARGV: the marked
 -- messages' places in the call, each with its member and its connection's claim ("1 17 5

@@ -116,6 +116,7 @@ class Spooler:
         self.refused: dict[str, int] = {}  # outcome name (or redis_error) -> count
         self._held: list[_Pending] = []  # refused by producer flow control, retried
         self._retry_due = False  # the held messages are to be offered again
+        self._retrying = 0  # held messages offered again still first in _pending
         self._retry: asyncio.TimerHandle | None = None  # when they are
         self._closed = False
         # the client's loop, kept: asyncio.get_running_loop() costs a getpid() system call
@@ -172,13 +173,17 @@ class Spooler:
         try:
             await asyncio.sleep(0)  # let the rest of this turn's publishes join the batch
             while self._pending or (self._retry_due and self._held):
-                retried = 0
-                if self._retry_due and self._held:
+                if self._retry_due and self._held and not self._retrying:
                     # with nothing in flight, every refusal is in: the held list is whole
                     await self._calls.wait_below(1)
-                    retried = len(self._held)
-                    self._pending[:0], self._held = self._held, []
-                    self._retry_due = False
+                    await self._offer_held()
+                if self._retrying:  # the held ones go first, in batches of the usual size
+                    await self._calls.wait_below(MAX_IN_FLIGHT)
+                    if not self._retrying:
+                        continue  # closed meanwhile
+                    batch, long_bytes = self._take_batch(self._retrying)
+                    self._retrying -= len(batch)
+                    call = self._call(batch)
                 else:
                     pacing = self._pacing
                     paced = pacing is not None and pacing.behind_on(self._next_queues())
@@ -188,17 +193,28 @@ class Spooler:
                         await pacing.catch_up(self._next_queues, MAX_HOLD)
                     if not self._pending:
                         continue
-                batch, long_bytes = self._take_batch(retried)
+                    batch, long_bytes = self._take_batch()
+                    call = self._call(batch)
                 await self._calls.send(
                     lambda reply, batch=batch: self._answered(batch, reply),
                     "FCALL",
-                    *self._call(batch, retry=retried > 0),
+                    *call,
                     in_place=long_bytes >= IN_PLACE_BATCH_BYTES,
                 )
         finally:
             self._task = None
             if self._pending or (self._retry_due and self._held):  # raced with the finally
                 self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _offer_held(self) -> None:
+        """Put the held messages first, to go in the next batches, once the node's marks on
+        their queues are cleared (in the same order of calls): each is judged afresh, and
+        one held again marks its queue again, holding the later ones behind it."""
+        queues = sorted({q for p in self._held for q in p[0]})
+        self._retrying = len(self._held)
+        self._pending[:0], self._held = self._held, []
+        self._retry_due = False
+        await self._calls.send(_cleared, "FCALL", "gw_flow_held_clear", 0, self._node, *queues)
 
     async def close(self) -> None:
         """Drop the spool connection; batches still unanswered are refused, never acked,
@@ -209,6 +225,7 @@ class Spooler:
         if self._retry is not None:
             self._retry.cancel()
         unsent, self._pending, self._held = self._pending + self._held, [], []
+        self._retrying = 0
         for p in unsent:
             _resolve(p, STOPPED)
         await self._calls.close()
@@ -223,36 +240,37 @@ class Spooler:
             if count >= MAX_BATCH_MESSAGES or stored >= MAX_BATCH_BYTES:  # as _batch_length
                 return
 
-    def _take_batch(self, at_least: int) -> tuple[list[_Pending], int]:
-        """The next batch and the bytes of its long messages (see `_batch_length`)."""
+    def _take_batch(self, most: int = MAX_BATCH_MESSAGES) -> tuple[list[_Pending], int]:
+        """The next batch, of `most` messages at most, and the bytes of its long messages
+        (see `_batch_length`)."""
         pending = self._pending
-        count, long_bytes = self._batch_length(at_least)
+        count, long_bytes = self._batch_length(most)
         if count == len(pending):
             self._pending = []
             return pending, long_bytes
         self._pending = pending[count:]
         return pending[:count], long_bytes
 
-    def _batch_length(self, at_least: int) -> tuple[int, int]:
-        """How many pending messages the next batch takes, and the bytes of its long
-        messages (IN_PLACE_BYTES or more): `at_least` messages (retried ones go out
-        together), then up to the batch limits. A message counts against MAX_BATCH_BYTES
-        once per queue it goes to: Redis stores it in each (fan-out to 10 queues at 4 KiB:
-        p99 365-490 -> 110-140 ms against counting it once)."""
+    def _batch_length(self, most: int) -> tuple[int, int]:
+        """How many pending messages the next batch takes, up to the batch limits or
+        `most`, and the bytes of its long messages (IN_PLACE_BYTES or more). A message
+        counts against MAX_BATCH_BYTES once per queue it goes to: Redis stores it in each
+        (fan-out to 10 queues at 4 KiB: p99 365-490 -> 110-140 ms against counting it once)."""
         long_bytes = stored = 0
+        most = min(most, MAX_BATCH_MESSAGES)
         for i, p in enumerate(self._pending):
             size = len(p[_BLOB])
             if size >= IN_PLACE_BYTES:
                 long_bytes += size
             stored += size * len(p[0])
-            if i + 1 >= at_least and (i + 1 >= MAX_BATCH_MESSAGES or stored >= MAX_BATCH_BYTES):
+            if i + 1 >= most or stored >= MAX_BATCH_BYTES:
                 return i + 1, long_bytes
         return len(self._pending), long_bytes
 
-    def _call(self, batch: list[_Pending], retry: bool) -> list[object]:
+    def _call(self, batch: list[_Pending]) -> list[object]:
         """The function for the batch and its arguments: gw_spool_marked when a message
         of it has a mark (its set a key, its place and member an argument before the rest)."""
-        args = self._arguments(batch, retry)
+        args = self._arguments(batch)
         if not self._marked:
             return ["gw_spool", *args]
         marks = [(place, p[_MARK]) for place, p in enumerate(batch, 1) if p[_MARK] is not None]
@@ -263,9 +281,8 @@ class Spooler:
         places = " ".join(f"{place} {member} {claim}" for place, (_, member, _, claim, _) in marks)
         return ["gw_spool_marked", len(keys), *keys, places, *args[1:]]
 
-    def _arguments(self, batch: list[_Pending], retry: bool) -> list[object]:
-        """gw_spool's arguments for the batch (numkeys first); a retry batch, which starts
-        with held messages, says so with a negative queue count."""
+    def _arguments(self, batch: list[_Pending]) -> list[object]:
+        """gw_spool's arguments for the batch (numkeys first)."""
         named: dict[str, int] = {}  # the queues messages name
         # the queues topic subscriptions routed messages to, by the routes (one load of
         # them, alive in the batch) that did
@@ -308,7 +325,7 @@ class Spooler:
                     blob,
                 )
             )
-        return [0, self._node, -len(names) if retry else len(names), *names, *body]
+        return [0, self._node, len(names), *names, *body]
 
     def _answered(self, batch: list[_Pending], reply: list[int] | BaseException) -> None:
         """gw_spool's outcome codes for the batch, or why Redis did not answer them."""
@@ -398,6 +415,13 @@ def short_head(indexes: list[int], direct: bool, size: int, lo: int, priority: i
     return struct.pack(f">BI{len(indexes)}I", 0, len(indexes), *indexes) + _HEAD_END.pack(
         flag, size, lo, priority
     )
+
+
+def _cleared(reply: object) -> None:
+    """gw_flow_held_clear's answer. Refused, the marks stay: the held messages are held
+    again, and offered again later."""
+    if isinstance(reply, BaseException):
+        log.info("clearing producer flow control marks failed: %s", reply)
 
 
 def _resolve(p: _Pending, result: Outcome | BaseException) -> None:
