@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from proton import Described, uint, ulong
+from proton import Described, symbol, ubyte, uint, ulong
 from proton import Message as AmqpMessage
 
 from gateway.broker import Broker, QueueConfig
@@ -24,6 +24,8 @@ from tests.amqp_raw import (
     FLOW,
     RECEIVER,
     SENDER,
+    SOURCE,
+    TARGET,
     TRANSFER,
     Peer,
     flow,
@@ -105,6 +107,34 @@ async def test_a_sending_clients_rcv_settle_mode_second_is_echoed_and_kept(
     await wait_for(lambda: endpoint.link.unsettled == 0)
     assert (await broker.queues.info("in")).messages == 1  # stored once
     peer.close()
+
+
+@pytest.mark.parametrize("closed", [False, True], ids=["detach", "close"])
+@pytest.mark.parametrize("role", [SENDER, RECEIVER], ids=["client-sender", "client-receiver"])
+async def test_a_detach_before_the_attach_is_answered_gets_both_answered(
+    broker: Broker, amqp: Listener, role: bool, closed: bool
+) -> None:
+    """§2.6.3, §2.6.6: an attach is answered by an attach, a detach by a detach. A client
+    that detached without closing (proton's Link.detach, rhea's detach()) before its
+    attach was answered (that takes Redis round trips) got neither, and waited for good
+    (found by a review). Read together, the first attach waited on its own detach, and
+    the name was dead for the connection (found by a review of the fix)."""
+    await fill(broker, "early", 1)
+    peer = await Peer.opened(amqp.port)
+    attach = frame(performative(ATTACH, "early", uint(0), role, ubyte(0), ubyte(0), *termini(role)))
+    peer.send(attach + frame(performative(DETACH, uint(0), closed)))  # read together
+    got = await peer.frames_for(0.5)
+    assert [f.code for f in got if f.code is not None] == [ATTACH, DETACH]
+    peer.send(attach)  # its name is free again (the attach of the first had waited on it)
+    assert (await peer.expect(ATTACH)).fields[5 if role == RECEIVER else 6] is not None
+    peer.close()
+
+
+def termini(role: bool) -> tuple[Described, Described]:
+    """(source, target) of an attach to queue "early" as `role`."""
+    queue = Described(ulong(SOURCE if role == RECEIVER else TARGET), ["early"])
+    other = Described(ulong(TARGET if role == RECEIVER else SOURCE), [None])
+    return (queue, other) if role == RECEIVER else (other, queue)
 
 
 @pytest.mark.parametrize(("role", "snd", "rcv"), [(SENDER, 9, 0), (RECEIVER, 0, 7)])
@@ -191,6 +221,43 @@ async def test_deliveries_fetched_as_the_credit_went_to_zero_come_back_as_they_w
         got = await first_deliveries(listener.port, "stopped", 5)
         assert got == [(b"%d" % i, 0, True) for i in range(5)]
     finally:
+        await listener.close()
+
+
+@pytest.mark.parametrize("between", [False, True], ids=["at-once", "another-between"])
+async def test_a_durable_subscriber_detached_while_its_attach_binds_may_attach_again(
+    node: Broker,  # noqa: F811
+    proxy: CuttingProxy,  # noqa: F811
+    between: bool,
+) -> None:
+    """JMS closes a durable consumer with a detach (closed=false). Sent while its attach
+    was binding, the detach was answered at once and the bind went on: the link attached
+    again under its name was refused as the subscription's other consumer (found by a
+    review). The new attach waits until the old one's is served and released, also past
+    a link of the name attached and detached in between (found by a review of the fix)."""
+    listener = await start_amqp(node, Settings(amqp_port=0, host="127.0.0.1"))
+    try:
+        peer = await Peer.opened(listener.port)
+        source = Described(ulong(SOURCE), ["topic://t/again", uint(2), symbol("never")])
+        target = Described(ulong(TARGET), [None])
+
+        def attach(handle: int) -> bytes:
+            fields = ("sub", uint(handle), RECEIVER, ubyte(0), ubyte(0), source, target)
+            return frame(performative(ATTACH, *fields))
+
+        def detach(handle: int) -> bytes:
+            return frame(performative(DETACH, uint(handle), False))
+
+        proxy.delay_on, proxy.delay = b"gw_bind", 0.5  # bound in Redis, answered late
+        peer.send(attach(0))
+        await asyncio.sleep(0.2)
+        peer.send(detach(0) + (attach(1) + detach(1) if between else b"") + attach(2))
+        answers = [f for f in await peer.frames_for(2.0) if f.code == ATTACH]
+        assert len(answers) == 3 if between else 2
+        assert answers[-1].fields[5] is not None  # the last one: not refused
+        peer.close()
+    finally:
+        proxy.delay_on = None
         await listener.close()
 
 

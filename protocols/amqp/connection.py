@@ -428,9 +428,29 @@ class AmqpConnection(asyncio.Protocol):
         if len(self.endpoints) > MAX_LINKS:  # each a consumer in Redis, or 500 publishes
             endpoint.refuse(RESOURCE_LIMIT, f"a connection has at most {MAX_LINKS} links")
             return
-        self.spawn(self._run_attach(endpoint))
+        endpoint.attach_over = self._loop.create_future()
+        # the link of this name before it, still closing, now: a detach of this one, read
+        # before its attach runs, puts its own there
+        earlier = self._detaching.get(link.name)
+        self.spawn(self._run_attach(endpoint, earlier))
 
-    async def _run_attach(self, endpoint: Inbound | Outbound) -> None:
+    async def _run_attach(
+        self, endpoint: Inbound | Outbound, earlier: asyncio.Future[None] | None
+    ) -> None:
+        try:
+            await self._serve_attach(endpoint, earlier)
+        finally:
+            over = endpoint.attach_over
+            if over is not None and not over.done():
+                over.set_result(None)
+
+    async def _serve_attach(
+        self, endpoint: Inbound | Outbound, earlier: asyncio.Future[None] | None
+    ) -> None:
+        if earlier is not None:  # the link of this name before it is still closing: so
+            await asyncio.shield(earlier)  # that one of this name after it waits for both
+        if endpoint.closed:  # detached before its attach ran (answered then): nothing to do
+            return
         try:
             link = endpoint.link
             if link.name is None:
@@ -439,9 +459,6 @@ class AmqpConnection(asyncio.Protocol):
             # unchecked, they made an attach no client could read)
             if link.remote_snd_settle_mode > 2 or link.remote_rcv_settle_mode > 1:
                 raise InvalidField("an attach's settle modes are out of range")
-            detaching = self._detaching.get(link.name)
-            if detaching is not None:  # the link of this name before it is still closing
-                await asyncio.shield(detaching)
             await endpoint.attach()
         except (QueueError, InvalidField) as exc:  # e.g. an invalid topic pattern, a bad filter
             endpoint.refuse("amqp:invalid-field", str(exc))
@@ -470,6 +487,8 @@ class AmqpConnection(asyncio.Protocol):
         if suspended:
             endpoint.suspend()
         name = link.name
+        if link.state & Endpoint.LOCAL_UNINIT:  # its attach not answered yet (proton would
+            endpoint.open_unattached()  # answer neither a detach of it nor the attach)
         if not link.state & Endpoint.LOCAL_CLOSED:
             if ended:
                 link.close()
@@ -484,8 +503,11 @@ class AmqpConnection(asyncio.Protocol):
         self, endpoint: LinkEndpoint, ended: bool, name: str, closed: asyncio.Future[None]
     ) -> None:
         """Release what a detached link held; an attach of its name waits for this (a
-        durable subscription's next link must not find the old one's flow still bound)."""
+        durable subscription's next link must not find the old one's flow still bound, nor
+        that of an attach of the old one still being served when the client detached it)."""
         try:
+            if endpoint.attach_over is not None:
+                await endpoint.attach_over
             await endpoint.close(ended)
         finally:
             closed.set_result(None)

@@ -10,6 +10,7 @@ publish outcome or a delivery from Redis can arrive after the link or the connec
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 from functools import partial
@@ -148,6 +149,8 @@ class Endpoint:
         self.host = host
         self.link = link
         self.closed = False
+        # done once its attach is served (and what a detach meanwhile left it bound released)
+        self.attach_over: asyncio.Future[None] | None = None
         self.temporary: str | None = None  # queue created for this link
         self.lifetime = Lifetime.LINK  # of `temporary`: deleted with the link, or later
         self.dynamic = False  # `temporary` is a dynamic node (not a topic subscription's)
@@ -179,12 +182,18 @@ class Endpoint:
         detach carrying the error, as the spec asks of a refused link."""
         if self.live:
             self.closed = True
-            link = self.link
-            (link.target if link.is_receiver else link.source).type = Terminus.UNSPECIFIED
-            link.condition = Condition(name, description)
-            link.open()
-            link.close()
+            self.link.condition = Condition(name, description)
+            self.open_unattached()
+            self.link.close()
             self.host.wake()
+
+    def open_unattached(self) -> None:
+        """Answer the attach with a null terminus (the client's target, or source), as for
+        a link refused, or detached by its client before it was answered (§2.6.3: each
+        attach is answered by one, §2.6.6: then the detach by a detach)."""
+        link = self.link
+        (link.target if link.is_receiver else link.source).type = Terminus.UNSPECIFIED
+        link.open()
 
     def fail(self, name: str, description: str | None = None) -> None:
         """End the attached link with an error (a detach with closed=true carrying it)."""
