@@ -297,7 +297,7 @@ class Broker:
             msg.not_before,
             encode(msg),
             done,
-            _spool_mark(msg.exactly_once),
+            msg.exactly_once,
         )
 
     def _retain_after(
@@ -843,12 +843,3 @@ class Broker:
     def count(self, name: str) -> None:
         """An adapter's event (a dropped QoS 0 message, say), shown in the metrics."""
         self.counters[name] = self.counters.get(name, 0) + 1
-
-
-def _spool_mark(once: tuple[str, int, int] | None) -> tuple[str, str, str, int, str] | None:
-    """Spooler.submit's mark of an exactly-once publish (Message.exactly_once)."""
-    if once is None:
-        return None
-    client_id, packet_id, claim = once
-    received, claims = keys.client_received(client_id), keys.client_claims(client_id)
-    return received, str(packet_id), claims, claim, keys.client_state(client_id)

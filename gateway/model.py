@@ -62,6 +62,13 @@ class Publisher:
 LATEST_MS = 253_402_300_799_999
 
 
+# Spooler.submit's mark: the set recording exactly-once publishes and this one's member
+# there, a hash and a claim (the record is ignored while the hash's 'fresh' field is above
+# the claim: a newer session cleared it), and a key: the record is made only while the hash
+# has a 'holder' field or that key exists (its owner still lives).
+SpoolMark = tuple[str, str, str, int, str]
+
+
 @dataclass(slots=True)
 class Message:
     """One message as the gateway routes and stores it. Treat as immutable once published."""
@@ -98,10 +105,10 @@ class Message:
     # The AMQP publisher's footer section (hashes or signatures of the bare message, §3.2.10),
     # sent on after it; None when it sent none.
     amqp_footer: bytes | None = None
-    # An exactly-once publish (MQTT QoS 2): its publisher's client id, packet id and
-    # connection's claim; the spool records the id with it in one step, so a resend is not
-    # stored again. Not stored.
-    exactly_once: tuple[str, int, int] | None = None
+    # An exactly-once publish (an MQTT QoS 2 one, a Spark sink row): the spool records it
+    # in the same step as it stores it, and stores none recorded already (a resend). See
+    # SpoolMark. Not stored.
+    exactly_once: SpoolMark | None = None
 
 
 class Outcome(IntEnum):

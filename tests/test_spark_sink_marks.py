@@ -58,3 +58,63 @@ async def test_the_progress_of_an_attempt_never_replayed_goes_while_the_sink_kee
         with pytest.raises(sink.SinkRefused):
             await sink.publish(opts, batch, f"{batch}/att:0", msg("nosuchq", batch))
     assert await broker.redis.hkeys(progress) == [b"b2/att:0", b"b3/att:0"]
+
+
+async def test_a_task_dying_amid_a_chunk_stores_none_of_it_again_on_replay(
+    broker: Broker, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A streaming task's progress is noted after each chunk of its publishes: one that died
+    in between (its executor lost) stored that chunk again on replay, 1,000 messages twice
+    (found by a review). The spool records each row as it stores it."""
+    await broker.declare_queue(QueueConfig(name="kept"))
+    opts = sink.SinkOptions(redis_url, "kept", True, "queue:kept", None)
+
+    def rows() -> list[Message]:
+        return [
+            Message(destination="kept", to_queue=True, payload=b"%d" % i, id=f"row{i}")
+            for i in range(2500)
+        ]
+
+    noted, note = [], sink._note_progress
+
+    async def dies_before_the_second_chunks_note(*args: object) -> None:
+        noted.append(args)
+        if len(noted) == 2:  # after the second chunk
+            raise RuntimeError("the executor is gone")
+        await note(*args)
+
+    monkeypatch.setattr(sink, "_note_progress", dies_before_the_second_chunks_note)
+    with pytest.raises(RuntimeError):
+        await sink.publish(opts, "e7", "e7:0", rows())
+    assert (await broker.queues.info("kept")).messages == 2000
+    monkeypatch.setattr(sink, "_note_progress", note)
+    await sink.publish(opts, "e7", "e7:0", rows())  # the micro-batch replayed
+    assert (await broker.queues.info("kept")).messages == 2500
+    assert await broker.redis.keys(keys.sink_stored("queue:kept", "*")) == []
+
+
+async def test_the_rows_recorded_by_an_attempt_never_replayed_go_with_its_progress(
+    broker: Broker, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch write's attempt that died amid a chunk is never replayed under its marker:
+    the rows the spool recorded stored for it stayed in Redis for good once the sink was
+    idle (found by a review). They go MARK_TTL_S after its last note, as its progress."""
+    monkeypatch.setattr(sink, "MARK_TTL_S", 1)
+    await broker.declare_queue(QueueConfig(name="kept"))
+    opts = sink.SinkOptions(redis_url, "kept", True, "queue:kept", None)
+    rows = [Message("kept", b"%d" % i, to_queue=True, id=f"row{i}") for i in range(1500)]
+    note = sink._note_progress
+
+    async def dies_before_the_second_chunks_note(*args: object) -> None:
+        if args[-1] and max(args[-1]) >= sink.CHUNK:  # the spooled rows of the 2nd chunk
+            raise RuntimeError("the executor is gone")
+        await note(*args)
+
+    monkeypatch.setattr(sink, "_note_progress", dies_before_the_second_chunks_note)
+    with pytest.raises(RuntimeError):
+        await sink.publish(opts, "b1", "b1/att1:0", rows)
+    stored = keys.sink_stored("queue:kept", "b1/att1:0")
+    assert await broker.redis.exists(stored)
+    await asyncio.sleep(1.5)  # the sink is idle: a rerun is a new attempt, a new marker
+    left = await broker.redis.keys(f"{keys.PREFIX}:sink:*")
+    assert left == [], left

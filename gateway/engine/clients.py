@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import OutOfMemoryError
 
 from gateway.engine import keys
-from gateway.model import Message, decode, encode
+from gateway.model import Message, SpoolMark, decode, encode
 from gateway.topics import literal_prefix, pattern_matcher
 
 _GLOB_SPECIAL = re.compile(r"[\\*?\[\]]")  # what a Redis MATCH pattern would read as a wildcard
@@ -104,6 +104,13 @@ class ClientStore:
                 claim,
             )
         )
+
+    @staticmethod
+    def receipt_mark(client_id: str, message_id: int | str, claim: int) -> SpoolMark:
+        """The spool mark of an exactly-once publish (Message.exactly_once) of the client's
+        connection of `claim`: the id is recorded received as the message is stored."""
+        received, claims = keys.client_received(client_id), keys.client_claims(client_id)
+        return received, str(message_id), claims, claim, keys.client_state(client_id)
 
     async def mark_received(self, client_id: str, message_id: int | str, claim: int) -> bool:
         """Record an inbound message id of the connection of `claim`; False if it was

@@ -18,7 +18,7 @@ HOLDING_CONSUMER = "~g"  # message-group queues: entries wait here until their g
 TIMED_CONSUMER = "~t"  # messages held until their delivery time
 
 # name -> template; "{q}" is a queue name, "{n}" a node id, "{c}" a client id (hex),
-# "{s}" a sink name (hex).
+# "{s}" a sink name (hex), "{m}" a sink's partition marker (hex).
 TEMPLATES: dict[str, str] = {
     "queues": f"{PREFIX}:queues",
     "seq": f"{PREFIX}:seq",
@@ -82,6 +82,7 @@ TEMPLATES: dict[str, str] = {
     "sink_marks": f"{PREFIX}:sink:{{s}}:marks",
     "sink_progress": f"{PREFIX}:sink:{{s}}:progress",
     "sink_progress_times": f"{PREFIX}:sink:{{s}}:progress:at",
+    "sink_stored": f"{PREFIX}:sink:{{s}}:stored:{{m}}",
     "client_state": f"{PREFIX}:client:{{c}}",
     "client_received": f"{PREFIX}:client:{{c}}:received",
     "client_claims": f"{PREFIX}:client:{{c}}:claims",
@@ -280,6 +281,15 @@ def sink_marks(s: str) -> str:
 def sink_progress(s: str) -> str:
     """Partition marker -> which of its messages a Spark sink spooled before it failed."""
     return TEMPLATES["sink_progress"].replace("{s}", s.encode().hex())
+
+
+def sink_stored(s: str, m: str) -> str:
+    """Row indexes of partition marker `m` the spool stored since its progress was last
+    noted: recorded in the same step as each message, so a replay after a task died in
+    between stores none of them again."""
+    return (
+        TEMPLATES["sink_stored"].replace("{s}", s.encode().hex()).replace("{m}", m.encode().hex())
+    )
 
 
 def sink_progress_times(s: str) -> str:

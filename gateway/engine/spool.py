@@ -37,7 +37,7 @@ from redis.exceptions import OutOfMemoryError
 from gateway.engine.library import IN_PLACE_BYTES
 from gateway.engine.ordered_calls import NotSent, OrderedCalls, broke
 from gateway.engine.partitions import key_hash
-from gateway.model import Outcome
+from gateway.model import Outcome, SpoolMark
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ _Pending = tuple[
     bytes,
     "asyncio.Future | None",
     "Done | None",
-    "tuple[str, str, str, int, str] | None",
+    "SpoolMark | None",
 ]
 Done = Callable[["Outcome | BaseException"], None]
 _BLOB, _FUTURE, _DONE, _MARK = 8, 9, 10, 11
@@ -137,7 +137,7 @@ class Spooler:
         not_before: int | None,
         blob: bytes,
         done: Done | None = None,
-        mark: tuple[str, str, str, int, str] | None = None,
+        mark: SpoolMark | None = None,
     ) -> asyncio.Future[Outcome] | None:
         """Queue one message for the next batch; the future carries its Outcome, or, when
         `done` is given, no future is made and `done(outcome)` (or `done(exception)` when
@@ -146,11 +146,10 @@ class Spooler:
         (epoch ms) is when it may no longer be delivered; `props` carries the properties
         last value and sorted queues key on (Router.spool_properties); `priority` (0-9)
         picks the level of a priority queue; `not_before` (epoch ms) holds it invisible
-        until then; `mark` (a set's key, a member, the client's claims key, the sending
-        connection's claim, the client's state key) is recorded in the same step as the
-        message is stored, and a message whose mark is recorded already is not stored again
-        (an MQTT QoS 2 publish resent after its answer was lost), until a later connection
-        starts a new session."""
+        until then; `mark` (SpoolMark) is recorded in the same step as the message is stored,
+        and a message whose mark is recorded already is not stored again (an MQTT QoS 2
+        publish resent after its answer was lost), until a later connection starts a new
+        session."""
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()

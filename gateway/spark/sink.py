@@ -286,19 +286,26 @@ async def publish(
 ) -> SinkCommit:
     """Spool `messages` through a Broker unless the batch or this partition is done. What
     a failed attempt spooled is noted, chunk by chunk, so that a replay (a streaming
-    micro-batch replays its partitions as they ran) spools only the rest."""
+    micro-batch replays its partitions as they ran) spools only the rest; what it stored
+    of a chunk it died amid is recorded as each is stored (`keys.sink_stored`, noted
+    while its progress is), so the replay stores none of them again."""
     client = await library.connect(opts.redis_url, replace=False)
     sink_name = opts.sink_name
     try:
         if await _written(client, sink_name, [batch, marker]):
             return SinkCommit(marker, 0, True)
-        done = Progress.parse(await client.hget(keys.sink_progress(sink_name), marker))
+        progress = keys.sink_progress(sink_name)
+        done = Progress.parse(await client.hget(progress, marker))
+        await _start_progress(client.pipeline(transaction=False), sink_name, marker)
+        stored = keys.sink_stored(sink_name, marker)
         broker = Broker(client)
         await broker.start()
         published = unrouted = 0
         try:
             it = ((i, m) for i, m in enumerate(messages) if i not in done)
             while chunk := list(islice(it, CHUNK)):
+                for i, msg in chunk:
+                    msg.exactly_once = (stored, str(i), progress, 0, progress)
                 outcomes = await asyncio.gather(
                     *(broker.publish_nowait(m) for _, m in chunk), return_exceptions=True
                 )
@@ -306,7 +313,7 @@ async def publish(
                 published += len(spooled)
                 unrouted += sum(o is Outcome.NO_SUBSCRIBERS for o in outcomes)
                 done.add(spooled)
-                await _note_progress(client.pipeline(transaction=False), sink_name, marker, done)
+                await _note_progress(client.pipeline(), sink_name, marker, done, spooled)
                 for (_, msg), outcome in zip(chunk, outcomes, strict=True):
                     if isinstance(outcome, BaseException):
                         raise outcome
@@ -317,8 +324,9 @@ async def publish(
                             "spooled; a replay of a streaming micro-batch spools the rest)"
                         )
             pipe = _mark(client.pipeline(transaction=False), sink_name, marker)
-            pipe.hdel(keys.sink_progress(sink_name), marker)
+            pipe.hdel(progress, marker)
             pipe.zrem(keys.sink_progress_times(sink_name), marker)
+            pipe.delete(stored)
             await pipe.execute()
         finally:
             await broker.stop()
@@ -352,20 +360,45 @@ def _mark(pipe: Pipeline, sink: str, marker: str) -> Pipeline:
     return pipe
 
 
+async def _start_progress(pipe: aioredis.client.Pipeline, sink: str, marker: str) -> None:
+    """Note a partition's progress as none, unless a failed attempt noted some: the spool
+    records the rows it stores only while the progress hash exists (SpoolMark), in a set
+    made here (a member no row has) so that it goes MARK_TTL_S after its last note too."""
+    progress, times = keys.sink_progress(sink), keys.sink_progress_times(sink)
+    stored = keys.sink_stored(sink, marker)
+    pipe.hsetnx(progress, marker, str(Progress()))
+    pipe.zadd(times, {marker: time.time() * 1000}, nx=True)
+    pipe.sadd(stored, "")
+    for key in (progress, times, stored):
+        pipe.expire(key, MARK_TTL_S)
+    await pipe.execute()
+
+
 async def _note_progress(
-    pipe: aioredis.client.Pipeline, sink: str, marker: str, done: Progress
+    pipe: aioredis.client.Pipeline,
+    sink: str,
+    marker: str,
+    done: Progress,
+    spooled: list[int] | None = None,
 ) -> None:
-    """Note what a partition spooled so far; what partitions noted over MARK_TTL_S ago (an
-    attempt never replayed under its marker) goes, and the lot when the sink is idle."""
+    """Note what a partition spooled so far, the records of the rows `spooled` now adds
+    going in the same step (those of rows whose outcome was lost stay: they may be
+    stored); what partitions noted over MARK_TTL_S ago (an attempt never replayed under
+    its marker) goes, and the lot when the sink is idle."""
     now = time.time() * 1000
     progress, times = keys.sink_progress(sink), keys.sink_progress_times(sink)
     pipe.hset(progress, marker, str(done))
+    stored = keys.sink_stored(sink, marker)
+    if spooled:
+        pipe.srem(stored, *map(str, spooled))
+    pipe.expire(stored, MARK_TTL_S)
     pipe.zadd(times, {marker: now})
     pipe.zrangebyscore(times, "-inf", now - MARK_TTL_S * 1000)
     *_, stale = await pipe.execute()
     if stale:
         pipe.hdel(progress, *stale)
         pipe.zrem(times, *stale)
+        pipe.delete(*(keys.sink_stored(sink, m.decode()) for m in stale))
     pipe.expire(progress, MARK_TTL_S)
     pipe.expire(times, MARK_TTL_S)
     await pipe.execute()

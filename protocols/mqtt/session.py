@@ -678,7 +678,7 @@ class Session:
             return
         state.qos2_in.add(pid)
         assert self.claim is not None  # connected
-        msg.exactly_once = (self.client_id, pid, self.claim)
+        msg.exactly_once = self.broker.clients.receipt_mark(self.client_id, pid, self.claim)
         self._unresolved += 1
         ack = _Ack(self, 2, pid, ReasonCode.SUCCESS, None)
         self._acks.append(ack)
