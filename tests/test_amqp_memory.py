@@ -9,12 +9,25 @@ import ctypes
 import os
 
 import pytest
-from proton import Message, uint
+from proton import Described, Message, symbol, ubyte, uint, ulong
 
 from gateway.broker import Broker, QueueConfig
 from protocols.amqp import links
 from protocols.amqp.listener import Listener
-from tests.amqp_raw import ACCEPTED, DETACH, DISPOSITION, Peer, frame, performative
+from tests.amqp_raw import (
+    ACCEPTED,
+    ATTACH,
+    BEGIN,
+    DETACH,
+    DISPOSITION,
+    END,
+    RECEIVER,
+    SOURCE,
+    TARGET,
+    Peer,
+    frame,
+    performative,
+)
 
 CHUNK = 32_000  # under the gateway's max-frame-size (32 KiB)
 MiB = 2**20
@@ -142,4 +155,44 @@ async def test_a_finished_or_dropped_delivery_leaves_the_budget(port: int, amqp:
         peer.send(frame(performative(DETACH, uint(handle), True)))
         assert (await peer.expect(DETACH)).error() is None
     assert conn.partial_bytes == 0
+    peer.close()
+
+
+async def test_ended_sessions_are_freed_and_take_their_detached_links_nodes(
+    broker: Broker, amqp: Listener
+) -> None:
+    """A client that begins and ends sessions on one connection (a JMS session per unit of
+    work) grew the node ~3.7 KiB a session for as long as the connection lasted: proton
+    kept every ended one (found by a review). The delete-on-close node of a link detached
+    without closing still goes with its session."""
+    peer = await Peer.opened(amqp.port)
+    begin = performative(BEGIN, None, uint(0), uint(100), uint(100))
+    peer.send(frame(begin, channel=1))
+    await peer.expect(BEGIN)
+    dynamic = Described(ulong(SOURCE), [None, uint(0), symbol("session-end"), uint(0), True])
+    no_target = Described(ulong(TARGET), [None])
+    attach = performative(
+        ATTACH, "reply", uint(0), RECEIVER, ubyte(0), ubyte(0), dynamic, no_target
+    )
+    peer.send(frame(attach, channel=1))
+    node = (await peer.expect(ATTACH)).fields[5].value[0]
+    peer.send(frame(performative(DETACH, uint(0), False), channel=1))  # not closed
+    await peer.expect(DETACH)
+    assert await broker.queues.exists(node)
+    peer.send(frame(performative(END), channel=1))
+    await peer.expect(END)
+    for _ in range(1000):
+        peer.send(frame(begin, channel=1) + frame(performative(END), channel=1))
+    for _ in range(1000):
+        await peer.expect(END)
+    [connection] = amqp.registry.connections
+    sessions, session = 0, connection.conn.session_head(0)
+    while session is not None:
+        sessions += 1
+        session = session.next(0)
+    assert sessions <= 1, sessions
+    deadline = asyncio.get_running_loop().time() + 3
+    while await broker.queues.exists(node):
+        assert asyncio.get_running_loop().time() < deadline, "the node outlived its session"
+        await asyncio.sleep(0.05)
     peer.close()

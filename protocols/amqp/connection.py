@@ -378,6 +378,7 @@ class AmqpConnection(asyncio.Protocol):
                     self._detach(endpoint.link)
             self.spawn(self.nodes.end_session(session))
             session.close()
+            session.free()  # else proton keeps each ended session while the connection lasts
         elif kind == Event.CONNECTION_REMOTE_OPEN:
             self.publisher.client_id = self.conn.remote_container or ""
             # DELAYED_DELIVERY: messages with x-opt-delivery-time are held (Qpid JMS's

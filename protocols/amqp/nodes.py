@@ -21,7 +21,7 @@ Other dynamic-node-properties (supported-dist-modes...) are ignored.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Coroutine, Iterable
 from enum import Enum
 from typing import Any
 
@@ -153,15 +153,23 @@ class DynamicNodes:
         else:
             self.links[name] = left - 1
 
-    async def end_session(self, session: Any) -> None:
+    def end_session(self, session: Any) -> Coroutine[Any, Any, None]:
         """The session ended: the links suspended on it are gone, and so are their nodes
-        (delete-on-close), or their counts (delete-on-no-links)."""
-        for name, (_, held) in list(self.suspended.items()):
-            if held == session:
-                await self.delete(name)
-        for key, held in list(self.suspended_links.items()):
-            if held == session and self.suspended_links.pop(key, None) is not None:
-                await self.unlink(key[0])
+        (delete-on-close), or their counts (delete-on-no-links). What it held is taken at
+        once (the session is freed next); the coroutine returned releases it."""
+        nodes = [name for name, (_, held) in self.suspended.items() if held == session]
+        links = [key for key, held in self.suspended_links.items() if held == session]
+        for name in nodes:
+            del self.suspended[name]
+        for key in links:
+            del self.suspended_links[key]
+        return self._release(nodes, [name for name, _ in links])
+
+    async def _release(self, nodes: list[str], counted: list[str]) -> None:
+        for name in nodes:
+            await self.delete(name)
+        for name in counted:
+            await self.unlink(name)
 
     async def delete(self, name: str) -> None:
         self.names.discard(name)
