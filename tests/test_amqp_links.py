@@ -14,6 +14,7 @@ from proton import Message as AmqpMessage
 from gateway.broker import Broker, QueueConfig
 from gateway.config import Settings
 from gateway.model import Message
+from protocols.amqp import links
 from protocols.amqp.listener import Listener
 from protocols.amqp.listener import start as start_amqp
 from tests.amqp_raw import (
@@ -106,6 +107,59 @@ async def test_a_sending_clients_rcv_settle_mode_second_is_echoed_and_kept(
     # then the gateway settles it too (no frame: the client has forgotten it, §2.6.12)
     await wait_for(lambda: endpoint.link.unsettled == 0)
     assert (await broker.queues.info("in")).messages == 1  # stored once
+    peer.close()
+
+
+async def test_answers_the_client_has_not_settled_take_its_credit_in_mode_second(
+    broker: Broker, amqp: Listener
+) -> None:
+    """rcv-settle-mode second: each answered delivery holds its bytes until the client
+    settles it. Credit came back as each was answered, so a client that never settled
+    grew the node by every message it sent (10,000 of 30 kB: 353 MiB; found by a
+    review). Those not settled yet count against the link's credit."""
+    await broker.queues.create(QueueConfig(name="in"))
+    peer = await Peer.opened(amqp.port)
+    peer.attach("s", 0, SENDER, "in", snd_mode=UNSETTLED, rcv_mode=SECOND)
+    await peer.expect(ATTACH)
+    await peer.expect(FLOW)
+    ((endpoint,),) = [list(c.endpoints.values()) for c in amqp.registry.connections]
+    for i in range(links.CREDIT):
+        peer.transfer(0, i, performative(0x77, "m"), tag=b"%d" % i)
+    answered: set[int] = set()
+    while len(answered) < links.CREDIT:
+        answered.update((await peer.expect(DISPOSITION)).deliveries())
+    await asyncio.sleep(0.1)
+    assert endpoint.link.credit == 0
+    accepted = Described(ulong(ACCEPTED), [])
+    last = uint(links.CREDIT - 1)
+    peer.send(frame(performative(DISPOSITION, SENDER, uint(0), last, True, accepted)))
+    await wait_for(lambda: endpoint.link.credit > links.CREDIT * 3 // 4)  # back: near CREDIT
+    assert (await broker.queues.info("in")).messages == links.CREDIT
+    peer.close()
+
+
+async def test_a_client_sending_past_its_credit_in_mode_second_holds_no_more(
+    broker: Broker, amqp: Listener
+) -> None:
+    """The link ends (§2.6.7: no transfers without credit), and what the client sends on
+    until it has the detach is refused and forgotten, not held for a settlement that
+    cannot come."""
+    await broker.queues.create(QueueConfig(name="in"))
+    peer = await Peer.opened(amqp.port, window=10_000)
+    peer.attach("s", 0, SENDER, "in", snd_mode=UNSETTLED, rcv_mode=SECOND)
+    await peer.expect(ATTACH)
+    await peer.expect(FLOW)
+    ((endpoint,),) = [list(c.endpoints.values()) for c in amqp.registry.connections]
+    sent = answered = 0
+    for _ in range(4):  # as the reviewer's client: a batch, then its answers
+        for _ in range(links.CREDIT // 2):
+            peer.transfer(0, sent, performative(0x77, "m"), tag=b"%d" % sent)
+            sent += 1
+        while answered < sent:
+            got = await peer.expect(DISPOSITION)
+            answered += len(got.deliveries())
+    assert endpoint.closed and endpoint.link.condition.name == links.TRANSFER_LIMIT
+    assert len(endpoint._answered) == links.CREDIT  # those answered before it ended
     peer.close()
 
 

@@ -332,6 +332,7 @@ class Inbound(Endpoint):
             if pn_delivery_settled(dlv):
                 self._answered.discard(dlv)
                 pn_delivery_settle(dlv)
+                self._top_up()
             return
         if pn_delivery_aborted(dlv):
             self._drop_partial()
@@ -542,19 +543,22 @@ class Inbound(Endpoint):
 
     def _settled(self, dlv: Any) -> None:
         """Settle `dlv`, whose outcome is set: at once, or in rcv-settle-mode second once
-        the client has settled it (on_delivery), which may already be the case."""
-        if self.second and not pn_delivery_settled(dlv):
+        the client has settled it (on_delivery), which may already be the case, unless the
+        link was ended (what a client sends on past that is refused and forgotten)."""
+        if self.second and not self.closed and not pn_delivery_settled(dlv):
             self._answered.add(dlv)
         else:
             pn_delivery_settle(dlv)
 
     def _top_up(self) -> None:
-        """Keep the client's credit near CREDIT minus the publishes still in flight."""
+        """Keep the client's credit near CREDIT minus the publishes still in flight, and,
+        in rcv-settle-mode second, those answered that the client has not settled yet (each
+        holds its bytes until then: a client that never settles would grow them for good)."""
         if self.closed or self.host.closed or self.ending:
             return
         impl = self.link._impl  # runs once a message: no wrapper
         credit = pn_link_credit(impl)
-        missing = max(0, CREDIT - self.inflight) - credit
+        missing = max(0, CREDIT - self.inflight - len(self._answered)) - credit
         if missing > 0 and (missing >= CREDIT // 4 or credit == 0):
             pn_link_flow(impl, missing)
 
