@@ -37,40 +37,53 @@ class Router:
         # that queue, not to one made again under its name before this node reloaded
         self.created: dict[str, str] = {}
         self._lock = asyncio.Lock()
+        self._asked = 0  # reloads asked for
+        self._served = 0  # those a finished load began after (it read what they changed)
 
     def match(self, topic: str) -> frozenset[str]:
         """Names of the queues whose subscriptions match `topic`."""
         return self._trie.match(topic)
 
     async def reload(self, at_least: int = 0) -> None:
-        """Rebuild the trie unless the loaded version is already `at_least`."""
+        """Rebuild the trie unless the loaded version is already `at_least`. Callers that
+        wait meanwhile share one load, begun after they asked: a client attaching and
+        detaching topic links in a loop queued a whole load each (every route read each
+        time), and other clients' subscriptions waited seconds behind them."""
+        self._asked += 1
+        asked = self._asked
         async with self._lock:
-            if self.version >= at_least and at_least > 0:
+            if (self.version >= at_least and at_least > 0) or self._served >= asked:
                 return
-            reply = await self._redis.fcall("gw_routes", 0)
-            trie: SubscriptionTrie[str] = SubscriptionTrie()
-            pos = 1
-            keyed = set()
-            selectors: dict[str, Selector] = {}
-            created: dict[str, str] = {}
-            while pos < len(reply):
-                queue = reply[pos].decode()
-                if reply[pos + 1]:
-                    keyed.add(reply[pos + 1].decode())
-                if reply[pos + 2]:
-                    selectors[queue] = self._compiled(queue, reply[pos + 2].decode())
-                count = int(reply[pos + 4])
-                if count and reply[pos + 3]:
-                    created[queue] = reply[pos + 3].decode()
-                for entry in reply[pos + 5 : pos + 5 + count]:
-                    pattern, syntax = parse_subscription_entry(entry.decode())
-                    trie.add(pattern, queue, syntax)
-                pos += 5 + count
-            self._trie = trie
-            self.keyed_properties = frozenset(keyed)
-            self.selectors = selectors
-            self.created = created
-            self.version = int(reply[0])
+            serving = self._asked
+            await self._load()
+            self._served = serving
+
+    async def _load(self) -> None:
+        """One load of every route, in one call."""
+        reply = await self._redis.fcall("gw_routes", 0)
+        trie: SubscriptionTrie[str] = SubscriptionTrie()
+        pos = 1
+        keyed = set()
+        selectors: dict[str, Selector] = {}
+        created: dict[str, str] = {}
+        while pos < len(reply):
+            queue = reply[pos].decode()
+            if reply[pos + 1]:
+                keyed.add(reply[pos + 1].decode())
+            if reply[pos + 2]:
+                selectors[queue] = self._compiled(queue, reply[pos + 2].decode())
+            count = int(reply[pos + 4])
+            if count and reply[pos + 3]:
+                created[queue] = reply[pos + 3].decode()
+            for entry in reply[pos + 5 : pos + 5 + count]:
+                pattern, syntax = parse_subscription_entry(entry.decode())
+                trie.add(pattern, queue, syntax)
+            pos += 5 + count
+        self._trie = trie
+        self.keyed_properties = frozenset(keyed)
+        self.selectors = selectors
+        self.created = created
+        self.version = int(reply[0])
 
     def _compiled(self, queue: str, text: str) -> Selector:
         """The queue's selector, reusing the one compiled at the last load."""

@@ -89,6 +89,32 @@ async def test_message_fields_survive_the_round_trip(broker: Broker) -> None:
     assert got[0].delivery_count == 1 and not got[0].redelivered
 
 
+async def test_route_reloads_asked_for_meanwhile_share_one_load(
+    broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each subscription change reloads every route. Asked for while one runs, each waited
+    for a load of its own: a client attaching and closing topic links in a loop queued
+    thousands, and another client's SUBACK waited seconds (found by a review). A load
+    begun after a caller asked serves it."""
+    router = broker.router
+    loads = 0
+    load = router._load
+
+    async def counted() -> None:
+        nonlocal loads
+        loads += 1
+        await load()
+
+    monkeypatch.setattr(router, "_load", counted)
+    await broker.queues.create(QueueConfig(name="a"), [("x/1", "smf")])
+    first = asyncio.create_task(router.reload())
+    await asyncio.sleep(0)  # loading: what the others ask for comes after it began
+    await broker.queues.create(QueueConfig(name="b"), [("x/1", "smf")])
+    await asyncio.gather(first, *(router.reload() for _ in range(50)))
+    # 2, and the 'sub' events of the two changes may each load once more: not 51
+    assert loads <= 4 and router.match("x/1") == {"a", "b"}
+
+
 async def test_refusals_are_outcomes_and_lose_nothing(broker: Broker) -> None:
     await broker.queues.create(
         QueueConfig(name="small", max_message_size=10, max_messages=2), [("t/>", "smf")]
