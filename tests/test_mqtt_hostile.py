@@ -26,7 +26,14 @@ from hypothesis import strategies as st
 from gateway.broker import Broker
 from gateway.config import Settings, User
 from protocols.mqtt import session as session_module
-from protocols.mqtt.codec import Disconnect, MqttDecoder, Packet, Pingresp, encode
+from protocols.mqtt.codec import (
+    MAX_USER_PROPERTIES,
+    Disconnect,
+    MqttDecoder,
+    Packet,
+    Pingresp,
+    encode,
+)
 from protocols.mqtt.connection import MqttConnection
 from protocols.mqtt.listener import Listener, start
 from tests.conftest import logged_errors
@@ -934,6 +941,25 @@ async def test_fuzz_decodable_packets_never_break_the_session(
         assert isinstance(received[-1], Disconnect) and received[-1].reason_code >= 0x80
     peer.close()
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    await assert_serving(gw.port)
+
+
+async def test_too_many_user_properties_close_the_connection(gw: Listener) -> None:
+    """One 2 MiB publish of 340,000 empty user properties held the node for seconds, and
+    every other client with it (found by a review): more than MAX_USER_PROPERTIES is a
+    quota exceeded, the connection closed; as many are taken."""
+    watch = await watcher(gw.port, "h/up")
+    empty_pair = b"\x26" + s("") + s("")
+    peer = await connected(gw.port, 5, "props")
+    most = props(empty_pair * MAX_USER_PROPERTIES)
+    await peer.send(publish(5, "h/up", b"most", qos=1, pprops=most))
+    assert await peer.packet() == b"\x40\x02\x00\x01"
+    assert (await watch.packet()).endswith(b"most")
+    more = props(empty_pair * (MAX_USER_PROPERTIES + 1))
+    await peer.send(publish(5, "h/up", b"more", qos=1, pid=2, pprops=more))
+    assert await peer.until_eof() == disconnect(5, 0x97)
+    peer.close()
+    watch.close()
     await assert_serving(gw.port)
 
 
