@@ -7,12 +7,14 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import os
+import struct
 
 import pytest
 from proton import Described, Message, symbol, ubyte, uint, ulong
 
 from gateway.broker import Broker, QueueConfig
-from protocols.amqp import links
+from gateway.model import MAX_USER_PROPERTIES
+from protocols.amqp import framing, links
 from protocols.amqp.listener import Listener
 from tests.amqp_raw import (
     ACCEPTED,
@@ -22,6 +24,7 @@ from tests.amqp_raw import (
     DISPOSITION,
     END,
     RECEIVER,
+    REJECTED,
     SOURCE,
     TARGET,
     Peer,
@@ -155,6 +158,53 @@ async def test_a_finished_or_dropped_delivery_leaves_the_budget(port: int, amqp:
         peer.send(frame(performative(DETACH, uint(handle), True)))
         assert (await peer.expect(DETACH)).error() is None
     assert conn.partial_bytes == 0
+    peer.close()
+
+
+def _properties(count: int) -> bytes:
+    return bytes(Message(body=b"p", properties={f"k{i}": None for i in range(count)}).encode())
+
+
+def _list32(items: bytes, count: int) -> bytes:
+    return b"\xd0" + struct.pack(">II", 4 + len(items), count) + items
+
+
+def _nulls(count: int) -> bytes:
+    """An amqp-value section holding a list32 of `count` nulls."""
+    return b"\x00\x53\x77" + _list32(b"\x40" * count, count)
+
+
+def _annotated(lists: int) -> bytes:
+    """Message annotations {x-k: [[null x 1000] x `lists`]}, then a data section."""
+    inner = _list32(b"\x40" * 1000, 1000)
+    pair = b"\xa3\x03x-k" + _list32(inner * lists, lists)
+    annotations = b"\xd1" + struct.pack(">II", 4 + len(pair), 2) + pair
+    return b"\x00\x53\x72" + annotations + b"\x00\x53\x75\xa0\x01p"
+
+
+@pytest.mark.parametrize(
+    ("most", "more"),
+    [
+        (_properties(MAX_USER_PROPERTIES), _properties(MAX_USER_PROPERTIES + 1)),
+        (_nulls(framing.MAX_VALUES - 10), _nulls(framing.MAX_VALUES)),
+        (_annotated(framing.MAX_VALUES // 1001 - 1), _annotated(framing.MAX_VALUES // 1001 + 1)),
+    ],
+    ids=["application-properties", "amqp-value-list", "message-annotations"],
+)
+async def test_a_message_of_more_values_than_the_gateway_decodes_is_refused(
+    port: int, most: bytes, more: bytes
+) -> None:
+    """One message of 1.4 million application properties, or one amqp-value list of 14
+    million nulls, held the node and every other client for seconds as it was decoded,
+    and annotations of nested lists at each delivery (found by reviews): past
+    MAX_USER_PROPERTIES application properties, or MAX_VALUES values in all, a message is
+    rejected with resource-limit-exceeded."""
+    peer = await Peer.opened(port)
+    await peer.sender(0, "big")
+    await send_multi(peer, 0, 0, most)
+    assert (await peer.expect(DISPOSITION)).outcome() == (ACCEPTED, None)
+    await send_multi(peer, 0, 1, more)
+    assert (await peer.expect(DISPOSITION)).outcome() == (REJECTED, links.RESOURCE_LIMIT)
     peer.close()
 
 

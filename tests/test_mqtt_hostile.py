@@ -25,15 +25,9 @@ from hypothesis import strategies as st
 
 from gateway.broker import Broker
 from gateway.config import Settings, User
+from gateway.model import MAX_USER_PROPERTIES
 from protocols.mqtt import session as session_module
-from protocols.mqtt.codec import (
-    MAX_USER_PROPERTIES,
-    Disconnect,
-    MqttDecoder,
-    Packet,
-    Pingresp,
-    encode,
-)
+from protocols.mqtt.codec import Disconnect, MqttDecoder, Packet, Pingresp, encode
 from protocols.mqtt.connection import MqttConnection
 from protocols.mqtt.listener import Listener, start
 from tests.conftest import logged_errors

@@ -34,16 +34,27 @@ MAX_DEPTH = 64  # nesting of described / compound values
 _TEXT_CODES = (0xA1, 0xB1, 0xA3, 0xB3)
 
 
+# Values a message may hold (every element of its lists and maps counts): proton's decoder
+# and the JSON copy MQTT subscribers get build an object for each on the event loop, and one
+# amqp-value list of 14 million nulls held the node, every client with it, for 8 s.
+MAX_VALUES = 65_536
+
+
 class Malformed(ValueError):
     """Not a complete, well-formed AMQP message encoding."""
+
+
+class OverLimit(ValueError):
+    """Well-formed, but more values than the gateway decodes for one message."""
 
 
 def check_message(data: bytes | bytearray) -> int:
     """Raise Malformed unless `data` is one or more message sections and nothing else, in
     the order AMQP 1.0 §3.2 gives them, each at most once, with a body of one kind: data
-    sections, amqp-sequence sections or one amqp-value, and every string valid UTF-8.
-    Returns how many body sections."""
+    sections, amqp-sequence sections or one amqp-value, and every string valid UTF-8;
+    OverLimit past MAX_VALUES values. Returns how many body sections."""
     buf = bytes(data)
+    budget = [MAX_VALUES]
     if not buf:
         raise Malformed("empty message")
     pos, last, bodies = 0, -1, 0
@@ -61,7 +72,7 @@ def check_message(data: bytes | bytearray) -> int:
                 raise Malformed(f"byte {pos}: a body of more than one kind")
             bodies += 1
         last = code
-        pos = _skip(buf, after, 0)
+        pos = _skip(buf, after, 0, budget)
     return bodies
 
 
@@ -138,15 +149,20 @@ def _descriptor(buf: bytes, pos: int) -> tuple[int | str | None, int]:
     return None, _skip(buf, pos, 0)
 
 
-def _skip(buf: bytes, pos: int, depth: int) -> int:
-    """The offset after the encoded value at pos; raises Malformed if it runs past the end."""
+def _skip(buf: bytes, pos: int, depth: int, budget: list[int] | None = None) -> int:
+    """The offset after the encoded value at pos; raises Malformed if it runs past the end,
+    and OverLimit once it has met more values than `budget` holds (it counts them down)."""
     if depth > MAX_DEPTH:
         raise Malformed("values nested too deeply")
+    if budget is not None:
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise OverLimit(f"more than {MAX_VALUES} values")
     _need(buf, pos, 1)
     code = buf[pos]
     pos += 1
     if code == 0x00:  # described: descriptor, then the value
-        return _skip(buf, _skip(buf, pos, depth + 1), depth + 1)
+        return _skip(buf, _skip(buf, pos, depth + 1, budget), depth + 1, budget)
     category = code >> 4
     if category in _FIXED_WIDTH:
         width = _FIXED_WIDTH[category]
@@ -154,17 +170,29 @@ def _skip(buf: bytes, pos: int, depth: int) -> int:
         return pos + width
     if category in (0xA, 0xC, 0xE):  # variable / compound / array, one-byte size
         _need(buf, pos, 1)
-        return _end(buf, pos + 1, buf[pos], code, category == 0xC, depth)
+        return _end(buf, pos + 1, buf[pos], code, category == 0xC, depth, budget)
     if category in (0xB, 0xD, 0xF):  # the same with a four-byte size
         _need(buf, pos, 4)
-        return _end(buf, pos + 4, _U32(buf, pos)[0], code, category == 0xD, depth)
+        return _end(buf, pos + 4, _U32(buf, pos)[0], code, category == 0xD, depth, budget)
     raise Malformed(f"unknown constructor 0x{code:02x}")
 
 
-def _end(buf: bytes, start: int, size: int, code: int, compound: bool, depth: int) -> int:
+def _end(
+    buf: bytes,
+    start: int,
+    size: int,
+    code: int,
+    compound: bool,
+    depth: int,
+    budget: list[int] | None,
+) -> int:
     """Check a sized value's extent (and a list's or map's elements) and return its end."""
     end = start + size
     _need(buf, start, size)
+    if budget is not None and code in (0xE0, 0xF0) and size:  # an array: its count first
+        budget[0] -= buf[start] if code == 0xE0 else _U32(buf, start)[0]
+        if budget[0] < 0:
+            raise OverLimit(f"more than {MAX_VALUES} values")
     if code in _TEXT_CODES:
         try:
             buf[start:end].decode()
@@ -179,8 +207,10 @@ def _end(buf: bytes, start: int, size: int, code: int, compound: bool, depth: in
         if code & 1 and count % 2:  # map8 / map32: keys and values in pairs
             raise Malformed("map with an odd number of items")
         pos = start + width
+        if budget is not None and count > budget[0]:
+            raise OverLimit(f"more than {MAX_VALUES} values")
         for _ in range(count):
-            pos = _skip(buf, pos, depth + 1)
+            pos = _skip(buf, pos, depth + 1, budget)
             if pos > end:
                 raise Malformed("compound value overruns its size")
         if pos != end:

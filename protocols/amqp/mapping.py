@@ -53,7 +53,14 @@ from uuid import UUID
 from proton import Array, Data, Described, byte, symbol, ulong
 from proton import Message as AmqpMessage
 
-from gateway.model import MAX_PRIORITY, Delivery, Message, PropertyValue, Publisher
+from gateway.model import (
+    MAX_PRIORITY,
+    MAX_USER_PROPERTIES,
+    Delivery,
+    Message,
+    PropertyValue,
+    Publisher,
+)
 from protocols.amqp import framing, sections
 
 MAX_TTL_S = 0xFFFFFFFF / 1000  # header.ttl is a uint of milliseconds
@@ -73,6 +80,13 @@ class UnsupportedBody(BodyError):
     """A well-formed message the gateway cannot store as it was sent."""
 
     condition = "amqp:not-implemented"
+
+
+class OverLimit(BodyError):
+    """A well-formed message with more values or application properties than the gateway
+    takes in one (framing.MAX_VALUES, MAX_USER_PROPERTIES)."""
+
+    condition = "amqp:resource-limit-exceeded"
 
 
 @dataclass(slots=True)
@@ -99,6 +113,8 @@ def decode(data: bytes, publisher: Publisher) -> Ingress:
         bodies = framing.check_message(data)
     except framing.Malformed as exc:
         raise BodyError(f"malformed AMQP message: {exc}") from None
+    except framing.OverLimit as exc:
+        raise OverLimit(str(exc)) from None
     if bodies > 1:  # proton's Message would keep one of them
         raise UnsupportedBody(f"{bodies} body sections: the gateway stores one payload")
     amqp = AmqpMessage()
@@ -109,6 +125,8 @@ def decode(data: bytes, publisher: Publisher) -> Ingress:
     properties, annotations = amqp.properties or {}, amqp.annotations or {}
     if not isinstance(properties, dict) or not isinstance(annotations, dict):
         raise BodyError("application-properties and message-annotations must be maps")
+    if len(properties) > MAX_USER_PROPERTIES:
+        raise OverLimit(f"more than {MAX_USER_PROPERTIES} application-properties")
     body = amqp.body
     content_type = _content_type(amqp)
     if body is None:

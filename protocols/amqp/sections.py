@@ -22,6 +22,7 @@ from gateway.model import (
     DEFAULT_PRIORITY,
     GROUP_PROPERTIES,
     MAX_PRIORITY,
+    MAX_USER_PROPERTIES,
     PRIORITY_PROPERTY,
     TOPIC_ADDRESS,
     Delivery,
@@ -52,6 +53,9 @@ _d = struct.Struct(">d").unpack_from
 
 
 _NO_PROPERTIES: list = [None] * 13  # read only
+# Items of one list or map read here: a map of MAX_USER_PROPERTIES application properties
+MAX_ITEMS = 2 * MAX_USER_PROPERTIES
+_COMPOUND = frozenset((0xC0, 0xC1, 0xD0, 0xD1, 0xE0, 0xF0))  # list, map, array
 
 
 class Unsupported(Exception):
@@ -69,6 +73,8 @@ def _read(buf: bytes, i: int, depth: int = 0) -> tuple[object, int]:
     i += 1
     if code == 0x40:
         return None, i
+    if (code == 0xC0 or code == 0xC1 or code == 0xD0 or code == 0xD1) and depth:
+        raise Unsupported("a list or map in a list or map")  # proton's path bounds them
     if code == 0xC0 or code == 0xC1:  # list8 / map8: header, properties, annotations
         return _items(buf, i + 2, buf[i + 1], depth + 1)
     if code == 0xD0 or code == 0xD1:  # list32 / map32: proton's maps
@@ -123,9 +129,12 @@ def _read(buf: bytes, i: int, depth: int = 0) -> tuple[object, int]:
 def _items(buf: bytes, i: int, count: int, depth: int) -> tuple[list, int]:
     """The `count` values of a list or map starting at offset i (nulls, booleans, small
     integers and short strings or symbols, most of a header, a properties list or a map,
-    read inline: a call each was most of the cost of a JMS client's message)."""
+    read inline: a call each was most of the cost of a JMS client's message). More than
+    MAX_ITEMS are left to the proton path, which bounds a message's values."""
     if depth > MAX_DEPTH:
         raise Unsupported("values nested too deeply")
+    if count > MAX_ITEMS:
+        raise Unsupported("a list or map of many items")
     items: list = []
     append = items.append
     for _ in range(count):
@@ -255,6 +264,9 @@ def _decode(data: bytes, publisher: Publisher) -> tuple[Message, str | None, int
         if code >= PROPERTIES and bare_start == n:
             bare_start = start
         constructor = data[i]
+        if code == SEQUENCE or (code == VALUE and constructor in _COMPOUND):
+            raise Unsupported("amqp-sequence, or amqp-value list, map or array")  # unread:
+            # the proton path bounds its values
         value, i = _read(data, i)
         if code in (DATA, VALUE):
             bodies += 1

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import ClassVar
 
+from gateway.model import MAX_USER_PROPERTIES
+
 __all__ = [
     "MAX_PACKET_SIZE",
     "Auth",
@@ -182,10 +184,6 @@ _CLIENT_ID_INVALID = 0x85
 _TOPIC_NAME_INVALID = 0x90
 _PACKET_TOO_LARGE = 0x95
 _QUOTA_EXCEEDED = 0x97
-# User properties a packet may carry: each costs its decoding and every copy's encoding, so
-# one 2 MiB publish of 340,000 empty ones held the node for seconds. Brokers bound them too
-# (Alibaba's IoT Platform takes 20).
-MAX_USER_PROPERTIES = 1024
 
 # MQTT 5 reason codes each packet may carry (tables in §3.2.2.2, §3.4.2.1, ...).
 _RC_CONNACK = frozenset(
