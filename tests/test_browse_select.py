@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from gateway.broker import BindError, Broker
+from gateway.engine import flows
 from gateway.engine.queues import QueueConfig
 from gateway.model import Delivery, Message
 from tests import test_engine
@@ -119,6 +120,41 @@ async def test_messages_returned_before_a_selector_came_are_still_delivered(
     assert [d.redelivered for d in red] == [True, True, True, False]
     await picky.close()
     assert blue == []
+
+
+async def test_a_selector_judges_each_waiting_message_once(
+    broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each arrival had every selector consumer decode and judge again all the messages it
+    had not taken (up to SELECT_SCAN), on the event loop: a backlog of 1,000 cost 10 ms a
+    publish, and a costly LIKE on large properties stalled every client for seconds
+    (found by a review). A message is judged again only once its delivery count moved."""
+    await broker.declare_queue(QueueConfig(name="q"))
+    for i in range(200):
+        await broker.publish(msg(f"r{i}", color="red"))
+    decoded = 0
+    decode = flows.decode
+
+    def counted(blob: bytes) -> Message:
+        nonlocal decoded
+        decoded += 1
+        return decode(blob)
+
+    monkeypatch.setattr(flows, "decode", counted)
+    empty = asyncio.Event()
+    blue: list[Delivery] = []
+    picky = await broker.bind("q", blue.append, selector="color = 'blue'")
+    picky.on_empty = empty.set
+    await asyncio.wait_for(empty.wait(), 5)
+    assert decoded == 200
+    for i in range(10):  # each wakes it
+        empty.clear()
+        await broker.publish(msg(f"late{i}", color="red"))
+        await asyncio.wait_for(empty.wait(), 5)
+    assert decoded == 210
+    await broker.publish(msg("b", color="blue"))
+    await wait_for(lambda: len(blue) == 1)
+    await picky.close()
 
 
 async def test_selector_on_headers_and_redelivery(broker: Broker) -> None:

@@ -152,6 +152,7 @@ class Flow:
         "starved",
         "turns",
         "unacked",
+        "unmatched",
         "wakes",
         "window",
     )
@@ -203,6 +204,9 @@ class Flow:
         self.held_timer: asyncio.TimerHandle | None = None  # wakes it when the first is due
         self.starved = 0  # fetches in a row that found only others' groups (STARVED_RECHECK)
         self.recheck: asyncio.TimerHandle | None = None  # its look again, when starved
+        # a selector flow's last peek: the entries its selector did not match, by id -> their
+        # delivery count then (a later peek sends them without their message, see _select)
+        self.unmatched: dict[bytes, int] = {}
 
     @property
     def space(self) -> int:
@@ -1162,10 +1166,14 @@ class Dispatcher:
     async def _select(self, flow: Flow) -> None:
         """Peek at the waiting messages, take the ones the flow's selector matches. A call
         Redis refuses or does not answer is asked again later: the other flows of the round
-        go on, and a take whose answer was lost gives back what it may have taken."""
+        go on, and a take whose answer was lost gives back what it may have taken.
+        Each message is judged once (again only when its delivery count moved): every
+        arrival had each selector flow decode and judge all it had not taken, up to
+        SELECT_SCAN of them, on the event loop."""
         space = min(flow.space, FETCH_BATCH)
+        known = [b"%s %d" % item for item in flow.unmatched.items()]
         try:
-            peeked = await self._redis.fcall("gw_peek", 0, flow.queue, flow.id, SELECT_SCAN)
+            peeked = await self._redis.fcall("gw_peek", 0, flow.queue, flow.id, SELECT_SCAN, *known)
         except RedisError as exc:
             self._select_failed(flow, exc)
             return
@@ -1173,16 +1181,25 @@ class Dispatcher:
             self._fetch_refused(_Fetch(flow, flow.queue, None, space), peeked[0].decode())
             return
         wanted = []
+        unmatched: dict[bytes, int] = {}
+        judged = flow.unmatched
         for i in range(1, len(peeked), 3):
             if len(wanted) >= space:
                 break
-            try:
-                message = decode(peeked[i + 2])
-            except ValueError:  # unreadable: taken, and rejected as any consumer's fetch does
-                wanted.append(peeked[i])
+            entry, count, blob = peeked[i], peeked[i + 1], peeked[i + 2]
+            if not blob and judged.get(entry) == count:  # sent without it: judged before
+                unmatched[entry] = count
                 continue
-            if matches(flow.selector, message, int(peeked[i + 1]) % ACQUIRED + 1):
-                wanted.append(peeked[i])
+            try:
+                message = decode(blob)
+            except ValueError:  # unreadable: taken, and rejected as any consumer's fetch does
+                wanted.append(entry)
+                continue
+            if matches(flow.selector, message, int(count) % ACQUIRED + 1):
+                wanted.append(entry)
+            else:
+                unmatched[entry] = count
+        flow.unmatched = unmatched
         if flow.closed:
             return
         if not wanted:

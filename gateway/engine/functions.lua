@@ -2071,10 +2071,17 @@ local function sorted_waiting(q, s, scan)
   return out
 end
 
--- ARGV: queue, flow, scan. The oldest `scan` messages waiting for a selector flow (on a
--- sorted queue, the lowest): {'ok', id, delivery count so far (as gw_fetch's), blob, ...}.
+-- ARGV: queue, flow, scan, then "id count" of entries the flow judged at that delivery
+-- count. The oldest `scan` messages waiting for a selector flow (on a sorted queue, the
+-- lowest): {'ok', id, delivery count so far (as gw_fetch's), blob, ...}, the blob '' of
+-- one judged at the count it has.
 register_always('gw_peek', function(_, a)
   local q, flow, scan = a[1], a[2], tonumber(a[3])
+  local judged = {}
+  for i = 4, #a do
+    local id, count = string.match(a[i], '^(%S+) (%S+)$')
+    if id then judged[id] = count end
+  end
   local c = redis.call('HMGET', k_queue_config(q), 'egress')
   if not c[1] then return { 'noqueue' } end
   if c[1] ~= '1' then return { 'egress' } end
@@ -2096,7 +2103,7 @@ register_always('gw_peek', function(_, a)
       else
         out[#out + 1] = e[1]
         out[#out + 1] = e[4]
-        out[#out + 1] = entry_blob(r[1][2])
+        out[#out + 1] = judged[e[1]] == tostring(e[4]) and '' or entry_blob(r[1][2])
       end
     end
   end
