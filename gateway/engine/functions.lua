@@ -1691,13 +1691,8 @@ redis.register_function('gw_spool', function(_, a) return spool(a) end)
 -- held messages afresh, in order (see flow_held_mark).
 register_always('gw_flow_held_clear', function(_, a)
   for i = 2, #a do
-    local q = a[i]
-    local c = redis.call('HMGET', k_queue_config(q), 'partition_count', 'priorities')
-    local names = { q }
-    for p = 0, (tonumber(c[1]) or 0) - 1 do names[#names + 1] = partition_queue(q, p) end
-    if c[2] == '1' then
-      for level = 0, PRIORITY_LEVELS - 1 do names[#names + 1] = priority_queue(q, level) end
-    end
+    local names = children(a[i])
+    names[#names + 1] = a[i]
     for _, name in ipairs(names) do
       clear_flow_held({ name = name, flow_held_key = k_queue_flow_held(name) }, a[1])
     end

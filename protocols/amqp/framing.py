@@ -155,9 +155,7 @@ def _skip(buf: bytes, pos: int, depth: int, budget: list[int] | None = None) -> 
     if depth > MAX_DEPTH:
         raise Malformed("values nested too deeply")
     if budget is not None:
-        budget[0] -= 1
-        if budget[0] < 0:
-            raise OverLimit(f"more than {MAX_VALUES} values")
+        _spend(budget, 1)
     _need(buf, pos, 1)
     code = buf[pos]
     pos += 1
@@ -190,9 +188,7 @@ def _end(
     end = start + size
     _need(buf, start, size)
     if budget is not None and code in (0xE0, 0xF0) and size:  # an array: its count first
-        budget[0] -= buf[start] if code == 0xE0 else _U32(buf, start)[0]
-        if budget[0] < 0:
-            raise OverLimit(f"more than {MAX_VALUES} values")
+        _spend(budget, buf[start] if code == 0xE0 else _U32(buf, start)[0])
     if code in _TEXT_CODES:
         try:
             buf[start:end].decode()
@@ -207,8 +203,8 @@ def _end(
         if code & 1 and count % 2:  # map8 / map32: keys and values in pairs
             raise Malformed("map with an odd number of items")
         pos = start + width
-        if budget is not None and count > budget[0]:
-            raise OverLimit(f"more than {MAX_VALUES} values")
+        if budget is not None and count > budget[0]:  # before walking them
+            _spend(budget, count)
         for _ in range(count):
             pos = _skip(buf, pos, depth + 1, budget)
             if pos > end:
@@ -216,6 +212,13 @@ def _end(
         if pos != end:
             raise Malformed("compound value size does not match its elements")
     return end
+
+
+def _spend(budget: list[int], values: int) -> None:
+    """Count `values` off a message's budget; OverLimit once it is spent."""
+    budget[0] -= values
+    if budget[0] < 0:
+        raise OverLimit(f"more than {MAX_VALUES} values")
 
 
 def _need(buf: bytes, pos: int, n: int) -> None:

@@ -32,7 +32,6 @@ from gateway.model import (
     priority_of,
 )
 from protocols.amqp import framing
-from protocols.amqp.framing import MAX_DEPTH  # deeper values: framing refuses them
 
 AMQP_VALUE = "x-amqp-value"  # mapping.AMQP_VALUE: such messages take the proton path
 
@@ -65,20 +64,22 @@ class Unsupported(Exception):
 # -- decoding ----------------------------------------------------------------------------------
 
 
-def _read(buf: bytes, i: int, depth: int = 0) -> tuple[object, int]:
+def _read(buf: bytes, i: int, nested: bool = False) -> tuple[object, int]:
     """One encoded value at offset i: (value, offset after it). Lists and maps come back as
-    lists (a map as its flat key, value, ... list); uuids as UUID; symbols as str. Values
-    nested past MAX_DEPTH raise Unsupported (no RecursionError for hostile input)."""
+    lists (a map as its flat key, value, ... list); uuids as UUID; symbols as str. A list
+    or map `nested` in one raises Unsupported: the proton path bounds a message's values."""
     code = buf[i]
     i += 1
     if code == 0x40:
         return None, i
-    if (code == 0xC0 or code == 0xC1 or code == 0xD0 or code == 0xD1) and depth:
-        raise Unsupported("a list or map in a list or map")  # proton's path bounds them
     if code == 0xC0 or code == 0xC1:  # list8 / map8: header, properties, annotations
-        return _items(buf, i + 2, buf[i + 1], depth + 1)
+        if nested:
+            raise Unsupported("a list or map in a list or map")
+        return _items(buf, i + 2, buf[i + 1])
     if code == 0xD0 or code == 0xD1:  # list32 / map32: proton's maps
-        return _items(buf, i + 8, _I(buf, i + 4)[0], depth + 1)
+        if nested:
+            raise Unsupported("a list or map in a list or map")
+        return _items(buf, i + 8, _I(buf, i + 4)[0])
     if code == 0x45:  # list0: an empty properties section
         return [], i
     if code == 0x41:
@@ -126,13 +127,11 @@ def _read(buf: bytes, i: int, depth: int = 0) -> tuple[object, int]:
     raise Unsupported(f"type 0x{code:02x}")
 
 
-def _items(buf: bytes, i: int, count: int, depth: int) -> tuple[list, int]:
+def _items(buf: bytes, i: int, count: int) -> tuple[list, int]:
     """The `count` values of a list or map starting at offset i (nulls, booleans, small
     integers and short strings or symbols, most of a header, a properties list or a map,
     read inline: a call each was most of the cost of a JMS client's message). More than
     MAX_ITEMS are left to the proton path, which bounds a message's values."""
-    if depth > MAX_DEPTH:
-        raise Unsupported("values nested too deeply")
     if count > MAX_ITEMS:
         raise Unsupported("a list or map of many items")
     items: list = []
@@ -158,7 +157,7 @@ def _items(buf: bytes, i: int, count: int, depth: int) -> tuple[list, int]:
             append(buf[i + 2 : end].decode())
             i = end
         else:
-            value, i = _read(buf, i, depth)
+            value, i = _read(buf, i, True)
             append(value)
     return items, i
 
