@@ -371,6 +371,16 @@ local function deliveries(count)
   return count % ACQUIRED
 end
 
+-- Entries went back to wait on q, maybe behind where the expiry sweep reads its lists: if
+-- q stores expiring messages, the sweep looks at it soon, and reads them all once more
+-- before it waits for the earliest expiry it read (expire_waiting).
+local function waiting_again(q)
+  if redis.call('ZSCORE', K_EXPIRING_QUEUES, q) then
+    redis.call('ZADD', K_EXPIRING_QUEUES, 'LT', now_ms(), q)
+    redis.call('HSET', k_queue_expiry_cursor(q), 'again', 1)
+  end
+end
+
 -- Unsettled entries go back to wait for a flow; on a sorted queue, into their sorted place.
 -- `uncount`: the delivery did not count, and its delivery count goes back: 'release' (an
 -- AMQP release) marks it ACQUIRED; 'unsent' (it never left the node) keeps it as it was.
@@ -390,6 +400,7 @@ local function park(q, s, ids, uncount)
   else
     claim_justid(s, consumer, ids)
   end
+  waiting_again(q)
   if not sort_key(q) then return end
   for _, id in ipairs(ids) do
     local e = redis.call('XRANGE', s, id, id)
@@ -561,7 +572,8 @@ delete_queue = function(q)
     k_queue_reader_baselines(q), k_queue_expiry_cursor(q))
   redis.call('SREM', K_QUEUES, q)
   redis.call('SREM', K_READ_QUEUES, q)
-  redis.call('SREM', K_EXPIRING_QUEUES, q)
+  redis.call('ZREM', K_EXPIRING_QUEUES, q)
+  redis.call('ZREM', K_TIMED_QUEUES, q)
   local v = redis.call('INCR', K_SUB_VERSION)
   redis.call('PUBLISH', K_EVENTS, 'qdel ' .. q)
   redis.call('PUBLISH', K_EVENTS, 'sub ' .. v)
@@ -1359,7 +1371,7 @@ local function dead_letter(q, s, id, blob, reason, to_dmq)
     if ttl > 0 then
       add[#add + 1] = 'x'
       add[#add + 1] = now_ms() + ttl
-      redis.call('SADD', K_EXPIRING_QUEUES, dmq)
+      redis.call('ZADD', K_EXPIRING_QUEUES, 'LT', now_ms() + ttl, dmq)
     end
     redis.call(unpack(add))
     if dsk then admit_sorted(dmq) end
@@ -1401,7 +1413,7 @@ local function entry_args(q, blob, key, hi, lo, expires, not_before, sk, slot)
   if x > 0 then
     args[#args + 1] = 'x'
     args[#args + 1] = x
-    q.expiring = true  -- the sweep looks at its queue (expire_waiting)
+    q.soonest = math.min(q.soonest or x, x)  -- when the sweep looks at it (expire_waiting)
   end
   if not_before > 0 then
     args[#args + 1] = 'h'
@@ -1673,7 +1685,7 @@ local function spool(a, marks)
       redis.call('HINCRBY', st, 'spooled', q.added + (q.replaced or 0))
       if q.replaced then redis.call('HINCRBY', st, 'replaced', q.replaced) end
       if q.sort_key then admit_sorted(q.name) end
-      if q.expiring then redis.call('SADD', K_EXPIRING_QUEUES, q.name) end
+      if q.soonest then redis.call('ZADD', K_EXPIRING_QUEUES, 'LT', q.soonest, q.name) end
       if not woken[q.wake] then
         woken[q.wake] = true
         redis.call('PUBLISH', k_queue_wake(q.wake), a[1])
@@ -1751,7 +1763,8 @@ local function deliverable(q, s, id, fields, count, lim)
   if h and h > lim_now(lim) then  -- not due yet: park it, undelivered, until the sweep returns it
     redis.call('XCLAIM', s, GROUP, TIMED, 0, id, 'RETRYCOUNT', count - 1, 'JUSTID')
     redis.call('ZADD', k_queue_timed(q), h, id)
-    redis.call('SADD', K_TIMED_QUEUES, q)
+    redis.call('ZADD', K_TIMED_QUEUES, 'LT', h, q)
+    waiting_again(q)  -- in the timed list now, maybe behind where the expiry sweep reads it
     return false
   end
   local x = tonumber(entry_field(fields, 'x'))
@@ -2413,7 +2426,7 @@ local function adopt_returned(q)
   local s = k_queue_stream(q)
   while true do
     local p = redis.call('XPENDING', s, GROUP, '-', '+', IDS_PER_CALL, RETURNED)
-    if #p == 0 then return end
+    if #p == 0 then return waiting_again(q) end
     local ids = {}
     for i, e in ipairs(p) do ids[i] = e[1] end
     claim_justid(s, HOLDING, ids)
@@ -2936,31 +2949,52 @@ local function release_due(q, now)
     end
     redis.call('ZREM', timed, unpack(due))
   end
-  if redis.call('ZCARD', timed) == 0 then redis.call('SREM', K_TIMED_QUEUES, q) end
+  local first = redis.call('ZRANGE', timed, 0, 0, 'WITHSCORES')
+  if #first == 0 then
+    redis.call('ZREM', K_TIMED_QUEUES, q)
+  else
+    redis.call('ZADD', K_TIMED_QUEUES, first[2], q)  -- due again when its first is
+  end
 end
 
 -- Messages nobody takes expire too, as on Solace and RabbitMQ: the entries waiting on a
 -- queue that stored some with an expiry (returned, held for a group, selector, sort order
 -- or delivery time, and never delivered) go to the dead message queue (respect_ttl) or are
 -- discarded once expired, so they no longer count toward its limits. Each of those lists
--- is swept a page (EXPIRE_SCAN entries) a heartbeat, on from where the last sweep stopped
--- (k_queue_expiry_cursor), and up to EXPIRE_PAGES pages while they are wholly expired
--- (EXPIRE_EXTRA_PAGES more than one a list in all, so one call stays short): an
+-- is swept a page (EXPIRE.scan entries) a visit, on from where the last visit stopped
+-- (k_queue_expiry_cursor), and up to EXPIRE.pages pages while they are wholly expired
+-- (EXPIRE.extra_pages more than one a list in all, so one call stays short): an
 -- expired entry behind ones that never expire goes too, and a non-destructive queue, whose
 -- messages nobody takes, sheds a backlog. Delivered, unsettled ones stay with their
 -- consumers. A queue leaves the set once empty.
-local EXPIRE_SCAN = 100
-local EXPIRE_PAGES = 10
-local EXPIRE_EXTRA_PAGES = 40  -- pages past each list's first, for all queues a sweep
+-- extra_pages: past each list's first, for all queues a sweep; queues: looked at a sweep
+local EXPIRE = { scan = 100, pages = 10, extra_pages = 40, queues = 200 }
 
+-- Sweeps q's waiting entries; returns when to look at it next: the earliest expiry ahead
+-- once every list was read to its end, now while one is read on from a cursor or after
+-- entries came back to wait meanwhile, +inf when none waiting expires (a spool or a park
+-- of q brings it forward), nil once q is gone.
 local function expire_waiting(q, now, budget)
   local s, cursors = k_queue_stream(q), k_queue_expiry_cursor(q)
   if redis.call('EXISTS', k_queue_config(q)) == 0 or redis.call('XLEN', s) == 0 then
-    redis.call('SREM', K_EXPIRING_QUEUES, q)
     redis.call('DEL', cursors)
-    return
+    return nil
   end
   local to_dmq = redis.call('HGET', k_queue_config(q), 'respect_ttl') == '1'
+  -- the earliest expiry ahead, from the visits before this one too while lists are read
+  -- on; whether entries came back to wait since this round of visits began
+  local soonest, again, fresh = math.huge, false, true
+  local state = redis.call('HGETALL', cursors)
+  for i = 1, #state, 2 do
+    if state[i] == 'soonest' then
+      soonest = tonumber(state[i + 1])
+    elseif state[i] == 'again' then
+      again = true
+    else
+      fresh = false
+    end
+  end
+  again = again and not fresh  -- this visit reads every list from its head
   local function expire(id, fields)
     local x = tonumber(entry_field(fields, 'x'))
     if x and x <= now then
@@ -2968,11 +3002,13 @@ local function expire_waiting(q, now, budget)
       dead_letter(q, s, id, entry_blob(fields) or '', 'expired', to_dmq)
       return true
     end
+    if x and x < soonest then soonest = x end
   end
+  local unfinished = false
   -- one list, from its cursor: page(after) gives the next entries as {id, fields or false}
   local function sweep(list, page, expired_one)
     local after = redis.call('HGET', cursors, list)
-    for _ = 1, EXPIRE_PAGES do
+    for _ = 1, EXPIRE.pages do
       local entries = page(after)
       local expired = 0
       for _, e in ipairs(entries) do
@@ -2981,7 +3017,7 @@ local function expire_waiting(q, now, budget)
           if expired_one then expired_one(e[1]) end
         end
       end
-      if #entries < EXPIRE_SCAN then  -- its end: the next sweep starts at its head
+      if #entries < EXPIRE.scan then  -- its end: the next sweep starts at its head
         redis.call('HDEL', cursors, list)
         return
       end
@@ -2990,13 +3026,14 @@ local function expire_waiting(q, now, budget)
       budget.pages = budget.pages - 1
     end
     redis.call('HSET', cursors, list, after)
+    unfinished = true
   end
   local timed = k_queue_timed(q)
   for _, consumer in ipairs({ RETURNED, HOLDING, TIMED }) do
     sweep(consumer, function(after)
       local entries = {}
       local from = after and '(' .. after or '-'
-      for _, p in ipairs(redis.call('XPENDING', s, GROUP, from, '+', EXPIRE_SCAN, consumer)) do
+      for _, p in ipairs(redis.call('XPENDING', s, GROUP, from, '+', EXPIRE.scan, consumer)) do
         local e = redis.call('XRANGE', s, p[1], p[1])
         entries[#entries + 1] = { p[1], #e > 0 and e[1][2] }
       end
@@ -3005,42 +3042,69 @@ local function expire_waiting(q, now, budget)
   end
   -- never delivered. While stream readers keep entries, dead_letter leaves them in the
   -- stream, where a fetch would still find them: the group first takes the leading run of
-  -- expired ones (in the returned consumer, settled at once); a later one waits its turn
+  -- expired ones (in the returned consumer, settled at once); a later one waits its turn,
+  -- so the queue is looked at again each sweep
   local floor = last_delivered(s)
   if redis.call('EXISTS', k_queue_readers(q)) == 1 then
-    local waiting = redis.call('XRANGE', s, '(' .. floor, '+', 'COUNT', EXPIRE_SCAN)
+    local waiting = redis.call('XRANGE', s, '(' .. floor, '+', 'COUNT', EXPIRE.scan)
     local last = 0
     for _, e in ipairs(waiting) do
       local x = tonumber(entry_field(e[2], 'x'))
       if not (x and x <= now) then break end
       last = last + 1
     end
-    if last == 0 then return end
-    redis.call('XREADGROUP', 'GROUP', GROUP, RETURNED, 'COUNT', last, 'STREAMS', s, '>')
-    for i = 1, last do expire(waiting[i][1], waiting[i][2]) end
-    return
+    if last > 0 then
+      redis.call('XREADGROUP', 'GROUP', GROUP, RETURNED, 'COUNT', last, 'STREAMS', s, '>')
+      for i = 1, last do expire(waiting[i][1], waiting[i][2]) end
+    end
+    redis.call('HSET', cursors, 'again', 1)  -- once readers are gone, a round from the heads
+    return now
   end
   sweep('new', function(after)
     if not after or id_less(after, floor) then after = floor end  -- delivered since
-    return redis.call('XRANGE', s, '(' .. after, '+', 'COUNT', EXPIRE_SCAN)
+    return redis.call('XRANGE', s, '(' .. after, '+', 'COUNT', EXPIRE.scan)
   end)
+  if unfinished then
+    if soonest < math.huge then redis.call('HSET', cursors, 'soonest', soonest) end
+    return now
+  end
+  redis.call('DEL', cursors)
+  if again then return now end
+  return soonest == math.huge and '+inf' or soonest
 end
 
 -- Reap every node whose liveness key expired. Returns the number of flows released.
--- Also trims the queues that stream readers hold open (see trim_read_queue).
+-- Also trims the queues that stream readers hold open (see trim_read_queue), returns
+-- messages whose delivery time came and expires waiting ones, on up to EXPIRE.queues
+-- queues due each, the longest due first: thousands of device queues holding a message
+-- that expires in an hour cost a sweep nothing until then.
 register_always('gw_reap', function(_, _)
+  -- the sets of the release before, whose members every sweep looked at: each due at once
+  local function adopt_earlier(set, sorted)
+    if redis.call('EXISTS', set) == 0 then return end
+    for _, q in ipairs(redis.call('SMEMBERS', set)) do redis.call('ZADD', sorted, 'LT', 0, q) end
+    redis.call('DEL', set)
+  end
   local released = 0
   for _, n in ipairs(redis.call('SMEMBERS', K_NODES)) do
     if not node_alive(n) then released = released + reap_node(n) end
   end
   for _, q in ipairs(redis.call('SMEMBERS', K_READ_QUEUES)) do trim_read_queue(q) end
+  adopt_earlier(K_EARLIER_TIMED_QUEUES, K_TIMED_QUEUES)
+  adopt_earlier(K_EARLIER_EXPIRING_QUEUES, K_EXPIRING_QUEUES)
   local now = now_ms()
-  for _, q in ipairs(redis.call('SMEMBERS', K_TIMED_QUEUES)) do release_due(q, now) end
-  local budget = { pages = EXPIRE_EXTRA_PAGES }
-  local expiring = redis.call('SMEMBERS', K_EXPIRING_QUEUES)
-  local from = #expiring > 0 and now % #expiring or 0  -- the budget's first takers vary
-  for i = 1, #expiring do
-    expire_waiting(expiring[(from + i - 1) % #expiring + 1], now, budget)
+  local due = { '-inf', now, 'LIMIT', 0, EXPIRE.queues }
+  for _, q in ipairs(redis.call('ZRANGEBYSCORE', K_TIMED_QUEUES, unpack(due))) do
+    release_due(q, now)
+  end
+  local budget = { pages = EXPIRE.extra_pages }
+  for _, q in ipairs(redis.call('ZRANGEBYSCORE', K_EXPIRING_QUEUES, unpack(due))) do
+    local at = expire_waiting(q, now, budget)
+    if at then
+      redis.call('ZADD', K_EXPIRING_QUEUES, at, q)
+    else
+      redis.call('ZREM', K_EXPIRING_QUEUES, q)
+    end
   end
   return released
 end)

@@ -40,10 +40,17 @@ TEMPLATES: dict[str, str] = {
     "queue_groups": f"{PREFIX}:q:{{{{q}}}}:groups",
     "queue_last_values": f"{PREFIX}:q:{{{{q}}}}:lvq",
     "queue_timed": f"{PREFIX}:q:{{{{q}}}}:timed",
-    "timed_queues": f"{PREFIX}:timedq",
-    "expiring_queues": f"{PREFIX}:expq",  # queues that stored messages with an expiry
+    # queues holding messages until a delivery time, scored by the earliest (a sorted set)
+    "timed_queues": f"{PREFIX}:timedz",
+    # queues that stored messages with an expiry, scored by when the expiry sweep should
+    # next look at them (a sorted set; +inf: once another is stored or one comes back)
+    "expiring_queues": f"{PREFIX}:expz",
+    # the same as plain sets, as the release before kept them: adopted by the sweep
+    "earlier_timed_queues": f"{PREFIX}:timedq",
+    "earlier_expiring_queues": f"{PREFIX}:expq",
     # the expiry sweep's place in each list of a queue's waiting entries: list -> the id of
-    # the last entry it read
+    # the last entry it read; 'soonest' -> the earliest expiry ahead it read on the way;
+    # 'again' -> entries came back to wait since it began reading the lists
     "queue_expiry_cursor": f"{PREFIX}:q:{{{{q}}}}:xcur",
     "queue_group_held": f"{PREFIX}:q:{{{{q}}}}:gheld",
     "queue_sorted": f"{PREFIX}:q:{{{{q}}}}:sorted",
@@ -132,6 +139,10 @@ def queue_config(q: str) -> str:
 
 def queue_stream(q: str) -> str:
     return _queue_key("queue_stream", q)
+
+
+def queue_expiry_cursor(q: str) -> str:
+    return _queue_key("queue_expiry_cursor", q)
 
 
 def queue_stats(q: str) -> str:
