@@ -211,7 +211,10 @@ class Broker:
         await self.liveness.start()
         self._partings = asyncio.get_running_loop().create_task(self._publish_partings())
 
-    async def stop(self) -> None:
+    async def stop(self, tell_redis: bool = True) -> None:
+        """`tell_redis` False (Redis does not answer: a stop cut short): everything here
+        stops without telling Redis; other nodes take over once the liveness key expires.
+        Again after a stop cut short, it stops what that one left running."""
         if self._partings is not None:
             self._partings.cancel()
             await asyncio.gather(self._partings, return_exceptions=True)
@@ -220,11 +223,11 @@ class Broker:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         # never stored: their publishers are not acked
         await self.hold.close(StoreError("the node stopped before it could route the message"))
-        await self.direct.close()
+        await self.direct.close(tell_redis)
         await self.spooler.close()
         await self.dispatcher.close()
         try:
-            await self.liveness.stop()
+            await self.liveness.stop(tell_redis)
         except StoreError as exc:  # other nodes take over once its liveness key expires
             log.warning("cannot tell Redis this node stops (%s): others take over later", exc)
         await self.events.stop()

@@ -31,6 +31,11 @@ from gateway.engine.spool_usage import SpoolLimits, SpoolMonitor
 log = logging.getLogger("gateway")
 
 PROTOCOL_GROUP = "gateway.protocols"
+# Telling Redis the node goes, once clients' sessions are saved (the listeners' close,
+# bounded by their own waits): a stalled Redis must not keep the process from exiting;
+# other nodes take over once the node's liveness key expires.
+STOP_REDIS_GRACE_S = 5.0
+STOP_REDIS_HURRIED_S = 0.5  # the same once asked again: a healthy Redis is still told
 
 
 class Listener(Protocol):
@@ -135,16 +140,80 @@ async def run_node(
         log.info("shutting down")
         api.stopping = True  # the health probe says so while the listeners close
     finally:
+        hurry = asyncio.Event()  # a second signal: wait for Redis no more
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, hurry.set)
         if supervisor is not None:
             supervisor.cancel()
-        for listener in listeners:
-            await listener.close()
+        # each stops accepting first, then saves its clients' sessions
+        closing = asyncio.gather(*(listener.close() for listener in listeners))
+        if not await within(closing, hurry):
+            log.warning("stopping before clients' sessions are saved (asked again)")
+            closing.cancel()
+        await asyncio.gather(closing, return_exceptions=True)
         await admin.close()
-        await spool.stop()
         try:
-            await broker.stop()
+            await leave_redis(spool, broker, hurry)
         finally:
             await client.aclose()
+
+
+async def within(work: asyncio.Future, hurry: asyncio.Event, timeout: float | None = None) -> bool:
+    """Wait for `work` until `hurry` is set or `timeout` passed; whether it is done."""
+    hurried = asyncio.ensure_future(hurry.wait())
+    await asyncio.wait((work, hurried), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    hurried.cancel()
+    return work.done()
+
+
+async def leave_redis(spool: SpoolMonitor, broker: Broker, hurry: asyncio.Event) -> None:
+    """Tell Redis the node goes, for up to STOP_REDIS_GRACE_S or until `hurry` is set
+    (STOP_REDIS_HURRIED_S if it already is); failing that, stop everything here without
+    telling it."""
+
+    async def told() -> None:
+        await spool.stop()
+        await broker.stop()
+
+    telling = asyncio.ensure_future(told())
+    if hurry.is_set():
+        await asyncio.wait((telling,), timeout=STOP_REDIS_HURRIED_S)
+    else:
+        await within(telling, hurry, STOP_REDIS_GRACE_S)
+    if not telling.done():
+        telling.cancel()
+        log.warning(
+            "stopping without telling Redis (%s): other nodes take over once this node's"
+            " liveness key expires",
+            "asked again" if hurry.is_set() else f"no answer in {STOP_REDIS_GRACE_S:g} s",
+        )
+    outcome = (await asyncio.gather(telling, return_exceptions=True))[0]
+    if outcome is None:
+        return
+    if isinstance(outcome, RedisError):
+        log.warning(
+            "cannot tell Redis this node stops (%s): others take over once its liveness"
+            " key expires",
+            outcome,
+        )
+    elif not isinstance(outcome, asyncio.CancelledError):
+        raise outcome
+    await spool.stop(tell_redis=False)
+    await broker.stop(tell_redis=False)
+
+
+async def signals_ignored_after(node: Awaitable[None]) -> None:
+    """Once the node is down, SIGINT and SIGTERM are ignored until the process exits: one
+    arriving after the event loop closed (its handlers gone), an operator's second Ctrl-C
+    or kill, ended the process by the signal rather than 0 and cut the embedded Redis's
+    stop short."""
+    try:
+        await node
+    finally:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)  # or closing the loop would restore the default
+            signal.signal(sig, signal.SIG_IGN)
 
 
 # Young-generation collections every 700 allocations cost the MQTT path ~17% of its CPU per
@@ -157,7 +226,7 @@ def run(
 ) -> None:
     """Run a node on uvloop when available, with the garbage collector tuned for it."""
     gc.set_threshold(*GC_THRESHOLDS)
-    node = run_node(settings, redis_url, supervise=supervise)
+    node = signals_ignored_after(run_node(settings, redis_url, supervise=supervise))
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency; keep asyncio usable

@@ -85,11 +85,19 @@ class BackgroundTasks:
             log.error("%s task failed", self._label, exc_info=exc)
 
     async def wait(self, busy: Callable[[], bool], timeout: float) -> None:
-        """Until no task runs and `busy()` is false, or the timeout."""
+        """Until no task runs and `busy()` is false, or the timeout. Cancelled (a stop cut
+        short), it cancels the tasks and waits for them to end: none runs on after."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while (busy() or self._tasks) and loop.time() < deadline:
-            if self._tasks:
-                await asyncio.wait(set(self._tasks), timeout=deadline - loop.time())
-            else:
-                await asyncio.sleep(0.01)
+        try:
+            while (busy() or self._tasks) and loop.time() < deadline:
+                if self._tasks:
+                    await asyncio.wait(set(self._tasks), timeout=deadline - loop.time())
+                else:
+                    await asyncio.sleep(0.01)
+        except asyncio.CancelledError:
+            tasks = list(self._tasks)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise

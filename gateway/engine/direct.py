@@ -179,7 +179,8 @@ class DirectRelay:
         self._held.discard(handle)
         self.publish(dataclasses.replace(msg, not_before=None))  # due: to other nodes too
 
-    async def close(self) -> None:
+    async def close(self, tell_redis: bool = True) -> None:
+        """`tell_redis` False: the withdrawal is left to the node's reaping."""
         self._closed = True
         for handle in self._held:
             handle.cancel()
@@ -187,8 +188,9 @@ class DirectRelay:
         for task in list(self._tasks):  # relays, withdrawals tried again: this one is last
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._callbacks or self._listed:
-            self._callbacks.clear()
+        withdraw = bool(self._callbacks or self._listed) and tell_redis
+        self._callbacks.clear()
+        if withdraw:
             try:
                 await self._announce(False)
             except RedisError as exc:  # reaping the node removes it

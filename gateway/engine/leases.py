@@ -86,13 +86,15 @@ class NodeLiveness:
         await self.beat()
         self._task = asyncio.get_running_loop().create_task(self._run())
 
-    async def stop(self) -> None:
-        """Clean shutdown: other nodes need not wait for the TTL to take over."""
+    async def stop(self, tell_redis: bool = True) -> None:
+        """Clean shutdown: other nodes need not wait for the TTL to take over (unless
+        Redis is not told: they take over once the liveness key expires)."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        await self._redis.fcall("gw_node_down", 0, self.node_id)
+        if tell_redis:
+            await self._redis.fcall("gw_node_down", 0, self.node_id)
 
     async def beat(self) -> None:
         """Refresh our liveness, release dead nodes' flows, re-check standby leases."""

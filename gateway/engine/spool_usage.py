@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 from gateway.engine import keys
 
@@ -259,14 +259,22 @@ class SpoolMonitor:
         await self._events.watch_channel(keys.spool_notify, self._notified)
         await self._drain()  # events raised while no node was listening
 
-    async def stop(self) -> None:
-        await self._events.unwatch_channel(keys.spool_notify)
+    async def stop(self, tell_redis: bool = True) -> None:
+        """Stop reading; a Redis gone or failing (or not told: `tell_redis` False) leaves
+        the node's reader behind (harmless: nothing reads with it)."""
+        if tell_redis:
+            await self._events.unwatch_channel(keys.spool_notify)
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        with contextlib.suppress(ResponseError):  # no group yet: nothing to forget
-            await self._redis.xgroup_delconsumer(keys.spool_events, keys.GROUP, self._node)
+        if not tell_redis:
+            return
+        try:
+            with contextlib.suppress(ResponseError):  # no group yet: nothing to forget
+                await self._redis.xgroup_delconsumer(keys.spool_events, keys.GROUP, self._node)
+        except RedisError as exc:
+            log.warning("cannot forget this node's spool event reader (%s)", exc)
 
     def _notified(self, _data: bytes) -> None:
         if self._task is not None:

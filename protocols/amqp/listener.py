@@ -34,10 +34,12 @@ class Registry:
         shutdown = Condition("amqp:connection:forced", "gateway shutting down")
         for conn in list(self.connections):
             conn.close(shutdown)
-        await self._tasks.wait(lambda: bool(self.connections), CLOSE_TIMEOUT)
-        for conn in list(self.connections):
-            if conn.socket is not None:
-                conn.socket.abort()
+        try:
+            await self._tasks.wait(lambda: bool(self.connections), CLOSE_TIMEOUT)
+        finally:  # also when a second signal cut the wait short
+            for conn in list(self.connections):
+                if conn.socket is not None:
+                    conn.socket.abort()
 
 
 async def start(broker: Broker, settings: Settings) -> Listener | None:

@@ -568,14 +568,16 @@ class Registry:
         for conn in list(self.connections):
             if conn.session is not None:
                 conn.session.shutdown()
-        await self._tasks.wait(lambda: bool(self.connections), CLOSE_TIMEOUT)
-        for timer in (*self._expiry.values(), *self._rechecks.values()):
-            timer.cancel()
-        self._expiry.clear()
-        self._rechecks.clear()
-        for timer, _ in self._wills.values():
-            timer.cancel()
-        self._wills.clear()
+        try:
+            await self._tasks.wait(lambda: bool(self.connections), CLOSE_TIMEOUT)
+        finally:  # also when a second signal cut the wait short: no timer fires after
+            for timer in (*self._expiry.values(), *self._rechecks.values()):
+                timer.cancel()
+            self._expiry.clear()
+            self._rechecks.clear()
+            for timer, _ in self._wills.values():
+                timer.cancel()
+            self._wills.clear()
         await self._tasks.wait(lambda: False, CLOSE_TIMEOUT)  # the wills' records settled
 
 
