@@ -194,7 +194,7 @@ class Broker:
         )
         self.dispatcher.on_last_flow = self._last_flow_gone
         self.hold = RoutingHold(self.router.reload, self._route)
-        self.events.on_lost = self.hold.lost
+        self.events.on_lost = self._events_lost
         self.roll_call = RollCall(redis, self.node_id, self.events)
         self.direct = DirectRelay(redis, self.node_id, self.events, self.roll_call)
         self._tasks: set[asyncio.Task] = set()
@@ -702,6 +702,13 @@ class Broker:
         log.info("temporary queues Redis had refused to delete are deleted")
 
     # -- events ----------------------------------------------------------------------------
+
+    def _events_lost(self) -> None:
+        """Events may be missed from now on (routing waits), and a Redis restarted from an
+        older copy of its data (a backup, an AOF that lost its last second) may hold other
+        routes under the versions loaded: the next load reads every route."""
+        self.router.forget()
+        self.hold.lost()
 
     def _on_event(self, kind: str, arg: str) -> None:
         if kind == "sub":

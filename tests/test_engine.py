@@ -423,6 +423,8 @@ async def test_keys_module_names_every_key(redis_url: str, broker: Broker) -> No
         keys.nodes,
         keys.liveness,
         keys.sub_version,
+        keys.route_changes,
+        keys.route_changes_state,
         keys.last_created,
         keys.queue_config("q"),
         keys.queue_stream("q"),

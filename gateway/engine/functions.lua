@@ -549,6 +549,20 @@ local function hidden(q)
   return redis.call('HEXISTS', k_queue_config(q), 'parent') == 1
 end
 
+-- What routes messages to q changed (its subscriptions, its key property or selector; it
+-- was made or deleted): a new subscription version, which nodes load from the last one
+-- they loaded by reading only the queues changed since (gw_routes_since). The changes of
+-- the last ROUTE_CHANGES_KEPT queues are kept; a node further behind loads every route.
+local function routes_changed(q)
+  local ROUTE_CHANGES_KEPT = 10000
+  local v = redis.call('INCR', K_SUB_VERSION)
+  redis.call('ZADD', K_ROUTE_CHANGES, v, q)
+  if redis.call('ZCARD', K_ROUTE_CHANGES) > ROUTE_CHANGES_KEPT then
+    redis.call('HSET', K_ROUTE_CHANGES_STATE, 'floor', redis.call('ZPOPMIN', K_ROUTE_CHANGES)[2])
+  end
+  redis.call('PUBLISH', K_EVENTS, 'sub ' .. v)
+end
+
 delete_queue = function(q)
   if redis.call('EXISTS', k_queue_config(q)) == 0 then return 0 end
   for _, child in ipairs(children(q)) do delete_queue(child) end
@@ -574,9 +588,8 @@ delete_queue = function(q)
   redis.call('SREM', K_READ_QUEUES, q)
   redis.call('ZREM', K_EXPIRING_QUEUES, q)
   redis.call('ZREM', K_TIMED_QUEUES, q)
-  local v = redis.call('INCR', K_SUB_VERSION)
   redis.call('PUBLISH', K_EVENTS, 'qdel ' .. q)
-  redis.call('PUBLISH', K_EVENTS, 'sub ' .. v)
+  routes_changed(q)
   return 1
 end
 
@@ -2918,6 +2931,9 @@ register_always('gw_node_down', function(_, a)
   return reap_node(a[1])
 end)
 
+-- The heartbeat's sweep (gw_reap) and its helpers, in a block of their own: the main chunk
+-- holds at most 200 locals at a time.
+do
 -- Trim a read queue's settled entries below every reader's committed id, never past an
 -- unsettled (pending) or undelivered entry.
 local function trim_read_queue(q)
@@ -3108,6 +3124,7 @@ register_always('gw_reap', function(_, _)
   end
   return released
 end)
+end  -- the sweep
 
 -- Stream, consumer group and counters of a queue whose config hash is written.
 local function init_queue(q)
@@ -3164,8 +3181,7 @@ register_always('gw_queue_create', function(_, a)
     end
   end
   redis.call('SADD', K_QUEUES, q)
-  local v = redis.call('INCR', K_SUB_VERSION)  -- nodes learn its routing info (lvq_key)
-  redis.call('PUBLISH', K_EVENTS, 'sub ' .. v)
+  routes_changed(q)  -- nodes learn its routing info (lvq_key)
   for i = 2, #a - 1, 2 do
     if a[i] == 'owner_node' and a[i + 1] ~= '' then
       redis.call('SADD', k_node_queues(a[i + 1]), q)  -- so the reaper finds it
@@ -3392,32 +3408,72 @@ register_always('gw_subscription', function(_, a)
   if redis.call('EXISTS', k_queue_config(q)) == 0 or hidden(q) then return -1 end
   local cmd = a[2] == 'add' and 'SADD' or 'SREM'
   local changed = redis.call(cmd, k_queue_subs(q), unpack(a, 3))
-  if changed > 0 then
-    local v = redis.call('INCR', K_SUB_VERSION)
-    redis.call('PUBLISH', K_EVENTS, 'sub ' .. v)
-  end
+  if changed > 0 then routes_changed(q) end
   return changed
 end)
 
--- Every queue's topic subscriptions (and what its spool needs: the property of its LVQ key
--- or sort key; its subscription selector, applied by the routing node; its created_ms,
--- which gw_spool checks), for a node's routing trie.
--- Returns {version, queue, key, selector, created_ms, n, entry..., queue, ...}.
+-- A node's routing trie: gw_routes_since loads the routes changed since the version it
+-- loaded, or every route.
+do
+-- Appends q's routes to out: queue, key (the property of its LVQ key or sort key; its
+-- spool needs it), its subscription selector (applied by the routing node), its
+-- created_ms (which gw_spool checks), n, its n subscription entries. A queue gone: n is
+-- -1 and the rest empty.
+local function append_routes(out, q)
+  out[#out + 1] = q
+  local keyed = redis.call('HMGET', k_queue_config(q), 'lvq_key', 'sort_key',
+    'subscription_selector', 'created_ms')
+  if redis.call('SISMEMBER', K_QUEUES, q) == 0 then
+    for _ = 1, 3 do out[#out + 1] = '' end
+    out[#out + 1] = -1
+    return
+  end
+  local subs = redis.call('SMEMBERS', k_queue_subs(q))
+  out[#out + 1] = (keyed[1] ~= '' and keyed[1]) or keyed[2] or ''
+  out[#out + 1] = keyed[3] or ''
+  out[#out + 1] = keyed[4] or ''
+  out[#out + 1] = #subs
+  for _, e in ipairs(subs) do out[#out + 1] = e end
+end
+
+local function sub_version()
+  return tonumber(redis.call('GET', K_SUB_VERSION) or '0')
+end
+
+-- Every route as {version, queue, ... as append_routes}, for a node of the release before
+-- during a rolling upgrade.
 register_always('gw_routes', function(_, _)
-  local out = { tonumber(redis.call('GET', K_SUB_VERSION) or '0') }
-  for _, q in ipairs(redis.call('SMEMBERS', K_QUEUES)) do
-    local subs = redis.call('SMEMBERS', k_queue_subs(q))
-    out[#out + 1] = q
-    local keyed = redis.call('HMGET', k_queue_config(q), 'lvq_key', 'sort_key',
-      'subscription_selector', 'created_ms')
-    out[#out + 1] = (keyed[1] ~= '' and keyed[1]) or keyed[2] or ''
-    out[#out + 1] = keyed[3] or ''
-    out[#out + 1] = keyed[4] or ''
-    out[#out + 1] = #subs
-    for _, e in ipairs(subs) do out[#out + 1] = e end
+  local out = { sub_version() }
+  for _, q in ipairs(redis.call('SMEMBERS', K_QUEUES)) do append_routes(out, q) end
+  return out
+end)
+
+-- ARGV: the version a node loaded and the generation it was of ('' for none). Returns
+-- {version, generation, 'changed', queue, ... as append_routes} for the queues changed
+-- since, or {version, generation, 'all', ...} with every queue when those changes are no
+-- longer kept or Redis is not the one the node loaded from (it came back without its data:
+-- the generation, made with the first change log, is another).
+register_always('gw_routes_since', function(_, a)
+  local since, version = tonumber(a[1]), sub_version()
+  local state = redis.call('HMGET', K_ROUTE_CHANGES_STATE, 'generation', 'floor')
+  local generation = state[1]
+  if not generation then
+    local now = redis.call('TIME')
+    generation = now[1] .. '.' .. now[2]
+    redis.call('HSET', K_ROUTE_CHANGES_STATE, 'generation', generation)
+  end
+  if a[2] ~= generation or since < tonumber(state[2] or '0') or since > version then
+    local out = { version, generation, 'all' }
+    for _, q in ipairs(redis.call('SMEMBERS', K_QUEUES)) do append_routes(out, q) end
+    return out
+  end
+  local out = { version, generation, 'changed' }
+  for _, q in ipairs(redis.call('ZRANGEBYSCORE', K_ROUTE_CHANGES, '(' .. since, '+inf')) do
+    append_routes(out, q)
   end
   return out
 end)
+end  -- the routing trie's loads
 
 -- ARGV: broker quota (bytes, 0: none), threshold set percent, clear percent, then pairs of
 -- VPN name and quota. Replaces the spool limits every node enforces, then raises or clears

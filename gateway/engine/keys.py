@@ -25,6 +25,11 @@ TEMPLATES: dict[str, str] = {
     "nodes": f"{PREFIX}:nodes",
     "events": f"{PREFIX}:ev",
     "sub_version": f"{PREFIX}:subver",
+    # queue -> the subscription version that last changed its routes (a sorted set, of the
+    # last 10,000 queues changed); and a hash: 'floor' -> the newest version dropped from
+    # it, 'generation' -> made with the first, names this Redis's data (gw_routes_since)
+    "route_changes": f"{PREFIX}:subchanges",
+    "route_changes_state": f"{PREFIX}:subchanges:state",
     "last_created": f"{PREFIX}:lastcreated",  # the latest created_ms a queue was given
     "queue_config": f"{PREFIX}:q:{{{{q}}}}:cfg",
     "queue_stream": f"{PREFIX}:q:{{{{q}}}}:s",
@@ -112,6 +117,8 @@ liveness = TEMPLATES["liveness"]
 liveness_grace = TEMPLATES["liveness_grace"]
 events = TEMPLATES["events"]
 sub_version = TEMPLATES["sub_version"]
+route_changes = TEMPLATES["route_changes"]
+route_changes_state = TEMPLATES["route_changes_state"]
 last_created = TEMPLATES["last_created"]
 retained = TEMPLATES["retained"]
 retained_held_topics = TEMPLATES["retained_held_topics"]
