@@ -21,7 +21,7 @@ import pytest
 
 from gateway.admin import http as admin_http
 from gateway.broker import Broker
-from gateway.engine.queues import DEAD_MESSAGE_QUEUE, QueueConfig
+from gateway.engine.queues import DEAD_MESSAGE_QUEUE, INFO_BATCH, QueueConfig
 from gateway.model import Message, Outcome
 
 # urllib honours *_proxy variables; this client and the CLI must talk to loopback directly
@@ -704,6 +704,42 @@ async def test_metrics(admin: Admin, broker: Broker) -> None:
     for line in lines:
         if line and not line.startswith("#"):
             float(line.rsplit(" ", 1)[1])
+
+
+async def test_list_and_metrics_over_more_queues_than_one_read_takes(
+    admin: Admin, broker: Broker
+) -> None:
+    """Queues are read INFO_BATCH a round trip: each one is listed, with its own figures
+    (a partitioned and a priority queue's summed from their children), across batches."""
+    names = [f"q{i:04}" for i in range(INFO_BATCH + 20)]
+    for name in names:
+        await broker.declare_queue(QueueConfig(name=name))
+    await broker.declare_queue(QueueConfig(name="zparts", partition_count=2))
+    await broker.declare_queue(QueueConfig(name="zprio", priorities=True))
+    for name in ("q0003", names[-1], "zparts", "zprio", "zprio"):
+        assert (await admin.publish(name, "m")).status == 200
+    listed = {row["name"]: row["messages"] for row in (await admin.get("/api/v1/queues")).body}
+    assert set(listed) == {*names, "zparts", "zprio"}
+    assert {n for n, m in listed.items() if m} == {"q0003", names[-1], "zparts", "zprio"}
+    assert listed["zprio"] == 2
+    lines = (await admin.get("/metrics")).raw.decode().splitlines()
+    depths = [ln for ln in lines if ln.startswith("gateway_queue_messages{")]
+    assert len(depths) == len(listed)
+    assert f'gateway_queue_messages{{queue="{names[-1]}"}} 1' in depths
+    assert 'gateway_queue_messages{queue="zparts"} 1' in depths
+
+
+async def test_a_partitioned_queue_deleted_while_queues_are_listed_is_left_out(
+    broker: Broker,
+) -> None:
+    """The batch read its config; its partitions, read after, are gone: the list goes on
+    without it (it failed whole: a 500 for the queue list and /metrics)."""
+    await broker.declare_queue(QueueConfig(name="a", partition_count=2))
+    await broker.declare_queue(QueueConfig(name="z", partition_count=2))
+    listing = broker.queues.infos(["a", "z"])
+    assert (await anext(listing)).config.name == "a"
+    await broker.delete_queue("z")
+    assert [info async for info in listing] == []
 
 
 # -- the HTTP layer ---------------------------------------------------------------------------

@@ -224,25 +224,21 @@ class AdminApi:
 
     async def _hidden(self, user: str) -> set[str]:
         """The queues `user` may not browse."""
-        hidden = set()
-        for name in await self.broker.queues.names():
-            with contextlib.suppress(QueueError):  # deleted meanwhile
-                if not _visible(await self.broker.queues.config(name), user):
-                    hidden.add(name)
-        return hidden
+        queues = self.broker.queues
+        return {
+            i.config.name
+            async for i in queues.infos(await queues.names())
+            if not _visible(i.config, user)
+        }
 
     async def _list_queues(self, user: str | None) -> list[dict[str, Any]]:
         out = []
-        for name in await self.broker.queues.names():
-            try:
-                info = await self.broker.queues.info(name)
-            except QueueError:
-                continue  # deleted meanwhile
+        async for info in self.broker.queues.infos(await self.broker.queues.names()):
             if not _visible(info.config, user):
                 continue
             out.append(
                 {
-                    "name": name,
+                    "name": info.config.name,
                     "access_type": info.config.access_type,
                     "durable": info.config.durable,
                     "messages": info.messages,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 
 from gateway.broker import Broker
-from gateway.engine.queues import QueueConfig, QueueError
+from gateway.engine.queues import QueueConfig
 from gateway.engine.spool_usage import SpoolReport, read_usage
 
 
@@ -27,11 +27,8 @@ async def render_metrics(
         lines.append(f'{metric}{{node="{node}"}} {value}')
     queue_lines: dict[str, list[str]] = {}
     hidden = set()
-    for name in await broker.queues.names():
-        try:
-            info = await broker.queues.info(name)
-        except QueueError:
-            continue
+    async for info in broker.queues.infos(await broker.queues.names()):
+        name = info.config.name
         if not visible(info.config):
             hidden.add(name)
             continue

@@ -12,6 +12,7 @@ import dataclasses
 import math
 import os
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,7 @@ from gateway.selectors import MAX_SELECTOR_BYTES, SelectorError, compile_selecto
 from gateway.topics import TopicError, parse_pattern
 
 MAX_NAME_BYTES = 255
+INFO_BATCH = 500  # queues read in one round trip by Queues.infos
 MAX_CONFIG_INT = 2**53 - 1  # the Redis functions count in doubles, exact up to here
 DEAD_MESSAGE_QUEUE = "#DEAD_MSG_QUEUE"
 TEMPORARY_PREFIX = "#tmp/"
@@ -51,6 +53,10 @@ GROUP_MODES = ("", "default", "shared")
 OVERFLOW_POLICIES = ("reject", "ring", "flow_control")
 SYNTAXES = ("smf", "mqtt")
 _FORBIDDEN = set("{}'\"<>*?&;") | {chr(c) for c in range(0x20)} | {"\x7f"}
+
+
+class _PartitionsChanged(Exception):
+    """A queue's partitions were not those its config said when read a moment before."""
 
 
 class QueueError(Exception):
@@ -684,15 +690,53 @@ class QueueStore:
         return sorted(n.decode() for n in await self._redis.smembers(keys.queues))
 
     async def info(self, name: str) -> QueueInfo:
-        pipe = self._redis.pipeline(transaction=False)
+        for _ in range(3):  # its partitions changed between its two reads: read again
+            pipe = self._redis.pipeline(transaction=False)
+            self._ask_info(pipe, name)
+            try:
+                found = await self._info_from(name, await pipe.execute())
+            except _PartitionsChanged:
+                continue
+            if found is not None:
+                return found
+            break
+        raise QueueError("not_found", f"queue {name!r} does not exist")
+
+    async def infos(self, names: list[str]) -> AsyncIterator[QueueInfo]:
+        """The info of each of `names` that exists, INFO_BATCH queues a round trip: one
+        trip a queue had a metrics scrape of 16,000 queues take 3.5 s."""
+        for start in range(0, len(names), INFO_BATCH):
+            batch = names[start : start + INFO_BATCH]
+            pipe = self._redis.pipeline(transaction=False)
+            for name in batch:
+                self._ask_info(pipe, name)
+            replies = await pipe.execute()
+            for i, name in enumerate(batch):
+                try:
+                    found = await self._info_from(name, replies[i * 5 : i * 5 + 5])
+                except _PartitionsChanged:  # deleted or repartitioned since the batch
+                    try:
+                        found = await self.info(name)
+                    except QueueError:
+                        continue
+                if found is not None:
+                    yield found
+
+    @staticmethod
+    def _ask_info(pipe: Any, name: str) -> None:
+        """The five reads _info_from takes."""
         pipe.hgetall(keys.queue_config(name))
         pipe.smembers(keys.queue_subs(name))
         pipe.hgetall(keys.queue_stats(name))
         pipe.zrange(keys.queue_flows(name), 0, -1)
         pipe.hget(keys.queue_lease(name), "flow")
-        raw, subs, stats, flows, active = await pipe.execute()
+
+    async def _info_from(self, name: str, replies: list[Any]) -> QueueInfo | None:
+        """A queue's info from _ask_info's replies (and its children's counters); None if
+        it does not exist."""
+        raw, subs, stats, flows, active = replies
         if not raw or _HIDDEN in raw:
-            raise QueueError("not_found", f"queue {name!r} does not exist")
+            return None
         config = QueueConfig.from_redis(name, raw)
         counters = {k.decode(): int(v) for k, v in stats.items()}
         partitions: list[dict[str, Any]] = []
@@ -724,6 +768,8 @@ class QueueStore:
             pipe.hgetall(keys.queue_stats(keys.partition_queue(name, index)))
         reply, *stats = await pipe.execute()
         pmap = PartitionMap.from_reply(reply)
+        if len(pmap.owners) != count:
+            raise _PartitionsChanged
         out = []
         for index, raw in enumerate(stats):
             part = {k.decode(): int(v) for k, v in raw.items()}
