@@ -757,6 +757,7 @@ class Dispatcher:
         fetching = self._fetching
         taken: list[Flow] = []
         asked = 0
+        sharing: dict[str, int] = {}  # queue -> its competing flows, counted once a round
         for flow in self._want:
             if asked >= ROUND_MESSAGES:
                 break
@@ -775,11 +776,13 @@ class Dispatcher:
                 # competing flows of one queue take turns: a big window does not grab a
                 # burst or the backlog in one fetch (each is wanted again after its batch);
                 # browsers take nothing from the others: they neither compete nor share
-                sharing = sum(
-                    1 for f in self.flows.get(flow.queue, ()) if f.active and not f.browse
-                )
-                if sharing > 1 and not flow.browse:
-                    count = min(space, flow.share, max(1, FETCH_BATCH // sharing))
+                competing = sharing.get(flow.queue)
+                if competing is None:  # each flow's count of them: O(flows^2) a round
+                    competing = sharing[flow.queue] = sum(
+                        1 for f in self.flows.get(flow.queue, ()) if f.active and not f.browse
+                    )
+                if competing > 1 and not flow.browse:
+                    count = min(space, flow.share, max(1, FETCH_BATCH // competing))
                 else:
                     count = space
                 fetches.append(_Fetch(flow, flow.queue, None, count))
