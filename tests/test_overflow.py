@@ -11,6 +11,7 @@ import redis
 
 from gateway.broker import Broker
 from gateway.engine import keys, library, spool
+from gateway.engine.flows import Flow
 from gateway.engine.ordered_calls import NotSent
 from gateway.engine.partitions import partition_of
 from gateway.engine.queues import QueueConfig
@@ -27,6 +28,20 @@ def msg(payload: str, priority: int = 4, **props: str) -> Message:
         priority=priority,
         user_properties=list(props.items()),
     )
+
+
+async def acking_consumer(broker: Broker, queue: str, window: int) -> tuple[Flow, list[bytes]]:
+    """A consumer that acks each message as it comes: its flow and the payloads, in
+    arrival order."""
+    got: list[bytes] = []
+    flows = []
+
+    def consume(d: Delivery) -> None:
+        got.append(d.message.payload)
+        flows[0].ack(d.entry_id)
+
+    flows.append(await broker.bind(queue, consume, window=window))
+    return flows[0], got
 
 
 async def test_reject_is_the_default(broker: Broker) -> None:
@@ -235,14 +250,7 @@ async def test_flow_control_keeps_order_with_batches_in_flight(
         name="q", max_messages=40, overflow="flow_control", resume_percent=90, **shape
     )
     await broker.declare_queue(config)
-    got: list[bytes] = []
-    flows = []
-
-    def consume(d: Delivery) -> None:
-        got.append(d.message.payload)
-        flows[0].ack(d.entry_id)
-
-    flows.append(await broker.bind("q", consume, window=8))
+    flow, got = await acking_consumer(broker, "q", 8)
     count = 2000
     futures = []
     for i in range(count):
@@ -254,7 +262,7 @@ async def test_flow_control_keeps_order_with_batches_in_flight(
     assert broker.spooler.flow_controlled > 0, "the queue blocked at least once"
     await wait_for(lambda: len(got) == count, timeout=20)
     assert got == [b"%d" % i for i in range(count)]
-    await flows[0].close()
+    await flow.close()
 
 
 def spool_call_sizes(client: redis.Redis) -> list[int]:
@@ -296,14 +304,7 @@ async def test_held_messages_are_offered_again_in_batches_of_the_usual_size(
     slowlog.config_set("slowlog-max-len", 10_000)
     slowlog.slowlog_reset()
     try:
-        got: list[bytes] = []
-        flows = []
-
-        def consume(d: Delivery) -> None:
-            got.append(d.message.payload)
-            flows[0].ack(d.entry_id)
-
-        flows.append(await broker.bind("q", consume, window=10))
+        _, got = await acking_consumer(broker, "q", 10)
         await wait_for(lambda: len(got) == 8)
         assert got == [b"%d" % i for i in range(8)]
         assert [f.done() for f in held] == [False] * 20 + [True] * 5
