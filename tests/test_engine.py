@@ -663,6 +663,27 @@ async def test_stream_readers_keep_settled_entries_until_they_pass(
     await client.aclose()
 
 
+async def test_a_fault_of_ours_in_the_heartbeat_is_told_in_full_and_it_beats_on(
+    broker: Broker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Any failure of a beat was one line, a bug's traceback lost; a Redis failure still is
+    one line (tests/test_redis_refusing.py)."""
+    beat = broker.liveness.beat
+    beats = 0
+
+    async def faulty_once() -> None:
+        nonlocal beats
+        beats += 1
+        if beats == 1:
+            raise KeyError("a fault of ours")
+        await beat()
+
+    broker.liveness.beat = faulty_once  # type: ignore[method-assign]
+    await wait_for(lambda: beats >= 2)
+    [record] = [r for r in caplog.records if r.getMessage() == "heartbeat failed"]
+    assert record.exc_info is not None and record.exc_info[0] is KeyError
+
+
 async def test_tests_run_on_uvloop() -> None:
     assert type(asyncio.get_running_loop()).__module__.startswith("uvloop")
 

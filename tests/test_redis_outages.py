@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 import redis
@@ -36,7 +37,7 @@ from protocols.mqtt.codec import (
 )
 from protocols.mqtt.listener import start
 from tests.amqp_raw import DETACH, Peer
-from tests.conftest import running_node
+from tests.conftest import RedisServer, admin_of, running_node
 from tests.redis_proxy import CuttingProxy
 from tests.test_engine import second_node, to_queue, wait_for  # noqa: F401
 from tests.test_mqtt_protocol import Raw, settings
@@ -639,3 +640,22 @@ async def test_a_node_loads_its_functions_again_when_redis_lost_them(
         assert await broker.publish(to_queue("back", b"x")) == Outcome.OK
     finally:
         await admin.aclose()
+
+
+async def test_the_queue_list_with_redis_gone_is_a_503_told_on_one_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As the health probe says: Redis does not answer. It was a 500 "internal error"
+    with a ConnectionError's traceback logged for each request."""
+    server = RedisServer(tmp_path)
+    server.start()
+    try:
+        async with running_node(server.url) as broker, admin_of(broker) as admin:
+            assert (await admin.create("q1")).status == 201
+            server.stop(kill=True)
+            for path in ("/api/v1/queues", "/api/v1/queues?limit=1", "/api/v1/queues/q1"):
+                reply = await admin.get(path)
+                assert reply.status == 503 and "Redis does not answer" in reply.error, reply
+            assert not [r for r in caplog.records if r.exc_info is not None]
+    finally:
+        server.stop(kill=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import os
 import signal
 import socket
@@ -24,8 +25,9 @@ from gateway.engine import keys
 from gateway.server import STOP_REDIS_GRACE_S, run_node
 from protocols.mqtt.codec import Properties, Puback, Publish, Will
 from protocols.mqtt.listener import Registry as MqttRegistry
-from tests.conftest import RedisServer, free_port
+from tests.conftest import RedisServer, free_port, running_node
 from tests.processes import GATEWAY, Proc, node_env, serve_argv
+from tests.test_engine import wait_for
 from tests.test_mqtt_protocol import Raw
 
 
@@ -154,6 +156,29 @@ async def test_a_stop_with_redis_gone_ends_with_0_and_no_traceback(
         assert "Traceback" not in node.log.read_text(errors="replace")
     finally:
         node.kill()
+
+
+async def test_a_sweep_with_redis_gone_logs_one_line_and_goes_on(
+    own_redis: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The MQTT group and session queue sweep (run at start) logged a ConnectionError's
+    traceback when Redis went away: the stop above, run just after a start, showed it."""
+
+    def failures() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if "queue sweep failed" in r.getMessage()]
+
+    async with running_node(own_redis.url) as broker:
+        own_redis.stop(kill=True)
+        registry = MqttRegistry(broker, Settings(mqtt_port=0, amqp_port=0, host="127.0.0.1"))
+        try:
+            await wait_for(failures)
+            failed = failures()
+            assert failed[0].levelname == "WARNING"
+            assert failed[0].exc_info is None
+            assert "Connection refused" in failed[0].getMessage()
+            assert not registry._sweeper.done()  # the next round tries again
+        finally:
+            await registry.close()
 
 
 @pytest.mark.parametrize("again", [signal.SIGTERM, signal.SIGINT], ids=["kill", "ctrl-c"])

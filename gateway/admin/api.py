@@ -17,11 +17,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import logging
 import math
 from collections.abc import Collection, Iterable
 from typing import Any
 
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.acl import NO_DENIALS, TopicAccess, topic_access
 from gateway.admin.auth import AdminAuth
@@ -34,6 +37,8 @@ from gateway.engine.queues import QueueConfig, QueueError, subscription_queue
 from gateway.engine.spool_usage import read_usage
 from gateway.model import Delivery, Message, Outcome, Publisher
 from gateway.topics import TopicError, reaches_temporary_topics, validate_topic
+
+log = logging.getLogger(__name__)
 
 OUTCOME_STATUS = {
     Outcome.NOT_FOUND: 404,
@@ -129,6 +134,11 @@ class AdminApi:
             raise HttpError(exc.http_status, str(exc)) from None
         except BindError as exc:
             raise HttpError(BIND_STATUS.get(exc.code, 409), str(exc)) from None
+        except (RedisConnectionError, RedisTimeoutError) as exc:  # (a LOADING Redis too)
+            # unavailable for now (RFC 9110 §15.6.4), as the health probe says: no bug
+            reason = f"Redis does not answer: {str(exc) or type(exc).__name__}"
+            log.warning("admin request %s /%s: %s", req.method, "/".join(req.path), reason)
+            raise HttpError(503, reason) from None
 
     async def _health(self) -> Response:
         """Open to all: load balancers and orchestrators probe without credentials. 503

@@ -16,6 +16,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from gateway.engine import keys, library
 from gateway.engine.flows import Dispatcher
@@ -127,10 +128,12 @@ class NodeLiveness:
                     self._dispatcher.wake_all()
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:
+            except RedisError as exc:
                 log.warning("heartbeat failed: %s", exc)
                 if library.missing(exc):  # every call fails until it is loaded again
                     await self._load_library()
+            except Exception:  # a fault of ours: told in full, and the heartbeat goes on
+                log.exception("heartbeat failed")
 
     async def _load_library(self) -> None:
         """The node recovers by itself once Redis is back, even without its data."""

@@ -40,7 +40,7 @@ import math
 import time
 from typing import Any
 
-from gateway.broker import ANONYMOUS, Broker, QueueConfig, QueueError
+from gateway.broker import ANONYMOUS, Broker, QueueConfig, QueueError, StoreError
 from gateway.config import Settings
 from gateway.engine.parting import Due, pack
 from gateway.engine.queues import (
@@ -285,8 +285,10 @@ class Registry:
                 if state is not None and state.persistent and not session.taken_over:
                     try:
                         await self._hold(session, state)
-                    except Exception:  # Redis away: the next round tries again
-                        log.warning("MQTT session lease not renewed", exc_info=True)
+                    except StoreError as exc:  # Redis away: the next round tries again
+                        log.warning("MQTT session lease not renewed (%s)", exc)
+                    except Exception:  # a fault of ours: told in full, and the loop goes on
+                        log.exception("MQTT session lease not renewed")
 
     def save_soon(self, session: Session) -> None:
         """Save once this turn's changes are in (e.g. QoS 2 PUBREL ids)."""
@@ -411,8 +413,10 @@ class Registry:
         while True:
             try:
                 await self.sweep()
-            except Exception:  # Redis away: the next round tries again
-                log.warning("MQTT group and session queue sweep failed", exc_info=True)
+            except StoreError as exc:  # Redis away: the next round tries again
+                log.warning("MQTT group and session queue sweep failed (%s)", exc)
+            except Exception:  # a fault of ours: told in full, and the loop goes on
+                log.exception("MQTT group and session queue sweep failed")
             await asyncio.sleep(SWEEP_S)
 
     async def sweep(self) -> None:
