@@ -57,8 +57,8 @@ Client sessions (state that must survive restarts and moves between nodes)
     in Redis: ``hold`` at connect, ``due`` / ``drop`` as its node decides; those of a node
     that died are published by the others once due.
     Retained messages: publishing a topic message with ``retain=True`` stores it (an empty
-    payload clears it) before the future resolves; ``await broker.retained.matching(filter,
-    "mqtt")`` returns those matching a new subscription.
+    payload clears it) before the future resolves; ``async for batch in
+    broker.retained.matching(filter, "mqtt")`` reads those matching a new subscription.
 
 Direct topic subscribers (not spooled, e.g. MQTT QoS 0)
     ``token = broker.subscribe_direct(pattern, syntax, callback)`` / ``unsubscribe_direct``:

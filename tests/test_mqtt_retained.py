@@ -7,15 +7,20 @@ import contextlib
 import itertools
 import shutil
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from gateway.broker import Broker
 from gateway.engine import keys
+from gateway.engine.clients import RETAINED_BATCH
 from gateway.model import Message
 from gateway.model import encode as encode_message
 from protocols.mqtt.codec import (
+    Connack,
+    Connect,
     Properties,
     Puback,
     Publish,
@@ -26,6 +31,8 @@ from protocols.mqtt.codec import (
     encode,
 )
 from protocols.mqtt.listener import Listener
+from protocols.mqtt.session import MAX_WAITING, Session
+from tests.test_engine import retained_matching, wait_for
 from tests.test_mqtt_paho import V5, V311, WAIT, Client
 from tests.test_mqtt_protocol import Raw
 
@@ -209,7 +216,7 @@ def _held(topic: str, payload: bytes, due_in_ms: int | None) -> Message:
 
 
 async def _value(broker: Broker, topic: str) -> bytes | None:
-    found = await broker.retained.matching(topic)
+    found = await retained_matching(broker, topic)
     return found[0].payload if found else None
 
 
@@ -235,7 +242,7 @@ async def test_held_retained_messages_take_the_topic_in_the_order_they_fall_due(
     await broker.retained.put(_held("de/u", b"x", None))  # another topic: promotes nothing here
     assert await _value(broker, read) == b"slow"
     await asyncio.sleep(0.5)
-    found = await broker.retained.matching(read)
+    found = await retained_matching(broker, read)
     assert [(m.destination, m.payload) for m in found] == (
         [("dd/tt", b"other")] if wildcard else []
     )
@@ -252,10 +259,10 @@ async def test_a_held_retained_value_stored_before_held_ones_waited_apart_shows_
     waited apart): it is not shown before it is due, by an exact or a wildcard read."""
     msg = _held("old/t", b"later", 400)
     await broker.redis.hset(keys.retained, "old/t", encode_message(msg))
-    assert await broker.retained.matching("old/t") == []
-    assert await broker.retained.matching("old/#") == []
+    assert await retained_matching(broker, "old/t") == []
+    assert await retained_matching(broker, "old/#") == []
     await asyncio.sleep(0.5)
-    assert [m.payload for m in await broker.retained.matching("old/#")] == [b"later"]
+    assert [m.payload for m in await retained_matching(broker, "old/#")] == [b"later"]
 
 
 async def test_a_wildcard_read_takes_what_fell_due_at_the_instant_it_reads_the_topic(
@@ -265,10 +272,10 @@ async def test_a_wildcard_read_takes_what_fell_due_at_the_instant_it_reads_the_t
     topic's, whatever fell due between a scan's steps."""
     await broker.retained.put(_held("wr/t", b"held", 200))
     await asyncio.sleep(0.3)  # due, not yet promoted: no store since
-    assert [m.payload for m in await broker.retained.matching("wr/#")] == [b"held"]
+    assert [m.payload for m in await retained_matching(broker, "wr/#")] == [b"held"]
     await broker.retained.put(_held("wr/t", b"newer", None))
-    assert [m.payload for m in await broker.retained.matching("wr/#")] == [b"newer"]
-    assert [m.payload for m in await broker.retained.matching("wr/t")] == [b"newer"]
+    assert [m.payload for m in await retained_matching(broker, "wr/#")] == [b"newer"]
+    assert [m.payload for m in await retained_matching(broker, "wr/t")] == [b"newer"]
 
 
 async def test_a_wildcard_read_sees_what_a_store_between_its_scans_left(
@@ -298,7 +305,7 @@ async def test_a_wildcard_read_sees_what_a_store_between_its_scans_left(
 
     for name in ("hscan_iter", "sscan_iter"):
         monkeypatch.setattr(broker.redis, name, second_after_a_store(name))
-    assert [m.payload for m in await broker.retained.matching("sc/#")] == [b"W"]
+    assert [m.payload for m in await retained_matching(broker, "sc/#")] == [b"W"]
     assert len(started) == 2
 
 
@@ -307,7 +314,7 @@ async def test_a_topic_whose_held_messages_all_fell_due_is_no_held_topic_once_re
 ) -> None:
     await broker.retained.put(_held("gone/t", b"H", 100))
     await asyncio.sleep(0.2)
-    assert [m.payload for m in await broker.retained.matching("gone/#")] == [b"H"]
+    assert [m.payload for m in await retained_matching(broker, "gone/#")] == [b"H"]
     assert not await broker.redis.exists(keys.retained_held("gone/t"))
     assert await broker.redis.smembers(keys.retained_held_topics) == set()
 
@@ -339,3 +346,247 @@ async def test_expired_retained_messages_leave_the_store_and_crowd_out_no_live_o
 
     assert await asyncio.to_thread(subscribe) == ["crowd/z"]
     assert await broker.redis.hkeys(keys.retained) == [b"crowd/z"]
+
+
+def transmits(session: Session) -> Callable[[], int]:
+    """How many messages `session` has sent so far: a spy on `_transmit` that counts, then
+    calls the real one."""
+    sent = 0
+    transmit = session._transmit
+
+    def counting(*args: Any) -> None:
+        nonlocal sent
+        sent += 1
+        transmit(*args)
+
+    session._transmit = counting  # type: ignore[method-assign]
+    return lambda: sent
+
+
+async def test_many_retained_messages_go_out_in_batches_between_other_work(
+    broker: Broker, mqtt: Listener
+) -> None:
+    """SUBSCRIBE '#' over 100,000 retained messages decoded and sent them all in one turn
+    of the event loop, holding every other client near a second. A probe task, woken each
+    turn, now sees some of them sent and some not; the subscriber still gets every one, in
+    topic order."""
+    total = 4 * RETAINED_BATCH
+    topics = [f"many/{i:05d}" for i in range(total)]
+    stored = [broker.retained.put(Message(t, b"v", retain=True)) for t in topics]
+    assert all(await asyncio.gather(*stored))
+    sub = await asyncio.to_thread(Client, mqtt.port, V5, "many-sub")
+    sent = transmits(mqtt.registry.sessions["many-sub"])
+    seen: list[int] = []
+
+    async def probe() -> None:
+        while True:
+            seen.append(sent())
+            await asyncio.sleep(0)
+
+    probing = asyncio.create_task(probe())
+
+    def subscribe() -> list[str]:
+        try:
+            sub.subscribe("many/#", 0)
+            return [message.topic for message in sub.receive(total)]
+        finally:
+            sub.close()
+
+    try:
+        assert await asyncio.to_thread(subscribe) == topics
+    finally:
+        probing.cancel()
+    assert sent() == total
+    assert any(0 < count < total for count in seen), sorted(set(seen))
+
+
+SLOW_PAYLOAD = b"p" * 16384
+
+
+async def stuck_subscriber(
+    broker: Broker, mqtt: Listener, client_id: str, keep_alive: int = 0
+) -> tuple[Raw, Session, list[str], Callable[[], int]]:
+    """A client with a small receive buffer that subscribes to `slow/#` over 32 MiB of
+    retained messages and reads nothing for now: its SUBSCRIBE waits for its socket. The
+    topics in order, and how many messages went to it."""
+    topics = [f"slow/{i:05d}" for i in range(8 * RETAINED_BATCH)]
+    stored = [broker.retained.put(Message(t, SLOW_PAYLOAD, retain=True)) for t in topics]
+    assert all(await asyncio.gather(*stored))
+    raw = await Raw.open(mqtt.port, 5, rcvbuf=4096)
+    await raw.send(Connect(protocol_level=5, client_id=client_id, keep_alive=keep_alive))
+    assert isinstance(await raw.recv(), Connack)
+    session = mqtt.registry.sessions[client_id]
+    sent = transmits(session)
+    await raw.send(Subscribe(1, [("slow/#", SubscriptionOptions(qos=0))]))
+    await wait_for(lambda: not session.link.writable)
+    return raw, session, topics, sent
+
+
+async def test_retained_messages_for_a_client_not_reading_wait_for_its_socket(
+    broker: Broker, mqtt: Listener
+) -> None:
+    """32 MiB of retained messages for a client that reads nothing for now: sent all at
+    once they sat in the node's memory, and sent batch by batch without waiting they
+    passed the buffer cap that drops a client as one not reading. The batches wait while
+    its socket is backed up; once it reads, it gets every one, in topic order."""
+    raw, _, topics, sent = await stuck_subscriber(broker, mqtt, "slow-sub")
+    try:
+        await asyncio.sleep(0.3)  # while the client reads nothing, no more goes
+        assert sent() < len(topics)
+        got: list[str] = []
+        while len(got) < len(topics):
+            packet = await raw.recv()
+            if isinstance(packet, Publish):
+                assert packet.payload == SLOW_PAYLOAD
+                got.append(packet.topic)
+        assert got == topics
+    finally:
+        raw.close()
+
+
+async def test_a_client_reading_nothing_while_retained_messages_wait_is_dropped_by_keep_alive(
+    broker: Broker, mqtt: Listener
+) -> None:
+    """Keep alive 1 s: the SUBSCRIBE waiting for the socket kept the reading paused as
+    'busy', which the keep alive takes for a pause of ours, and the client was never
+    dropped (MQTT-3.1.2-22), nor its will sent."""
+    raw, session, _, _ = await stuck_subscriber(broker, mqtt, "ka-stuck", keep_alive=1)
+    try:
+        await wait_for(lambda: session.closing, 6)
+    finally:
+        raw.close()
+
+
+async def test_live_messages_at_the_gate_of_a_client_not_reading_are_bounded(
+    broker: Broker, mqtt: Listener
+) -> None:
+    """While the retained messages wait for the socket, live QoS 0 ones of the filter
+    wait at the gate: they grew there without bound. Past MAX_WAITING the oldest is
+    dropped and counted; once the client reads, the newest is still its last word."""
+    raw, session, topics, _ = await stuck_subscriber(broker, mqtt, "gate-stuck")
+    dropped = broker.counters.get("mqtt_qos0_dropped", 0)
+    try:
+        for i in range(MAX_WAITING + 200):
+            await broker.publish(Message(destination="slow/live", payload=b"%d" % i))
+        assert session._gate is not None and len(session._gate) == MAX_WAITING
+        assert broker.counters["mqtt_qos0_dropped"] - dropped == 200
+        got: list[Publish] = []
+        while len(got) < len(topics) + MAX_WAITING:
+            packet = await raw.recv()
+            if isinstance(packet, Publish):
+                got.append(packet)
+        assert [p.topic for p in got[: len(topics)]] == topics
+        live = [int(p.payload) for p in got[len(topics) :]]
+        assert live == list(range(200, MAX_WAITING + 200))
+    finally:
+        raw.close()
+
+
+async def publishes_until_quiet(raw: Raw, quiet: float = 2.0) -> list[Publish]:
+    """Every PUBLISH until `quiet` seconds pass without one; each QoS 1 one acked."""
+    got: list[Publish] = []
+    while True:
+        try:
+            packet = await raw.recv(quiet)
+        except TimeoutError:
+            return got
+        if isinstance(packet, Publish):
+            got.append(packet)
+            if packet.qos == 1:
+                await raw.send(Puback(packet.packet_id))
+
+
+@pytest.mark.parametrize("how", ["takeover", "reset"])
+async def test_qos1_retained_messages_not_yet_sent_wait_for_the_next_connection(
+    broker: Broker, mqtt: Listener, how: str
+) -> None:
+    """A persistent session's connection ended while its SUBSCRIBE's retained messages
+    waited for the socket: those not yet read from the store were dropped, uncounted,
+    though messages pending transmission are session state (MQTT 3.1.1 §4.1)."""
+    topics = [f"keep/{i:05d}" for i in range(750)]
+    payload = b"q" * 32768
+    stored = [
+        broker.retained.put(Message(t, payload, retain=True, persistent=True)) for t in topics
+    ]
+    assert all(await asyncio.gather(*stored))
+    old = await Raw.open(mqtt.port, 4, rcvbuf=4096)
+    connect = Connect(protocol_level=4, client_id="dev-1", clean_start=False, keep_alive=0)
+    await old.send(connect)
+    assert isinstance(await old.recv(), Connack)
+    session = mqtt.registry.sessions["dev-1"]
+    await old.send(Subscribe(1, [("keep/#", SubscriptionOptions(qos=1))]))
+    await wait_for(lambda: not session.link.writable)
+    if how == "reset":
+        old.writer.transport.abort()
+        await wait_for(lambda: session.detached.done())
+    new = await Raw.open(mqtt.port, 4)
+    try:
+        await new.send(connect)
+        ack = await new.recv()
+        assert isinstance(ack, Connack) and ack.session_present
+        got = {p.topic for p in await publishes_until_quiet(new)}
+        assert sorted(got) == topics
+    finally:
+        new.close()
+        old.close()
+
+
+async def test_a_client_reading_slowly_is_not_dropped_as_one_not_reading(
+    broker: Broker, mqtt: Listener
+) -> None:
+    """The wait for the socket looked before the batch just sent was written: the next
+    batch went too, and a live message after them found the buffer past the cap set when
+    the first one backed up. A client reading 3 MB/s was dropped as not reading."""
+    payload = b"b" * 65536
+    stored = [
+        broker.retained.put(Message(f"cfg/{i:05d}", payload, retain=True)) for i in range(500)
+    ]
+    assert all(await asyncio.gather(*stored))
+    raw = await Raw.open(mqtt.port, 4, rcvbuf=65536)
+    await raw.send(Connect(protocol_level=4, client_id="slow-reader", keep_alive=0))
+    assert isinstance(await raw.recv(), Connack)
+    session = mqtt.registry.sessions["slow-reader"]
+    await raw.send(Subscribe(1, [("tick/now", SubscriptionOptions(qos=0))]))
+    assert isinstance(await raw.recv(), Suback)
+    received = 0
+
+    async def read_slowly() -> None:
+        nonlocal received
+        while data := await raw.reader.read(65536):
+            received += len(data)
+            await asyncio.sleep(0.02)
+
+    async def tick() -> None:
+        while True:
+            await broker.publish(Message(destination="tick/now", payload=b"t"))
+            await asyncio.sleep(0.1)
+
+    tasks = [asyncio.create_task(read_slowly()), asyncio.create_task(tick())]
+    try:
+        await raw.send(Subscribe(2, [("cfg/#", SubscriptionOptions(qos=0))]))
+        await wait_for(lambda: received > 8 * 1024 * 1024 or session.closing, 10)
+        assert not session.closing and not tasks[0].done()
+    finally:
+        for task in tasks:
+            task.cancel()
+        raw.close()
+
+
+async def test_the_gate_drops_a_message_a_newer_one_of_its_topic_follows(
+    broker: Broker, mqtt: Listener
+) -> None:
+    """The gate's cap dropped its oldest message: the only live value of a topic, whose
+    older retained value then stayed the client's last word on it."""
+    raw, _, topics, _ = await stuck_subscriber(broker, mqtt, "gate-last-word")
+    try:
+        await broker.publish(Message(destination="slow/00100", payload=b"new", retain=True))
+        for i in range(MAX_WAITING):
+            await broker.publish(Message(destination="slow/live", payload=b"%d" % i))
+        last: dict[str, bytes] = {}
+        for packet in await publishes_until_quiet(raw):
+            last[packet.topic] = packet.payload
+        assert last["slow/00100"] == b"new"
+        assert last["slow/live"] == b"%d" % (MAX_WAITING - 1)
+        assert set(last) == {*topics, "slow/live"}
+    finally:
+        raw.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -87,10 +88,11 @@ async def test_an_overlapping_subscribe_keeps_an_older_subscriptions_live_messag
     assert isinstance(await raw.recv(), Suback)
     matching = broker.retained.matching
 
-    async def traffic_meanwhile(pattern: str, syntax: str = "mqtt") -> list[Message]:
+    async def traffic_meanwhile(pattern: str, syntax: str = "mqtt") -> AsyncIterator[list[Message]]:
         await broker.publish(Message(destination="pa/b", payload=b"live-1"))
         await broker.publish(Message(destination="pa/b", payload=b"state-2", retain=True))
-        return await matching(pattern, syntax)
+        async for batch in matching(pattern, syntax):
+            yield batch
 
     monkeypatch.setattr(broker.retained, "matching", traffic_meanwhile)
     ids = Properties(subscription_identifiers=[2])
@@ -113,9 +115,10 @@ async def test_a_slow_subscribe_holds_no_other_subscriptions_messages(
     assert isinstance(await raw.recv(), Suback)
     matching = broker.retained.matching
 
-    async def slow(pattern: str, syntax: str = "mqtt") -> list[Message]:
+    async def slow(pattern: str, syntax: str = "mqtt") -> AsyncIterator[list[Message]]:
         await asyncio.sleep(3)
-        return await matching(pattern, syntax)
+        async for batch in matching(pattern, syntax):
+            yield batch
 
     monkeypatch.setattr(broker.retained, "matching", slow)
     await raw.send(Subscribe(2, [("unrelated/#", SubscriptionOptions(qos=0))]))

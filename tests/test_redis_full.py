@@ -25,7 +25,7 @@ from protocols.amqp.listener import Listener as AmqpListener
 from protocols.mqtt.listener import Listener as MqttListener
 from tests.processes import Proc, serve_argv
 from tests.test_amqp_clients import TIMEOUT, send_outcome, url
-from tests.test_engine import wait_for
+from tests.test_engine import retained_matching, wait_for
 from tests.test_mqtt_paho import V5, V311, Client
 from tests.test_spool_quota import eventually
 
@@ -94,10 +94,10 @@ async def test_a_retained_message_no_queue_takes_is_refused_when_full(
     assert await broker.publish(retained(b"old")) is Outcome.NO_SUBSCRIBERS
     await fill(admin)
     assert await broker.publish(retained(b"new")) is Outcome.OUT_OF_MEMORY
-    assert [m.payload for m in await broker.retained.matching("full/r")] == [b"old"]
+    assert [m.payload for m in await retained_matching(broker, "full/r")] == [b"old"]
     assert broker.spooler.refused == {"out_of_memory": 1}
     assert await broker.publish(retained(b"")) is Outcome.NO_SUBSCRIBERS  # clearing frees memory
-    assert await broker.retained.matching("full/r") == []
+    assert await retained_matching(broker, "full/r") == []
 
 
 async def test_a_queued_message_is_retained_on_a_full_redis(
@@ -108,7 +108,7 @@ async def test_a_queued_message_is_retained_on_a_full_redis(
     await fill(admin)
     assert await broker.retained.put(Message(destination="full/q", payload=b"q", retain=True), True)
     assert not await broker.retained.put(Message(destination="full/n", payload=b"n", retain=True))
-    assert [m.payload for m in await broker.retained.matching("full/#")] == [b"q"]
+    assert [m.payload for m in await retained_matching(broker, "full/#")] == [b"q"]
 
 
 async def test_a_node_starts_on_a_full_redis(redis_url: str, admin: aioredis.Redis) -> None:

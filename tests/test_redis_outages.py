@@ -39,7 +39,7 @@ from protocols.mqtt.listener import start
 from tests.amqp_raw import DETACH, Peer
 from tests.conftest import RedisServer, admin_of, running_node
 from tests.redis_proxy import CuttingProxy
-from tests.test_engine import second_node, to_queue, wait_for  # noqa: F401
+from tests.test_engine import retained_matching, second_node, to_queue, wait_for  # noqa: F401
 from tests.test_mqtt_protocol import Raw, settings
 
 
@@ -462,7 +462,7 @@ async def test_a_retained_message_whose_spool_answers_late_is_not_stored_over_a_
     second = Message(destination="t", payload=b"new", retain=True, user_properties=[("n", 2)])
     outcomes = await asyncio.gather(node.publish_nowait(first), node.publish_nowait(second))
     assert outcomes == [Outcome.OK, Outcome.NO_SUBSCRIBERS]
-    assert [m.payload for m in await node.retained.matching("t")] == [b"new"]
+    assert [m.payload for m in await retained_matching(node, "t")] == [b"new"]
     assert not node._retaining  # nothing left behind once stored
 
 

@@ -9,8 +9,10 @@ channel, so a reconnect elsewhere takes the session over.
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
+from collections.abc import AsyncIterator
 
 import redis.asyncio as aioredis
 from redis.exceptions import OutOfMemoryError
@@ -19,6 +21,10 @@ from gateway.engine import keys
 from gateway.model import Message, SpoolMark, decode, encode
 from gateway.topics import literal_prefix, pattern_matcher
 
+# retained messages decoded (and sent) between turns of the event loop: this many, or
+# those that reach this size (250 of 2 MiB were half a GiB at once in a client's buffer)
+RETAINED_BATCH = 250
+RETAINED_BATCH_BYTES = 1024 * 1024
 _GLOB_SPECIAL = re.compile(r"[\\*?\[\]]")  # what a Redis MATCH pattern would read as a wildcard
 
 
@@ -157,13 +163,15 @@ class RetainedStore:
             return False
         return True
 
-    async def matching(self, pattern: str, syntax: str = "mqtt") -> list[Message]:
-        """Retained messages whose topic matches `pattern`, in topic order. A filter without
-        wildcards names one topic: one call, not a scan of every retained message (devices
-        that each subscribe to their own topics, with a retained message per device). A
-        filter with a literal start ("site/7/+/temp") has Redis send only the topics with
-        that start, not every retained message. A topic with held messages is read again
-        at one instant (gw_retained): one may have fallen due since its value was read."""
+    async def matching(self, pattern: str, syntax: str = "mqtt") -> AsyncIterator[list[Message]]:
+        """Retained messages whose topic matches `pattern`, in topic order, in batches
+        (RETAINED_BATCH): decoding and sending 100,000 of them in one go held the node's
+        event loop near a second. A filter without wildcards names one topic: one call,
+        not a scan of every retained message (devices that each subscribe to their own
+        topics, with a retained message per device). A filter with a literal start
+        ("site/7/+/temp") has Redis send only the topics with that start, not every
+        retained message. A topic with held messages is read again at one instant
+        (gw_retained): one may have fallen due since its value was read."""
         prefix, exact = literal_prefix(pattern, syntax)
         if exact:
             values = {pattern: await self._value(pattern)}
@@ -186,9 +194,10 @@ class RetainedStore:
             for name in held:
                 values[name] = await self._value(name)
         now_ms = time.time() * 1000
-        found = []
+        found: list[Message] = []
+        size = 0
         for topic in sorted(values):
-            blob = values[topic]
+            blob = values.pop(topic)
             if not blob:
                 continue
             msg = decode(blob)
@@ -198,7 +207,13 @@ class RetainedStore:
             # one stored held before held messages waited apart: not shown before it is due
             elif msg.not_before is None or msg.not_before <= now_ms:
                 found.append(msg)
-        return found
+                size += len(blob)
+                if len(found) == RETAINED_BATCH or size >= RETAINED_BATCH_BYTES:
+                    yield found
+                    found, size = [], 0
+                    await asyncio.sleep(0)  # the loop's other work goes between batches
+        if found:
+            yield found
 
     async def _value(self, topic: str) -> bytes | None:
         names = (keys.retained, keys.retained_held_topics, keys.retained_held(topic))

@@ -247,6 +247,7 @@ class Session:
         # in the client's receive maximum (message, qos, subscription ids)
         self._retained_out = 0
         self._retained_waiting: deque[tuple[Message, int, list[int]]] = deque()
+        self._drained: asyncio.Future[None] | None = None  # retained ones wait for the socket
         # packet id -> a message in flight that no queue of the session keeps for a resend,
         # and its subscription ids: a retained one, or a shared group's QoS 2 one (only this
         # client may get it, §4.8.2)
@@ -886,8 +887,13 @@ class Session:
             self._sent_direct[msg.id] = None
             if len(self._sent_direct) > MAX_SENT_DIRECT:
                 del self._sent_direct[next(iter(self._sent_direct))]
-        if self._gate is not None and self._gated(msg.destination):
-            self._gate.append((msg, queue, entry_id, qos, dup, retain, sub_ids))
+        gate = self._gate
+        if gate is not None and self._gated(msg.destination):
+            full = queue is None and len(gate) >= MAX_WAITING
+            if full and not self._dropped_at_gate(gate, msg.destination):
+                self.registry.count("qos0_dropped")  # none older to drop: this one goes
+                return
+            gate.append((msg, queue, entry_id, qos, dup, retain, sub_ids))
             return
         self._send_or_hold(msg, queue, entry_id, qos, dup, retain, sub_ids)
 
@@ -901,6 +907,28 @@ class Session:
         if not self.topics.may_receive(msg.destination):  # the topic ACL denies it now
             return None
         return (qos, *route[1:]) if route is not None else (qos, False, [])
+
+    def _dropped_at_gate(self, gate: list[tuple[Any, ...]], topic: str) -> bool:
+        """Drop a direct (QoS 0) message at the gate, if one is there: while the retained
+        messages wait for a client that reads slowly, or not at all, the live ones must
+        not grow in the node's memory (a flow's are bounded by its window). The oldest
+        one that a newer one of its topic follows goes (the one arriving on `topic`
+        counts), so that the client's last word on that topic is still its newest value;
+        else the oldest."""
+        later = {topic}
+        at = None
+        for i in range(len(gate) - 1, -1, -1):
+            waiting = gate[i]
+            if waiting[1] is None and waiting[0].destination in later:
+                at = i
+            later.add(waiting[0].destination)
+        if at is None:
+            at = next((i for i, waiting in enumerate(gate) if waiting[1] is None), None)
+            if at is None:
+                return False
+        del gate[at]
+        self.registry.count("qos0_dropped")
+        return True
 
     def _gated(self, topic: str) -> bool:
         """Whether a delivery on `topic` waits at the gate: one of the filters the SUBSCRIBE
@@ -1243,6 +1271,12 @@ class Session:
     def writable_changed(self) -> None:
         """The socket backed up, or drained: the flows' windows shut, or open again."""
         self._resize_windows()
+        if self.link.writable:
+            self._wake_drained()
+
+    def _wake_drained(self) -> None:
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
 
     def _resize_windows(self) -> None:
         if self.closing:  # they stay shut (see _closing)
@@ -1329,6 +1363,8 @@ class Session:
         await self.registry.save(self)
         self._send(Suback(p.packet_id, codes))
         for pattern, options in retained:
+            if self.closing and not state.persistent:  # none of them would go
+                return
             await self._send_retained(pattern, options)
 
     async def _subscribe(
@@ -1407,26 +1443,56 @@ class Session:
             raise BindError("not_found", f"shared queue {queue!r} is gone")
 
     async def _send_retained(self, pattern: str, options: SubscriptionOptions) -> None:
-        """The retained messages for a new subscription, flagged RETAIN=1."""
+        """The retained messages for a new subscription, flagged RETAIN=1. Once the
+        connection ends, a persistent session's QoS 1/2 ones still wait for room, and
+        are stored for its next connection with those that waited before."""
         state = self.state
         assert state is not None
         sub_id = state.subscription_ids.get(pattern)
-        for msg in await self.broker.retained.matching(pattern, MQTT):
-            if self.closing:
-                return
-            if not self.topics.may_receive(msg.destination):
-                continue
-            self._pass_over_older(msg)
-            qos = min(mapping.message_qos(msg), options.qos)
-            sub_ids = [] if sub_id is None else [sub_id]
-            if qos:
-                if len(self._retained_waiting) >= MAX_WAITING:
-                    self.registry.count("retained_dropped")
-                    continue
-                self._retained_waiting.append((msg, qos, sub_ids))
-            else:
+        sent = False  # a batch waits for the socket to drain; the last one's ends the SUBSCRIBE
+        async with contextlib.aclosing(self.broker.retained.matching(pattern, MQTT)) as batches:
+            async for batch in batches:  # the event loop's other work goes between them
+                if sent:
+                    await self._until_writable()
+                for msg in batch:
+                    if self.closing and not state.persistent:
+                        return
+                    if self.topics.may_receive(msg.destination):
+                        self._offer_retained(
+                            msg, min(mapping.message_qos(msg), options.qos), sub_id
+                        )
+                self._send_retained_waiting()
+                sent = True
+
+    async def _until_writable(self) -> None:
+        """Until the socket's buffer drained below its high-water mark, or the session
+        closes: a slow reader's retained messages wait as stored, not encoded in its
+        buffer, which would pass the cap that drops a client as one not reading. The
+        reading it pauses is paused for the writing alone meanwhile: the keep alive then
+        drops a client that takes none of its output (a pause while busy counts as ours)."""
+        await asyncio.sleep(0)  # the batch just sent is written (the link writes once a turn)
+        if self.link.writable or self.closing:
+            return
+        self.link.resume_input("busy")  # reading stays paused: the writing pauses it too
+        try:
+            while not self.link.writable and not self.closing:
+                self._drained = self.loop.create_future()
+                await self._drained
+        finally:
+            self.link.pause_input("busy")
+
+    def _offer_retained(self, msg: Message, qos: int, sub_id: int | None) -> None:
+        """A QoS 0 one goes now (not once the connection ended), a QoS 1/2 one once the
+        client's receive maximum has room."""
+        self._pass_over_older(msg)
+        sub_ids = [] if sub_id is None else [sub_id]
+        if not qos:
+            if not self.closing:
                 self._transmit(msg, None, None, 0, False, True, sub_ids)
-        self._send_retained_waiting()
+        elif len(self._retained_waiting) < MAX_WAITING:
+            self._retained_waiting.append((msg, qos, sub_ids))
+        else:
+            self.registry.count("retained_dropped")
 
     def _pass_over_older(self, retained: Message) -> None:
         """A retained message read while its QoS 0 live copy waits at the gate: that copy
@@ -1586,6 +1652,7 @@ class Session:
         self.closing = True
         for flow in self._flows.values():
             flow.set_window(0)
+        self._wake_drained()
 
     async def _teardown(self) -> None:
         try:
