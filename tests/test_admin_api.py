@@ -729,6 +729,70 @@ async def test_list_and_metrics_over_more_queues_than_one_read_takes(
     assert 'gateway_queue_messages{queue="zparts"} 1' in depths
 
 
+def next_page(reply: Reply) -> str | None:
+    """The path the Link header names as the next page of a list, if any."""
+    link = reply.headers.get("Link")
+    if link is None:
+        return None
+    match = re.fullmatch(r'<(/api/v1/queues\?[^>]*)>; rel="next"', link)
+    assert match, link
+    return match.group(1)
+
+
+async def test_the_queue_list_pages_by_name_and_links_the_next_page(
+    admin: Admin, broker: Broker
+) -> None:
+    """?limit pages the list, in name order; each page but the last links the next, its
+    `after` naming the page's last queue as one query value (a '+', '/', '=', '%' or '#'
+    in it)."""
+    names = sorted(["a+b", "c/d", "e#f", "h=i", "p%25", "z", *(f"q{i}" for i in range(3))])
+    for name in names:
+        await broker.declare_queue(QueueConfig(name=name))
+    assert (await admin.publish("h=i", "m")).status == 200
+    pages: list[list[dict]] = []
+    path: str | None = "/api/v1/queues?limit=2"
+    while path is not None:
+        reply = await admin.get(path)
+        assert reply.status == 200, reply
+        pages.append(reply.body)
+        path = next_page(reply)
+    assert [len(page) for page in pages] == [2, 2, 2, 2, 1]
+    assert [row["name"] for page in pages for row in page] == names
+    assert next(row for page in pages for row in page if row["name"] == "h=i")["messages"] == 1
+    whole = await admin.get("/api/v1/queues?limit=9")  # all on one page: no link
+    assert [row["name"] for row in whole.body] == names and next_page(whole) is None
+    after = await admin.get("/api/v1/queues?after=g")  # not a queue: those after it
+    assert [row["name"] for row in after.body] == names[names.index("h=i") :]
+    assert next_page(after) is None
+    for bad in ("0", "-1", "x", "1.5", "\u00b2", "10001", "", "9" * 5000):
+        reply = await admin.get(f"/api/v1/queues?limit={quote(bad)}")
+        assert reply.status == 400 and "limit" in reply.error, (bad, reply)
+
+
+async def test_a_queue_deleted_while_a_page_is_read_leaves_the_page_full_and_linked(
+    admin: Admin, broker: Broker
+) -> None:
+    """Another client deletes a queue between the page's read of the names and of the
+    queues: the operator's page held one queue less and no Link, so a program following
+    the links took the list for ended. (The names are read as always, then one queue
+    is deleted in Redis.)"""
+    names = [f"q{i}" for i in range(6)]
+    for name in names:
+        await broker.declare_queue(QueueConfig(name=name))
+    read_names = broker.queues.names
+
+    async def names_then_a_deletion() -> list[str]:
+        found = await read_names()
+        broker.queues.names = read_names  # type: ignore[method-assign]
+        await broker.delete_queue("q1")
+        return found
+
+    broker.queues.names = names_then_a_deletion  # type: ignore[method-assign]
+    first = await admin.get("/api/v1/queues?limit=3")
+    assert [row["name"] for row in first.body] == ["q0", "q2", "q3"]
+    assert next_page(first) == "/api/v1/queues?limit=3&after=q3"
+
+
 async def test_a_partitioned_queue_deleted_while_queues_are_listed_is_left_out(
     broker: Broker,
 ) -> None:

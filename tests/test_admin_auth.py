@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import http.client
 import json
 import logging
@@ -22,6 +23,7 @@ from gateway.admin.auth import AdminAuth, is_loopback
 from gateway.admin.http import HttpError, HttpServer
 from gateway.broker import Broker
 from gateway.config import ConfigError, User, load_settings
+from gateway.engine.queues import QueueConfig
 
 USERS = [User("root", "root-pw", admin=True), User("alice", "a-pw"), User("bob", "b-pw")]
 
@@ -118,6 +120,56 @@ async def test_any_user_may_list_show_and_scrape(port: int) -> None:
     assert (await bob.call("GET", q("shown"))).body["name"] == "shown"
     metrics = await bob.call("GET", "/metrics")
     assert metrics.status == 200 and b"gateway_" in metrics.body
+
+
+async def test_a_users_pages_of_the_queue_list_hold_and_name_only_what_it_sees(
+    port: int,
+) -> None:
+    """Pages are filled with the queues the user may browse; their Link names the last of
+    those (a hidden name told its owner's client id), and no link follows a page when only
+    hidden queues are left."""
+    alice = Client(port, basic("alice", "a-pw"))
+    bob = Client(port, basic("bob", "b-pw"))
+    hidden = {"k2", "k3", "k6"}
+    for name in ("k1", "k2", "k3", "k4", "k5", "k6"):
+        body = {"name": name, "permission": "none" if name in hidden else "read-only"}
+        assert (await alice.call("POST", "/api/v1/queues", body)).status == 201
+    first = await bob.call("GET", "/api/v1/queues?limit=2")
+    assert [x["name"] for x in first.body] == ["k1", "k4"]
+    assert first.headers["Link"] == '</api/v1/queues?limit=2&after=k4>; rel="next"'
+    second = await bob.call("GET", "/api/v1/queues?limit=2&after=k4")
+    assert [x["name"] for x in second.body] == ["k5"] and "Link" not in second.headers
+    mine = await alice.call("GET", "/api/v1/queues?limit=5")
+    assert [x["name"] for x in mine.body] == ["k1", "k2", "k3", "k4", "k5"]
+    assert mine.headers["Link"] == '</api/v1/queues?limit=5&after=k5>; rel="next"'
+
+
+async def test_a_users_page_reads_the_queues_it_may_not_see_a_batch_a_round_trip(
+    port: int, broker: Broker
+) -> None:
+    """A user's page among 1,000 priority queues it may not see read each one's whole info,
+    one round trip a queue (its levels' counters), to drop it. (The pipelines the page
+    makes are counted as they go to Redis.)"""
+    private = QueueConfig("a", owner="alice", permission="none", priorities=True)
+    hidden = [dataclasses.replace(private, name=f"a{i:04d}") for i in range(1000)]
+    for start in range(0, len(hidden), 200):
+        await asyncio.gather(*(broker.queues.create(c) for c in hidden[start : start + 200]))
+    await broker.queues.create(QueueConfig("zz", owner="alice", permission="read-only"))
+    pipelines = 0
+    pipeline = broker.redis.pipeline
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal pipelines
+        pipelines += 1
+        return pipeline(*args, **kwargs)
+
+    broker.redis.pipeline = counted  # type: ignore[method-assign]
+    try:
+        page = await Client(port, basic("bob", "b-pw")).call("GET", "/api/v1/queues?limit=1")
+    finally:
+        broker.redis.pipeline = pipeline  # type: ignore[method-assign]
+    assert [x["name"] for x in page.body] == ["zz"] and "Link" not in page.headers
+    assert pipelines <= 4, pipelines  # the configs, 500 a trip, then the info of one
 
 
 async def test_admin_user_is_the_operator(port: int) -> None:

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import bisect
 import contextlib
 import logging
 import math
 from collections.abc import Collection, Iterable
 from typing import Any
+from urllib.parse import quote
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
@@ -33,7 +35,13 @@ from gateway.admin.metrics import hide_queues, render_metrics
 from gateway.broker import BindError, Broker
 from gateway.config import AclRule, User
 from gateway.engine.permissions import BROWSE, allowed
-from gateway.engine.queues import QueueConfig, QueueError, subscription_queue
+from gateway.engine.queues import (
+    INFO_BATCH,
+    QueueConfig,
+    QueueError,
+    QueueInfo,
+    subscription_queue,
+)
 from gateway.engine.spool_usage import read_usage
 from gateway.model import Delivery, Message, Outcome, Publisher
 from gateway.topics import TopicError, reaches_temporary_topics, validate_topic
@@ -69,6 +77,8 @@ MESSAGE_FIELDS = (
     "user_properties",
 )
 GET_FIELDS = ("count", "timeout_ms", "browse", "ackmode")
+LIST_FIELDS = ("limit", "after")  # paging the queue list
+MAX_LIST = 10_000  # queues a page of the list holds at most
 SUBSCRIPTION_FIELDS = ("pattern", "syntax")
 # The methods each resource answers, by path ("*": any one segment). Another method gets a
 # 405 that names them in its Allow header (RFC 9110 §15.5.6); another path, a 404.
@@ -170,7 +180,12 @@ class AdminApi:
         unsubscribing = len(rest) == 3 and rest[2] == "subscriptions" and m == "DELETE"
         # a parameter no route reads would be ignored: DELETE ...?if-empty=true deleted
         # the queue with its messages
-        _known(req.query, ("pattern", "syntax") if unsubscribing else (), "query")
+        listing = rest == ["queues"] and m == "GET"
+        _known(
+            req.query,
+            ("pattern", "syntax") if unsubscribing else LIST_FIELDS if listing else (),
+            "query",
+        )
         if m in ("GET", "DELETE") and req.body:  # no route reads one: DELETE {"if_empty":
             # true} deleted the queue with its messages
             _known(_object(req), (), m)
@@ -184,7 +199,7 @@ class AdminApi:
             return Response.json(report.to_json())
         if rest == ["queues"]:
             if m == "GET":
-                return Response.json(await self._list_queues(user))
+                return await self._list_queues(req.query, user)
             if m == "POST":
                 return await self._create_queue(_object(req), user)
         if len(rest) >= 2 and rest[0] == "queues" and user is not None and rest[2:] != ["messages"]:
@@ -241,22 +256,49 @@ class AdminApi:
             if not _visible(i.config, user)
         }
 
-    async def _list_queues(self, user: str | None) -> list[dict[str, Any]]:
-        out = []
-        async for info in self.broker.queues.infos(await self.broker.queues.names()):
-            if not _visible(info.config, user):
-                continue
-            out.append(
-                {
-                    "name": info.config.name,
-                    "access_type": info.config.access_type,
-                    "durable": info.config.durable,
-                    "messages": info.messages,
-                    "spooled_bytes": info.spooled_bytes,
-                    "flows": len(info.flows),
-                }
-            )
-        return out
+    async def _list_queues(self, query: dict[str, str], user: str | None) -> Response:
+        """Queues in name order; `?limit=N` pages them, `after=` the last name of the page
+        before. A page that has more after it links the next (RFC 8288, as GitHub's API
+        does): the whole list of 16,000 queues took 1.3 s, in one body."""
+        limit = _query_int(query, "limit", 1, MAX_LIST) if "limit" in query else None
+        names = await self.broker.queues.names()
+        if "after" in query:
+            names = names[bisect.bisect_right(names, query["after"]) :]
+        out: list[dict[str, Any]] = []
+        read = 0
+        while read < len(names):
+            # the page and one more tell of a next page, read again for those deleted
+            # meanwhile; a user's are the queues it may see, by their owners and permissions
+            wanted = len(names) if limit is None else limit + 1 - len(out)
+            if user is None:
+                chunk = names[read : read + wanted]
+                read += len(chunk)
+            else:
+                chunk, read = await self._visible_names(names, read, wanted, user)
+            async with contextlib.aclosing(self.broker.queues.infos(chunk)) as infos:
+                async for info in infos:
+                    if not _visible(info.config, user):  # changed since
+                        continue
+                    if len(out) == limit:
+                        link = _next_page(limit, out[-1])
+                        return Response.json(out, headers=[("Link", link)])
+                    out.append(_listed(info))
+        return Response.json(out)
+
+    async def _visible_names(
+        self, names: list[str], start: int, wanted: int, user: str
+    ) -> tuple[list[str], int]:
+        """At least `wanted` of names[start:] that `user` may see (or all there are), and
+        where the read stopped, by their owners and permissions alone: a user's page
+        among 16,000 queues it may not see read each one's whole info (a priority or
+        partitioned one's in a round trip of its own) to drop it, 0.7 s for a page of one."""
+        found: list[str] = []
+        while start < len(names) and len(found) < wanted:
+            batch = names[start : start + INFO_BATCH]
+            start += len(batch)
+            access = await self.broker.queues.access(batch)
+            found += [name for name, *level in access if allowed(*level, user, BROWSE)]
+        return found, start
 
     async def _create_queue(self, body: dict[str, Any], user: str | None) -> Response:
         subs = _subscriptions(body.get("subscriptions", []))
@@ -425,6 +467,32 @@ def _known(body: dict[str, Any], fields: Collection[str], what: str) -> None:
     unknown = sorted(set(body) - set(fields))
     if unknown:
         raise HttpError(400, f"unknown {what} fields: {', '.join(unknown)}")
+
+
+def _listed(info: QueueInfo) -> dict[str, Any]:
+    """A queue as the list shows it."""
+    return {
+        "name": info.config.name,
+        "access_type": info.config.access_type,
+        "durable": info.config.durable,
+        "messages": info.messages,
+        "spooled_bytes": info.spooled_bytes,
+        "flows": len(info.flows),
+    }
+
+
+def _query_int(query: dict[str, str], key: str, lo: int, hi: int) -> int:
+    value = query[key]
+    digits = value.isascii() and value.isdigit() and len(value) <= len(str(hi))
+    if not digits or not lo <= int(value) <= hi:  # (int() refuses over 4,300 digits)
+        raise HttpError(400, f"{key} must be an integer from {lo} to {hi}")
+    return int(value)
+
+
+def _next_page(limit: int, last: dict[str, Any]) -> str:
+    """The Link header of a page of queues that has more after it."""
+    after = quote(last["name"], safe="")
+    return f'</api/v1/queues?limit={limit}&after={after}>; rel="next"'
 
 
 def _int(body: dict[str, Any], key: str, default: int, lo: int, hi: int) -> int:

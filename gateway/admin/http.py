@@ -71,9 +71,11 @@ class Response:
     headers: list[tuple[str, str]] = field(default_factory=list)
 
     @classmethod
-    def json(cls, data: object, status: int = 200) -> Response:
+    def json(
+        cls, data: object, status: int = 200, headers: list[tuple[str, str]] | None = None
+    ) -> Response:
         body = json.dumps(data, indent=1, default=str).encode() + b"\n"
-        return cls(status, body, [("Content-Type", "application/json")])
+        return cls(status, body, [("Content-Type", "application/json"), *(headers or [])])
 
 
 class HttpError(Exception):

@@ -20,13 +20,13 @@ import redis.asyncio as aioredis
 
 from gateway.engine import keys
 from gateway.engine.partitions import PartitionMap
-from gateway.engine.permissions import CONSUME, LEVELS, MODIFY_TOPIC, NO_ACCESS, allowed
+from gateway.engine.permissions import CONSUME, DELETE, LEVELS, MODIFY_TOPIC, NO_ACCESS, allowed
 from gateway.engine.spool_usage import DEFAULT_VPN, vpn_name_error
 from gateway.selectors import MAX_SELECTOR_BYTES, SelectorError, compile_selector
 from gateway.topics import TopicError, parse_pattern
 
 MAX_NAME_BYTES = 255
-INFO_BATCH = 500  # queues read in one round trip by Queues.infos
+INFO_BATCH = 500  # queues read in one round trip by Queues.infos (and a caller of configs)
 MAX_CONFIG_INT = 2**53 - 1  # the Redis functions count in doubles, exact up to here
 DEAD_MESSAGE_QUEUE = "#DEAD_MSG_QUEUE"
 TEMPORARY_PREFIX = "#tmp/"
@@ -193,6 +193,12 @@ def temporary_queue_name(node_id: str, prefix: str = TEMPORARY_PREFIX) -> str:
     return f"{prefix}{node_id}/{os.urandom(8).hex()}"
 
 
+def default_permission(queue: str) -> str:
+    """What other users may do on a queue created without a permission: consume, except on
+    the default dead message queue, where other users' dead messages gather."""
+    return NO_ACCESS if queue == DEAD_MESSAGE_QUEUE else CONSUME
+
+
 @dataclass(slots=True)
 class QueueConfig:
     """What a queue is; stored as its config hash. Defaults follow Solace's queue defaults."""
@@ -242,7 +248,7 @@ class QueueConfig:
 
     def __post_init__(self) -> None:
         if self.permission == "":  # not given
-            self.permission = NO_ACCESS if self.name == DEAD_MESSAGE_QUEUE else CONSUME
+            self.permission = default_permission(self.name)
 
     def validate(self, *, reserved_ok: bool = False) -> None:
         """Raise QueueError for a config this version cannot honour."""
@@ -422,7 +428,7 @@ class QueueConfig:
             priorities=h.get("priorities", "0") == "1",
             sort_key=h.get("sort_key", ""),
             subscription_selector=h.get("subscription_selector", ""),
-            permission=h.get("permission", "delete"),
+            permission=h.get("permission", DELETE),
             auto_delete=h.get("auto_delete", "0") == "1",
             owner_connection=h.get("owner_connection", ""),
             overflow=h.get("overflow", "reject"),
@@ -701,6 +707,23 @@ class QueueStore:
                 return found
             break
         raise QueueError("not_found", f"queue {name!r} does not exist")
+
+    async def access(self, names: list[str]) -> list[tuple[str, str | None, str]]:
+        """The owner and permission of each of `names` that exists, in one round trip:
+        enough to tell which queues a user may see before their info is read."""
+        pipe = self._redis.pipeline(transaction=False)
+        for name in names:  # `access` is in every queue's config (to_redis)
+            pipe.hmget(keys.queue_config(name), "access", "owner", "permission", _HIDDEN)
+        found = []
+        for name, (access, owner, permission, hidden) in zip(
+            names, await pipe.execute(), strict=True
+        ):
+            if access is not None and hidden is None:
+                # the permission as from_redis reads it, then as a config made without one
+                level = DELETE if permission is None else permission.decode()
+                owned = owner.decode() if owner else None
+                found.append((name, owned, level or default_permission(name)))
+        return found
 
     async def infos(self, names: list[str]) -> AsyncIterator[QueueInfo]:
         """The info of each of `names` that exists, INFO_BATCH queues a round trip: one
