@@ -659,3 +659,18 @@ async def test_the_queue_list_with_redis_gone_is_a_503_told_on_one_line(
             assert not [r for r in caplog.records if r.exc_info is not None]
     finally:
         server.stop(kill=True)
+
+
+async def test_an_admin_publish_whose_store_answer_was_lost_is_a_504(
+    proxy: CuttingProxy, node: Broker
+) -> None:
+    """The spool ran in Redis and its answer was lost with the connection: the message
+    may be stored, so the answer is neither "not stored" nor a plain "try again" (a 503
+    invites a retry, which would store it twice)."""
+    await node.queues.create(QueueConfig(name="doubt"))
+    async with admin_of(node) as admin:
+        proxy.cut_on = [b"gw_spool", b"maybe stored"]
+        reply = await admin.publish("doubt", "maybe stored")
+        assert reply.status == 504 and "may be stored" in reply.error, reply
+    assert proxy.ran == 1
+    assert (await node.queues.info("doubt")).messages == 1

@@ -6,6 +6,7 @@ meanwhile is told the server is unavailable, and nothing of it is an error in th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -24,6 +25,7 @@ from gateway.engine.queues import QueueConfig
 from gateway.model import Delivery, Message, Outcome
 from protocols.amqp.listener import Listener as AmqpListener
 from protocols.mqtt.listener import Listener as MqttListener
+from tests.test_admin_api import Admin
 from tests.test_amqp_clients import TIMEOUT, send_outcome, url
 from tests.test_engine import to_queue, wait_for
 from tests.test_mqtt_paho import V5, V311, Client
@@ -295,3 +297,59 @@ async def test_a_standby_whose_rebind_was_refused_binds_again(
     await holder.close()
     assert await broker.publish(to_queue("x", b"m")) is Outcome.OK
     await wait_for(lambda: len(got_s) == 1, timeout=5)
+
+
+async def test_admin_requests_redis_refuses_for_now_are_503_told_on_one_line(
+    admin: Admin, broker: Broker, read_only: ReadOnly, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A replica during a failover refuses writes (READONLY), a state that passes as the
+    engine and both protocols take it: the admin API answered 500 "internal error", with
+    a traceback for each request."""
+    assert (await admin.create("q1")).status == 201
+    await read_only(True)
+    replies = [
+        await admin.create("q2"),
+        await admin.publish("q1", "x"),
+        await admin.request("DELETE", "/api/v1/queues/q1"),
+    ]
+    for reply in replies:
+        assert reply.status == 503 and "Redis refuses for now" in reply.error, reply
+    assert not [r for r in caplog.records if r.exc_info is not None]
+
+
+@contextlib.asynccontextmanager
+async def busy_redis(redis_url: str) -> AsyncIterator[None]:
+    """Redis runs a script that loops (every other client is answered BUSY) until the
+    block ends, when SCRIPT KILL stops it."""
+    looper, killer = aioredis.Redis.from_url(redis_url), aioredis.Redis.from_url(redis_url)
+    await killer.config_set("busy-reply-threshold", 20)  # ms
+    loop = asyncio.create_task(looper.eval("while true do end", 0))
+    await asyncio.sleep(0.3)
+    try:
+        yield
+    finally:
+        for _ in range(50):
+            try:
+                await killer.script_kill()
+                break
+            except ResponseError:  # NOTBUSY: not running yet
+                await asyncio.sleep(0.05)
+        with contextlib.suppress(ResponseError):
+            await loop
+        await killer.config_set("busy-reply-threshold", 5000)
+        await looper.aclose()
+        await killer.aclose()
+
+
+async def test_an_admin_read_while_redis_runs_a_long_script_is_a_503(
+    admin: Admin, broker: Broker, redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A queue's page reads it in a pipeline, and redis-py rewrites the error a pipeline
+    raises to a template without Redis's text: the BUSY refusal was taken for a fault, a
+    500 with a traceback, while a publish (no pipeline) answered 503."""
+    assert (await admin.create("q1")).status == 201
+    async with busy_redis(redis_url):
+        replies = [await admin.publish("q1", "x"), await admin.get("/api/v1/queues/q1")]
+    for reply in replies:
+        assert reply.status == 503 and "BUSY" in reply.error, reply
+    assert not [r for r in caplog.records if r.exc_info is not None]

@@ -32,8 +32,9 @@ from gateway.acl import NO_DENIALS, TopicAccess, topic_access
 from gateway.admin.auth import AdminAuth
 from gateway.admin.http import HttpError, Request, Response
 from gateway.admin.metrics import hide_queues, render_metrics
-from gateway.broker import BindError, Broker
+from gateway.broker import BindError, Broker, InDoubt
 from gateway.config import AclRule, User
+from gateway.engine.ordered_calls import refused_for_now
 from gateway.engine.permissions import BROWSE, allowed
 from gateway.engine.queues import (
     INFO_BATCH,
@@ -144,11 +145,11 @@ class AdminApi:
             raise HttpError(exc.http_status, str(exc)) from None
         except BindError as exc:
             raise HttpError(BIND_STATUS.get(exc.code, 409), str(exc)) from None
-        except (RedisConnectionError, RedisTimeoutError) as exc:  # (a LOADING Redis too)
-            # unavailable for now (RFC 9110 §15.6.4), as the health probe says: no bug
-            reason = f"Redis does not answer: {str(exc) or type(exc).__name__}"
-            log.warning("admin request %s /%s: %s", req.method, "/".join(req.path), reason)
-            raise HttpError(503, reason) from None
+        except RedisError as exc:
+            answer = _redis_failure(req, exc)
+            if answer is None:  # a fault: told in full, as a 500
+                raise
+            raise answer from None
 
     async def _health(self) -> Response:
         """Open to all: load balancers and orchestrators probe without credentials. 503
@@ -437,6 +438,23 @@ class AdminApi:
         finally:
             await flow.close()
         return Response.json([_delivery_json(d) for d in got])
+
+
+def _redis_failure(req: Request, exc: RedisError) -> HttpError | None:
+    """What a request that Redis failed answers, told on one line: 504 when a message was
+    sent and the answer lost (it may be stored: a retry may store it twice), 503 while
+    Redis does not answer or refuses for now (RFC 9110 §15.6.4: a state that passes, as
+    the health probe says); None for any other failure."""
+    if isinstance(exc, InDoubt):
+        status, reason = 504, str(exc)
+    elif isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
+        status, reason = 503, f"Redis does not answer: {str(exc) or type(exc).__name__}"
+    elif refused_for_now(exc):
+        status, reason = 503, f"Redis refuses for now: {exc}"
+    else:
+        return None
+    log.warning("admin request %s /%s: %s", req.method, "/".join(req.path), reason)
+    return HttpError(status, reason)
 
 
 def _visible(config: QueueConfig, user: str | None) -> bool:

@@ -103,10 +103,7 @@ class NodeLiveness:
         pipe.fcall("gw_node_up", 0, self.node_id, self.ttl_ms)  # it runs while Redis is full
         pipe.fcall("gw_reap", 0)
         sent = time.monotonic()
-        replies = await pipe.execute(raise_on_error=False)
-        for reply in replies:  # Redis's own error: redis-py 6.4 garbles the one it raises
-            if isinstance(reply, Exception):
-                raise reply
+        replies = await library.replies(pipe)
         self.last_beat = sent
         released = replies[1]
         if released:

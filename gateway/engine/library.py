@@ -20,6 +20,17 @@ MIN_REDIS = (7, 0)
 LIBRARY = "gw"  # the name in functions.lua's shebang line
 
 
+async def replies(pipe: Any) -> list[Any]:
+    """A pipeline's replies; the first error Redis answered is raised as Redis gave it:
+    redis-py 6.4 replaces the text of the one it raises by an unformatted template, so
+    a refusal for now (BUSY, MISCONF) could no longer be told from a fault."""
+    found = await pipe.execute(raise_on_error=False)
+    for reply in found:
+        if isinstance(reply, Exception):
+            raise reply
+    return found
+
+
 class RedisUnsuitable(RuntimeError):
     """This Redis cannot keep the gateway's messages safely; the message says why."""
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from gateway.engine import keys
+from gateway.engine import keys, library
 from gateway.engine.partitions import PartitionMap
 from gateway.engine.permissions import CONSUME, DELETE, LEVELS, MODIFY_TOPIC, NO_ACCESS, allowed
 from gateway.engine.spool_usage import DEFAULT_VPN, vpn_name_error
@@ -700,7 +700,7 @@ class QueueStore:
             pipe = self._redis.pipeline(transaction=False)
             self._ask_info(pipe, name)
             try:
-                found = await self._info_from(name, await pipe.execute())
+                found = await self._info_from(name, await library.replies(pipe))
             except _PartitionsChanged:
                 continue
             if found is not None:
@@ -716,7 +716,7 @@ class QueueStore:
             pipe.hmget(keys.queue_config(name), "access", "owner", "permission", _HIDDEN)
         found = []
         for name, (access, owner, permission, hidden) in zip(
-            names, await pipe.execute(), strict=True
+            names, await library.replies(pipe), strict=True
         ):
             if access is not None and hidden is None:
                 # the permission as from_redis reads it, then as a config made without one
@@ -733,7 +733,7 @@ class QueueStore:
             pipe = self._redis.pipeline(transaction=False)
             for name in batch:
                 self._ask_info(pipe, name)
-            replies = await pipe.execute()
+            replies = await library.replies(pipe)
             for i, name in enumerate(batch):
                 try:
                     found = await self._info_from(name, replies[i * 5 : i * 5 + 5])
@@ -789,7 +789,7 @@ class QueueStore:
         pipe.fcall("gw_partitions", 0, name)
         for index in range(count):
             pipe.hgetall(keys.queue_stats(keys.partition_queue(name, index)))
-        reply, *stats = await pipe.execute()
+        reply, *stats = await library.replies(pipe)
         pmap = PartitionMap.from_reply(reply)
         if len(pmap.owners) != count:
             raise _PartitionsChanged
@@ -816,7 +816,7 @@ class QueueStore:
         pipe = self._redis.pipeline(transaction=False)
         for queue in queues:
             pipe.hgetall(keys.queue_stats(queue))
-        for raw in await pipe.execute():
+        for raw in await library.replies(pipe):
             for k, v in raw.items():
                 totals[k.decode()] = totals.get(k.decode(), 0) + int(v)
 
