@@ -353,3 +353,18 @@ async def test_an_admin_read_while_redis_runs_a_long_script_is_a_503(
     for reply in replies:
         assert reply.status == 503 and "BUSY" in reply.error, reply
     assert not [r for r in caplog.records if r.exc_info is not None]
+
+
+async def test_admin_reads_go_on_while_redis_refuses_writes(
+    admin: Admin, broker: Broker, read_only: ReadOnly
+) -> None:
+    """A replica runs the functions that only read (flagged no-writes): a partitioned
+    queue's page, the list holding one, /metrics and the spool report answered 503,
+    though a plain queue's page was 200."""
+    await broker.queues.create(QueueConfig(name="plain"))
+    await broker.queues.create(QueueConfig(name="part", partition_count=2))
+    await read_only(True)
+    for path in ("/api/v1/queues/part", "/api/v1/queues", "/metrics", "/api/v1/spool"):
+        reply = await admin.get(path)
+        assert reply.status == 200, (path, reply)
+    assert [row["name"] for row in (await admin.get("/api/v1/queues")).body] == ["part", "plain"]

@@ -9,8 +9,12 @@
 -- without it: its publishers are refused (NACKed). Every other function frees memory or
 -- writes a few bytes of bookkeeping and must go on running, so consumers can drain a full
 -- Redis, nodes keep their heartbeats and operators can still change queues and quotas.
-local function register_always(name, fn)
-  redis.register_function { function_name = name, callback = fn, flags = { 'allow-oom' } }
+-- One that only reads is also flagged 'no-writes' (`reads_only`): it runs while Redis refuses
+-- writes for now (a replica during a failover, a failing disk), so the admin API and the
+-- metrics still report.
+local function register_always(name, fn, reads_only)
+  local flags = reads_only and { 'no-writes', 'allow-oom' } or { 'allow-oom' }
+  redis.register_function { function_name = name, callback = fn, flags = flags }
 end
 
 local OK, NO_SUBSCRIBERS, NOT_FOUND, INGRESS_DISABLED = 0, 1, 2, 3
@@ -2611,7 +2615,7 @@ register_always('gw_spool_report', function()
     redis.call('HGETALL', K_SPOOL_USAGE), redis.call('HGETALL', K_SPOOL_LIMITS),
     alarms, counts, queues,
   }
-end)
+end, 'no-writes')
 
 -- Claims are numbers from the node-wide counter, so they are ordered.
 -- KEYS: a client's claims hash. ARGV: node, client id (hex), the user the connection acts
@@ -2920,11 +2924,9 @@ register_always('gw_client_mark', function(k, a)
 end)
 
 -- ARGV: node. 1 while it is not presumed dead (node_alive): a handover waits for it.
-redis.register_function {
-  function_name = 'gw_node_alive',
-  callback = function(_, a) return node_alive(a[1]) and 1 or 0 end,
-  flags = { 'no-writes', 'allow-oom' },
-}
+register_always('gw_node_alive', function(_, a)
+  return node_alive(a[1]) and 1 or 0
+end, 'no-writes')
 
 -- ARGV: node. A clean shutdown: same clean-up as for a dead node.
 register_always('gw_node_down', function(_, a)
@@ -3352,7 +3354,7 @@ register_always('gw_partitions', function(_, a)
     out[#out + 1] = flow
   end
   return out
-end)
+end, 'no-writes')
 
 -- ARGV: queue. Deletes the queue, its messages and its topic subscriptions.
 register_always('gw_queue_delete', function(_, a)
