@@ -35,6 +35,7 @@ from protocols.mqtt.session import MAX_WAITING, Session
 from tests.test_engine import retained_matching, wait_for
 from tests.test_mqtt_paho import V5, V311, WAIT, Client
 from tests.test_mqtt_protocol import Raw
+from tests.test_mqtt_subscribe import publishes
 
 
 @pytest.mark.parametrize("version", [V311, V5], ids=["v311", "v5"])
@@ -482,20 +483,6 @@ async def test_live_messages_at_the_gate_of_a_client_not_reading_are_bounded(
         raw.close()
 
 
-async def publishes_until_quiet(raw: Raw, quiet: float = 2.0) -> list[Publish]:
-    """Every PUBLISH until `quiet` seconds pass without one; each QoS 1 one acked."""
-    got: list[Publish] = []
-    while True:
-        try:
-            packet = await raw.recv(quiet)
-        except TimeoutError:
-            return got
-        if isinstance(packet, Publish):
-            got.append(packet)
-            if packet.qos == 1:
-                await raw.send(Puback(packet.packet_id))
-
-
 @pytest.mark.parametrize("how", ["takeover", "reset"])
 async def test_qos1_retained_messages_not_yet_sent_wait_for_the_next_connection(
     broker: Broker, mqtt: Listener, how: str
@@ -524,7 +511,7 @@ async def test_qos1_retained_messages_not_yet_sent_wait_for_the_next_connection(
         await new.send(connect)
         ack = await new.recv()
         assert isinstance(ack, Connack) and ack.session_present
-        got = {p.topic for p in await publishes_until_quiet(new)}
+        got = {p.topic for p in await publishes(new, 2.0)}
         assert sorted(got) == topics
     finally:
         new.close()
@@ -583,7 +570,7 @@ async def test_the_gate_drops_a_message_a_newer_one_of_its_topic_follows(
         for i in range(MAX_WAITING):
             await broker.publish(Message(destination="slow/live", payload=b"%d" % i))
         last: dict[str, bytes] = {}
-        for packet in await publishes_until_quiet(raw):
+        for packet in await publishes(raw, 2.0):
             last[packet.topic] = packet.payload
         assert last["slow/00100"] == b"new"
         assert last["slow/live"] == b"%d" % (MAX_WAITING - 1)

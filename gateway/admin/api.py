@@ -167,7 +167,7 @@ class AdminApi:
             reason = f"Redis does not answer within {HEALTH_TIMEOUT_S:g} s"
             return Response.json({"status": "unavailable", "node": node, "reason": reason}, 503)
         except (RedisError, OSError) as exc:
-            reason = f"Redis does not answer: {str(exc) or type(exc).__name__}"
+            reason = _unanswered(exc)
             return Response.json({"status": "unavailable", "node": node, "reason": reason}, 503)
         if not self.broker.liveness.presumed_alive():
             reason = "the node's heartbeat lapsed: other nodes presume it dead"
@@ -448,13 +448,18 @@ def _redis_failure(req: Request, exc: RedisError) -> HttpError | None:
     if isinstance(exc, InDoubt):
         status, reason = 504, str(exc)
     elif isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
-        status, reason = 503, f"Redis does not answer: {str(exc) or type(exc).__name__}"
+        status, reason = 503, _unanswered(exc)
     elif refused_for_now(exc):
         status, reason = 503, f"Redis refuses for now: {exc}"
     else:
         return None
     log.warning("admin request %s /%s: %s", req.method, "/".join(req.path), reason)
     return HttpError(status, reason)
+
+
+def _unanswered(exc: BaseException) -> str:
+    """Why Redis does not answer, as the health probe and any request tell it."""
+    return f"Redis does not answer: {str(exc) or type(exc).__name__}"
 
 
 def _visible(config: QueueConfig, user: str | None) -> bool:
